@@ -1,0 +1,48 @@
+"""Ray actors for the DeepSpeed learner: one per rank, joined into one gloo/NCCL process group."""
+from __future__ import annotations
+
+import os
+
+import ray
+
+from actors.common import apply_threads
+from actors.weights import ObjectStoreTransport, WeightUpdate
+from learner.batch import TrainBatch
+
+
+@ray.remote
+class LearnerActor:
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, learner_kwargs: dict,
+                 threads: int, extensions_dir: str):
+        apply_threads(threads)
+        os.environ.update(
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            # DeepSpeed JIT-builds ops into this cache, which the project controls (not ~/.cache).
+            TORCH_EXTENSIONS_DIR=extensions_dir,
+        )
+        from learner.engine import Learner
+
+        self.rank = rank
+        self.learner = Learner(world_size=world_size, **learner_kwargs)
+
+    def train_step(self, shard: TrainBatch) -> dict:
+        return self.learner.train_step(shard)
+
+    def publish_weights(self, bucket_bytes: int) -> WeightUpdate | None:
+        """Every rank iterates (ZeRO-3 gathers are collectives); rank 0 publishes."""
+        weights = self.learner.named_weights()
+        if self.rank == 0:
+            return ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
+        for _ in weights:
+            pass
+        return None
+
+    def save(self, out_dir: str) -> None:
+        self.learner.save(out_dir, rank=self.rank)
+
+    def load(self, ckpt_dir: str, version: int) -> None:
+        self.learner.load(ckpt_dir, version)
+
+    def version(self) -> int:
+        return self.learner.version

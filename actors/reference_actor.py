@@ -1,0 +1,18 @@
+"""Ray actor hosting the frozen reference scorer."""
+from __future__ import annotations
+
+import ray
+import torch
+
+from actors.common import apply_threads
+from rollout.reference import ReferenceScorer
+
+
+@ray.remote
+class ReferenceActor:
+    def __init__(self, model_path: str, precision: str, group_size_quant: int, threads: int):
+        apply_threads(threads)
+        self.scorer = ReferenceScorer(model_path, precision, group_size_quant)
+
+    def score(self, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
+        return self.scorer.score(input_ids, temperature)

@@ -1,0 +1,34 @@
+"""Ray actor hosting one generator (any backend) behind the generator protocol."""
+from __future__ import annotations
+
+import time
+
+import ray
+
+from actors.common import apply_threads
+from actors.weights import ObjectStoreTransport, WeightUpdate
+from rollout.generator import make_generator
+from rollout.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(self, backend: str, generator_kwargs: dict, threads: int):
+        apply_threads(threads)
+        self.gen = make_generator(backend, **generator_kwargs)
+
+    def generate(self, items: list[PromptItem], sampling: SamplingParams) -> tuple[list[GroupRollout], GenerationStats]:
+        t0 = time.perf_counter()
+        groups = self.gen.generate(items, sampling)
+        n = sum(len(c.token_ids) for g in groups for c in g.completions)
+        return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version)
+
+    def load_weights(self, update: WeightUpdate) -> dict:
+        t0 = time.perf_counter()
+        self.gen.load_weights(update.version, ObjectStoreTransport.receive(update))
+        return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
+                "seconds": time.perf_counter() - t0}
+
+    def info(self) -> dict:
+        return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
+                "precision": self.gen.precision, "memory_bytes": self.gen.memory_bytes()}

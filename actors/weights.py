@@ -1,0 +1,110 @@
+"""Versioned weight stream, carried in buckets. The format is (name, tensor) pairs; the carrier is pluggable.
+
+`ObjectStoreTransport` puts each bucket once into Ray's object store (shared memory on one node, pulled once per node
+across nodes); every rollout actor reads the same buckets. An NCCL broadcast carrier for CUDA clusters implements the
+same publish/receive pair.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+
+
+class WeightSyncTimeout(TimeoutError):
+    pass
+
+
+@dataclass
+class Bucket:
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    offsets: list[int]  # byte offset of each tensor in `data`
+    data: np.ndarray  # [nbytes] uint8, tensors back to back
+
+
+@dataclass
+class WeightUpdate:
+    """What travels to every rollout actor for one sync: the version and handles to its buckets."""
+
+    version: int
+    buckets: list = field(default_factory=list)  # carrier-specific handles (ray ObjectRefs here)
+    num_tensors: int = 0
+    nbytes: int = 0
+
+
+def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:
+    """Group tensors into flat byte buffers of about `bucket_bytes` (a tensor larger than that gets its own)."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def flush() -> Bucket:
+        offsets, off = [], 0
+        for _, t in pending:
+            offsets.append(off)
+            off += t.numel() * t.element_size()
+        data = torch.empty(off, dtype=torch.uint8)
+        for (_, t), o in zip(pending, offsets):
+            n = t.numel() * t.element_size()
+            data[o:o + n] = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        return Bucket([n for n, _ in pending], [tuple(t.shape) for _, t in pending],
+                      [str(t.dtype).removeprefix("torch.") for _, t in pending], offsets, data.numpy())
+
+    for name, t in named_tensors:
+        n = t.numel() * t.element_size()
+        if pending and size + n > bucket_bytes:
+            yield flush()
+            pending, size = [], 0
+        pending.append((name, t.cpu()))
+        size += n
+    if pending:
+        yield flush()
+
+
+def unpack_bucket(b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
+    with warnings.catch_warnings():  # object-store buffers are read-only; receivers copy out of them
+        warnings.simplefilter("ignore", UserWarning)
+        raw = torch.from_numpy(b.data)
+    for name, shape, dtype, off in zip(b.names, b.shapes, b.dtypes, b.offsets):
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dt).element_size()
+        yield name, raw[off:off + n].view(dt).reshape(shape)
+
+
+class ObjectStoreTransport:
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdate:
+        import ray
+
+        update = WeightUpdate(version=version)
+        for b in pack_buckets(named_tensors, self.bucket_bytes):
+            update.buckets.append(ray.put(b))
+            update.num_tensors += len(b.names)
+            update.nbytes += b.data.nbytes
+        return update
+
+    @staticmethod
+    def receive(update: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
+        import ray
+
+        for ref in update.buckets:
+            yield from unpack_bucket(ray.get(ref))
+
+
+def wait_all(futures: list, timeout_s: float, what: str) -> list:
+    """ray.get with a deadline that raises a clear error instead of hanging."""
+    import ray
+
+    ready, pending = ray.wait(futures, num_returns=len(futures), timeout=timeout_s)
+    if pending:
+        raise WeightSyncTimeout(
+            f"{what}: {len(pending)} of {len(futures)} actors did not finish within {timeout_s:.0f} s "
+            "(raise sync.timeout_s if the model is large)"
+        )
+    return ray.get(futures)

@@ -1,0 +1,342 @@
+"""Typed run configuration: TOML presets + `--set section.key=value` overrides, every error reported at once.
+
+Each field is documented where it is defined. Validation never changes a value: a bad value is an error that names
+the field, the rule and the fix. Sizes are named so that global algorithm sizes (`prompts_per_step`, `group_size`)
+cannot be confused with per-rank ones (`micro_batch_per_rank`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_type_hints
+
+PRECISIONS = ("bf16", "int8", "int4", "nf4")
+BACKENDS = ("torch",)  # vllm and mlx plug in through rollout.generator.BACKENDS
+BUILTIN_MODEL_PREFIX = "builtin:"
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # run directory name under output_dir (a timestamp is appended)
+    output_dir: str = "runs"  # where run directories go
+    seed: int = 0  # seeds prompts, sampling, and model init of builtin models
+    steps: int = 100  # learner steps (one optimizer update per step unless learner.updates_per_batch > 1)
+    save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    keep_last: int = 2  # checkpoints kept on disk
+    log_every: int = 1  # metrics.jsonl line every N steps
+    progress: bool = True  # terminal progress bar
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # local HF folder, or "builtin:NAME" (builtin:tiny-digits is built offline on first use)
+    cache_dir: str = ""  # where builtin models are materialised ("" = $QGRPO_CACHE or ~/.cache/qgrpo)
+
+
+@dataclass
+class TaskConfig:
+    name: str = "digit_sum"  # built-in procedural task (see rollout/tasks.py)
+    max_operand: int = 9  # digit_sum: operands are drawn from 0..max_operand
+    num_operands: int = 2  # digit_sum: how many numbers are added
+
+
+@dataclass
+class RewardSpec:
+    name: str = "correct"  # a reward function from rollout/rewards.py
+    weight: float = 1.0
+
+
+@dataclass
+class RewardsConfig:
+    functions: list[RewardSpec] = field(default_factory=lambda: [RewardSpec()])
+    on_error: str = "fail"  # "fail": stop with the prompt id; "zero": score 0, count it in metrics
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "torch"  # generator backend
+    precision: str = "int4"  # bf16 | int8 | int4 | nf4 (weights of the generators' linear layers)
+    group_size_quant: int = 64  # int4 quantization group along in_features
+    num_actors: int = 1  # rollout actors; prompts of a step are spread over them, whole groups per actor
+    num_cpus: float = 1.0  # Ray CPU resource per rollout actor
+    threads: int = 0  # torch threads per rollout actor (0 = cores / num_actors)
+    prompts_per_step: int = 16  # prompts sampled per learner step (global)
+    group_size: int = 8  # completions per prompt (G)
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+
+
+@dataclass
+class ReferenceConfig:
+    precision: str = "bf16"  # the frozen reference may be quantized like the generators (original MLX design)
+    num_cpus: float = 0.0
+    threads: int = 0  # 0 = all cores (it runs while the generators are idle)
+
+
+@dataclass
+class AlgoConfig:
+    advantage_scale: str = "std"  # "std" (GRPO) or "none" (Dr. GRPO)
+    clip_low: float = 0.2  # eps_low of the clipped surrogate
+    clip_high: float = 0.2  # eps_high (DAPO's clip-higher uses 0.28)
+    kl_coeff: float = 0.0  # weight of the KL-to-reference term; 0 disables the reference actor
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    loss_agg: str = "token_mean"  # token_mean (DAPO) | seq_mean (GRPO) | constant (Dr. GRPO)
+    is_mode: str = "truncate"  # truncate (TIS) | mask | none: correction for the quantized sampler mu != pi_old
+    is_cap: float = 2.0  # C in min(pi_old/mu, C)
+    update_every: int = 1  # generators get new weights every N learner steps (1 = on-policy up to quantization)
+    updates_per_batch: int = 1  # optimizer updates on each batch (>1 makes the clip matter)
+
+
+@dataclass
+class LearnerConfig:
+    world_size: int = 1  # DeepSpeed ranks, one Ray actor each
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    warmup_steps: int = 0  # linear warm-up of the learning rate
+    grad_clip: float = 1.0  # max global grad norm (0 = off)
+    micro_batch_per_rank: int = 64  # sequences per forward/backward on one rank; gradients accumulate over the rest
+    num_cpus: float = 1.0
+    threads: int = 0  # 0 = all cores
+
+
+@dataclass
+class SyncConfig:
+    timeout_s: float = 120.0  # a weight sync that takes longer raises
+    bucket_mb: float = 64.0  # weights travel in buckets of about this size (one object per bucket)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+class ConfigError(ValueError):
+    """All problems of a config, one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid config ({len(problems)} problem{'s' * (len(problems) != 1)}):\n{lines}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Building a Config from nested dicts, collecting type errors instead of stopping at the first
+
+
+def _type_name(tp) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp in (int, float, str, bool):
+        if isinstance(value, bool) and tp is not bool:
+            problems.append(f"{where}: expected {_type_name(tp)}, got {value!r}")
+            return None
+        if not isinstance(value, tp):
+            problems.append(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+            return None
+        return value
+    if tp == list[RewardSpec]:
+        if not isinstance(value, list):
+            problems.append(f"{where}: expected a list of {{name, weight}} tables, got {value!r}")
+            return None
+        return [_build(RewardSpec, v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    raise TypeError(f"no coercion for {tp}")  # a schema bug, not a user error
+
+
+def _build(cls, data: Any, where: str, problems: list[str]):
+    if not isinstance(data, dict):
+        problems.append(f"{where}: expected a table, got {data!r}")
+        return cls()
+    hints = get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in known:
+            scope = f"keys of [{where}]" if where else "sections"
+            problems.append(f"{where}.{key}: unknown key; known {scope} are: {', '.join(sorted(known))}")
+    obj = cls()
+    for name in known:
+        if name not in data:
+            continue
+        tp = hints[name]
+        sub = f"{where}.{name}" if where else name
+        if dataclasses.is_dataclass(tp):
+            setattr(obj, name, _build(tp, data[name], sub, problems))
+        else:
+            value = _coerce(data[name], tp, sub, problems)
+            if value is not None:
+                setattr(obj, name, value)
+    return obj
+
+
+def _set_path(data: dict, dotted: str, raw: str, problems: list[str]) -> None:
+    parts = dotted.split(".")
+    if len(parts) != 2 or not all(parts):
+        problems.append(f"--set {dotted}={raw}: expected section.key=value, e.g. --set learner.lr=1e-5")
+        return
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # bare words are strings: --set rollout.precision=int8
+    section = data.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        problems.append(f"--set {dotted}: [{parts[0]}] is not a table")
+        return
+    section[parts[1]] = value
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read a TOML preset, apply `section.key=value` overrides, build and validate. Raises ConfigError."""
+    problems: list[str] = []
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError([f"config file {str(p)!r} does not exist; presets are in configs/, e.g. configs/tiny.toml"])
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError([f"{p}: not valid TOML ({e})"]) from None
+    for item in overrides:
+        if "=" not in item:
+            problems.append(f"--set {item}: expected section.key=value")
+            continue
+        key, raw = item.split("=", 1)
+        _set_path(data, key.strip(), raw.strip(), problems)
+    cfg = _build(Config, data, "", problems)
+    # _build names top-level keys with a leading dot; strip it for readability
+    problems = [p[1:] if p.startswith(".") else p for p in problems]
+    problems += validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def config_from_dict(data: dict[str, Any]) -> Config:
+    problems: list[str] = []
+    cfg = _build(Config, data, "", problems)
+    problems = [p[1:] if p.startswith(".") else p for p in problems] + validate(cfg)
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Value rules: each returns "field: rule; fix"
+
+
+def validate(cfg: Config) -> list[str]:
+    from rollout.rewards import REWARD_FUNCTIONS
+    from rollout.tasks import TASKS
+
+    p: list[str] = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            p.append(msg)
+
+    r, m, ro, a, le = cfg.run, cfg.model, cfg.rollout, cfg.algo, cfg.learner
+    need(r.steps >= 1, f"run.steps: must be >= 1, got {r.steps}; set e.g. run.steps=100")
+    need(r.save_every >= 0, f"run.save_every: must be >= 0 (0 = only at the end), got {r.save_every}")
+    need(r.keep_last >= 1, f"run.keep_last: must be >= 1, got {r.keep_last}")
+    need(r.log_every >= 1, f"run.log_every: must be >= 1, got {r.log_every}")
+    need(bool(r.name) and "/" not in r.name, f"run.name: must be non-empty without '/', got {r.name!r}")
+
+    if not m.path:
+        p.append("model.path: missing; set a local HF model folder or builtin:tiny-digits")
+    elif m.path.startswith(BUILTIN_MODEL_PREFIX):
+        from rollout.models import BUILTIN_MODELS
+
+        name = m.path[len(BUILTIN_MODEL_PREFIX):]
+        need(name in BUILTIN_MODELS,
+             f"model.path: unknown builtin model {name!r}; choose one of {', '.join(sorted(BUILTIN_MODELS))}")
+    elif not Path(m.path).expanduser().is_dir():
+        p.append(f"model.path: folder {m.path!r} does not exist; give a local HF model folder "
+                 "(config.json + safetensors + tokenizer) or builtin:tiny-digits")
+    elif not (Path(m.path).expanduser() / "config.json").is_file():
+        p.append(f"model.path: {m.path!r} has no config.json; it must be a HF model folder")
+
+    need(cfg.task.name in TASKS, f"task.name: unknown task {cfg.task.name!r}; choose one of {', '.join(sorted(TASKS))}")
+    need(0 <= cfg.task.max_operand <= 9_999, f"task.max_operand: must be in 0..9999, got {cfg.task.max_operand}")
+    need(1 <= cfg.task.num_operands <= 8, f"task.num_operands: must be in 1..8, got {cfg.task.num_operands}")
+
+    rw = cfg.rewards
+    need(len(rw.functions) >= 1, "rewards.functions: at least one reward function is needed, e.g. [{name='correct', weight=1.0}]")
+    for i, spec in enumerate(rw.functions):
+        need(spec.name in REWARD_FUNCTIONS,
+             f"rewards.functions[{i}].name: unknown reward {spec.name!r}; choose one of {', '.join(sorted(REWARD_FUNCTIONS))}")
+        need(spec.weight == spec.weight and abs(spec.weight) < 1e6,
+             f"rewards.functions[{i}].weight: must be a finite number, got {spec.weight}")
+    need(rw.on_error in ("fail", "zero"), f"rewards.on_error: must be 'fail' or 'zero', got {rw.on_error!r}")
+
+    need(ro.backend in BACKENDS, f"rollout.backend: unknown backend {ro.backend!r}; available here: {', '.join(BACKENDS)}")
+    need(ro.precision in PRECISIONS, f"rollout.precision: unknown precision {ro.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    need(ro.group_size_quant in (32, 64, 128), f"rollout.group_size_quant: must be 32, 64 or 128, got {ro.group_size_quant}")
+    need(ro.num_actors >= 1, f"rollout.num_actors: must be >= 1, got {ro.num_actors}")
+    need(ro.num_cpus >= 0, f"rollout.num_cpus: must be >= 0, got {ro.num_cpus}")
+    need(ro.threads >= 0, f"rollout.threads: must be >= 0 (0 = automatic), got {ro.threads}")
+    need(ro.prompts_per_step >= 1, f"rollout.prompts_per_step: must be >= 1, got {ro.prompts_per_step}")
+    need(ro.group_size >= 2, f"rollout.group_size: must be >= 2 (advantages compare completions within a group), got {ro.group_size}")
+    need(ro.max_new_tokens >= 1, f"rollout.max_new_tokens: must be >= 1, got {ro.max_new_tokens}")
+    need(ro.temperature > 0, f"rollout.temperature: must be > 0 (sampling; greedy gives a group no variance), got {ro.temperature}")
+    need(0 < ro.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {ro.top_p}")
+    need(ro.top_k >= 0, f"rollout.top_k: must be >= 0 (0 = off), got {ro.top_k}")
+
+    need(cfg.reference.precision in PRECISIONS,
+         f"reference.precision: unknown precision {cfg.reference.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    need(cfg.reference.num_cpus >= 0, f"reference.num_cpus: must be >= 0, got {cfg.reference.num_cpus}")
+    need(cfg.reference.threads >= 0, f"reference.threads: must be >= 0, got {cfg.reference.threads}")
+
+    need(a.advantage_scale in ("std", "none"), f"algo.advantage_scale: must be 'std' or 'none', got {a.advantage_scale!r}")
+    need(0 <= a.clip_low < 1, f"algo.clip_low: must be in [0, 1), got {a.clip_low}")
+    need(a.clip_high >= 0, f"algo.clip_high: must be >= 0, got {a.clip_high}")
+    need(a.clip_low <= a.clip_high,
+         f"algo.clip_low: must be <= algo.clip_high (clip-higher widens the upper side), got {a.clip_low} > {a.clip_high}")
+    need(a.kl_coeff >= 0, f"algo.kl_coeff: must be >= 0, got {a.kl_coeff}")
+    need(a.kl_estimator in ("k1", "k2", "k3"), f"algo.kl_estimator: must be k1, k2 or k3, got {a.kl_estimator!r}")
+    need(a.loss_agg in ("token_mean", "seq_mean", "constant"),
+         f"algo.loss_agg: must be token_mean, seq_mean or constant, got {a.loss_agg!r}")
+    need(a.is_mode in ("truncate", "mask", "none"), f"algo.is_mode: must be truncate, mask or none, got {a.is_mode!r}")
+    need(a.is_cap > 1, f"algo.is_cap: must be > 1 (C in min(pi_old/mu, C)), got {a.is_cap}")
+    need(a.update_every >= 1, f"algo.update_every: must be >= 1 (1 = sync after every step), got {a.update_every}")
+    need(a.updates_per_batch >= 1, f"algo.updates_per_batch: must be >= 1, got {a.updates_per_batch}")
+
+    need(le.world_size >= 1, f"learner.world_size: must be >= 1, got {le.world_size}")
+    need(le.zero_stage in (0, 1, 2, 3), f"learner.zero_stage: must be 0, 1, 2 or 3, got {le.zero_stage}")
+    need(0 < le.lr < 1, f"learner.lr: must be in (0, 1), got {le.lr}; typical values are 1e-6 .. 1e-3")
+    need(le.weight_decay >= 0, f"learner.weight_decay: must be >= 0, got {le.weight_decay}")
+    need(0 <= le.beta1 < 1 and 0 <= le.beta2 < 1, f"learner.beta1/beta2: must be in [0, 1), got {le.beta1}, {le.beta2}")
+    need(le.warmup_steps >= 0, f"learner.warmup_steps: must be >= 0, got {le.warmup_steps}")
+    need(le.grad_clip >= 0, f"learner.grad_clip: must be >= 0 (0 = off), got {le.grad_clip}")
+    need(le.micro_batch_per_rank >= 1, f"learner.micro_batch_per_rank: must be >= 1, got {le.micro_batch_per_rank}")
+    need(le.num_cpus >= 0, f"learner.num_cpus: must be >= 0, got {le.num_cpus}")
+    need(le.threads >= 0, f"learner.threads: must be >= 0, got {le.threads}")
+    batch = ro.prompts_per_step * ro.group_size
+    need(batch >= le.world_size,
+         f"learner.world_size: {le.world_size} ranks but only {batch} sequences per step "
+         "(rollout.prompts_per_step * rollout.group_size); lower world_size or raise prompts_per_step")
+
+    need(cfg.sync.timeout_s > 0, f"sync.timeout_s: must be > 0, got {cfg.sync.timeout_s}")
+    need(cfg.sync.bucket_mb > 0, f"sync.bucket_mb: must be > 0, got {cfg.sync.bucket_mb}")
+    return p

@@ -1,0 +1,126 @@
+"""The GRPO driver loop: sample -> generate -> score -> advantages -> reference -> learn -> sync -> log/checkpoint.
+
+Departures from the GRPO paper, on purpose: rollouts come from quantized generators (mu), so every token's
+policy-gradient term is weighted by min(pi_old/mu, C) (FlashRL's truncated importance sampling) and the mismatch
+between mu and pi_old is logged each step; log-probs everywhere are those of softmax(logits / temperature).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from cluster.checkpoint import check_same_model, read_state, save_checkpoint
+from cluster.config import Config
+from cluster.runlog import RunLog
+from learner.batch import build_train_batch
+from learner.loss import finalize_stats, merge_stats
+from rollout.advantages import group_advantages
+from rollout.records import GroupRollout, SamplingParams
+from rollout.rewards import WeightedRewards
+from rollout.tasks import PromptSampler, make_task
+
+PAD_ID = 0  # right padding is never attended to (causal attention), so any valid id will do
+
+
+def score_groups(groups: list[GroupRollout], rewards: WeightedRewards, scale: str) -> dict[str, float]:
+    """Fill rewards and group-normalised advantages in place; return reward metrics."""
+    parts: dict[str, list[float]] = {}
+    for g in groups:
+        g.rewards = []
+        for c in g.completions:
+            total, per_fn = rewards.score(c.text, g.item.reference, g.item.prompt_id)
+            g.rewards.append(total)
+            for k, v in per_fn.items():
+                parts.setdefault(k, []).append(v)
+    adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32), scale=scale)
+    for g, a in zip(groups, adv.tolist()):
+        g.advantages = a
+    flat = [r for g in groups for r in g.rewards]
+    mixed = sum(1 for g in groups if max(g.rewards) > min(g.rewards))
+    return {
+        "reward/mean": statistics.fmean(flat), "reward/std": statistics.pstdev(flat),
+        "reward/groups_with_signal": mixed / len(groups), "reward/errors": rewards.errors,
+        **{f"reward/{k}": statistics.fmean(v) for k, v in parts.items()},
+    }
+
+
+def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = None) -> dict:
+    """Run the job; returns the last step's metrics. `model_path` is the resolved initial model (the reference)."""
+    from cluster.workers import Workers
+
+    state = {"step": 0, "policy_version": 0, "cursor": 0}
+    policy_path = model_path
+    if resume is not None:
+        check_same_model(resume, model_path)
+        state = read_state(resume)
+        policy_path = str(resume)
+    ro, algo = cfg.rollout, cfg.algo
+
+    workers = Workers(cfg, policy_path, model_path, policy_version=state["policy_version"])
+    if resume is not None:
+        workers.load(str(resume), state["policy_version"])
+    sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=state["cursor"])
+    rewards = WeightedRewards.from_config(cfg.rewards)
+    log = RunLog(run_dir, cfg.run.steps, state["step"], cfg.run.progress)
+    info = workers.rollout_info()
+    log.write({"event": "start", "generators": info, "resumed_from": str(resume) if resume else None})
+
+    m: dict = {}
+    for step in range(state["step"], cfg.run.steps):
+        t0 = time.perf_counter()
+        items = sampler.next(ro.prompts_per_step)
+        sampling = SamplingParams(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
+                                  seed=cfg.run.seed * 1_000_003 + step)
+        groups, gen_stats = workers.generate(items, sampling)
+        t_gen = time.perf_counter()
+        m = score_groups(groups, rewards, algo.advantage_scale)
+        batch = build_train_batch(groups, PAD_ID, ro.max_new_tokens)
+        if workers.reference is not None:
+            batch = batch.with_ref(workers.reference_logprobs(batch))
+        t_ref = time.perf_counter()
+        results = workers.train(batch)
+        t_learn = time.perf_counter()
+        version = results[0]["policy_version"]
+        sync = workers.sync_weights() if (step + 1) % algo.update_every == 0 else None
+        t_sync = time.perf_counter()
+
+        stats: dict = {}
+        for r in results:
+            stats = merge_stats(stats, r["stats"])
+        loss_stats = finalize_stats(stats)
+        new_tokens = sum(s.new_tokens for s in gen_stats)
+        m.update({
+            "step": step + 1,
+            "policy_version": version,
+            "rollout/policy_versions": sorted({s.policy_version for s in gen_stats}),
+            "rollout/staleness": results[0]["staleness"],
+            "rollout/completion_len": new_tokens / len(batch),
+            "rollout/stop_frac": sum(c.finish_reason == "stop" for g in groups for c in g.completions) / len(batch),
+            "loss/total": sum(r["loss"] for r in results),
+            "loss/kl": loss_stats.pop("kl"),
+            "loss/grad_norm": results[0]["grad_norm"],
+            "loss/lr": results[0]["lr"],
+            **{(k if k.startswith("mismatch/") else f"loss/{k}"): v for k, v in loss_stats.items()},
+            "perf/gen_tokens_per_s": new_tokens / max(t_gen - t0, 1e-9),
+            "perf/learn_tokens_per_s": batch.total_tokens / max(t_learn - t_ref, 1e-9),
+            "time/generate": t_gen - t0, "time/reference": t_ref - t_gen, "time/learn": t_learn - t_ref,
+            "time/sync": t_sync - t_learn, "time/step": t_sync - t0,
+        })
+        if sync:
+            m["sync/bytes"], m["sync/seconds_load_max"] = sync["nbytes"], sync["load_seconds_max"]
+        if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
+            log.write(m)
+        log.progress(m)
+
+        last = step + 1 == cfg.run.steps
+        if last or (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0):
+            state = {"step": step + 1, "policy_version": version, "cursor": sampler.cursor,
+                     "model_path": model_path, "rollout_precision": ro.precision, "config": cfg.to_dict()}
+            path = save_checkpoint(run_dir, step + 1, workers.save, state, cfg.run.keep_last)
+            log.write({"event": "checkpoint", "step": step + 1, "path": str(path)})
+    log.close()
+    workers.shutdown()
+    return m

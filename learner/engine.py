@@ -1,0 +1,179 @@
+"""The BF16 policy under DeepSpeed: GRPO updates, weight export, checkpoints.
+
+A plain object: the Ray actor in actors/learner_actor.py sets the process-group environment and wraps it, and a
+unit test can build it in-process with world_size 1.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from learner.batch import TrainBatch
+from learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss, merge_stats
+from rollout.scoring import token_logprobs
+
+
+def _init_distributed(world_size: int) -> None:
+    import deepspeed
+
+    if world_size == 1:
+        # DeepSpeed JIT-compiles a shared-memory all-reduce op on CPU (~2 min here) that only helps several ranks on
+        # one host; with one rank skip it. (deepspeed.comm.torch the attribute is the torch module, hence sys.modules.)
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+
+
+class Learner:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        world_size: int = 1,
+        zero_stage: int = 0,
+        lr: float = 1e-6,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        grad_clip: float = 1.0,
+        warmup_steps: int = 0,
+        micro_batch_per_rank: int = 64,
+        sequences_per_rank: int = 64,
+        loss_cfg: GRPOLossConfig = GRPOLossConfig(),
+        loss_agg: str = "token_mean",
+        temperature: float = 1.0,
+        updates_per_batch: int = 1,
+        seed: int = 0,
+    ):
+        import deepspeed
+        from transformers import AutoModelForCausalLM
+
+        _init_distributed(world_size)
+        torch.manual_seed(seed)
+        self.world_size = world_size
+        self.zero_stage = zero_stage
+        self.micro_batch = micro_batch_per_rank
+        self.loss_cfg = loss_cfg
+        self.loss_agg = loss_agg
+        self.temperature = temperature
+        self.updates_per_batch = updates_per_batch
+        self.model_path = model_path
+        self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
+
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+        model.config.use_cache = False
+        # Every micro-batch is one DeepSpeed micro-step; the optimizer steps at the accumulation boundary.
+        self.grad_accum = math.ceil(sequences_per_rank / micro_batch_per_rank)
+        ds_config = {
+            "train_micro_batch_size_per_gpu": micro_batch_per_rank,
+            "gradient_accumulation_steps": self.grad_accum,
+            "train_batch_size": micro_batch_per_rank * self.grad_accum * world_size,
+            "bf16": {"enabled": True},  # bf16 weights and activations, fp32 master weights in the optimizer
+            "zero_optimization": {"stage": zero_stage},
+            "gradient_clipping": grad_clip,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        # A torch AdamW: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        warm = max(warmup_steps, 0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+        )
+
+    # ---------------------------------------------------------------- training
+
+    def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
+        n = len(batch)
+        return [batch.select(slice(i, i + self.micro_batch)) for i in range(0, n, self.micro_batch)]
+
+    def train_step(self, batch: TrainBatch) -> dict:
+        """One batch (this rank's shard) -> `updates_per_batch` optimizer updates. Returns summed statistics (to be
+        added across ranks by the caller, then turned into means by learner.loss.finalize_stats) and scalars."""
+        self.engine.train()
+        version_before = self.version
+        micro = self._micro_batches(batch)
+        t0 = time.perf_counter()
+        old: list[torch.Tensor] | None = None
+        if self.updates_per_batch > 1:
+            # pi_old = the BF16 policy as the batch arrives, before any update on it.
+            with torch.no_grad():
+                old = [token_logprobs(self.engine, mb.input_ids, self.temperature) for mb in micro]
+        stats_acc: dict = {}
+        loss_total, grad_norms = 0.0, []
+        for update in range(self.updates_per_batch):
+            for i, mb in enumerate(micro):
+                logp = token_logprobs(self.engine, mb.input_ids, self.temperature)
+                # With one update per batch pi_theta == pi_old at this point, so pi_old needs no extra forward.
+                old_logp = logp.detach() if old is None else old[i]
+                weights = aggregation_weights(
+                    mb.completion_mask, self.loss_agg, num_sequences=batch.total_sequences,
+                    num_tokens=batch.total_tokens, max_len=batch.max_new_tokens,
+                )
+                loss, stats = grpo_loss(
+                    logp, old_logp, mb.mu_logp, mb.ref_logp, mb.advantages, mb.completion_mask, weights, self.loss_cfg
+                )
+                # Each rank's loss is its share of the global sum; DeepSpeed averages gradients over ranks, so scale
+                # back up. scale_wrt_gas=False: the weights already normalise over the whole batch.
+                self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                self.engine.step()
+                loss_total += float(loss)
+                if update == 0:  # statistics of the batch as it arrived
+                    stats_acc = merge_stats(stats_acc, stats)
+            gn = self.engine.get_global_grad_norm()
+            grad_norms.append(float(gn) if gn is not None else float("nan"))
+            self.version += 1
+        return {
+            "stats": {k: float(v) for k, v in stats_acc.items()},  # sums (and _max/_min) over tokens
+            "loss": loss_total / self.updates_per_batch,
+            "grad_norm": grad_norms[-1],
+            "lr": self.scheduler.get_last_lr()[0],
+            "policy_version": self.version,
+            "staleness": float((version_before - batch.policy_versions).float().mean()),
+            "learn_seconds": time.perf_counter() - t0,
+        }
+
+    # ---------------------------------------------------------------- weights and checkpoints
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, bf16 tensor) for every parameter, HF names. Under ZeRO-3 every rank must iterate (gathers are
+        collectives); tensors are full on every rank."""
+        import deepspeed
+
+        for name, p in self.engine.module.named_parameters():
+            if self.zero_stage == 3:
+                with deepspeed.zero.GatheredParameters([p]):
+                    yield name, p.data.detach().to(torch.bfloat16).clone()
+            else:
+                yield name, p.detach().to(torch.bfloat16)
+
+    def save(self, out_dir: str | Path, rank: int = 0) -> None:
+        """HF folder (model.safetensors + config + tokenizer) written by rank 0, and DeepSpeed's optimizer state
+        under optimizer/ (every rank writes its own shard)."""
+        out = Path(out_dir)
+        state = dict(self.named_weights())
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+            self.engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
+            _copy_tokenizer(self.model_path, out)
+        self.engine.save_checkpoint(str(out / "optimizer"), tag="state", save_latest=False)
+
+    def load(self, ckpt_dir: str | Path, version: int) -> None:
+        path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "optimizer"), tag="state")
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed optimizer state under {ckpt_dir}/optimizer")
+        self.version = version
+
+
+def _copy_tokenizer(src: str, dst: Path) -> None:
+    import shutil
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                 "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json"):
+        f = Path(src) / name
+        if f.is_file() and not (dst / name).exists():
+            shutil.copy2(f, dst / name)
