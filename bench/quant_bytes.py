@@ -2,9 +2,13 @@
 weights, nothing downloaded). Each precision quantizes a fresh deepcopy of the bf16 model, the way a rollout
 generator re-quantizes after a weight sync.
 
-    .venv/bin/python bench/quant_bytes.py   # prints a table, writes bench/results/quant_bytes.json
+    .venv/bin/python bench/quant_bytes.py [--threads N]   # prints a table, writes bench/results/quant_bytes.json
+
+Timings depend on torch's thread count; when other jobs share the cores, OpenMP spinning can make 2 threads far
+slower than 1, so the thread count is an option and is recorded.
 """
 
+import argparse
 import copy
 import json
 import platform
@@ -39,6 +43,15 @@ def timed(fn):
 
 
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import bitsandbytes  # noqa: F401  imported here so the one-time import cost (~2-3 s) isn't timed as quantize
+    import torchao.quantization  # noqa: F401
+
     base = smollm2_135m_shape()
     ids = torch.randint(0, base.config.vocab_size, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     prompts = ids[:GEN_PROMPTS, :16]
@@ -49,6 +62,7 @@ def main():
         model, t_quant = timed(lambda: quantize_model(copied, precision))
         with torch.no_grad():
             model(ids)  # warm-up
+            model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=2)
             t_fwd = statistics.median(timed(lambda: model(ids))[1] for _ in range(REPEATS))
             torch.manual_seed(0)
             _, t_gen = timed(lambda: model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
@@ -75,11 +89,11 @@ def main():
         print(f"{r['precision']:9} {r['linear_weight_bytes'] / 1e6:9.1f} {r['ratio_vs_bf16']:6.3f} "
               f"{r['ratio_vs_bf16_without_tied_lm_head']:6.3f} {r['deepcopy_s']:6.2f} {r['quantize_s']:7.2f} "
               f"{r[f'forward_{BATCH}x{SEQ}_s']:11.3f} {r[f'generate_{GEN_PROMPTS}x{GEN_TOKENS}_tok_per_s']:9.1f}")
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps({"model": "SmolLM2-135M shape (random weights)", "torch": torch.__version__,
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": "SmolLM2-135M shape (random weights)", "torch": torch.__version__,
                                "threads": torch.get_num_threads(), "machine": platform.machine(),
                                "results": rows}, indent=2) + "\n")
-    print(f"wrote {OUT}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
 
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     if resume is not None:
+        from cluster.checkpoint import check_same_model
+
+        try:
+            check_same_model(resume, model_path)
+        except ValueError as e:
+            print(f"qgrpo: --resume: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         run_dir = resume.parent.parent
     else:
         run_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from cluster.checkpoint import check_same_model, read_state, save_checkpoint
+from cluster.checkpoint import read_state, save_checkpoint
 from cluster.config import Config
 from cluster.runlog import RunLog
 from learner.batch import build_train_batch
@@ -54,7 +54,6 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
     state = {"step": 0, "policy_version": 0, "cursor": 0}
     policy_path = model_path
     if resume is not None:
-        check_same_model(resume, model_path)
         state = read_state(resume)
         policy_path = str(resume)
     ro, algo = cfg.rollout, cfg.algo
