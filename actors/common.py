@@ -16,3 +16,12 @@ def apply_threads(threads: int) -> None:
 
     os.environ.update(thread_env(threads))
     torch.set_num_threads(threads)
+    quiet_libraries()
+
+
+def quiet_libraries() -> None:
+    """torchao logs a warning per missing CUDA-only kernel library at import; on CPU they are expected noise."""
+    import logging
+
+    for name in ("torchao", "torch.utils._pytree"):
+        logging.getLogger(name).setLevel(logging.ERROR)

@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
 
     # Valid config: from here on work is expensive.
+    from actors.common import quiet_libraries
+
+    quiet_libraries()
     from rollout.models import resolve_model_path
 
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)

@@ -333,9 +333,9 @@ def validate(cfg: Config) -> list[str]:
     need(le.num_cpus >= 0, f"learner.num_cpus: must be >= 0, got {le.num_cpus}")
     need(le.threads >= 0, f"learner.threads: must be >= 0, got {le.threads}")
     batch = ro.prompts_per_step * ro.group_size
-    need(batch >= le.world_size,
-         f"learner.world_size: {le.world_size} ranks but only {batch} sequences per step "
-         "(rollout.prompts_per_step * rollout.group_size); lower world_size or raise prompts_per_step")
+    need(batch % le.world_size == 0,
+         f"learner.world_size: the {batch} sequences of a step (rollout.prompts_per_step * rollout.group_size) must "
+         f"split evenly over {le.world_size} ranks; change prompts_per_step or world_size")
 
     need(cfg.sync.timeout_s > 0, f"sync.timeout_s: must be > 0, got {cfg.sync.timeout_s}")
     need(cfg.sync.bucket_mb > 0, f"sync.bucket_mb: must be > 0, got {cfg.sync.bucket_mb}")

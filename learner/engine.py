@@ -21,9 +21,10 @@ from rollout.scoring import token_logprobs
 def _init_distributed(world_size: int) -> None:
     import deepspeed
 
-    if world_size == 1:
-        # DeepSpeed JIT-compiles a shared-memory all-reduce op on CPU (~2 min here) that only helps several ranks on
-        # one host; with one rank skip it. (deepspeed.comm.torch the attribute is the torch module, hence sys.modules.)
+    if not torch.cuda.is_available():
+        # On CPU DeepSpeed JIT-compiles a shared-memory all-reduce op (~2 min here) that serves only its inference
+        # all-reduce; training collectives go through torch.distributed (gloo). Skip the build.
+        # (`deepspeed.comm.torch` as an attribute is the torch module, hence sys.modules.)
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
 
@@ -121,7 +122,7 @@ class Learner:
                 # back up. scale_wrt_gas=False: the weights already normalise over the whole batch.
                 self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
                 self.engine.step()
-                loss_total += float(loss)
+                loss_total += loss.detach().item()
                 if update == 0:  # statistics of the batch as it arrived
                     stats_acc = merge_stats(stats_acc, stats)
             gn = self.engine.get_global_grad_norm()

@@ -16,8 +16,8 @@ Which library path each precision uses (torch 2.13 CPU, torchao 0.18, bitsandbyt
   (~4.25 bits/weight); we trigger that repack here so storage and speed don't change after the first rollout.
 
 Layers left in bf16 (counted as ``bf16_linears`` by ``quant_config_summary``):
-- int4 / nf4: layers whose ``in_features`` is not divisible by ``group_size`` (groups run along in_features);
-  nf4 also layers whose ``out_features`` is not a multiple of 32 (bnb's CPU repack asserts on it).
+- int4 / nf4: layers whose ``in_features`` is not divisible by ``group_size`` (groups run along in_features), and
+  layers whose ``out_features`` is not a multiple of 16 (int4) / 32 (nf4): the CPU packers refuse those shapes.
 - all precisions: ``lm_head`` when its weight is tied to the input embedding (quantizing it would break the tie).
 
 torchao / bitsandbytes are imported inside the functions: importing this module loads neither.
@@ -30,7 +30,9 @@ from torch import nn
 
 PRECISIONS = ("bf16", "int8", "int4", "nf4")
 
-_NF4_BLOCK_N = 32  # bnb's CPU repack (_convert_weight_packed_for_cpu) needs out_features % 32 == 0
+# out_features must be a multiple of this, else the layer stays bf16 (measured: the packers raise otherwise).
+_OUT_MULTIPLE = {"int4": 16,  # aten._convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+                 "nf4": 32}  # bnb's CPU repack (_convert_weight_packed_for_cpu) asserts N % 32 == 0
 
 
 def _tied_lm_head(model: nn.Module) -> nn.Module | None:
@@ -56,7 +58,7 @@ def _to_quantize(model: nn.Module, precision: str, group_size: int) -> list[tupl
             continue
         if precision in ("int4", "nf4") and m.in_features % group_size:
             continue
-        if precision == "nf4" and m.out_features % _NF4_BLOCK_N:
+        if m.out_features % _OUT_MULTIPLE.get(precision, 1):
             continue
         chosen.append((name, m))
     return chosen
@@ -68,8 +70,8 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
     bf16: no-op. int8: torchao weight-only int8 per output channel. int4: torchao weight-only int4, group-wise along
     in_features with ``group_size`` (32, 64 or 128; 64 default, like MLX's nn.quantize). nf4: bitsandbytes NF4
     ``Linear4bit`` with blocks of ``group_size`` weights along in_features.
-    Layers whose in_features is not divisible by group_size stay bf16 (int4, nf4), as does nf4 for out_features not a
-    multiple of 32, and a tied lm_head (all precisions). Activations stay bf16; ``model(input_ids)`` and
+    Layers whose in_features is not divisible by group_size stay bf16 (int4, nf4), as do layers whose out_features is
+    not a multiple of 16 (int4) / 32 (nf4), and a tied lm_head (all precisions). Activations stay bf16; ``model(input_ids)`` and
     ``model.generate`` keep working on CPU. Meant to be called on a fresh copy of a bf16 model:
     ``quantize_model(copy.deepcopy(bf16_model), precision)``; a model is quantized once.
     """

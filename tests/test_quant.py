@@ -124,6 +124,22 @@ def test_tied_lm_head_and_indivisible_layers_stay_bf16(precision):
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("out_features, in_features", [(64, 128), (100, 128), (64, 96)])
+def test_bias_and_awkward_shapes(precision, out_features, in_features):
+    # Qwen2-style bias; N=100 is not a multiple of 16/32 and K=96 not of 64: those stay bf16 at int4/nf4.
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(in_features, out_features)).to(torch.bfloat16)
+    x = torch.randn(3, in_features, dtype=torch.bfloat16)
+    with torch.no_grad():
+        ref = m(x).float()
+        quantize_model(m, precision)
+        y = m(x).float()
+    assert torch.isfinite(y).all() and (y - ref).abs().max() < 0.2 * ref.abs().max()
+    expect_bf16 = precision != "int8" and (out_features, in_features) != (64, 128)
+    assert quant_config_summary(m)["bf16_linears"] == int(expect_bf16)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
 def test_requantize_follows_new_weights(precision, batch):
     master = tiny_model(seed=1)  # the generator's bf16 master copy
     old_bf16 = token_logprobs(master, batch)

@@ -1,0 +1,39 @@
+# Two commands do all the set-up: `make train` runs the default job, `make test` runs the tests.
+# Each creates or updates the virtualenv .venv first (torch is pinned to the CPU build 2.13.0).
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.qgrpo-installed
+CONFIG ?= configs/tiny.toml
+ARGS   ?=
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PYTHONWARNINGS := ignore
+export QGRPO_CACHE ?= $(CURDIR)/.cache/qgrpo
+
+.PHONY: install train test test-slow bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+train: $(STAMP)
+	$(VENV)/bin/qgrpo train $(CONFIG) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) bench/quant_bytes.py
+
+clean:
+	rm -rf $(VENV) .cache runs
