@@ -53,7 +53,7 @@ def test_run_directory_contents(two_step_run):
     start = next(m for m in _metrics(two_step_run) if m.get("event") == "start")
     assert {g["precision"] for g in start["generators"]} == {"int4"} and len(start["generators"]) == 2
     state = json.loads((two_step_run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
-    assert state["step"] == 2 and state["policy_version"] == 2 and state["cursor"] == 2 * 16
+    assert state["step"] == 2 and state["policy_version"] == 2 and state["cursor"] == 2 * cfg.rollout.prompts_per_step
 
 
 def test_checkpoint_loads_with_transformers(two_step_run):
@@ -76,7 +76,7 @@ def test_resume_continues_from_saved_step(two_step_run, tiny_model_path):
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert rows[-1]["policy_version"] == 3 and rows[-1]["rollout/policy_versions"] == [2]
     state = json.loads((two_step_run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
-    assert state["step"] == 3 and state["cursor"] == 3 * 16
+    assert state["step"] == 3 and state["cursor"] == 3 * load_config(ROOT / "configs" / "tiny.toml").rollout.prompts_per_step
     assert (two_step_run / "checkpoints" / "step_000002").is_dir()  # keep_last = 2
 
 
