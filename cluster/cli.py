@@ -6,6 +6,7 @@ config exits with status 2 and one message listing every problem.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -30,18 +31,75 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="validate a config and print the effective one")
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    e = sub.add_parser("eval", help="held-out accuracy of a checkpoint or model folder (greedy)")
+    e.add_argument("model", help="a checkpoint (runs/NAME/checkpoints/step_N) or any local HF model folder")
+    e.add_argument("--task", help="task name, e.g. rg:basic_arithmetic (default: the config's)")
+    e.add_argument("--config", help="preset whose [task], [rewards] and max_new_tokens to use")
+    e.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    e.add_argument("-n", type=int, default=0, help="held-out prompts (default: task.eval_size)")
+    e.add_argument("--precision", default="bf16", help="generator precision for the evaluation (default bf16)")
+    r = sub.add_parser("report", help="PNG plots and a Markdown summary of a run")
+    r.add_argument("run_dir")
+    x = sub.add_parser("export", help="copy a checkpoint into a folder that mlx-lm loads")
+    x.add_argument("checkpoint")
+    x.add_argument("out")
     return p
+
+
+def _eval_command(args) -> int:
+    overrides = [f"model.path={json.dumps(str(Path(args.model).expanduser()))}", *args.overrides]
+    if args.task:
+        overrides.append(f"task.name={json.dumps(args.task)}")
+    if args.precision:
+        overrides.append(f"rollout.precision={json.dumps(args.precision)}")
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"qgrpo eval: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    from cluster.evaluate import accuracy_reward, evaluate_model
+    from rollout.tasks import make_task
+
+    n = args.n or cfg.task.eval_size
+    if n > cfg.task.eval_size and cfg.task.name != "digit_sum":
+        print(f"qgrpo eval: -n {n} is more than the task's {cfg.task.eval_size} held-out prompts; "
+              "lower -n or --set task.eval_size=N", file=sys.stderr)
+        return EXIT_CONFIG
+    res = evaluate_model(cfg.model.path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
+                         cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
+                         precision=cfg.rollout.precision, chat_template=cfg.task.chat_template)
+    print(json.dumps({k: v for k, v in res.items() if k != "samples"}))
+    print(f"qgrpo eval: {args.model}: accuracy {res['accuracy']:.1%} on {res['n']} held-out {cfg.task.name} prompts "
+          f"({res['metric']}, greedy, {res['precision']})", file=sys.stderr)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "eval":
+        return _eval_command(args)
+    if args.command == "report":
+        from cluster.report import report
+
+        print(report(args.run_dir))
+        return 0
+    if args.command == "export":
+        from cluster.export import export_for_mlx
+
+        print(export_for_mlx(args.checkpoint, args.out))
+        return 0
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from cluster.runlog import to_toml
+    from rollout.tasks import check_task
 
+    problems = check_task(cfg.task, cfg.run.seed)  # reads user datasets fully: malformed rows fail here, not mid-run
+    if problems:
+        print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
+        return EXIT_CONFIG
     if args.command == "check":
         print(to_toml(cfg.to_dict()))
         return 0
@@ -86,14 +144,29 @@ def main(argv: list[str] | None = None) -> int:
                   + cfg.reference.num_cpus)
         ray.init(address=address, include_dashboard=False,
                  num_cpus=None if address else max(os.cpu_count() or 1, math.ceil(needed)))
+    t0 = time.monotonic()
     try:
-        m = train(cfg, run_dir, model_path, resume)
+        result = train(cfg, run_dir, model_path, resume)
     finally:
         if started:
             ray.shutdown()
-    print(f"qgrpo: done. step {m.get('step')}: reward {m.get('reward/mean', float('nan')):.3f}; "
-          f"run directory {run_dir}", file=sys.stderr)
+    print(summary(result, run_dir, time.monotonic() - t0), file=sys.stderr)
     return 0
+
+
+def summary(result: dict, run_dir: Path, seconds: float) -> str:
+    m, evals = result["last"], result["evals"]
+    lines = [f"qgrpo: done in {seconds / 60:.1f} min, {m.get('step')} steps; "
+             f"last step reward {m.get('reward/mean', float('nan')):.3f}"]
+    if evals:
+        first, last = evals[min(evals)], evals[max(evals)]
+        lines.append(f"  held-out accuracy ({first['metric']}, {first['n']} prompts, greedy, {first['precision']} "
+                     f"generator): {first['accuracy']:.1%} before -> {last['accuracy']:.1%} after")
+    lines += [f"  run directory:    {run_dir}",
+              f"  final checkpoint: {result['checkpoint']}  (loads with transformers.AutoModelForCausalLM)",
+              f"  look at it:       qgrpo report {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard",
+              f"  samples:          {run_dir}/rollouts/*.parquet (pandas / DuckDB / pyarrow)"]
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,11 @@ class RunConfig:
     keep_last: int = 2  # checkpoints kept on disk
     log_every: int = 1  # metrics.jsonl line every N steps
     progress: bool = True  # terminal progress bar
+    tensorboard: bool = True  # TensorBoard event files under RUN_DIR/tensorboard when tensorboard is installed
+    wandb_project: str = ""  # log to Weights & Biases under this project ("" = off; needs `pip install wandb`)
+    rollouts_flush_every: int = 10  # write RUN_DIR/rollouts/*.parquet every N steps
+    eval_every: int = 0  # held-out accuracy (task.eval_size prompts, greedy) every N steps; 0 = before and after only
+    eval: bool = False  # measure held-out accuracy before and after training (and every eval_every steps)
 
 
 @dataclass
@@ -38,9 +43,20 @@ class ModelConfig:
 
 @dataclass
 class TaskConfig:
-    name: str = "digit_sum"  # built-in procedural task (see rollout/tasks.py)
+    name: str = "digit_sum"  # digit_sum | rg:NAME (a reasoning-gym generator) | jsonl | parquet (see rollout/tasks.py)
     max_operand: int = 9  # digit_sum: operands are drawn from 0..max_operand
     num_operands: int = 2  # digit_sum: how many numbers are added
+    params: dict[str, Any] = field(default_factory=dict)  # rg: generator settings, e.g. {min_terms=2, max_terms=2}
+    size: int = 10_000  # rg: train pool; item i is entry i % size
+    eval_size: int = 100  # held-out prompts (rg: generated; jsonl/parquet: the last rows, or the first of eval_path)
+    eval_seed_offset: int = 1_000_000  # rg: the eval split is generated with seed + this; must be >= size
+    # rg/jsonl/parquet: appended to each question after a newline ("" = none); the answer_* rewards read the tags
+    instruction: str = "Think briefly, then give only the final answer inside <answer></answer>."
+    chat_template: bool = True  # wrap prompts in the tokenizer's chat template (done by the generators)
+    path: str = ""  # jsonl/parquet: the dataset file
+    eval_path: str = ""  # jsonl/parquet: a held-out file ("" = hold out the last eval_size rows of path)
+    prompt_column: str = "prompt"  # jsonl/parquet: field with the question
+    answer_column: str = "answer"  # jsonl/parquet: field with the reference answer (string or number)
 
 
 @dataclass
@@ -157,6 +173,11 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
             return None
         return value
+    if tp == dict[str, Any]:
+        if not isinstance(value, dict):
+            problems.append(f"{where}: expected a table, e.g. {{min_terms=2, max_terms=2}}, got {value!r}")
+            return None
+        return dict(value)
     if tp == list[RewardSpec]:
         if not isinstance(value, list):
             problems.append(f"{where}: expected a list of {{name, weight}} tables, got {value!r}")
@@ -247,8 +268,9 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def validate(cfg: Config) -> list[str]:
+    from rollout.datasets import FORMATS as FILE_FORMATS
     from rollout.rewards import REWARD_FUNCTIONS
-    from rollout.tasks import TASKS
+    from rollout.tasks import RG_PREFIX, RG_SEED_STRIDE, TASKS, rg_config_problems
 
     p: list[str] = []
 
@@ -262,6 +284,15 @@ def validate(cfg: Config) -> list[str]:
     need(r.keep_last >= 1, f"run.keep_last: must be >= 1, got {r.keep_last}")
     need(r.log_every >= 1, f"run.log_every: must be >= 1, got {r.log_every}")
     need(bool(r.name) and "/" not in r.name, f"run.name: must be non-empty without '/', got {r.name!r}")
+    need(r.rollouts_flush_every >= 1, f"run.rollouts_flush_every: must be >= 1, got {r.rollouts_flush_every}")
+    need(not r.eval or cfg.task.eval_size > 0,
+         "run.eval: held-out evaluation needs task.eval_size > 0; set task.eval_size=100 or run.eval=false")
+    need(r.eval_every >= 0, f"run.eval_every: must be >= 0 (0 = before and after only), got {r.eval_every}")
+    if r.wandb_project:
+        import importlib.util
+
+        need(importlib.util.find_spec("wandb") is not None,
+             "run.wandb_project: set, but wandb is not installed; `pip install wandb` or set run.wandb_project=''")
 
     if not m.path:
         p.append("model.path: missing; set a local HF model folder or builtin:tiny-digits")
@@ -277,9 +308,34 @@ def validate(cfg: Config) -> list[str]:
     elif not (Path(m.path).expanduser() / "config.json").is_file():
         p.append(f"model.path: {m.path!r} has no config.json; it must be a HF model folder")
 
-    need(cfg.task.name in TASKS, f"task.name: unknown task {cfg.task.name!r}; choose one of {', '.join(sorted(TASKS))}")
-    need(0 <= cfg.task.max_operand <= 9_999, f"task.max_operand: must be in 0..9999, got {cfg.task.max_operand}")
-    need(1 <= cfg.task.num_operands <= 8, f"task.num_operands: must be in 1..8, got {cfg.task.num_operands}")
+    t = cfg.task
+    rg, files = t.name.startswith(RG_PREFIX), t.name in FILE_FORMATS
+    need(rg or t.name in TASKS, f"task.name: unknown task {t.name!r}; choose one of {', '.join(sorted(TASKS))}, "
+         f"or {RG_PREFIX}NAME for a reasoning-gym generator, e.g. {RG_PREFIX}basic_arithmetic")
+    need(0 <= t.max_operand <= 9_999, f"task.max_operand: must be in 0..9999, got {t.max_operand}")
+    need(1 <= t.num_operands <= 8, f"task.num_operands: must be in 1..8, got {t.num_operands}")
+    need(t.eval_size >= 0, f"task.eval_size: must be >= 0 (0 = no held-out prompts), got {t.eval_size}")
+    need(rg or not t.params, f"task.params: only {RG_PREFIX} tasks take generator settings; remove task.params "
+         f"for task.name={t.name!r}")
+    if rg:
+        need(t.size >= 1, f"task.size: must be >= 1 (the train pool of {t.name}), got {t.size}")
+        need(t.size <= t.eval_seed_offset <= RG_SEED_STRIDE - t.eval_size,
+             f"task.eval_seed_offset: must be in task.size..2**32 - task.eval_size, got {t.eval_seed_offset} "
+             f"(size {t.size}); reasoning-gym draws entry i with seed + i, so a smaller offset makes eval entries "
+             f"copies of train entries; e.g. set task.eval_seed_offset={max(t.size, 1_000_000)}")
+        p.extend(rg_config_problems(t))  # imports reasoning-gym; the generator must exist and accept task.params
+    need(files or not (t.path or t.eval_path),
+         f"task.path/eval_path: only read by the jsonl and parquet tasks, not {t.name!r}; remove them or set "
+         "task.name='jsonl' or 'parquet'")
+    if files:  # only existence here; rollout.tasks.check_task reads the rows
+        need(bool(t.path), f"task.path: missing; set the {t.name} file with {t.prompt_column!r} and "
+             f"{t.answer_column!r} columns")
+        for key in ("path", "eval_path"):
+            value = getattr(t, key)
+            need(not value or Path(value).expanduser().is_file(), f"task.{key}: file {value!r} does not exist")
+        need(bool(t.prompt_column) and bool(t.answer_column) and t.prompt_column != t.answer_column,
+             f"task.prompt_column/answer_column: must be two different non-empty names, got "
+             f"{t.prompt_column!r} and {t.answer_column!r}")
 
     rw = cfg.rewards
     need(len(rw.functions) >= 1, "rewards.functions: at least one reward function is needed, e.g. [{name='correct', weight=1.0}]")

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import torch
 
-from cluster.checkpoint import read_state, save_checkpoint
+from cluster.checkpoint import checkpoint_dir, read_state, save_checkpoint
+from cluster.evaluate import accuracy_reward, eval_items, greedy, score_eval
+from cluster.rollout_log import RolloutWriter
 from cluster.config import Config
 from cluster.runlog import RunLog
-from learner.batch import build_train_batch
+from learner.batch import TrainBatch, build_train_batch
 from learner.loss import finalize_stats, merge_stats
 from rollout.advantages import group_advantages
-from rollout.records import GroupRollout, SamplingParams
+from rollout.records import GenerationStats, GroupRollout, SamplingParams
 from rollout.rewards import WeightedRewards
 from rollout.tasks import PromptSampler, make_task
 
@@ -47,8 +49,53 @@ def score_groups(groups: list[GroupRollout], rewards: WeightedRewards, scale: st
     }
 
 
+class StageClock:
+    """Wall time per stage of one step."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = now - self.last
+        self.last = now
+
+
+def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], batch: TrainBatch,
+                 results: list[dict], sync: dict | None, clock: StageClock) -> dict:
+    """Everything but the rewards: loss statistics summed over ranks, mismatch, versions, throughput, timings."""
+    stats: dict = {}
+    for r in results:
+        stats = merge_stats(stats, r["stats"])
+    loss_stats = finalize_stats(stats)
+    new_tokens = sum(s.new_tokens for s in gen_stats)
+    completions = [c for g in groups for c in g.completions]
+    m = {
+        "policy_version": results[0]["policy_version"],
+        "rollout/policy_versions": sorted({s.policy_version for s in gen_stats}),
+        "rollout/staleness": results[0]["staleness"],
+        "rollout/completion_len": new_tokens / len(completions),
+        "rollout/stop_frac": sum(c.finish_reason == "stop" for c in completions) / len(completions),
+        "loss/total": sum(r["loss"] for r in results),
+        "loss/kl": loss_stats.pop("kl"),
+        "loss/grad_norm": results[0]["grad_norm"],
+        "loss/lr": results[0]["lr"],
+        **{(k if k.startswith("mismatch/") else f"loss/{k}"): v for k, v in loss_stats.items()},
+        "perf/gen_tokens_per_s": new_tokens / max(clock.seconds["generate"], 1e-9),
+        "perf/learn_tokens_per_s": batch.total_tokens / max(clock.seconds["learn"], 1e-9),
+        **{f"time/{k}": v for k, v in clock.seconds.items()},
+        "time/step": clock.last - clock.start,
+    }
+    if sync:
+        m["sync/bytes"], m["sync/buckets"], m["sync/load_seconds_max"] = (
+            sync["nbytes"], sync["buckets"], sync["load_seconds_max"])
+    return m
+
+
 def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = None) -> dict:
-    """Run the job; returns the last step's metrics. `model_path` is the resolved initial model (the reference)."""
+    """Run the job; returns the last step's metrics, the held-out evaluations by step and the final checkpoint.
+    `model_path` is the resolved initial model (the reference)."""
     from cluster.workers import Workers
 
     state = {"step": 0, "policy_version": 0, "cursor": 0}
@@ -63,63 +110,57 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
         workers.load(str(resume), state["policy_version"])
     sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=state["cursor"])
     rewards = WeightedRewards.from_config(cfg.rewards)
-    log = RunLog(run_dir, cfg.run.steps, state["step"], cfg.run.progress)
-    info = workers.rollout_info()
-    log.write({"event": "start", "generators": info, "resumed_from": str(resume) if resume else None})
+    metric = accuracy_reward([s.name for s in cfg.rewards.functions])
+    log = RunLog(run_dir, cfg.run.steps, state["step"], cfg.run.progress, cfg.run.tensorboard,
+                 cfg.run.wandb_project, cfg.to_dict())
+    samples = RolloutWriter(run_dir, cfg.run.rollouts_flush_every)
+    log.write({"event": "start", "generators": workers.rollout_info(), "resumed_from": str(resume) if resume else None})
+    evals: dict[int, dict] = {}
+    eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
 
+    def evaluate(step: int) -> None:
+        groups, _ = workers.generate(eval_items(eval_task, cfg.task.eval_size), greedy(ro.max_new_tokens))
+        evals[step] = score_eval(groups, metric)
+        log.write({"event": "eval", "step": step, "split": "eval", **evals[step]})
+
+    if eval_task and state["step"] == 0:
+        evaluate(0)
     m: dict = {}
     for step in range(state["step"], cfg.run.steps):
-        t0 = time.perf_counter()
+        clock = StageClock()
         items = sampler.next(ro.prompts_per_step)
         sampling = SamplingParams(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
                                   seed=cfg.run.seed * 1_000_003 + step)
         groups, gen_stats = workers.generate(items, sampling)
-        t_gen = time.perf_counter()
-        m = score_groups(groups, rewards, algo.advantage_scale)
+        clock.lap("generate")
+        reward_metrics = score_groups(groups, rewards, algo.advantage_scale)
         batch = build_train_batch(groups, PAD_ID, ro.max_new_tokens)
         if workers.reference is not None:
             batch = batch.with_ref(workers.reference_logprobs(batch))
-        t_ref = time.perf_counter()
+        clock.lap("reference")
         results = workers.train(batch)
-        t_learn = time.perf_counter()
-        version = results[0]["policy_version"]
-        sync = workers.sync_weights() if (step + 1) % algo.update_every == 0 else None
-        t_sync = time.perf_counter()
+        clock.lap("learn")
+        last = step + 1 == cfg.run.steps
+        # The last step always syncs when evaluation follows, so the held-out score is of the final policy.
+        sync = workers.sync_weights() if (step + 1) % algo.update_every == 0 or (last and eval_task) else None
+        clock.lap("sync")
 
-        stats: dict = {}
-        for r in results:
-            stats = merge_stats(stats, r["stats"])
-        loss_stats = finalize_stats(stats)
-        new_tokens = sum(s.new_tokens for s in gen_stats)
-        m.update({
-            "step": step + 1,
-            "policy_version": version,
-            "rollout/policy_versions": sorted({s.policy_version for s in gen_stats}),
-            "rollout/staleness": results[0]["staleness"],
-            "rollout/completion_len": new_tokens / len(batch),
-            "rollout/stop_frac": sum(c.finish_reason == "stop" for g in groups for c in g.completions) / len(batch),
-            "loss/total": sum(r["loss"] for r in results),
-            "loss/kl": loss_stats.pop("kl"),
-            "loss/grad_norm": results[0]["grad_norm"],
-            "loss/lr": results[0]["lr"],
-            **{(k if k.startswith("mismatch/") else f"loss/{k}"): v for k, v in loss_stats.items()},
-            "perf/gen_tokens_per_s": new_tokens / max(t_gen - t0, 1e-9),
-            "perf/learn_tokens_per_s": batch.total_tokens / max(t_learn - t_ref, 1e-9),
-            "time/generate": t_gen - t0, "time/reference": t_ref - t_gen, "time/learn": t_learn - t_ref,
-            "time/sync": t_sync - t_learn, "time/step": t_sync - t0,
-        })
-        if sync:
-            m["sync/bytes"], m["sync/seconds_load_max"] = sync["nbytes"], sync["load_seconds_max"]
-        if (step + 1) % cfg.run.log_every == 0 or step + 1 == cfg.run.steps:
+        m = {"step": step + 1, **reward_metrics, **step_metrics(groups, gen_stats, batch, results, sync, clock)}
+        if f"reward/{metric}" in m:
+            m["train/accuracy"] = m[f"reward/{metric}"]
+        samples.add(step + 1, groups)
+        if (step + 1) % cfg.run.log_every == 0 or last:
             log.write(m)
         log.progress(m)
-
-        last = step + 1 == cfg.run.steps
+        if eval_task and (last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0)):
+            evaluate(step + 1)
         if last or (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0):
-            state = {"step": step + 1, "policy_version": version, "cursor": sampler.cursor,
+            samples.flush()  # samples up to a checkpoint are on disk with it
+            state = {"step": step + 1, "policy_version": m["policy_version"], "cursor": sampler.cursor,
                      "model_path": model_path, "rollout_precision": ro.precision, "config": cfg.to_dict()}
             path = save_checkpoint(run_dir, step + 1, workers.save, state, cfg.run.keep_last)
             log.write({"event": "checkpoint", "step": step + 1, "path": str(path)})
+    samples.close()
     log.close()
     workers.shutdown()
-    return m
+    return {"last": m, "evals": evals, "checkpoint": str(checkpoint_dir(run_dir, cfg.run.steps))}

@@ -48,7 +48,7 @@ class Workers:
                 ro.backend,
                 dict(model_path=policy_path, precision=ro.precision, group_size_quant=ro.group_size_quant,
                      generator_id=f"{ro.backend}-{i}", seed=cfg.run.seed,
-                     initial_version=policy_version),
+                     initial_version=policy_version, chat_template=cfg.task.chat_template),
                 r_threads,
             )
             for i in range(ro.num_actors)

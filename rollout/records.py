@@ -14,6 +14,7 @@ class PromptItem:
     prompt_id: str
     prompt: str
     reference: str
+    meta: dict | None = None  # JSON-safe extras for verifiers and logs, e.g. {"split": "eval", "index": 3}
 
 
 @dataclass(frozen=True)

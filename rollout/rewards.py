@@ -1,5 +1,9 @@
 """Reward functions: plain callables `(completion_text, reference) -> float`, combined with weights.
 
+Two families: `correct` / `exact` / `integer_format` read a bare integer (the tiny digit-sum model), and
+`answer_correct` / `answer_format` / `lenient_correct` read the answer from `<answer>...</answer>` tags, the format the
+task instruction asks for (rollout/tasks.py).
+
 A reward function that raises is reported with the prompt id; `on_error="zero"` scores it 0 and counts it instead.
 """
 from __future__ import annotations
@@ -7,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -36,10 +41,97 @@ def integer_format(completion: str, reference: str) -> float:
     return float(re.fullmatch(r"\s*-?\d+\s*", completion) is not None)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Answers inside <answer>...</answer>
+
+# A block is an opening tag, text without further answer tags, and a closing tag: in "<answer><answer>7</answer>"
+# only the inner pair is a block, so nested or unclosed tags never swallow a later block. Tags are case-sensitive.
+_BLOCK = re.compile(r"<answer>((?:(?!</?answer>).)*)</answer>", re.DOTALL)
+# A number: optional sign, digits with optional thousands commas (1,234), optional decimals; or .5
+_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|[-+]?\.\d+")
+_WHOLE_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|[-+]?\.\d+")
+
+
+def extract_answer(text: str | None) -> str | None:
+    """Content of the last well-formed `<answer>...</answer>` block, stripped; None if there is none.
+
+    `"<answer>3</answer> no, <answer> 4 </answer>"` -> "4"; `"<answer>4"` -> None; `"<answer></answer>"` -> "".
+    """
+    if not text:
+        return None
+    blocks = _BLOCK.findall(text)
+    return blocks[-1].strip() if blocks else None
+
+
+def last_number(text: str | None) -> str | None:
+    """The last number in the text ("1,234", "-3", "7.5"), or None."""
+    found = _NUMBER.findall(text or "")
+    return found[-1] if found else None
+
+
+def _as_number(s: str) -> Decimal | None:
+    s = s.strip()
+    if not _WHOLE_NUMBER.fullmatch(s):
+        return None
+    try:
+        return Decimal(s.replace(",", ""))
+    except InvalidOperation:
+        return None
+
+
+def _normalise(s: str) -> str:
+    # whitespace collapsed, case folded, one trailing full stop dropped ("Paris." == "paris")
+    s = " ".join(s.split()).casefold()
+    return s[:-1].rstrip() if s.endswith(".") else s
+
+
+def answers_match(answer: str | None, reference: str | None) -> bool:
+    """Numbers compare by value ("7.0" == "7", "1,234" == "1234", "+3" == "3"), exactly (no tolerance); anything
+    else compares as text after `_normalise`. A number with words around it ("7 apples") is text, so it does not
+    match "7"."""
+    if answer is None or reference is None:
+        return False
+    a, r = _as_number(answer), _as_number(str(reference))
+    if a is not None and r is not None:
+        return a == r
+    a_text, r_text = _normalise(answer), _normalise(str(reference))
+    return bool(a_text) and a_text == r_text
+
+
+def answer_correct(completion: str, reference: str) -> float:
+    """1 if the answer in the last `<answer>` block matches the reference (see `answers_match`); 0 without tags."""
+    return float(answers_match(extract_answer(completion), reference))
+
+
+def answer_format(completion: str, reference: str) -> float:
+    """1 for exactly one non-empty `<answer>...</answer>` block and no stray answer tags; 0.5 when blocks are present
+    but the format is off (empty, several, or extra unmatched tags); 0 without a well-formed block."""
+    if not completion:
+        return 0.0
+    blocks = _BLOCK.findall(completion)
+    if not blocks:
+        return 0.0
+    single = len(blocks) == 1 and completion.count("<answer>") == 1 and completion.count("</answer>") == 1
+    return 1.0 if single and blocks[0].strip() else 0.5
+
+
+def lenient_correct(completion: str, reference: str) -> float:
+    """Like `answer_correct`, but without tags the last number in the completion is the answer (an untrained model
+    rarely uses the tags; this is the "lenient" accuracy of the baseline measurements). Present but empty tags
+    give 0."""
+    got = extract_answer(completion)
+    if got is None:
+        got = last_number(completion)
+    return float(answers_match(got, reference))
+
+
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "correct": correct,
     "exact": exact,
     "integer_format": integer_format,
+    "answer_correct": answer_correct,
+    "answer_format": answer_format,
+    "lenient_correct": lenient_correct,
 }
 
 

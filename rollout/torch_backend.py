@@ -6,7 +6,6 @@ quantized copy is rebuilt, so the sender never needs to know the receiver's form
 from __future__ import annotations
 
 import copy
-import time
 import zlib
 from typing import Iterable
 
@@ -41,9 +40,10 @@ def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.T
     return len(seen)
 
 
-def format_prompt(tokenizer, prompt: str) -> list[int]:
-    """Prompt text -> token ids. Chat models get their chat template; plain tokenizers their own special tokens."""
-    if getattr(tokenizer, "chat_template", None):
+def format_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
+    """Prompt text -> token ids: as one user turn of the chat template when asked and the tokenizer has one,
+    else the plain text with the tokenizer's own special tokens."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
@@ -52,13 +52,15 @@ def format_prompt(tokenizer, prompt: str) -> list[int]:
 
 class TorchGenerator:
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
-                 generator_id: str = "torch-0", seed: int = 0, device: str | None = None, initial_version: int = 0):
+                 generator_id: str = "torch-0", seed: int = 0, device: str | None = None, initial_version: int = 0,
+                 chat_template: bool = True):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.generator_id = generator_id
         self.precision = precision
         self.group_size_quant = group_size_quant
         self.policy_version = initial_version
+        self.chat_template = chat_template
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
@@ -74,7 +76,7 @@ class TorchGenerator:
     @torch.no_grad()
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
         G = sampling.group_size
-        prompts = [format_prompt(self.tokenizer, it.prompt) for it in items]
+        prompts = [format_prompt(self.tokenizer, it.prompt, self.chat_template) for it in items]
         P = max(len(p) for p in prompts)
         # Left-pad so every row's last prompt token sits at the same column; generate derives positions from the mask.
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
@@ -88,7 +90,9 @@ class TorchGenerator:
         torch.manual_seed(zlib.crc32(f"{base}/{self.generator_id}".encode()))
         out = self.model.generate(
             input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,  # 0 = off (None would fall back to the model default of 50)
+            # temperature 0 = greedy (evaluation); 0 = off for top_k (None would fall back to the model default of 50)
+            **(dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+               if sampling.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)),
             max_new_tokens=sampling.max_new_tokens, num_return_sequences=G,
             pad_token_id=self.pad_id, eos_token_id=self.eos_id,
             return_dict_in_generate=True, output_scores=True,
@@ -117,12 +121,10 @@ class TorchGenerator:
                                        precision=self.precision))
         return groups
 
-    def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:
-        t0 = time.perf_counter()
+    def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self._master, named_tensors)
         self._rebuild()
         self.policy_version = version
-        return time.perf_counter() - t0
 
     def memory_bytes(self) -> dict[str, int]:
         linear = linear_weight_bytes(self.model)
