@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         from cluster.export import export_for_mlx
 
-        print(export_for_mlx(args.checkpoint, args.out))
+        try:
+            print(export_for_mlx(args.checkpoint, args.out))
+        except ValueError as e:
+            print(f"qgrpo export: {e}", file=sys.stderr)
+            return EXIT_CONFIG
         return 0
     try:
         cfg = load_config(args.config, args.overrides)

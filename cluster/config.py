@@ -37,7 +37,7 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    path: str = ""  # local HF folder, or "builtin:NAME" (builtin:tiny-digits is built offline on first use)
+    path: str = ""  # local HF folder, or builtin:tiny-digits / builtin:smollm2-135m-instruct (built offline, cached)
     cache_dir: str = ""  # where builtin models are materialised ("" = $QGRPO_CACHE or ~/.cache/qgrpo)
 
 
@@ -295,7 +295,8 @@ def validate(cfg: Config) -> list[str]:
              "run.wandb_project: set, but wandb is not installed; `pip install wandb` or set run.wandb_project=''")
 
     if not m.path:
-        p.append("model.path: missing; set a local HF model folder or builtin:tiny-digits")
+        p.append("model.path: missing; set a local HF model folder or a builtin model: "
+                 "builtin:tiny-digits, builtin:smollm2-135m-instruct")
     elif m.path.startswith(BUILTIN_MODEL_PREFIX):
         from rollout.models import BUILTIN_MODELS
 
@@ -304,7 +305,7 @@ def validate(cfg: Config) -> list[str]:
              f"model.path: unknown builtin model {name!r}; choose one of {', '.join(sorted(BUILTIN_MODELS))}")
     elif not Path(m.path).expanduser().is_dir():
         p.append(f"model.path: folder {m.path!r} does not exist; give a local HF model folder "
-                 "(config.json + safetensors + tokenizer) or builtin:tiny-digits")
+                 "(config.json + safetensors + tokenizer) or a builtin model such as builtin:smollm2-135m-instruct")
     elif not (Path(m.path).expanduser() / "config.json").is_file():
         p.append(f"model.path: {m.path!r} has no config.json; it must be a HF model folder")
 

@@ -77,6 +77,7 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
         after = ray.get(a.generate.remote(ITEMS, SAMPLING))[0]
         assert all(g.policy_version == 1 for g in after)
         gap_new, gap_old = _mean_gap(after, new_model), _mean_gap(after, old_model)
+        print(f"{p}: mean |log mu - log pi| vs new weights {gap_new:.4f}, vs old weights {gap_old:.4f}")
         assert gap_new < BOUND[p], (p, gap_new)
         assert gap_old > 2 * gap_new, (p, gap_old, gap_new)
         # before the sync the same generator matched the old weights
