@@ -82,3 +82,20 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
         assert gap_old > 2 * gap_new, (p, gap_old, gap_new)
         # before the sync the same generator matched the old weights
         assert _mean_gap(before[p], old_model) < BOUND[p]
+
+
+def test_sync_deadline_raises(ray_session):
+    from actors.weights import WeightSyncTimeout
+
+    @ray.remote
+    def slow_receiver(seconds):
+        import time
+
+        time.sleep(seconds)
+        return {"version": 1}
+
+    ray.get([slow_receiver.remote(0), slow_receiver.remote(0)])  # worker start-up is not what this test measures
+    slow = slow_receiver.remote(60)
+    with pytest.raises(WeightSyncTimeout, match="1 of 2 actors did not finish within 3 s"):
+        wait_all([slow_receiver.remote(0), slow], 3.0, "weight sync")
+    ray.cancel(slow, force=True)  # free its CPU slot for the tests that follow
