@@ -123,13 +123,13 @@ class Learner:
                 self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
                 self.engine.step()
                 loss_total += loss.detach().item()
-                if update == 0:  # statistics of the batch as it arrived
-                    stats_acc = merge_stats(stats_acc, stats)
+                # Over every pass: the clip only acts from the second update on (the first has ratio 1 exactly).
+                stats_acc = merge_stats(stats_acc, stats)
             gn = self.engine.get_global_grad_norm()
             grad_norms.append(float(gn) if gn is not None else float("nan"))
             self.version += 1
         return {
-            "stats": {k: float(v) for k, v in stats_acc.items()},  # sums (and _max/_min) over tokens
+            "stats": {k: float(v) for k, v in stats_acc.items()},  # sums (and _max/_min) over tokens of all passes
             "loss": loss_total / self.updates_per_batch,
             "grad_norm": grad_norms[-1],
             "lr": self.scheduler.get_last_lr()[0],

@@ -73,3 +73,15 @@ def test_zero_stages_train_and_export(tiny_model_path, zero_stage):
     assert set(after) == set(before)
     assert all(t.dtype == torch.bfloat16 and t.numel() > 0 for t in after.values())
     assert sum(not torch.equal(before[n], after[n]) for n in before) == len(before)
+
+
+def test_several_updates_per_batch_make_the_clip_act(tiny_model_path):
+    from learner.engine import Learner
+
+    learner = Learner(tiny_model_path, lr=5e-2, micro_batch_per_rank=8, sequences_per_rank=16, updates_per_batch=3,
+                      grad_clip=0.0, loss_cfg=GRPOLossConfig(clip_low=0.05, clip_high=0.05, kl_coeff=0.0))
+    out = learner.train_step(_batch(32))
+    assert out["policy_version"] == 3
+    s = out["stats"]
+    assert s["tokens"] == 3 * _batch(32).total_tokens  # statistics cover every pass
+    assert s["clipped_low"] + s["clipped_high"] > 0, "pi_theta moved away from pi_old after the first update"
