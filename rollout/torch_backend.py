@@ -73,12 +73,12 @@ class TorchGenerator:
     def _rebuild(self) -> None:
         self.model = quantize_model(copy.deepcopy(self._master), self.precision, self.group_size_quant).eval()
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
         G = sampling.group_size
         prompts = [format_prompt(self.tokenizer, it.prompt, self.chat_template) for it in items]
         P = max(len(p) for p in prompts)
-        # Left-pad so every row's last prompt token sits at the same column; generate derives positions from the mask.
+        # Left-pad so every row's last prompt token sits at the same column; positions come from the mask.
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), P), dtype=torch.long)
         for i, p in enumerate(prompts):
@@ -87,26 +87,13 @@ class TorchGenerator:
         # Seeded per call from (step seed, generator id): reproducible, and different on every actor.
         base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
         self._calls += 1
-        torch.manual_seed(zlib.crc32(f"{base}/{self.generator_id}".encode()))
-        out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-            # temperature 0 = greedy (evaluation); 0 = off for top_k (None would fall back to the model default of 50)
-            **(dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
-               if sampling.temperature > 0 else dict(do_sample=False, temperature=None, top_p=None, top_k=None)),
-            max_new_tokens=sampling.max_new_tokens, num_return_sequences=G,
-            pad_token_id=self.pad_id, eos_token_id=self.eos_id,
-            return_dict_in_generate=True, output_scores=True,
-        )
-        new = out.sequences[:, P:].cpu()  # [N*G, L]
-        # `scores` are the processed logits (after temperature/top-k/top-p): their log-softmax is the distribution
-        # the tokens were drawn from.
-        scores = torch.stack(out.scores, dim=1).float().cpu()  # [N*G, L, V]
-        logp = torch.log_softmax(scores, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # [N*G, L]
+        rng = torch.Generator(self.device).manual_seed(zlib.crc32(f"{base}/{self.generator_id}".encode()))
+        new, logp = self._sample(ids.to(self.device), attn.to(self.device), G, sampling, rng)  # [N*G, L] each
         groups = []
         for i, it in enumerate(items):
             comps = []
             for j in range(G):
-                row = i * G + j  # generate repeats each prompt G times, consecutively
+                row = i * G + j  # prompt i's G completions are consecutive rows
                 toks = new[row].tolist()
                 if self.eos_id in toks:
                     n, reason = toks.index(self.eos_id) + 1, "stop"
@@ -120,6 +107,37 @@ class TorchGenerator:
                                        policy_version=self.policy_version, generator_id=self.generator_id,
                                        precision=self.precision))
         return groups
+
+    def _sample(self, ids: torch.Tensor, attn: torch.Tensor, G: int, sp: SamplingParams,
+                rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompts [N, P] -> sampled tokens and their log-probs [N*G, L] (CPU), L <= max_new_tokens.
+        Rows that finished are padded after their EOS (log-prob 0)."""
+        # Prefill each distinct prompt once, then copy its KV cache to its G rows (rows i*G .. i*G+G-1).
+        out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                         use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(G)
+        attn = attn.repeat_interleave(G, dim=0)
+        logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [B, V]
+        B, L = attn.shape[0], sp.max_new_tokens
+        toks = torch.full((B, L), self.pad_id, dtype=torch.long, device=ids.device)
+        lps = torch.zeros((B, L), device=ids.device)
+        rows = torch.arange(B, device=ids.device)  # output rows still decoding, in batch order
+        for step in range(L):
+            tok, lp = _pick(logits, sp, rng)
+            toks[rows, step], lps[rows, step] = tok, lp
+            live = tok != self.eos_id
+            if step == L - 1 or not live.any():
+                break
+            if not live.all():  # drop finished rows from batch, mask and cache: they would only decode padding
+                rows, tok, attn = rows[live], tok[live], attn[live]
+                cache.batch_select_indices(live.nonzero().squeeze(-1))
+            # One more mask column per step; the new token's position counts only real (unpadded) tokens.
+            attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
+            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=attn.sum(-1, keepdim=True) - 1,
+                             past_key_values=cache, use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
+        return toks[:, :step + 1].cpu(), lps[:, :step + 1].cpu()
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self._master, named_tensors)
@@ -135,3 +153,31 @@ class TorchGenerator:
 
 def _is_linear(m) -> bool:
     return isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+
+
+def _pick(logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (token [B], log-prob [B]) drawn from softmax(logits / T) after top-k and top-p (HF's
+    order); the log-prob is of that filtered, renormalised distribution, i.e. the one actually sampled from.
+    T = 0 is greedy, reported at T = 1 unfiltered."""
+    if sp.temperature <= 0:
+        tok = logits.argmax(-1)
+    else:
+        logits = logits / sp.temperature
+        if 0 < sp.top_k < logits.shape[-1]:
+            kth = logits.topk(sp.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            # Drop a token when the more likely tokens already hold top_p of the mass; the top token always stays.
+            srt, idx = logits.sort(-1, descending=True)
+            probs = srt.softmax(-1)
+            drop = (probs.cumsum(-1) - probs) >= sp.top_p
+            drop[:, 0] = False
+            logits = logits.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+        # Inverse-CDF draw: one uniform per row. torch.multinomial draws an exponential per vocab entry (single
+        # threaded with a generator), which cost more than the decode forward itself at vocab 49k.
+        cdf = logits.softmax(-1).cumsum(-1)
+        u = torch.rand(cdf.shape[0], 1, generator=rng, device=cdf.device) * cdf[:, -1:]
+        # First index whose cdf exceeds u: never a zero-probability (filtered) token, whose cdf equals its predecessor's.
+        tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    # Only the sampled token's log-prob: never a [B, L, V] log-softmax.
+    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)

@@ -7,7 +7,8 @@ from rollout.records import PromptItem, SamplingParams
 from rollout.scoring import token_logprobs
 from rollout.torch_backend import TorchGenerator, WeightMismatchError
 
-ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in range(3)]
+# Different prompt lengths, so left padding (mask and positions) is exercised.
+ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
 
 
 def _seqs(groups):
@@ -23,7 +24,7 @@ def _seqs(groups):
 def test_logprobs_match_the_sampled_distribution(tiny_model_path, temperature):
     gen = TorchGenerator(tiny_model_path, precision="bf16")
     groups = gen.generate(ITEMS, SamplingParams(group_size=4, max_new_tokens=6, temperature=temperature, seed=3))
-    assert len(groups) == 3 and all(len(g.completions) == 4 for g in groups)
+    assert len(groups) == len(ITEMS) and all(len(g.completions) == 4 for g in groups)
     for g in groups:
         assert g.policy_version == 0 and g.precision == "bf16"
         for c in g.completions:
@@ -74,3 +75,34 @@ def test_load_weights_is_strict(tiny_model_path):
 def test_memory_bytes_shrink_with_precision(tiny_model_path):
     sizes = {p: TorchGenerator(tiny_model_path, precision=p).memory_bytes()["linear"] for p in ("bf16", "int8", "int4")}
     assert sizes["int8"] < 0.7 * sizes["bf16"] and sizes["int4"] < sizes["int8"], sizes
+
+
+def test_top_k_samples_from_the_renormalised_top_k(tiny_model_path):
+    gen = TorchGenerator(tiny_model_path, precision="bf16")
+    groups = gen.generate(ITEMS, SamplingParams(group_size=4, max_new_tokens=6, temperature=0.8, top_k=3, seed=5))
+    rows, ids = _seqs(groups)
+    with torch.no_grad():
+        logits = gen._master.float()(input_ids=ids).logits.float() / 0.8  # [B, T, V]
+    diffs = []
+    for i, (g, c) in enumerate([(g, c) for g in groups for c in g.completions]):
+        p = len(g.prompt_ids)
+        for j, (tok, lp) in enumerate(zip(c.token_ids, c.logprobs)):
+            top = logits[i, p + j - 1].topk(3)
+            assert tok in top.indices.tolist(), (tok, top)
+            diffs.append(abs(logits[i, p + j - 1, tok] - top.values.logsumexp(-1) - lp).item())
+    assert max(diffs) < 0.05, max(diffs)
+
+
+def test_rows_stop_at_eos_and_the_rest_run_to_length(tiny_model_path):
+    gen = TorchGenerator(tiny_model_path, precision="bf16")
+    groups = gen.generate(ITEMS, SamplingParams(group_size=8, max_new_tokens=20, temperature=1.0, seed=7))
+    comps = [c for g in groups for c in g.completions]
+    reasons = {c.finish_reason for c in comps}
+    assert reasons == {"stop", "length"}, reasons  # the seed is chosen so both occur
+    for c in comps:
+        assert len(c.token_ids) == len(c.logprobs)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == gen.eos_id and gen.eos_id not in c.token_ids[:-1]
+            assert len(c.token_ids) <= 20
+        else:
+            assert len(c.token_ids) == 20 and gen.eos_id not in c.token_ids
