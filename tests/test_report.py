@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.report import moving_average, report
+from cluster.report import report
+from cluster.run_data import moving_average
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PNGS = ("reward.png", "accuracy.png", "kl.png", "mismatch.png", "time.png")
