@@ -57,6 +57,17 @@ class TaskConfig:
     eval_path: str = ""  # jsonl/parquet: a held-out file ("" = hold out the last eval_size rows of path)
     prompt_column: str = "prompt"  # jsonl/parquet: field with the question
     answer_column: str = "answer"  # jsonl/parquet: field with the reference answer (string or number)
+    # Worked examples put before every question (train and eval) as earlier chat turns; [] = zero-shot.
+    # In TOML: examples = [{ question = "Calculate 4 - 1.", completion = "4 - 1 = 3\n<answer>3</answer>" }]
+    examples: list[Example] = field(default_factory=list)
+
+
+@dataclass
+class Example:
+    """One worked example shown to the model before each question, as an earlier chat turn (few-shot prompting)."""
+
+    question: str = ""  # shown as a user turn, with task.instruction appended like every real question
+    completion: str = ""  # the assistant's reply, in the answer format the rewards expect
 
 
 @dataclass
@@ -119,6 +130,9 @@ class LearnerConfig:
     warmup_steps: int = 0  # linear warm-up of the learning rate
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     micro_batch_per_rank: int = 64  # sequences per forward/backward on one rank; gradients accumulate over the rest
+    # Run each distinct prompt once per micro-batch and share its KV cache with the group's completions (learner and
+    # reference). Same log-probs and gradients as the full forward (tests/test_scoring.py), several times fewer tokens.
+    shared_prompt: bool = True
     num_cpus: float = 1.0
     threads: int = 0  # 0 = all cores
 
@@ -178,11 +192,12 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where}: expected a table, e.g. {{min_terms=2, max_terms=2}}, got {value!r}")
             return None
         return dict(value)
-    if tp == list[RewardSpec]:
-        if not isinstance(value, list):
-            problems.append(f"{where}: expected a list of {{name, weight}} tables, got {value!r}")
-            return None
-        return [_build(RewardSpec, v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
+    for item_cls, keys in ((RewardSpec, "{name, weight}"), (Example, "{question, completion}")):
+        if tp == list[item_cls]:
+            if not isinstance(value, list):
+                problems.append(f"{where}: expected a list of {keys} tables, got {value!r}")
+                return None
+            return [_build(item_cls, v, f"{where}[{i}]", problems) for i, v in enumerate(value)]
     raise TypeError(f"no coercion for {tp}")  # a schema bug, not a user error
 
 
@@ -316,6 +331,10 @@ def validate(cfg: Config) -> list[str]:
     need(0 <= t.max_operand <= 9_999, f"task.max_operand: must be in 0..9999, got {t.max_operand}")
     need(1 <= t.num_operands <= 8, f"task.num_operands: must be in 1..8, got {t.num_operands}")
     need(t.eval_size >= 0, f"task.eval_size: must be >= 0 (0 = no held-out prompts), got {t.eval_size}")
+    for i, ex in enumerate(t.examples):
+        need(bool(ex.question.strip()) and bool(ex.completion.strip()),
+             f"task.examples[{i}]: question and completion must both be non-empty text, e.g. "
+             '{ question = "Calculate 4 - 1.", completion = "4 - 1 = 3\\n<answer>3</answer>" }')
     need(rg or not t.params, f"task.params: only {RG_PREFIX} tasks take generator settings; remove task.params "
          f"for task.name={t.name!r}")
     if rg:

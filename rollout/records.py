@@ -9,12 +9,14 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class PromptItem:
-    """One task instance. `prompt` is the text given to the model; `reference` what the verifier checks against."""
+    """One task instance. `prompt` is the question given to the model; `reference` what the verifier checks against.
+    `history` holds earlier chat turns shown before the question (few-shot examples) as (role, content) pairs."""
 
     prompt_id: str
     prompt: str
     reference: str
     meta: dict | None = None  # JSON-safe extras for verifiers and logs, e.g. {"split": "eval", "index": 3}
+    history: tuple[tuple[str, str], ...] = ()  # e.g. (("user", "Calculate 4 - 1."), ("assistant", "<answer>3</answer>"))
 
 
 @dataclass(frozen=True)

@@ -160,11 +160,36 @@ TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
+class WithExamples:
+    """A task whose items carry worked examples as earlier chat turns (`task.examples`, few-shot prompting). Each
+    example question gets `task.instruction` appended exactly as the real questions do (digit_sum has none)."""
+
+    def __init__(self, task: Task, examples, instruction: str):
+        self.task, self.name = task, task.name
+        turns = []
+        for ex in examples:
+            q = f"{ex.question}\n{instruction}" if instruction and task.name != "digit_sum" else ex.question
+            turns += [("user", q), ("assistant", ex.completion)]
+        self.history = tuple(turns)
+
+    def item(self, index: int) -> PromptItem:
+        return dataclasses.replace(self.task.item(index), history=self.history)
+
+    def __len__(self) -> int:
+        return len(self.task)
+
+    def __getattr__(self, name: str):  # entry(), score_answer(), split, ... of the wrapped task
+        return getattr(self.task, name)
+
+
 def make_task(task_cfg, seed: int, split: str = "train") -> Task:
     """The task of a config section. User files are read and checked here (DatasetError lists every problem)."""
     if task_cfg.name.startswith(RG_PREFIX):
-        return RGTask(task_cfg, seed, split)
-    return TASKS[task_cfg.name](seed, task_cfg, split)
+        task = RGTask(task_cfg, seed, split)
+    else:
+        task = TASKS[task_cfg.name](seed, task_cfg, split)
+    examples = getattr(task_cfg, "examples", ())
+    return WithExamples(task, examples, task_cfg.instruction) if examples else task
 
 
 def rg_config_problems(task_cfg) -> list[str]:
@@ -213,7 +238,24 @@ def check_task(task_cfg, seed: int) -> list[str]:
                 task.item(0)
     except Exception as e:  # a generator that fails on real indices
         return [f"task: building the {split} split of {name!r} failed ({type(e).__name__}: {e})"]
-    return []
+    return example_leaks(task_cfg, seed)
+
+
+def example_leaks(task_cfg, seed: int) -> list[str]:
+    """A worked example whose question is also a held-out question would show the model that answer in every prompt
+    of the evaluation: report it (eval questions are drawn for this; call only after the task itself checked out)."""
+    if not task_cfg.examples or task_cfg.eval_size == 0:
+        return []
+    held = make_task(task_cfg, seed, "eval")
+    try:
+        n = len(held)
+    except TypeError:  # digit_sum is unbounded
+        n = task_cfg.eval_size
+    questions = {held.item(i).prompt for i in range(n)}
+    instruction = task_cfg.instruction if task_cfg.name != "digit_sum" else ""
+    return [f"task.examples[{i}]: its question {ex.question!r} is also in the held-out eval split, so evaluation would "
+            "show the answer; use another question" for i, ex in enumerate(task_cfg.examples)
+            if (f"{ex.question}\n{instruction}" if instruction else ex.question) in questions]
 
 
 class PromptSampler:

@@ -40,14 +40,15 @@ def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.T
     return len(seen)
 
 
-def format_prompt(tokenizer, prompt: str, chat_template: bool = True) -> list[int]:
-    """Prompt text -> token ids: as one user turn of the chat template when asked and the tokenizer has one,
-    else the plain text with the tokenizer's own special tokens."""
+def format_prompt(tokenizer, item: PromptItem, chat_template: bool = True) -> list[int]:
+    """A prompt item -> token ids. With a chat template (asked for, and the tokenizer has one): the item's history
+    turns, then the question as the last user turn, then the assistant header. Otherwise plain text: every turn's text
+    followed by a blank line, then the question, with the tokenizer's own special tokens."""
     if chat_template and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True)
+        messages = [{"role": r, "content": c} for r, c in item.history] + [{"role": "user", "content": item.prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer(prompt)["input_ids"]
+    return tokenizer("".join(f"{c}\n\n" for _, c in item.history) + item.prompt)["input_ids"]
 
 
 class TorchGenerator:
@@ -76,7 +77,7 @@ class TorchGenerator:
     @torch.inference_mode()
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
         G = sampling.group_size
-        prompts = [format_prompt(self.tokenizer, it.prompt, self.chat_template) for it in items]
+        prompts = [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
         P = max(len(p) for p in prompts)
         # Left-pad so every row's last prompt token sits at the same column; positions come from the mask.
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)

@@ -112,6 +112,59 @@ def test_rg_params_from_toml(tmp_path):
         load_config(f, ["task.name='digit_sum'"])
 
 
+def test_examples_become_chat_turns_before_every_question(tmp_path):
+    pytest.importorskip("reasoning_gym")
+    f = tmp_path / "ex.toml"
+    f.write_text('[model]\npath = "builtin:tiny-digits"\n[task]\nname = "rg:basic_arithmetic"\neval_size = 20\n'
+                 "params = { min_terms = 2, max_terms = 2, min_digits = 1, max_digits = 1 }\n"
+                 'examples = [{ question = "Calculate 3 - 8.", completion = "3 - 8 = -5\\n<answer>-5</answer>" }]\n')
+    cfg = load_config(f)
+    assert check_task(cfg.task, 0) == []
+    for split in ("train", "eval"):
+        task = make_task(cfg.task, 0, split)
+        it = task.item(1)
+        assert it.history == (("user", "Calculate 3 - 8.\n" + INSTRUCTION), ("assistant", "3 - 8 = -5\n<answer>-5</answer>"))
+        # everything else is the zero-shot item, and the wrapped task still answers entry()/score_answer()
+        zero = make_task(rg_cfg(size=cfg.task.size, eval_size=20), 0, split)
+        assert it.prompt == zero.item(1).prompt and it.meta == zero.item(1).meta and len(task) == len(zero)
+        assert task.score_answer(it.reference, it) == 1.0
+    with pytest.raises(ConfigError, match=r"task.examples\[0\]: question and completion must both be non-empty"):
+        load_config(f, ["task.examples=[{question='Calculate 1 + 1.', completion=''}]"])
+    with pytest.raises(ConfigError, match=r"task.examples\[0\].answer: unknown key"):
+        load_config(f, ["task.examples=[{question='Calculate 1 + 1.', answer='2'}]"])
+
+
+def test_example_from_the_eval_split_is_refused():
+    pytest.importorskip("reasoning_gym")
+    import dataclasses
+
+    from cluster.config import Example
+
+    cfg = rg_cfg(eval_size=20)
+    question = make_task(cfg, 0, "eval").item(5).meta["entry"]["question"]
+    leaky = dataclasses.replace(cfg, examples=[Example("Calculate 9 + 9.", "x"), Example(question, "x")])
+    problems = check_task(leaky, 0)
+    assert len(problems) == 1 and problems[0].startswith("task.examples[1]: its question")
+    assert "held-out eval split" in problems[0]
+
+
+def test_examples_in_the_prompt_tokens(tiny_model_path):
+    """The generator renders history turns before the question: as chat turns, or as plain text without a template."""
+    from transformers import AutoTokenizer
+
+    from rollout.records import PromptItem
+    from rollout.torch_backend import format_prompt
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    item = PromptItem("p", "2+2=", "4", history=(("user", "1+1="), ("assistant", "2")))
+    assert format_prompt(tok, item, chat_template=False) == tok("1+1=\n\n2\n\n2+2=")["input_ids"]
+    assert format_prompt(tok, PromptItem("p", "2+2=", "4"), False) == tok("2+2=")["input_ids"]
+    # With a chat template every turn is rendered in order, then the generation prompt.
+    tok.chat_template = ("{% for m in messages %}{{ m.role[0] }}:{{ m.content }};{% endfor %}"
+                         "{% if add_generation_prompt %}a:{% endif %}")
+    assert format_prompt(tok, item, chat_template=True) == tok("u:1+1=;a:2;u:2+2=;a:", add_special_tokens=False)["input_ids"]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # user files
 
