@@ -14,5 +14,6 @@ class ReferenceActor:
         apply_threads(threads)
         self.scorer = ReferenceScorer(model_path, precision, group_size_quant)
 
-    def score(self, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
-        return self.scorer.score(input_ids, temperature)
+    def score(self, input_ids: torch.Tensor, temperature: float, prompt_lens: torch.Tensor | None = None,
+              group_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.scorer.score(input_ids, temperature, prompt_lens, group_ids)

@@ -69,6 +69,7 @@ class Workers:
                                     kl_coeff=cfg.algo.kl_coeff, kl_estimator=cfg.algo.kl_estimator,
                                     is_mode=cfg.algo.is_mode, is_cap=cfg.algo.is_cap),
             loss_agg=cfg.algo.loss_agg, temperature=ro.temperature, updates_per_batch=cfg.algo.updates_per_batch,
+            shared_prompt=le.shared_prompt,
             seed=cfg.run.seed,
         )
         port = _free_port()
@@ -94,7 +95,10 @@ class Workers:
         return groups, stats
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return ray.get(self.reference.score.remote(batch.input_ids, self.cfg.rollout.temperature))
+        shared = self.cfg.learner.shared_prompt
+        return ray.get(self.reference.score.remote(batch.input_ids, self.cfg.rollout.temperature,
+                                                   batch.prompt_lens if shared else None,
+                                                   batch.group_ids if shared else None))
 
     def train(self, batch: TrainBatch) -> list[dict]:
         n = len(self.learners)

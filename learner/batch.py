@@ -21,6 +21,8 @@ class TrainBatch:
     advantages: torch.Tensor  # [B] float32
     policy_versions: torch.Tensor  # [B] int64, weights version the generator sampled with
     ref_logp: torch.Tensor | None = None  # [B, T] float32, filled by the reference scorer when kl_coeff > 0
+    prompt_lens: torch.Tensor | None = None  # [B] int64, tokens of each row's prompt
+    group_ids: torch.Tensor | None = None  # [B] int64, rows with equal ids are completions of the same prompt
     # Global sizes of the whole step's batch, kept when sharding so every rank and micro-batch normalises alike.
     total_sequences: int = 0
     total_tokens: float = 0.0
@@ -46,8 +48,8 @@ class TrainBatch:
 
 
 def build_train_batch(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) -> TrainBatch:
-    rows, masks, mus, advs, versions = [], [], [], [], []
-    for g in groups:
+    rows, masks, mus, advs, versions, plens, gids = [], [], [], [], [], [], []
+    for gid, g in enumerate(groups):
         for comp, adv in zip(g.completions, g.advantages, strict=True):
             p, c = len(g.prompt_ids), len(comp.token_ids)
             rows.append(g.prompt_ids + comp.token_ids)
@@ -55,6 +57,8 @@ def build_train_batch(groups: list[GroupRollout], pad_id: int, max_new_tokens: i
             mus.append([0.0] * p + list(comp.logprobs))
             advs.append(adv)
             versions.append(g.policy_version)
+            plens.append(p)
+            gids.append(gid)
     T = max(len(r) for r in rows)
     B = len(rows)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -70,6 +74,8 @@ def build_train_batch(groups: list[GroupRollout], pad_id: int, max_new_tokens: i
         mu_logp=mu,
         advantages=torch.tensor(advs, dtype=torch.float32),
         policy_versions=torch.tensor(versions, dtype=torch.long),
+        prompt_lens=torch.tensor(plens, dtype=torch.long),
+        group_ids=torch.tensor(gids, dtype=torch.long),
         total_sequences=B,
         total_tokens=float(mask.sum()),
         max_new_tokens=max_new_tokens,

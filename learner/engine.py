@@ -47,6 +47,7 @@ class Learner:
         loss_agg: str = "token_mean",
         temperature: float = 1.0,
         updates_per_batch: int = 1,
+        shared_prompt: bool = True,
         seed: int = 0,
     ):
         import deepspeed
@@ -61,6 +62,7 @@ class Learner:
         self.loss_agg = loss_agg
         self.temperature = temperature
         self.updates_per_batch = updates_per_batch
+        self.shared_prompt = shared_prompt
         self.model_path = model_path
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
@@ -88,6 +90,12 @@ class Learner:
 
     # ---------------------------------------------------------------- training
 
+    def _logprobs(self, mb: TrainBatch) -> torch.Tensor:
+        """Policy log-probs [B, T]; with `shared_prompt` each distinct prompt of the micro-batch is run once."""
+        if self.shared_prompt and mb.prompt_lens is not None:
+            return token_logprobs(self.engine, mb.input_ids, self.temperature, mb.prompt_lens, mb.group_ids)
+        return token_logprobs(self.engine, mb.input_ids, self.temperature)
+
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         n = len(batch)
         return [batch.select(slice(i, i + self.micro_batch)) for i in range(0, n, self.micro_batch)]
@@ -103,12 +111,12 @@ class Learner:
         if self.updates_per_batch > 1:
             # pi_old = the BF16 policy as the batch arrives, before any update on it.
             with torch.no_grad():
-                old = [token_logprobs(self.engine, mb.input_ids, self.temperature) for mb in micro]
+                old = [self._logprobs(mb) for mb in micro]
         stats_acc: dict = {}
         loss_total, grad_norms = 0.0, []
         for update in range(self.updates_per_batch):
             for i, mb in enumerate(micro):
-                logp = token_logprobs(self.engine, mb.input_ids, self.temperature)
+                logp = self._logprobs(mb)
                 # With one update per batch pi_theta == pi_old at this point, so pi_old needs no extra forward.
                 old_logp = logp.detach() if old is None else old[i]
                 weights = aggregation_weights(

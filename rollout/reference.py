@@ -19,8 +19,14 @@ class ReferenceScorer:
         self.micro_batch = micro_batch
 
     @torch.no_grad()
-    def score(self, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-        """input_ids [B, T] -> log-probs [B, T] (position j: token j), computed in micro-batches."""
-        parts = [token_logprobs(self.model, input_ids[i:i + self.micro_batch], temperature)
-                 for i in range(0, input_ids.shape[0], self.micro_batch)]
+    def score(self, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
+              group_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, T] -> log-probs [B, T] (position j: token j), computed in micro-batches. With `prompt_lens`
+        (and `group_ids`) only completion positions are scored and each group's prompt is run once."""
+        parts = []
+        for i in range(0, input_ids.shape[0], self.micro_batch):
+            sl = slice(i, i + self.micro_batch)
+            parts.append(token_logprobs(self.model, input_ids[sl], temperature,
+                                        None if prompt_lens is None else prompt_lens[sl],
+                                        None if group_ids is None else group_ids[sl]))
         return torch.cat(parts)

@@ -1,18 +1,89 @@
-"""Per-token log-probs of given sequences: shared by the learner (policy, pi_old) and the reference scorer."""
+"""Per-token log-probs of given sequences: shared by the learner (policy, pi_old) and the reference scorer.
+
+GRPO batches are groups: G completions of one prompt. When the caller says where prompts end and which rows share
+one (`prompt_lens`, `group_ids`), each distinct prompt is run once and its KV cache is handed to every completion of
+the group (`shared_prompt_logprobs`). Gradients flow back through the shared cache, so this is the same function as
+the full forward, computed with far fewer tokens when prompts are long (few-shot prompts are ~140 tokens, completions
+~20), and the output projection runs only where log-probs are needed.
+"""
 from __future__ import annotations
 
 import torch
 
 
-def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """input_ids [B, T] -> log-probs [B, T] float32; position j = log p(token j | tokens < j) of the distribution
-    softmax(logits / temperature), the one the generators sample from. Position 0 has no prediction and is 0.
-
-    Uses logit[target] - logsumexp(logits) so the full [B, T, V] log-softmax is never materialised twice.
-    """
-    logits = model(input_ids=input_ids).logits[:, :-1].float()  # [B, T-1, V]
+def _picked(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log softmax(logits / T)[target] as logit[target] - logsumexp(logits), float32; [..., V], [...] -> [...]."""
+    logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    target = input_ids[:, 1:].unsqueeze(-1)  # [B, T-1, 1]
-    picked = logits.gather(-1, target).squeeze(-1) - torch.logsumexp(logits, dim=-1)  # [B, T-1]
-    return torch.nn.functional.pad(picked, (1, 0))
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
+                   group_ids: torch.Tensor | None = None, pad_id: int = 0) -> torch.Tensor:
+    """input_ids [B, T] (right-padded) -> log-probs [B, T] float32; position j = log p(token j | tokens < j) of the
+    distribution softmax(logits / temperature), the one the generators sample from. Position 0 has no prediction.
+
+    With `prompt_lens` [B] (and optionally `group_ids` [B]: rows with equal ids have the same prompt), positions before
+    a row's prompt end are 0 and only completion positions are scored, through `shared_prompt_logprobs`.
+    """
+    if prompt_lens is not None:
+        return shared_prompt_logprobs(model, input_ids, prompt_lens, group_ids, temperature, pad_id)
+    logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]
+    return torch.nn.functional.pad(_picked(logits, input_ids[:, 1:], temperature), (1, 0))
+
+
+def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
+                           group_ids: torch.Tensor | None = None, temperature: float = 1.0,
+                           pad_id: int = 0) -> torch.Tensor:
+    """Completion log-probs with each distinct prompt run once.
+
+    1. prefix pass: prompt tokens but the last, one row per group, left-padded, `use_cache=True`;
+    2. the cache is indexed out to the rows (differentiable: gradients of all G rows add up in the prefix);
+    3. suffix pass: each row's last prompt token + completion, on top of its group's cache; its logits score the
+       completion tokens, so the output projection never runs on prompt positions.
+    Rows of one group must have identical prompts (checked on lengths; the tokens are the caller's contract).
+    """
+    B, T = input_ids.shape
+    dev = input_ids.device
+    prompt_lens = prompt_lens.to(dev).long()
+    if group_ids is None:
+        group_ids = torch.arange(B, device=dev)
+    uniq, row_group = torch.unique(group_ids.to(dev), return_inverse=True)  # row_group [B]: index into uniq
+    N = len(uniq)
+    first = torch.full((N,), B, device=dev).scatter_reduce(0, row_group, torch.arange(B, device=dev), "amin")
+    group_len = prompt_lens[first]  # [N] prompt length of each group
+    if not torch.equal(group_len[row_group], prompt_lens):
+        raise ValueError("shared_prompt_logprobs: rows with the same group id have different prompt lengths")
+    if int(prompt_lens.min()) < 1 or int(prompt_lens.max()) > T:
+        raise ValueError(f"shared_prompt_logprobs: prompt lengths must be in 1..{T}")
+
+    K = int(group_len.max()) - 1  # prefix width: longest prompt minus its last token
+    cache, prefix_mask = None, torch.zeros((N, 0), dtype=torch.long, device=dev)
+    if K > 0:
+        prefix = torch.full((N, K), pad_id, dtype=torch.long, device=dev)
+        prefix_mask = torch.zeros((N, K), dtype=torch.long, device=dev)
+        for g in range(N):
+            n = int(group_len[g]) - 1
+            if n > 0:
+                prefix[g, K - n:] = input_ids[first[g], :n]
+                prefix_mask[g, K - n:] = 1
+        pos = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
+        out = model(input_ids=prefix, attention_mask=prefix_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_select_indices(row_group)  # [N, ...] -> [B, ...]
+
+    L = T - int(prompt_lens.min()) + 1  # longest suffix: last prompt token + completion (+ right padding)
+    suffix = torch.full((B, L), pad_id, dtype=torch.long, device=dev)
+    for b in range(B):
+        s = input_ids[b, int(prompt_lens[b]) - 1:]
+        suffix[b, :len(s)] = s
+    attn = torch.cat([prefix_mask[row_group], torch.ones((B, L), dtype=torch.long, device=dev)], dim=1)
+    pos = (prompt_lens - 1).unsqueeze(1) + torch.arange(L, device=dev)  # [B, L] positions continue the prompt's
+    kwargs = {"past_key_values": cache} if cache is not None else {}
+    logits = model(input_ids=suffix, attention_mask=attn, position_ids=pos, use_cache=cache is not None,
+                   **kwargs).logits[:, :-1]  # [B, L-1, V]
+    picked = _picked(logits, suffix[:, 1:], temperature)  # [B, L-1]: picked[b, j] scores token P_b + j
+    # Place at columns P_b .. P_b + L - 2; columns past T (suffix padding) land in the slack and are cut off.
+    idx = prompt_lens.unsqueeze(1) + torch.arange(L - 1, device=dev)
+    return torch.zeros((B, T + L), dtype=picked.dtype, device=dev).scatter(1, idx, picked)[:, :T]
