@@ -4,7 +4,7 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qgrpo-installed
-CONFIG ?= configs/tiny.toml
+CONFIG ?= configs/smollm2_arith.toml
 ARGS   ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1

@@ -57,6 +57,8 @@ class TaskConfig:
     eval_path: str = ""  # jsonl/parquet: a held-out file ("" = hold out the last eval_size rows of path)
     prompt_column: str = "prompt"  # jsonl/parquet: field with the question
     answer_column: str = "answer"  # jsonl/parquet: field with the reference answer (string or number)
+    # A system turn before every question (train and eval); "" = none (the chat template may add its own default).
+    system_prompt: str = ""
     # Worked examples put before every question (train and eval) as earlier chat turns; [] = zero-shot.
     # In TOML: examples = [{ question = "Calculate 4 - 1.", completion = "4 - 1 = 3\n<answer>3</answer>" }]
     examples: list[Example] = field(default_factory=list)

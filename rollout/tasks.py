@@ -160,13 +160,14 @@ TASKS: dict[str, Callable[..., Task]] = {
 }
 
 
-class WithExamples:
-    """A task whose items carry worked examples as earlier chat turns (`task.examples`, few-shot prompting). Each
-    example question gets `task.instruction` appended exactly as the real questions do (digit_sum has none)."""
+class WithHistory:
+    """A task whose items carry earlier chat turns: `task.system_prompt` as a system turn, then the worked examples of
+    `task.examples` as user/assistant pairs (few-shot prompting). Each example question gets `task.instruction`
+    appended exactly as the real questions do (digit_sum has none)."""
 
-    def __init__(self, task: Task, examples, instruction: str):
+    def __init__(self, task: Task, system_prompt: str, examples, instruction: str):
         self.task, self.name = task, task.name
-        turns = []
+        turns = [("system", system_prompt)] if system_prompt else []
         for ex in examples:
             q = f"{ex.question}\n{instruction}" if instruction and task.name != "digit_sum" else ex.question
             turns += [("user", q), ("assistant", ex.completion)]
@@ -188,8 +189,8 @@ def make_task(task_cfg, seed: int, split: str = "train") -> Task:
         task = RGTask(task_cfg, seed, split)
     else:
         task = TASKS[task_cfg.name](seed, task_cfg, split)
-    examples = getattr(task_cfg, "examples", ())
-    return WithExamples(task, examples, task_cfg.instruction) if examples else task
+    system, examples = getattr(task_cfg, "system_prompt", ""), getattr(task_cfg, "examples", ())
+    return WithHistory(task, system, examples, task_cfg.instruction) if system or examples else task
 
 
 def rg_config_problems(task_cfg) -> list[str]:

@@ -6,6 +6,7 @@ quantized copy is rebuilt, so the sender never needs to know the receiver's form
 from __future__ import annotations
 
 import copy
+import time
 import zlib
 from typing import Iterable
 
@@ -77,14 +78,7 @@ class TorchGenerator:
     @torch.inference_mode()
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
         G = sampling.group_size
-        prompts = [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
-        P = max(len(p) for p in prompts)
-        # Left-pad so every row's last prompt token sits at the same column; positions come from the mask.
-        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(prompts), P), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, P - len(p):] = torch.tensor(p)
-            attn[i, P - len(p):] = 1
+        prompts, ids, attn = self._encode(items)
         # Seeded per call from (step seed, generator id): reproducible, and different on every actor.
         base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
         self._calls += 1
@@ -109,13 +103,36 @@ class TorchGenerator:
                                        precision=self.precision))
         return groups
 
+    def _encode(self, items: list[PromptItem]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
+        """Token ids of each prompt, and the prompts left-padded into ids/mask [N, P] so every row's last prompt token
+        sits at the same column (positions come from the mask)."""
+        prompts = [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(prompts), P), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, P - len(p):] = torch.tensor(p)
+            attn[i, P - len(p):] = 1
+        return prompts, ids, attn
+
+    def _prefill(self, ids: torch.Tensor, attn: torch.Tensor):
+        return self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
+                          use_cache=True, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def prefill_seconds(self, items: list[PromptItem]) -> float:
+        """Wall time of the prompts' forward alone (what `generate` does first), for benchmarks."""
+        _, ids, attn = self._encode(items)
+        t0 = time.perf_counter()
+        self._prefill(ids.to(self.device), attn.to(self.device))
+        return time.perf_counter() - t0
+
     def _sample(self, ids: torch.Tensor, attn: torch.Tensor, G: int, sp: SamplingParams,
                 rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompts [N, P] -> sampled tokens and their log-probs [N*G, L] (CPU), L <= max_new_tokens.
         Rows that finished are padded after their EOS (log-prob 0)."""
         # Prefill each distinct prompt once, then copy its KV cache to its G rows (rows i*G .. i*G+G-1).
-        out = self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                         use_cache=True, logits_to_keep=1)
+        out = self._prefill(ids, attn)
         cache = out.past_key_values
         cache.batch_repeat_interleave(G)
         attn = attn.repeat_interleave(G, dim=0)

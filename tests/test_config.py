@@ -11,8 +11,11 @@ TINY = ROOT / "configs" / "tiny.toml"
 
 
 def test_presets_are_valid():
+    from rollout.tasks import check_task
+
     for preset in sorted((ROOT / "configs").glob("*.toml")):
-        load_config(preset)
+        cfg = load_config(preset)
+        assert check_task(cfg.task, cfg.run.seed) == [], preset  # includes: no worked example is a held-out question
 
 
 def test_override_types_and_values():

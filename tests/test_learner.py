@@ -85,3 +85,33 @@ def test_several_updates_per_batch_make_the_clip_act(tiny_model_path):
     s = out["stats"]
     assert s["tokens"] == 3 * _batch(32).total_tokens  # statistics cover every pass
     assert s["clipped_low"] + s["clipped_high"] > 0, "pi_theta moved away from pi_old after the first update"
+
+
+def _group_batch(vocab: int, groups: int = 4, G: int = 4, P: int = 6, L: int = 5) -> TrainBatch:
+    """`groups` prompts of P tokens with G completions each (lengths 1..L), as build_train_batch lays them out."""
+    b = _batch(vocab, B=groups * G, P=P, L=L)
+    ids = b.input_ids.clone()
+    ids[:, :P] = ids[::G, :P].repeat_interleave(G, dim=0)
+    return TrainBatch(**{**b.__dict__, "input_ids": ids, "prompt_lens": torch.full((groups * G,), P),
+                         "group_ids": torch.arange(groups * G) // G})
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_shared_prompt_learner_matches_full_forward(tiny_model_path, zero_stage):
+    """Through the DeepSpeed engine (bf16), the shared-prompt forward gives the full forward's loss, gradient norm and
+    update: a wrong cache hand-off or position would change all three."""
+    from learner.engine import Learner
+
+    batch = _group_batch(32)
+    outs, weights = [], []
+    for shared in (False, True):
+        learner = Learner(tiny_model_path, lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
+                          zero_stage=zero_stage, loss_cfg=GRPOLossConfig(kl_coeff=0.0), shared_prompt=shared)
+        outs.append(learner.train_step(batch))
+        weights.append({n: t.float() for n, t in learner.named_weights()})
+    full, shared = outs
+    assert shared["stats"]["tokens"] == full["stats"]["tokens"] == batch.total_tokens
+    assert shared["loss"] == pytest.approx(full["loss"], rel=2e-2, abs=1e-3)
+    assert shared["grad_norm"] == pytest.approx(full["grad_norm"], rel=2e-2) and full["grad_norm"] > 0
+    moved = [float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]]
+    assert max(moved) < 2e-2  # one Adam step of lr 1e-2 moves every weight by ~1e-2; bf16 rounding stays below

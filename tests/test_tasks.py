@@ -112,7 +112,7 @@ def test_rg_params_from_toml(tmp_path):
         load_config(f, ["task.name='digit_sum'"])
 
 
-def test_examples_become_chat_turns_before_every_question(tmp_path):
+def test_system_prompt_and_examples_become_chat_turns_before_every_question(tmp_path):
     pytest.importorskip("reasoning_gym")
     f = tmp_path / "ex.toml"
     f.write_text('[model]\npath = "builtin:tiny-digits"\n[task]\nname = "rg:basic_arithmetic"\neval_size = 20\n'
@@ -120,10 +120,13 @@ def test_examples_become_chat_turns_before_every_question(tmp_path):
                  'examples = [{ question = "Calculate 3 - 8.", completion = "3 - 8 = -5\\n<answer>-5</answer>" }]\n')
     cfg = load_config(f)
     assert check_task(cfg.task, 0) == []
+    shots = (("user", "Calculate 3 - 8.\n" + INSTRUCTION), ("assistant", "3 - 8 = -5\n<answer>-5</answer>"))
+    assert make_task(load_config(f, ["task.system_prompt='Be brief.'"]).task, 0).item(0).history == (
+        ("system", "Be brief."),) + shots
     for split in ("train", "eval"):
         task = make_task(cfg.task, 0, split)
         it = task.item(1)
-        assert it.history == (("user", "Calculate 3 - 8.\n" + INSTRUCTION), ("assistant", "3 - 8 = -5\n<answer>-5</answer>"))
+        assert it.history == shots
         # everything else is the zero-shot item, and the wrapped task still answers entry()/score_answer()
         zero = make_task(rg_cfg(size=cfg.task.size, eval_size=20), 0, split)
         assert it.prompt == zero.item(1).prompt and it.meta == zero.item(1).meta and len(task) == len(zero)
