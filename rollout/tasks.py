@@ -247,16 +247,15 @@ def example_leaks(task_cfg, seed: int) -> list[str]:
     of the evaluation: report it (eval questions are drawn for this; call only after the task itself checked out)."""
     if not task_cfg.examples or task_cfg.eval_size == 0:
         return []
-    held = make_task(task_cfg, seed, "eval")
+    held = make_task(task_cfg, seed, "eval")  # a WithHistory: its user turns are the examples as the model sees them
     try:
         n = len(held)
     except TypeError:  # digit_sum is unbounded
         n = task_cfg.eval_size
     questions = {held.item(i).prompt for i in range(n)}
-    instruction = task_cfg.instruction if task_cfg.name != "digit_sum" else ""
+    shown = [content for role, content in held.history if role == "user"]
     return [f"task.examples[{i}]: its question {ex.question!r} is also in the held-out eval split, so evaluation would "
-            "show the answer; use another question" for i, ex in enumerate(task_cfg.examples)
-            if (f"{ex.question}\n{instruction}" if instruction else ex.question) in questions]
+            "show the answer; use another question" for i, ex in enumerate(task_cfg.examples) if shown[i] in questions]
 
 
 class PromptSampler:
