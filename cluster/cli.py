@@ -46,14 +46,36 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _run_config(model: Path) -> dict | None:
+    """The effective config a qgrpo checkpoint was trained with (its trainer_state.json); None for other folders."""
+    state = model / "trainer_state.json"
+    if not state.is_file():
+        return None
+    try:
+        return json.loads(state.read_text())["config"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError([f"{state}: unreadable ({type(e).__name__}: {e}); pass --config PRESET to say which "
+                           "task and rewards to evaluate with"]) from None
+
+
 def _eval_command(args) -> int:
-    overrides = [f"model.path={json.dumps(str(Path(args.model).expanduser()))}", *args.overrides]
+    model = Path(args.model).expanduser()
+    overrides = [f"model.path={json.dumps(str(model))}", *args.overrides]
     if args.task:
         overrides.append(f"task.name={json.dumps(args.task)}")
     if args.precision:
         overrides.append(f"rollout.precision={json.dumps(args.precision)}")
     try:
-        cfg = load_config(args.config, overrides)
+        # A checkpoint is evaluated as its run was (task settings, worked examples, rewards, generation length)
+        # unless --config says otherwise; its task settings are dropped when --task names another task.
+        base = None if args.config else _run_config(model)
+        if base is not None:
+            if args.task and args.task != base.get("task", {}).get("name"):
+                base.pop("task", None)
+            base.get("run", {}).pop("wandb_project", None)  # evaluation logs nothing to W&B
+            print(f"qgrpo eval: task, rewards and generation length from the run config in {model}/trainer_state.json"
+                  " (--config PRESET to use another)", file=sys.stderr)
+        cfg = load_config(args.config, overrides, base=base)
     except ConfigError as e:
         print(f"qgrpo eval: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -68,7 +90,7 @@ def _eval_command(args) -> int:
     res = evaluate_model(cfg.model.path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
                          cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
                          precision=cfg.rollout.precision, chat_template=cfg.task.chat_template)
-    print(json.dumps({k: v for k, v in res.items() if k != "samples"}))
+    print(json.dumps({"task": cfg.task.name, **{k: v for k, v in res.items() if k != "samples"}}))
     print(f"qgrpo eval: {args.model}: accuracy {res['accuracy']:.1%} on {res['n']} held-out {cfg.task.name} prompts "
           f"({res['metric']}, greedy, {res['precision']})", file=sys.stderr)
     return 0

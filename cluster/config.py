@@ -6,6 +6,7 @@ cannot be confused with per-rank ones (`micro_batch_per_rank`).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import tomllib
@@ -244,10 +245,11 @@ def _set_path(data: dict, dotted: str, raw: str, problems: list[str]) -> None:
     section[parts[1]] = value
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
-    """Read a TOML preset, apply `section.key=value` overrides, build and validate. Raises ConfigError."""
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base: dict[str, Any] | None = None) -> Config:
+    """Read a TOML preset, apply `section.key=value` overrides, build and validate. Raises ConfigError.
+    Without a path, `base` (an effective config saved by a run, e.g. a checkpoint's) is the starting point."""
     problems: list[str] = []
-    data: dict[str, Any] = {}
+    data: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         p = Path(path)
         if not p.is_file():

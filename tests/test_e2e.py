@@ -119,3 +119,34 @@ def test_eval_command_on_checkpoint(two_step_run, capsys):
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["n"] == 12 and 0 <= out["accuracy"] <= 1 and out["precision"] == "bf16"
     assert main(["eval", str(two_step_run / "nope")]) == 2
+
+
+def test_eval_command_uses_the_checkpoints_run_config(two_step_run, tmp_path, capsys):
+    """Without --config, `qgrpo eval CHECKPOINT` evaluates as the run did: here a run config with eval_size 7."""
+    import shutil
+
+    ckpt = tmp_path / "step_000002"
+    shutil.copytree(two_step_run / "checkpoints" / "step_000002", ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    state["config"]["task"]["eval_size"] = 7
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    capsys.readouterr()
+    assert main(["eval", str(ckpt), "--task", "digit_sum"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out.strip().splitlines()[-1])
+    assert out["n"] == 7 and out["task"] == "digit_sum" and "trainer_state.json" in captured.err
+
+    (ckpt / "trainer_state.json").write_text("{not json")
+    assert main(["eval", str(ckpt)]) == 2
+    assert "--config" in capsys.readouterr().err
+
+
+def test_report_on_the_real_run(two_step_run, capsys):
+    """`qgrpo report` reads what the driver really wrote: every plot is a real non-empty PNG, nothing is missing."""
+    assert main(["report", str(two_step_run)]) == 0
+    out = two_step_run / "report"
+    for name in ("reward.png", "accuracy.png", "kl.png", "mismatch.png", "time.png"):
+        data = (out / name).read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5_000, name
+    md = (out / "summary.md").read_text()
+    assert "Missing" not in md and "no eval events" not in md and "Rollout rows:" in md
