@@ -20,8 +20,15 @@ def apply_threads(threads: int) -> None:
 
 
 def quiet_libraries() -> None:
-    """torchao logs a warning per missing CUDA-only kernel library at import; on CPU they are expected noise."""
+    """torchao logs a warning per missing CUDA-only kernel library at import; on CPU they are expected noise.
+    transformers draws a progress bar for every model load and save; from the actors they cut through the job's own
+    bar, so they are off unless the user set HF_HUB_DISABLE_PROGRESS_BARS themselves."""
     import logging
+    import sys
 
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging  # read the variable at import: already done here
+
+        hf_logging.disable_progress_bar()
