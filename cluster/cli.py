@@ -48,14 +48,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _run_config(model: Path) -> dict | None:
     """The effective config a qgrpo checkpoint was trained with (its trainer_state.json); None for other folders."""
-    state = model / "trainer_state.json"
-    if not state.is_file():
+    from cluster.checkpoint import STATE_FILE, read_state
+
+    if not (model / STATE_FILE).is_file():
         return None
     try:
-        return json.loads(state.read_text())["config"]
+        return read_state(model)["config"]
     except (OSError, ValueError, KeyError) as e:
-        raise ConfigError([f"{state}: unreadable ({type(e).__name__}: {e}); pass --config PRESET to say which "
-                           "task and rewards to evaluate with"]) from None
+        raise ConfigError([f"{model / STATE_FILE}: unreadable ({type(e).__name__}: {e}); pass --config PRESET to say "
+                           "which task and rewards to evaluate with"]) from None
 
 
 def _eval_command(args) -> int:
