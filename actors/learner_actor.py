@@ -8,6 +8,7 @@ import ray
 from actors.common import apply_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
 from learner.batch import TrainBatch
+from rollout.backends.common import probe_ids
 
 
 @ray.remote
@@ -24,19 +25,32 @@ class LearnerActor:
         from learner.engine import Learner
 
         self.rank = rank
+        self._probe: list[int] | None = None
         self.learner = Learner(world_size=world_size, **learner_kwargs)
 
     def train_step(self, shard: TrainBatch) -> dict:
         return self.learner.train_step(shard)
 
     def publish_weights(self, bucket_bytes: int) -> WeightUpdate | None:
-        """Every rank iterates (ZeRO-3 gathers are collectives); rank 0 publishes."""
+        """Every rank iterates (ZeRO-3 gathers are collectives); rank 0 publishes, with the policy's log-probs on
+        the probe sequence that every receiver checks its load against."""
+        probe = self._probe_ids()
+        probe_logprobs = self.learner.score(probe)  # a forward: collective under ZeRO-3, so every rank runs it
         weights = self.learner.named_weights()
         if self.rank == 0:
-            return ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
+            update = ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
+            update.probe_ids, update.probe_logprobs = probe, probe_logprobs
+            return update
         for _ in weights:
             pass
         return None
+
+    def _probe_ids(self) -> list[int]:
+        if self._probe is None:
+            from transformers import AutoTokenizer
+
+            self._probe = probe_ids(AutoTokenizer.from_pretrained(self.learner.model_path))
+        return self._probe
 
     def save(self, out_dir: str) -> None:
         self.learner.save(out_dir, rank=self.rank)

@@ -7,8 +7,9 @@ import ray
 
 from actors.common import apply_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
-from rollout.generator import make_generator
-from rollout.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
+from rollout.backends import make_generator
+from rollout.backends.common import check_fingerprint
+from core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 
 
 @ray.remote
@@ -24,10 +25,15 @@ class RolloutActor:
         return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version)
 
     def load_weights(self, update: WeightUpdate) -> dict:
+        """Load one versioned update, then prove it: the generator's log-probs on the update's probe sequence must
+        match the learner's within the precision's tolerance (WeightFingerprintError otherwise)."""
         t0 = time.perf_counter()
         self.gen.load_weights(update.version, ObjectStoreTransport.receive(update))
-        return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
-                "seconds": time.perf_counter() - t0}
+        seconds = time.perf_counter() - t0
+        fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
+                               self.gen.score(update.probe_ids), update.probe_logprobs)
+        return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version, "seconds": seconds,
+                "fingerprint_gap": fp["gap"], "fingerprint_corr": fp["corr"]}
 
     def info(self) -> dict:
         return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,

@@ -35,6 +35,10 @@ class WeightUpdate:
     buckets: list = field(default_factory=list)  # carrier-specific handles (ray ObjectRefs here)
     num_tensors: int = 0
     nbytes: int = 0
+    # A fingerprint of the sent weights: token ids of a fixed probe text and the sender's log-probs of tokens 1..
+    # under them; each receiver scores the same ids after loading and must agree within its precision's tolerance.
+    probe_ids: list[int] = field(default_factory=list)
+    probe_logprobs: list[float] = field(default_factory=list)
 
 
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:

@@ -38,9 +38,9 @@ def main() -> None:
 
     from cluster.config import load_config
     from rollout.models import resolve_model_path
-    from rollout.records import SamplingParams
+    from core.records import SamplingParams
     from rollout.tasks import make_task
-    from rollout.torch_backend import TorchGenerator
+    from rollout.backends.torch_backend import TorchGenerator
 
     torch.set_num_threads(args.threads)
     if args.config:

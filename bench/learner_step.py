@@ -36,7 +36,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from rollout.models import resolve_model_path
-    from rollout.scoring import token_logprobs
+    from core.scoring import token_logprobs
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.bfloat16)

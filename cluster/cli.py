@@ -38,6 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     e.add_argument("-n", type=int, default=0, help="held-out prompts (default: task.eval_size)")
     e.add_argument("--precision", default="bf16", help="generator precision for the evaluation (default bf16)")
+    e.add_argument("--backend", help="generator backend for the evaluation, e.g. vllm (default: the config's)")
     r = sub.add_parser("report", help="PNG plots and a Markdown summary of a run")
     r.add_argument("run_dir")
     x = sub.add_parser("export", help="copy a checkpoint into a folder that mlx-lm loads")
@@ -66,6 +67,8 @@ def _eval_command(args) -> int:
         overrides.append(f"task.name={json.dumps(args.task)}")
     if args.precision:
         overrides.append(f"rollout.precision={json.dumps(args.precision)}")
+    if args.backend:
+        overrides.append(f"rollout.backend={json.dumps(args.backend)}")
     try:
         # A checkpoint is evaluated as its run was (task settings, worked examples, rewards, generation length)
         # unless --config says otherwise; its task settings are dropped when --task names another task.
@@ -81,6 +84,7 @@ def _eval_command(args) -> int:
         print(f"qgrpo eval: {e}", file=sys.stderr)
         return EXIT_CONFIG
     from cluster.evaluate import accuracy_reward, evaluate_model
+    from rollout.backends import backend_options
     from rollout.tasks import make_task
 
     n = args.n or cfg.task.eval_size
@@ -90,10 +94,11 @@ def _eval_command(args) -> int:
         return EXIT_CONFIG
     res = evaluate_model(cfg.model.path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
                          cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
-                         precision=cfg.rollout.precision, chat_template=cfg.task.chat_template)
+                         precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
+                         backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout))
     print(json.dumps({"task": cfg.task.name, **{k: v for k, v in res.items() if k != "samples"}}))
     print(f"qgrpo eval: {args.model}: accuracy {res['accuracy']:.1%} on {res['n']} held-out {cfg.task.name} prompts "
-          f"({res['metric']}, greedy, {res['precision']})", file=sys.stderr)
+          f"({res['metric']}, greedy, {cfg.rollout.backend} {res['precision']})", file=sys.stderr)
     return 0
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-PRECISIONS = ("bf16", "int8", "int4", "nf4")
-BACKENDS = ("torch",)  # vllm and mlx plug in through rollout.generator.BACKENDS
+from rollout.backends import REGISTRY, TORCH_PRECISIONS, VLLMOptions  # backends, their precisions and options
+
 BUILTIN_MODEL_PREFIX = "builtin:"
 
 
@@ -87,11 +87,13 @@ class RewardsConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "torch"  # generator backend
-    precision: str = "int4"  # bf16 | int8 | int4 | nf4 (weights of the generators' linear layers)
+    backend: str = "torch"  # generator backend: torch | vllm (rollout/backends: what each serves and needs)
+    # Weights of the generators' linear layers. torch: bf16 | int8 | int4 | nf4; vllm: bf16 | int8 (W8A8) | fp8 (CUDA)
+    precision: str = "int4"
     group_size_quant: int = 64  # int4 quantization group along in_features
     num_actors: int = 1  # rollout actors; prompts of a step are spread over them, whole groups per actor
     num_cpus: float = 1.0  # Ray CPU resource per rollout actor
+    num_gpus: float = 0.0  # Ray GPU resource per rollout actor (CUDA clusters; vllm's tensor_parallel_size within)
     threads: int = 0  # torch threads per rollout actor (0 = cores / num_actors)
     prompts_per_step: int = 16  # prompts sampled per learner step (global)
     group_size: int = 8  # completions per prompt (G)
@@ -99,6 +101,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)  # [rollout.vllm]: read when backend = "vllm"
 
 
 @dataclass
@@ -230,19 +233,22 @@ def _build(cls, data: Any, where: str, problems: list[str]):
 
 
 def _set_path(data: dict, dotted: str, raw: str, problems: list[str]) -> None:
+    """section.key=value, or section.table.key=value for a nested table such as [rollout.vllm]."""
     parts = dotted.split(".")
-    if len(parts) != 2 or not all(parts):
+    if len(parts) < 2 or not all(parts):
         problems.append(f"--set {dotted}={raw}: expected section.key=value, e.g. --set learner.lr=1e-5")
         return
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw  # bare words are strings: --set rollout.precision=int8
-    section = data.setdefault(parts[0], {})
-    if not isinstance(section, dict):
-        problems.append(f"--set {dotted}: [{parts[0]}] is not a table")
-        return
-    section[parts[1]] = value
+    table = data
+    for i, part in enumerate(parts[:-1]):
+        table = table.setdefault(part, {})
+        if not isinstance(table, dict):
+            problems.append(f"--set {dotted}: [{'.'.join(parts[:i + 1])}] is not a table")
+            return
+    table[parts[-1]] = value
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base: dict[str, Any] | None = None) -> Config:
@@ -370,8 +376,15 @@ def validate(cfg: Config) -> list[str]:
              f"rewards.functions[{i}].weight: must be a finite number, got {spec.weight}")
     need(rw.on_error in ("fail", "zero"), f"rewards.on_error: must be 'fail' or 'zero', got {rw.on_error!r}")
 
-    need(ro.backend in BACKENDS, f"rollout.backend: unknown backend {ro.backend!r}; available here: {', '.join(BACKENDS)}")
-    need(ro.precision in PRECISIONS, f"rollout.precision: unknown precision {ro.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    spec = REGISTRY.get(ro.backend)
+    if spec is None:
+        p.append(f"rollout.backend: unknown backend {ro.backend!r}; choose one of {', '.join(REGISTRY)}")
+    else:  # the backend says which precisions, platforms and GPUs it serves
+        p.extend(spec.problems(ro.precision, ro.num_gpus))
+    for name, other in REGISTRY.items():  # each backend checks its own [rollout.NAME] table, chosen or not
+        if other.options is not None:
+            p.extend(getattr(ro, name).problems(f"rollout.{name}", ro.num_gpus))
+    need(ro.num_gpus >= 0, f"rollout.num_gpus: must be >= 0, got {ro.num_gpus}")
     need(ro.group_size_quant in (32, 64, 128), f"rollout.group_size_quant: must be 32, 64 or 128, got {ro.group_size_quant}")
     need(ro.num_actors >= 1, f"rollout.num_actors: must be >= 1, got {ro.num_actors}")
     need(ro.num_cpus >= 0, f"rollout.num_cpus: must be >= 0, got {ro.num_cpus}")
@@ -383,8 +396,9 @@ def validate(cfg: Config) -> list[str]:
     need(0 < ro.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {ro.top_p}")
     need(ro.top_k >= 0, f"rollout.top_k: must be >= 0 (0 = off), got {ro.top_k}")
 
-    need(cfg.reference.precision in PRECISIONS,
-         f"reference.precision: unknown precision {cfg.reference.precision!r}; choose one of {', '.join(PRECISIONS)}")
+    need(cfg.reference.precision in TORCH_PRECISIONS,
+         f"reference.precision: unknown precision {cfg.reference.precision!r}; the reference runs on torch: choose one "
+         f"of {', '.join(TORCH_PRECISIONS)}")
     need(cfg.reference.num_cpus >= 0, f"reference.num_cpus: must be >= 0, got {cfg.reference.num_cpus}")
     need(cfg.reference.threads >= 0, f"reference.threads: must be >= 0, got {cfg.reference.threads}")
 

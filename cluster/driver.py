@@ -20,7 +20,7 @@ from cluster.runlog import RunLog
 from learner.batch import TrainBatch, build_train_batch
 from learner.loss import finalize_stats, merge_stats
 from rollout.advantages import group_advantages
-from rollout.records import GenerationStats, GroupRollout, SamplingParams
+from core.records import GenerationStats, GroupRollout, SamplingParams
 from rollout.rewards import WeightedRewards
 from rollout.tasks import PromptSampler, make_task
 
@@ -88,8 +88,8 @@ def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], b
         "time/step": clock.last - clock.start,
     }
     if sync:
-        m["sync/bytes"], m["sync/buckets"], m["sync/load_seconds_max"] = (
-            sync["nbytes"], sync["buckets"], sync["load_seconds_max"])
+        m.update({f"sync/{k}": sync[k] for k in ("nbytes", "buckets", "load_seconds_max", "fingerprint_gap_max",
+                                                 "fingerprint_corr_min")})
     return m
 
 

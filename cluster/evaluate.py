@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rollout.records import GroupRollout, PromptItem, SamplingParams
+from core.records import GroupRollout, PromptItem, SamplingParams
 from rollout.rewards import REWARD_FUNCTIONS
 
 ACCURACY_REWARDS = ("answer_correct", "correct", "exact")  # first one configured is the accuracy metric
@@ -40,11 +40,13 @@ def score_eval(groups: list[GroupRollout], metric: str) -> dict:
 
 
 def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: str = "correct",
-                   precision: str = "bf16", batch: int = 32, chat_template: bool = True) -> dict:
-    """In-process evaluation of a checkpoint or model folder (used by `qgrpo eval`)."""
-    from rollout.torch_backend import TorchGenerator
+                   precision: str = "bf16", batch: int = 32, chat_template: bool = True, backend: str = "torch",
+                   options: dict | None = None) -> dict:
+    """In-process evaluation of a checkpoint or model folder (used by `qgrpo eval`), on any registered backend."""
+    from rollout.backends import make_generator
 
-    gen = TorchGenerator(model_path, precision=precision, generator_id=f"eval-{precision}", chat_template=chat_template)
+    gen = make_generator(backend, model_path=model_path, precision=precision, generator_id=f"eval-{backend}-{precision}",
+                         chat_template=chat_template, **(options or {}))
     items = eval_items(task, n)
     groups = []
     for i in range(0, n, batch):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollout.records import GroupRollout
+from core.records import GroupRollout
 
 SCHEMA_FIELDS = ("step", "prompt_id", "prompt", "reference", "completion", "reward", "advantage", "finish_reason",
                  "num_tokens", "mean_logprob", "policy_version", "precision", "generator_id")

@@ -17,7 +17,8 @@ from actors.weights import wait_all
 from cluster.config import Config
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig
-from rollout.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
+from rollout.backends import backend_options
+from core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 
 
 def _free_port() -> int:
@@ -44,11 +45,13 @@ class Workers:
         self.cfg = cfg
         r_threads = ro.threads or max(1, cores // ro.num_actors)
         self.rollout = [
-            RolloutActor.options(num_cpus=ro.num_cpus, runtime_env={"env_vars": thread_env(r_threads)}).remote(
+            RolloutActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
+                                 runtime_env={"env_vars": thread_env(r_threads)}).remote(
                 ro.backend,
                 dict(model_path=policy_path, precision=ro.precision, group_size_quant=ro.group_size_quant,
                      generator_id=f"{ro.backend}-{i}", seed=cfg.run.seed,
-                     initial_version=policy_version, chat_template=cfg.task.chat_template),
+                     initial_version=policy_version, chat_template=cfg.task.chat_template,
+                     **backend_options(ro.backend, ro)),
                 r_threads,
             )
             for i in range(ro.num_actors)
@@ -115,7 +118,9 @@ class Workers:
         if bad:
             raise RuntimeError(f"rollout actors report versions {bad} after syncing version {update.version}")
         return {"version": update.version, "nbytes": update.nbytes, "buckets": len(update.buckets),
-                "load_seconds_max": max(a["seconds"] for a in acks)}
+                "load_seconds_max": max(a["seconds"] for a in acks),
+                "fingerprint_gap_max": max(a["fingerprint_gap"] for a in acks),
+                "fingerprint_corr_min": min(a["fingerprint_corr"] for a in acks)}
 
     def rollout_info(self) -> list[dict]:
         return ray.get([a.info.remote() for a in self.rollout])

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from rollout.records import GroupRollout
+from core.records import GroupRollout
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss, merge_stats
-from rollout.scoring import token_logprobs
+from core.scoring import token_logprobs
 
 
 def _init_distributed(world_size: int) -> None:
@@ -147,6 +147,16 @@ class Learner:
         }
 
     # ---------------------------------------------------------------- weights and checkpoints
+
+    @torch.no_grad()
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs (temperature 1) of tokens 1.. of one sequence under the current policy; a forward, so under
+        ZeRO-3 every rank must call it."""
+        was_training = self.engine.module.training
+        self.engine.module.eval()
+        lp = token_logprobs(self.engine.module, torch.tensor([token_ids]))[0, 1:].float().tolist()
+        self.engine.module.train(was_training)
+        return lp
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, bf16 tensor) for every parameter, HF names. Under ZeRO-3 every rank must iterate (gathers are

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PRECISIONS = ("bf16", "int8", "int4", "nf4")
+from rollout.backends import TORCH_PRECISIONS as PRECISIONS  # declared by the backend registry
 
 # out_features must be a multiple of this, else the layer stays bf16 (measured: the packers raise otherwise).
 _OUT_MULTIPLE = {"int4": 16,  # aten._convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
@@ -172,3 +172,13 @@ def quant_config_summary(model: nn.Module) -> dict:
     n_q = sum(_is_quantized(m.weight) for m in lins)
     return {"precision": precision, "quantized_linears": n_q, "bf16_linears": len(lins) - n_q,
             "group_size": group_size if precision in ("int4", "nf4") else None}
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 quantization per output channel (row) of a [N, K] weight, computed in float32:
+    scale = max|w_row| / 127, q = round(w / scale) in [-127, 127]. Returns (q int8 [N, K], scale float32 [N, 1]);
+    q * scale reconstructs w within scale / 2 per element. The layout vLLM's compressed-tensors W8A8 int8 loads."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127.0).clamp(min=1e-12)
+    q = torch.round(w / scale).clamp_(-127, 127).to(torch.int8)
+    return q, scale

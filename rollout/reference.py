@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from rollout.quant import quantize_model
-from rollout.scoring import token_logprobs
+from core.scoring import token_logprobs
 
 
 class ReferenceScorer:

@@ -30,7 +30,12 @@ BAD = [
     ("nosection.x=1", "nosection: unknown key"),
     ("rollout.group_size=1", "rollout.group_size: must be >= 2"),
     ("learner.lr=-0.1", "learner.lr: must be in (0, 1)"),
-    ("rollout.precision=int3", "rollout.precision: unknown precision 'int3'"),
+    ("rollout.precision=int3", "rollout.precision: 'int3' is not served by the torch backend"),
+    ("rollout.backend='tensorrt'", "rollout.backend: unknown backend 'tensorrt'; choose one of torch, vllm"),
+    ("reference.precision=fp8", "reference.precision: unknown precision 'fp8'; the reference runs on torch"),
+    ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb: must be > 0"),
+    ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization: must be in (0, 1]"),
+    ("rollout.vllm.swap=4", "rollout.vllm.swap: unknown key; known keys of [rollout.vllm] are"),
     ("algo.clip_low=0.3", "algo.clip_low: must be <= algo.clip_high"),
     ("model.path='/nonexistent/model'", "model.path: folder '/nonexistent/model' does not exist"),
     ("model.path=''", "model.path: missing"),
@@ -56,7 +61,8 @@ def test_each_invalid_value_is_named(override, fragment):
 
 def test_all_problems_reported_at_once_by_cli(tmp_path):
     out = tmp_path / "runs"
-    used = [(o, f) for o, f in BAD if not o.startswith(("model.path", "learner.lr='"))]  # one value per field
+    # one value per field; an unknown backend would hide the precision check, which depends on the backend
+    used = [(o, f) for o, f in BAD if not o.startswith(("model.path", "learner.lr='", "rollout.backend"))]
     args = [f"--set={o}" for o, _ in used] + [f"--set=run.output_dir='{out}'"]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(TINY), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -66,6 +72,44 @@ def test_all_problems_reported_at_once_by_cli(tmp_path):
     assert proc.stderr.count("\n  - ") >= 10
     assert not out.exists(), "a rejected config must not create a run directory"
     assert "Traceback" not in proc.stderr
+
+
+# Backend/precision/platform combinations the backend registry refuses (each backend declares what it serves).
+BACKEND_BAD = [
+    (["rollout.backend=vllm", "rollout.precision=int4"], "rollout.precision: 'int4' is not served by the vllm backend; "
+                                                         "choose one of bf16, int8, fp8"),
+    (["rollout.backend=torch", "rollout.precision=fp8"], "rollout.precision: 'fp8' is not served by the torch backend"),
+    (["rollout.backend=vllm", "rollout.precision=fp8"], "rollout.precision: fp8 on vllm needs a CUDA GPU per rollout "
+                                                        "actor (set rollout.num_gpus >= 1); on CPU choose one of bf16, int8"),
+    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size: 2 GPUs per "
+                                                                      "engine, but each rollout actor has rollout.num_gpus"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", BACKEND_BAD, ids=[" ".join(b[0]) for b in BACKEND_BAD])
+def test_backend_combinations_are_checked_against_the_registry(overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_backend_table_round_trips_and_unavailable_backend_is_named(monkeypatch):
+    import tomllib
+
+    from cluster.config import config_from_dict
+    from cluster.runlog import to_toml
+    from rollout.backends import REGISTRY
+
+    cfg = load_config(TINY, ["rollout.backend=vllm", "rollout.precision=int8", "rollout.vllm.max_model_len=256"])
+    again = config_from_dict(tomllib.loads(to_toml(cfg.to_dict())))  # the saved effective config loads as it was
+    assert again.rollout.vllm.max_model_len == 256 and again.rollout.backend == "vllm"
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "vllm" else object())
+    with pytest.raises(ConfigError, match="rollout.backend: vllm needs the `vllm` package, which is not installed"):
+        load_config(TINY, ["rollout.backend=vllm", "rollout.precision=int8"])
+    monkeypatch.setattr(sys, "platform", "darwin")
+    with pytest.raises(ConfigError, match="rollout.backend: vllm does not run on darwin"):
+        load_config(TINY, ["rollout.backend=vllm", "rollout.precision=int8"])
+    assert REGISTRY["torch"].problems("int4", 0) == []
 
 
 def test_bad_toml_file(tmp_path):

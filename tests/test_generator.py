@@ -3,9 +3,10 @@ distribution it sampled from (compared with an independent full forward of the s
 import pytest
 import torch
 
-from rollout.records import PromptItem, SamplingParams
-from rollout.scoring import token_logprobs
-from rollout.torch_backend import TorchGenerator, WeightMismatchError
+from core.records import PromptItem, SamplingParams
+from core.scoring import token_logprobs
+from rollout.backends.common import WeightMismatchError
+from rollout.backends.torch_backend import TorchGenerator
 
 # Different prompt lengths, so left padding (mask and positions) is exercised.
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
@@ -29,7 +30,7 @@ def test_logprobs_match_the_sampled_distribution(tiny_model_path, temperature):
         assert g.policy_version == 0 and g.precision == "bf16"
         for c in g.completions:
             assert len(c.token_ids) == len(c.logprobs) >= 1
-            assert c.finish_reason == ("stop" if c.token_ids[-1] == gen.eos_id else "length")
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == gen.stop_ids[0] else "length")
             assert c.finish_reason == "stop" or len(c.token_ids) == 6
             assert all(lp <= 0 and lp == lp for lp in c.logprobs)
     rows, ids = _seqs(groups)
@@ -102,7 +103,7 @@ def test_rows_stop_at_eos_and_the_rest_run_to_length(tiny_model_path):
     for c in comps:
         assert len(c.token_ids) == len(c.logprobs)
         if c.finish_reason == "stop":
-            assert c.token_ids[-1] == gen.eos_id and gen.eos_id not in c.token_ids[:-1]
+            assert c.token_ids[-1] == gen.stop_ids[0] and gen.stop_ids[0] not in c.token_ids[:-1]
             assert len(c.token_ids) <= 20
         else:
-            assert len(c.token_ids) == 20 and gen.eos_id not in c.token_ids
+            assert len(c.token_ids) == 20 and gen.stop_ids[0] not in c.token_ids

@@ -9,7 +9,7 @@ HEAVY = ("ray", "deepspeed", "vllm", "mlx", "transformers", "torchao", "bitsandb
 
 SCRIPT = f"""
 import sys
-import learner.loss, rollout.advantages, learner, rollout, actors, cluster
+import learner.loss, rollout.advantages, learner, rollout, actors, cluster, core, rollout.backends
 heavy = [m for m in sys.modules if m.split(".")[0] in {HEAVY!r}]
 print(",".join(sorted(heavy)))
 """

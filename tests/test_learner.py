@@ -113,5 +113,10 @@ def test_shared_prompt_learner_matches_full_forward(tiny_model_path, zero_stage)
     assert shared["stats"]["tokens"] == full["stats"]["tokens"] == batch.total_tokens
     assert shared["loss"] == pytest.approx(full["loss"], rel=2e-2, abs=1e-3)
     assert shared["grad_norm"] == pytest.approx(full["grad_norm"], rel=2e-2) and full["grad_norm"] > 0
-    moved = [float((weights[0][n] - weights[1][n]).abs().max()) for n in weights[0]]
-    assert max(moved) < 2e-2  # one Adam step of lr 1e-2 moves every weight by ~1e-2; bf16 rounding stays below
+    diff = torch.cat([(weights[0][n] - weights[1][n]).abs().flatten() for n in weights[0]])
+    # One Adam step of lr 1e-2 moves every weight by ~1e-2 in the direction of its gradient's sign. A weight whose
+    # gradient is ~0 may flip sign between the two forwards (bf16 rounding) and differ by 2e-2; a wrong cache hand-off
+    # or position flips a large share of them.
+    flipped = float((diff > 1.5e-2).float().mean())
+    print(f"zero {zero_stage}: {flipped:.2e} of weights moved the other way, mean |diff| {float(diff.mean()):.2e}")
+    assert flipped < 2e-3 and float(diff.mean()) < 1e-3

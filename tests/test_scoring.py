@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from rollout.scoring import token_logprobs
+from core.scoring import token_logprobs
 
 
 def _model(seed: int = 0):

@@ -155,8 +155,8 @@ def test_examples_in_the_prompt_tokens(tiny_model_path):
     """The generator renders history turns before the question: as chat turns, or as plain text without a template."""
     from transformers import AutoTokenizer
 
-    from rollout.records import PromptItem
-    from rollout.torch_backend import format_prompt
+    from core.records import PromptItem
+    from rollout.backends.common import format_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     item = PromptItem("p", "2+2=", "4", history=(("user", "1+1="), ("assistant", "2")))

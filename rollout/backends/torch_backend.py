@@ -12,44 +12,21 @@ from typing import Iterable
 
 import torch
 
+from core.records import GroupRollout, PromptItem, SamplingParams
+from core.scoring import token_logprobs
+from rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
 from rollout.quant import linear_weight_bytes, quantize_model
-from rollout.records import Completion, GroupRollout, PromptItem, SamplingParams
-
-
-class WeightMismatchError(ValueError):
-    pass
 
 
 def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
-    """Copy a full set of (name, tensor) into `model`'s parameters; strict: every parameter exactly once, same shapes.
-    Returns the number of tensors loaded. Shared by generators and the reference scorer."""
+    """Copy a full set of (name, tensor) into `model`'s parameters; strict (every parameter exactly once, same
+    shapes), and all-or-nothing: the stream is checked to its end before any parameter changes. Returns the count."""
     params = dict(model.named_parameters())
-    seen: set[str] = set()
-    for name, t in named_tensors:
-        if name not in params:
-            raise WeightMismatchError(f"received weight {name!r} that this model does not have; is the stream from another model?")
-        if tuple(t.shape) != tuple(params[name].shape):
-            raise WeightMismatchError(
-                f"weight {name!r}: received shape {tuple(t.shape)}, model has {tuple(params[name].shape)}"
-            )
-        with torch.no_grad():
+    received = list(check_stream({n: tuple(p.shape) for n, p in params.items()}, named_tensors))
+    with torch.no_grad():
+        for name, t in received:
             params[name].copy_(t)
-        seen.add(name)
-    missing = set(params) - seen
-    if missing:
-        raise WeightMismatchError(f"weight stream lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
-    return len(seen)
-
-
-def format_prompt(tokenizer, item: PromptItem, chat_template: bool = True) -> list[int]:
-    """A prompt item -> token ids. With a chat template (asked for, and the tokenizer has one): the item's history
-    turns, then the question as the last user turn, then the assistant header. Otherwise plain text: every turn's text
-    followed by a blank line, then the question, with the tokenizer's own special tokens."""
-    if chat_template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": r, "content": c} for r, c in item.history] + [{"role": "user", "content": item.prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-    return tokenizer("".join(f"{c}\n\n" for _, c in item.history) + item.prompt)["input_ids"]
+    return len(received)
 
 
 class TorchGenerator:
@@ -66,7 +43,7 @@ class TorchGenerator:
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
-        self.eos_id = self.tokenizer.eos_token_id
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)
         self._master = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
         self._rebuild()
         self._seed = seed
@@ -85,22 +62,11 @@ class TorchGenerator:
         rng = torch.Generator(self.device).manual_seed(zlib.crc32(f"{base}/{self.generator_id}".encode()))
         new, logp = self._sample(ids.to(self.device), attn.to(self.device), G, sampling, rng)  # [N*G, L] each
         groups = []
-        for i, it in enumerate(items):
-            comps = []
-            for j in range(G):
-                row = i * G + j  # prompt i's G completions are consecutive rows
-                toks = new[row].tolist()
-                if self.eos_id in toks:
-                    n, reason = toks.index(self.eos_id) + 1, "stop"
-                else:
-                    n, reason = len(toks), "length"
-                comps.append(Completion(
-                    token_ids=toks[:n], logprobs=logp[row, :n].tolist(), finish_reason=reason,
-                    text=self.tokenizer.decode(toks[:n], skip_special_tokens=True),
-                ))
-            groups.append(GroupRollout(item=it, prompt_ids=prompts[i], completions=comps,
-                                       policy_version=self.policy_version, generator_id=self.generator_id,
-                                       precision=self.precision))
+        for i, it in enumerate(items):  # prompt i's G completions are rows i*G .. i*G+G-1
+            rows = range(i * G, (i + 1) * G)
+            groups.append(build_group(it, prompts[i], [(new[r].tolist(), logp[r].tolist()) for r in rows],
+                                      self.stop_ids, self.tokenizer, self.policy_version, self.generator_id,
+                                      self.precision))
         return groups
 
     def _encode(self, items: list[PromptItem]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
@@ -130,7 +96,7 @@ class TorchGenerator:
     def _sample(self, ids: torch.Tensor, attn: torch.Tensor, G: int, sp: SamplingParams,
                 rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompts [N, P] -> sampled tokens and their log-probs [N*G, L] (CPU), L <= max_new_tokens.
-        Rows that finished are padded after their EOS (log-prob 0)."""
+        Rows that finished are padded after their stop token (log-prob 0)."""
         # Prefill each distinct prompt once, then copy its KV cache to its G rows (rows i*G .. i*G+G-1).
         out = self._prefill(ids, attn)
         cache = out.past_key_values
@@ -141,10 +107,11 @@ class TorchGenerator:
         toks = torch.full((B, L), self.pad_id, dtype=torch.long, device=ids.device)
         lps = torch.zeros((B, L), device=ids.device)
         rows = torch.arange(B, device=ids.device)  # output rows still decoding, in batch order
+        stop = torch.tensor(self.stop_ids, device=ids.device)
         for step in range(L):
             tok, lp = _pick(logits, sp, rng)
             toks[rows, step], lps[rows, step] = tok, lp
-            live = tok != self.eos_id
+            live = ~torch.isin(tok, stop)
             if step == L - 1 or not live.any():
                 break
             if not live.all():  # drop finished rows from batch, mask and cache: they would only decode padding
@@ -161,6 +128,11 @@ class TorchGenerator:
         load_into(self._master, named_tensors)
         self._rebuild()
         self.policy_version = version
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> list[float]:
+        ids = torch.tensor([token_ids], device=self.device)
+        return token_logprobs(self.model, ids)[0, 1:].float().tolist()
 
     def memory_bytes(self) -> dict[str, int]:
         linear = linear_weight_bytes(self.model)

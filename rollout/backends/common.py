@@ -1,0 +1,139 @@
+"""What every generator backend needs: the prompt as token ids, the stop tokens, strict checks of a weight stream,
+the probe a weight load is fingerprinted with, and the `Completion` / `GroupRollout` records built from sampled tokens.
+
+Backends differ in how they sample; they must not differ in what they sample from (the same prompt ids), where a
+completion ends (the same stop tokens) or what they report, so all of that lives here once.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+from core.records import Completion, GroupRollout, PromptItem
+
+if TYPE_CHECKING:
+    import torch
+
+
+class WeightMismatchError(ValueError):
+    """A weight stream that does not fit the generator's model: a name it lacks or does not know, or a wrong shape."""
+
+
+class WeightFingerprintError(RuntimeError):
+    """After a weight load the generator's log-probs on the probe sequence disagree with the learner's."""
+
+
+# A fixed text whose tokens probe a weight load (see `probe_ids`): digits and operators for arithmetic models, words for
+# the rest. Any tokenizer encodes it (a character-level one maps letters it lacks to its unknown token).
+PROBE_TEXT = "12 + 34 = 46. 7 - 5 = 2. The quick brown fox jumps over the lazy dog; the answer is 9."
+PROBE_MAX_TOKENS = 32
+
+# How close a generator's probe log-probs must be to the learner's bf16 ones, per generator precision: at most
+# `max_gap` nats per token apart on average, and correlated at least `min_corr` across the probe's tokens. The gap
+# catches a broken load on a real model (SmolLM2-135M: wrong-format int8 load NaN, half-scaled MLPs 15.6); the
+# correlation catches it where every log-prob is alike, as on the near-uniform random tiny model (rows shuffled:
+# 0.20, bf16 tensors reloaded into the int8 engine: 0.81). Honest loads, measured (gap / corr):
+#   SmolLM2 torch: bf16 0.000/1.000, int8 0.10/0.997, int4 0.98/0.75, nf4 0.74/0.87; vLLM int8 W8A8 0.23/see note;
+#   tiny: every precision and backend <= 0.02 / >= 0.976.
+FINGERPRINT_TOLERANCE = {  # precision: (max_gap, min_corr)
+    "bf16": (0.1, 0.99), "fp8": (0.5, 0.95), "int8": (0.5, 0.95), "int4": (2.0, 0.6), "nf4": (2.0, 0.6),
+}
+
+
+def format_prompt(tokenizer, item: PromptItem, chat_template: bool = True) -> list[int]:
+    """A prompt item -> token ids. With a chat template (asked for, and the tokenizer has one): the item's history
+    turns, then the question as the last user turn, then the assistant header. Otherwise plain text: every turn's text
+    followed by a blank line, then the question, with the tokenizer's own special tokens."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": r, "content": c} for r, c in item.history] + [{"role": "user", "content": item.prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer("".join(f"{c}\n\n" for _, c in item.history) + item.prompt)["input_ids"]
+
+
+def stop_token_ids(model_path: str, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and all EOS ids of the model's generation config (chat
+    models often list several, e.g. <|im_end|> and <|endoftext|>)."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    gen_cfg = Path(model_path) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    out = list(dict.fromkeys(int(i) for i in ids))
+    if not out:
+        raise ValueError(f"{model_path}: neither the tokenizer nor generation_config.json names an EOS token; "
+                         "set eos_token_id in generation_config.json")
+    return out
+
+
+def probe_ids(tokenizer) -> list[int]:
+    return list(tokenizer(PROBE_TEXT)["input_ids"])[:PROBE_MAX_TOKENS]
+
+
+def fingerprint(got: list[float], expected: list[float]) -> tuple[float, float]:
+    """(mean |difference|, Pearson correlation) of two log-prob lists; NaN where either holds a non-finite value,
+    their lengths differ, or (correlation) one is constant."""
+    import math
+
+    if len(got) != len(expected) or not got or not all(math.isfinite(x) for x in [*got, *expected]):
+        return float("nan"), float("nan")
+    n = len(got)
+    gap = sum(abs(a - b) for a, b in zip(got, expected)) / n
+    mg, me = sum(got) / n, sum(expected) / n
+    cov = sum((a - mg) * (b - me) for a, b in zip(got, expected))
+    var = math.sqrt(sum((a - mg) ** 2 for a in got) * sum((b - me) ** 2 for b in expected))
+    return gap, (cov / var if var > 0 else float("nan"))
+
+
+def check_fingerprint(generator_id: str, precision: str, version: int, got: list[float],
+                      expected: list[float]) -> dict[str, float]:
+    """Raise WeightFingerprintError unless the generator's probe log-probs are within its precision's tolerance of
+    the learner's. Returns {"gap": ..., "corr": ...}."""
+    gap, corr = fingerprint(got, expected)
+    max_gap, min_corr = FINGERPRINT_TOLERANCE[precision]
+    if not (gap <= max_gap and corr >= min_corr):  # NaN fails too
+        raise WeightFingerprintError(
+            f"{generator_id} ({precision}): after loading version {version}, its log-probs on the probe sequence are "
+            f"{gap:.3g} nats per token from the learner's (at most {max_gap}) with correlation {corr:.3g} (at least "
+            f"{min_corr}): the engine does not hold the weights that were sent (a load in the wrong format, or a "
+            "broken re-quantization). Stopping rather than training on samples from the wrong model.")
+    return {"gap": gap, "corr": corr}
+
+
+def check_stream(expected: dict[str, tuple[int, ...]],
+                 named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pass the stream through, raising WeightMismatchError on a name not in `expected`, a wrong shape, a name twice,
+    or (at the end) a name never sent. Consumers must not commit anything before the stream is exhausted."""
+    seen: set[str] = set()
+    for name, t in named_tensors:
+        if name not in expected:
+            raise WeightMismatchError(f"received weight {name!r} that this model does not have; "
+                                      "is the stream from another model?")
+        if tuple(t.shape) != tuple(expected[name]):
+            raise WeightMismatchError(f"weight {name!r}: received shape {tuple(t.shape)}, model has "
+                                      f"{tuple(expected[name])}")
+        if name in seen:
+            raise WeightMismatchError(f"weight {name!r} received twice")
+        seen.add(name)
+        yield name, t
+    missing = set(expected) - seen
+    if missing:
+        raise WeightMismatchError(f"weight stream lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+
+
+def build_group(item: PromptItem, prompt_ids: list[int], samples: list[tuple[list[int], list[float]]],
+                stop_ids: list[int], tokenizer, policy_version: int, generator_id: str,
+                precision: str) -> GroupRollout:
+    """One prompt's G samples (token ids, their log-probs) -> a GroupRollout. A sample ends at its first stop token
+    (kept, finish_reason "stop"); one without a stop token ran to the length limit ("length")."""
+    stops = set(stop_ids)
+    comps = []
+    for toks, lps in samples:
+        end = next((i + 1 for i, t in enumerate(toks) if t in stops), None)
+        n = end if end is not None else len(toks)
+        comps.append(Completion(token_ids=list(toks[:n]), logprobs=[float(x) for x in lps[:n]],
+                                finish_reason="stop" if end is not None else "length",
+                                text=tokenizer.decode(toks[:n], skip_special_tokens=True)))
+    return GroupRollout(item=item, prompt_ids=list(prompt_ids), completions=comps, policy_version=policy_version,
+                        generator_id=generator_id, precision=precision)
