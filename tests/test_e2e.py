@@ -121,6 +121,16 @@ def test_eval_command_on_checkpoint(two_step_run, capsys):
     assert main(["eval", str(two_step_run / "nope")]) == 2
 
 
+def test_eval_command_with_the_vllm_backend(two_step_run, capsys):
+    ckpt = two_step_run / "checkpoints" / "step_000002"
+    tiny = str(ROOT / "configs" / "tiny.toml")
+    assert main(["eval", str(ckpt), "--config", tiny, "-n", "12", "--backend", "vllm", "--precision", "int8"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["n"] == 12 and out["backend"] == "vllm" and out["precision"] == "int8"
+    assert main(["eval", str(ckpt), "--config", tiny, "--backend", "vllm", "--precision", "int4"]) == 2
+    assert "'int4' is not served by the vllm backend" in capsys.readouterr().err
+
+
 def test_eval_command_uses_the_checkpoints_run_config(two_step_run, tmp_path, capsys):
     """Without --config, `qgrpo eval CHECKPOINT` evaluates as the run did: here a run config with eval_size 7."""
     import shutil

