@@ -1,0 +1,192 @@
+"""Rollout generator backends side by side, in one process, on the real SmolLM2-135M-Instruct:
+
+1. generation tokens/s of torch bf16, torch int8, vllm bf16, vllm int8 (our generators, via `make_generator`) at
+   32 x 64 (4 prompts x 8 completions x 64 new tokens) and 128 x 64 (16 prompts x 8 x 64), T = 1;
+2. bare vLLM (`vllm.LLM` as it comes, a separate engine) on the same prompt ids, and the ratio ours / bare
+   (target >= 0.9: what our wrapper costs on top of vLLM);
+3. one weight sync per generator as a rollout actor does it: `load_weights` of the model's own bf16 state dict
+   (strict check, re-quantization, reload) plus the fingerprint probe (`score` of the probe sequence), also as a share
+   of a default-job step;
+4. weight bytes per generator (`memory_bytes`: linear and total).
+
+    .venv/bin/python bench/rollout_backends.py [--cache-dir DIR] [--repeats N] [--out PATH]
+    .venv/bin/python bench/rollout_backends.py --quick   # smoke check: 32 x 64 only, 1 repeat
+
+Completions may stop early at EOS, so tokens/s counts the tokens actually generated. Each generator gets one warm-up
+call (vLLM's first call warms up for ~5 s); then the shapes are timed `--repeats` times, ours and bare vLLM
+interleaved so that load from other jobs hits both alike, and the median is reported. Prints tables and writes
+bench/results/rollout_backends.json (rollout_backends_quick.json with --quick).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from actors.common import thread_env  # noqa: E402  (imports nothing but os: safe before torch)
+
+STEP_S = 20.0  # one step of the default job, as measured in the README (seed 0, `qgrpo report`: ~20 s per step)
+GROUP, NEW_TOKENS = 8, 64
+SHAPES = {"32x64": 4, "128x64": 16}  # name (completions x new tokens): prompts
+QUESTIONS = ["Calculate 3 + 4.", "Calculate 9 - 5.", "Calculate 6 * 7.", "Calculate 8 + 8.", "Calculate 12 - 7.",
+             "Calculate 5 * 3.", "Calculate 14 + 9.", "Calculate 20 - 13.", "Calculate 4 * 9.", "Calculate 7 + 15.",
+             "Calculate 30 - 18.", "Calculate 6 * 6.", "Calculate 25 + 17.", "Calculate 11 - 4.", "Calculate 3 * 8.",
+             "Calculate 19 + 23."]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache-dir", default=os.environ.get("QGRPO_CACHE") or str(ROOT / ".cache" / "qgrpo"))
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quick", action="store_true", help="32 x 64 only, 1 repeat")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    if args.quick:
+        args.repeats = 1
+    shapes = {"32x64": SHAPES["32x64"]} if args.quick else SHAPES
+    out = Path(args.out or ROOT / "bench" / "results" / f"rollout_backends{'_quick' if args.quick else ''}.json")
+    args.out, started = str(out), datetime.datetime.now().isoformat(timespec="seconds")
+    # Before torch is imported: PASSIVE OpenMP (spinning idle threads slow a shared machine many times over).
+    os.environ.update(thread_env(args.threads))
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+    import torch
+    import vllm
+    from safetensors.torch import load_file
+
+    from core.records import PromptItem, SamplingParams
+    from rollout.backends import make_generator
+    from rollout.backends.common import probe_ids
+    from rollout.models import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    path = resolve_model_path("builtin:smollm2-135m-instruct", args.cache_dir)
+    items = [PromptItem(f"q{i}", q, "") for i, q in enumerate(QUESTIONS)]
+    state = load_file(str(Path(path) / "model.safetensors"))  # the bf16 weights a sync streams
+    gen_rows, sync_rows, mem_rows = [], [], []
+
+    def ours(gen):
+        def run(its, seed):
+            groups = gen.generate(its, SamplingParams(GROUP, NEW_TOKENS, temperature=1.0, seed=seed))
+            return sum(len(c.token_ids) for g in groups for c in g.completions)
+        return run
+
+    def time_generation(variants: dict) -> None:
+        """Warm each runner up once, then time every shape `repeats` times, variants interleaved; median tokens/s."""
+        for run in variants.values():
+            run(items[:SHAPES["32x64"]], 0)
+        for shape, n in shapes.items():
+            samples = {name: [] for name in variants}
+            for r in range(args.repeats):
+                for name, run in variants.items():
+                    t0 = time.perf_counter()
+                    tokens = run(items[:n], 1000 + r)
+                    samples[name].append((tokens, time.perf_counter() - t0))
+            for name, s in samples.items():
+                gen_rows.append({"variant": name, "shape": shape, "tokens": [t for t, _ in s],
+                                 "seconds": [round(x, 3) for _, x in s],
+                                 "tokens_per_s": statistics.median(t / x for t, x in s)})
+
+    def time_sync_and_memory(name: str, gen) -> None:
+        times, probe_times = [], []
+        probe = probe_ids(gen.tokenizer)
+        for version in (1, 2):
+            t0 = time.perf_counter()
+            gen.load_weights(version, list(state.items()))
+            t1 = time.perf_counter()
+            gen.score(probe)
+            times.append(time.perf_counter() - t0)
+            probe_times.append(time.perf_counter() - t1)
+        sync_rows.append({"variant": name, "seconds": times, "probe_seconds": probe_times,
+                          "median_s": statistics.median(times),
+                          "pct_of_step": 100 * statistics.median(times) / STEP_S})
+        mem_rows.append({"variant": name, **gen.memory_bytes()})
+
+    # torch first: vLLM's CPU worker may re-pin threads for the whole process once it starts.
+    for precision in ("bf16", "int8"):
+        name = f"torch {precision}"
+        gen = make_generator("torch", model_path=path, precision=precision, generator_id=f"torch-{precision}",
+                             chat_template=True)
+        time_generation({name: ours(gen)})
+        time_sync_and_memory(name, gen)
+        del gen
+        gc.collect()
+
+    from vllm import LLM
+    from vllm import SamplingParams as VSamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rollout.backends.common import format_prompt
+    from rollout.backends.vllm_backend import write_int8_folder
+
+    for precision in ("bf16", "int8"):
+        gen = make_generator("vllm", model_path=path, precision=precision, generator_id=f"vllm-{precision}",
+                             chat_template=True)
+        # Sync first: vLLM keeps its parallel groups process-wide, and closing the bare engine below tears them down
+        # for ours too, so ours is only used for generation while both are alive.
+        time_sync_and_memory(f"vllm {precision}", gen)
+        # A separate bare engine (never the one inside our generator), fed the very prompt ids ours builds.
+        prompt_ids = [format_prompt(gen.tokenizer, it, True) for it in items]
+        bare_sp = VSamplingParams(n=GROUP, max_tokens=NEW_TOKENS, temperature=1.0, logprobs=0,
+                                  stop_token_ids=gen.stop_ids)
+        with tempfile.TemporaryDirectory(prefix="bench-int8-") as tmp:
+            model = path if precision == "bf16" else str(write_int8_folder(path, Path(tmp)))
+            llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, distributed_executor_backend="uni", seed=0,
+                      logprobs_mode="processed_logprobs")
+
+            def bare(its, seed):
+                outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompt_ids[:len(its)]], bare_sp,
+                                    use_tqdm=False)
+                return sum(len(c.token_ids) for o in outs for c in o.outputs)
+
+            time_generation({f"vllm {precision}": ours(gen), f"bare vllm {precision}": bare})
+            del llm, bare  # at most two engines alive: drop the bare one before the next generator starts
+            gc.collect()
+        del gen
+        gc.collect()
+
+    # Tables.
+    rate = {(r["variant"], r["shape"]): r["tokens_per_s"] for r in gen_rows}
+    print(f"\nSmolLM2-135M-Instruct, {GROUP} completions x {NEW_TOKENS} new tokens per prompt, T=1, "
+          f"{args.threads} threads, median of {args.repeats}; torch {torch.__version__}, vllm {vllm.__version__}")
+    print(f"\n{'variant':<16}{'shape':>8}{'tokens':>14}{'seconds':>16}{'tok/s':>8}")
+    for r in gen_rows:
+        print(f"{r['variant']:<16}{r['shape']:>8}{'/'.join(map(str, r['tokens'])):>14}"
+              f"{'/'.join(f'{x:.2f}' for x in r['seconds']):>16}{r['tokens_per_s']:>8.0f}")
+    ratios = []
+    print(f"\n{'precision':<10}{'shape':>8}{'ours tok/s':>12}{'bare tok/s':>12}{'ours/bare':>11}  target >= 0.9")
+    for precision in ("bf16", "int8"):
+        for shape in shapes:
+            o, b = rate[(f"vllm {precision}", shape)], rate[(f"bare vllm {precision}", shape)]
+            ratios.append({"precision": precision, "shape": shape, "ours": o, "bare": b, "ratio": o / b})
+            print(f"{precision:<10}{shape:>8}{o:>12.0f}{b:>12.0f}{o / b:>11.2f}  {'ok' if o / b >= 0.9 else 'BELOW'}")
+    print(f"\n{'variant':<16}{'sync s':>14}{'median s':>10}{f'% of {STEP_S:.0f} s step':>16}")
+    for r in sync_rows:
+        print(f"{r['variant']:<16}{'/'.join(f'{x:.2f}' for x in r['seconds']):>14}{r['median_s']:>10.2f}"
+              f"{r['pct_of_step']:>15.1f}%")
+    print(f"\n{'variant':<16}{'linear MB':>10}{'total MB':>10}")
+    for r in mem_rows:
+        print(f"{r['variant']:<16}{r['linear'] / 2**20:>10.1f}{r['total'] / 2**20:>10.1f}")
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "meta": {"date": started, "torch": torch.__version__,
+                 "vllm": vllm.__version__, "cpu_count": os.cpu_count(), "model": path, "args": vars(args),
+                 "group_size": GROUP, "max_new_tokens": NEW_TOKENS, "step_s": STEP_S},
+        "generation": gen_rows, "ours_vs_bare": ratios, "weight_sync": sync_rows, "memory_bytes": mem_rows,
+    }, indent=2) + "\n")
+    print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+    main()
