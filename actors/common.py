@@ -22,12 +22,15 @@ def apply_threads(threads: int) -> None:
 def quiet_libraries() -> None:
     """torchao logs a warning per missing CUDA-only kernel library at import; on CPU they are expected noise.
     transformers draws a progress bar for every model load and save; from the actors they cut through the job's own
-    bar, so they are off unless the user set HF_HUB_DISABLE_PROGRESS_BARS themselves."""
+    bar, so they are off unless the user set HF_HUB_DISABLE_PROGRESS_BARS themselves. vLLM logs INFO lines at every
+    weight reload and cache reset; its level is WARNING unless the user set VLLM_LOGGING_LEVEL (read when vllm is
+    first imported, which the generator does after this)."""
     import logging
     import sys
 
     for name in ("torchao", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     if os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1") == "1" and "transformers" in sys.modules:
         from transformers.utils import logging as hf_logging  # read the variable at import: already done here
 
