@@ -45,7 +45,8 @@ QUESTIONS = ["Calculate 3 + 4.", "Calculate 9 - 5.", "Calculate 6 * 7.", "Calcul
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cache-dir", default=os.environ.get("QGRPO_CACHE") or str(ROOT / ".cache" / "qgrpo"))
+    ap.add_argument("--cache-dir", default="", help="builtin models' cache (default: $QGRPO_CACHE or ~/.cache/qgrpo, "
+                    "where `make train` converted SmolLM2)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true", help="32 x 64 only, 1 repeat")
