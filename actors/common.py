@@ -6,9 +6,11 @@ import os
 
 def thread_env(threads: int) -> dict[str, str]:
     """Environment for an actor process. PASSIVE: idle OpenMP threads sleep instead of spinning, which otherwise
-    slows the other actors on a shared machine by up to 10x."""
+    slows the other actors on a shared machine by up to 10x. Fault-injection drills (core/faults.py) pass through."""
+    from core import faults
+
     return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",
-            "TOKENIZERS_PARALLELISM": "false"}
+            "TOKENIZERS_PARALLELISM": "false", **faults.env()}
 
 
 def apply_threads(threads: int) -> None:

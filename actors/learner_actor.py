@@ -28,8 +28,8 @@ class LearnerActor:
         self._probe: list[int] | None = None
         self.learner = Learner(world_size=world_size, **learner_kwargs)
 
-    def train_step(self, shard: TrainBatch) -> dict:
-        return self.learner.train_step(shard)
+    def train_step(self, shard: TrainBatch, step: int = 0) -> dict:
+        return self.learner.train_step(shard, step)
 
     def publish_weights(self, bucket_bytes: int) -> WeightUpdate | None:
         """Every rank iterates (ZeRO-3 gathers are collectives); rank 0 publishes, with the policy's log-probs on

@@ -13,9 +13,70 @@ from typing import Iterator
 
 import torch
 
+from core import faults
+from core.scoring import token_logprobs
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss, merge_stats
-from core.scoring import token_logprobs
+
+# DeepSpeed's ZeRO optimizer states hold these plain-data objects besides tensors; nothing else is unpickled.
+_SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.zero.config.ZeroStageEnum",
+                 "deepspeed.utils.tensor_fragment.fragment_address")
+
+
+def _safe_checkpoint_engine():
+    """DeepSpeed's checkpoint engine with `torch.load(weights_only=True)`: a checkpoint folder from elsewhere cannot run
+    code when a run resumes from it (DeepSpeed's own engine unpickles arbitrary objects)."""
+    import importlib
+
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    allowed = [getattr(importlib.import_module(m), a) for m, _, a in (g.rpartition(".") for g in _SAFE_GLOBALS)]
+
+    class WeightsOnlyCheckpointEngine(TorchCheckpointEngine):
+        def load(self, path: str, map_location=None):
+            with torch.serialization.safe_globals(allowed):
+                return torch.load(path, map_location=map_location, weights_only=True)
+
+    return WeightsOnlyCheckpointEngine()
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """AdamW that can refuse a step. DeepSpeed calls it on the fp32 master weights at the accumulation boundary;
+    when `veto` is set, or any gradient on any rank is non-finite, it returns without touching weights or moments, so
+    the bf16 weights DeepSpeed copies back from the masters are bit-identical. The decision is all-reduced, so every
+    rank takes it together. `applied` says whether the last boundary really stepped."""
+
+    veto: str = ""
+    enabled: bool = True
+    applied: bool = False
+    reason: str = ""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if not self.enabled:
+            self.applied = True
+            return super().step(closure)
+        bad = torch.tensor([0.0 if self.veto else 1.0])
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and not torch.isfinite(p.grad).all():
+                    bad[0] = 0.0
+                    break
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MIN)
+        if bad.item() < 1.0:
+            self.applied, self.reason = False, self.veto or "grad_norm"
+            return None
+        self.applied, self.reason = True, ""
+        return super().step(closure)
+
+
+class GuardedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
+    """The LR schedule advances only with optimizer steps that were really taken."""
+
+    def step(self, epoch=None):
+        if getattr(self.optimizer, "applied", True) or self.last_epoch < 0:
+            super().step(epoch)
 
 
 def _init_distributed(world_size: int) -> None:
@@ -49,6 +110,8 @@ class Learner:
         updates_per_batch: int = 1,
         shared_prompt: bool = True,
         seed: int = 0,
+        guard: bool = True,
+        max_mismatch_kl: float = 0.0,
     ):
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -64,6 +127,8 @@ class Learner:
         self.updates_per_batch = updates_per_batch
         self.shared_prompt = shared_prompt
         self.model_path = model_path
+        self.guard = guard
+        self.max_mismatch_kl = max_mismatch_kl  # skip the update when mismatch/kl_mu_old exceeds it (0 = no bound)
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
@@ -76,17 +141,19 @@ class Learner:
             "train_batch_size": micro_batch_per_rank * self.grad_accum * world_size,
             "bf16": {"enabled": True},  # bf16 weights and activations, fp32 master weights in the optimizer
             "zero_optimization": {"stage": zero_stage},
+            "zero_allow_untested_optimizer": True,  # GuardedAdamW: torch's AdamW plus a veto (ZeRO checks the type)
             "gradient_clipping": grad_clip,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
         # A torch AdamW: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        self.inner_optimizer = GuardedAdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
         warm = max(warmup_steps, 0)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        scheduler = GuardedLambdaLR(self.inner_optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config
+            model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=ds_config
         )
+        self.engine.checkpoint_engine = _safe_checkpoint_engine()
 
     # ---------------------------------------------------------------- training
 
@@ -100,9 +167,11 @@ class Learner:
         n = len(batch)
         return [batch.select(slice(i, i + self.micro_batch)) for i in range(0, n, self.micro_batch)]
 
-    def train_step(self, batch: TrainBatch) -> dict:
+    def train_step(self, batch: TrainBatch, step: int = 0) -> dict:
         """One batch (this rank's shard) -> `updates_per_batch` optimizer updates. Returns summed statistics (to be
-        added across ranks by the caller, then turned into means by learner.loss.finalize_stats) and scalars."""
+        added across ranks by the caller, then turned into means by learner.loss.finalize_stats) and scalars.
+        With the guard on, an update whose inputs, loss or gradients are not finite, or whose sampler mismatch is
+        above `max_mismatch_kl`, is skipped on every rank; `skipped` names why ("" when every update was taken)."""
         self.engine.train()
         version_before = self.version
         micro = self._micro_batches(batch)
@@ -112,9 +181,11 @@ class Learner:
             # pi_old = the BF16 policy as the batch arrives, before any update on it.
             with torch.no_grad():
                 old = [self._logprobs(mb) for mb in micro]
+        nan_loss = faults.fires("learner.nan_loss", step) and self._rank() == 0
         stats_acc: dict = {}
-        loss_total, grad_norms = 0.0, []
+        loss_total, grad_norms, skipped = 0.0, [], ""
         for update in range(self.updates_per_batch):
+            checks = torch.zeros(5, dtype=torch.float64)  # sampler, reference, loss non-finite; mismatch sum, tokens
             for i, mb in enumerate(micro):
                 logp = self._logprobs(mb)
                 # With one update per batch pi_theta == pi_old at this point, so pi_old needs no extra forward.
@@ -126,25 +197,69 @@ class Learner:
                 loss, stats = grpo_loss(
                     logp, old_logp, mb.mu_logp, mb.ref_logp, mb.advantages, mb.completion_mask, weights, self.loss_cfg
                 )
+                if nan_loss:
+                    loss = loss * float("nan")
+                checks += self._checks(mb, loss, stats)
                 # Each rank's loss is its share of the global sum; DeepSpeed averages gradients over ranks, so scale
                 # back up. scale_wrt_gas=False: the weights already normalise over the whole batch.
                 self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                if i == len(micro) - 1:  # the accumulation boundary: decide together, then step (or not)
+                    opt = self.inner_optimizer
+                    # DeepSpeed's bf16 wrapper skips the inner step by itself on a non-finite gradient norm.
+                    opt.veto, opt.applied = self._veto(checks), False
+                    opt.reason = opt.veto or "grad_norm"
                 self.engine.step()
                 loss_total += loss.detach().item()
                 # Over every pass: the clip only acts from the second update on (the first has ratio 1 exactly).
                 stats_acc = merge_stats(stats_acc, stats)
+            self.inner_optimizer.veto = ""
             gn = self.engine.get_global_grad_norm()
             grad_norms.append(float(gn) if gn is not None else float("nan"))
+            if not self.inner_optimizer.applied:
+                skipped = self.inner_optimizer.reason
+                break
             self.version += 1
         return {
             "stats": {k: float(v) for k, v in stats_acc.items()},  # sums (and _max/_min) over tokens of all passes
-            "loss": loss_total / self.updates_per_batch,
+            "loss": loss_total / (update + 1),
             "grad_norm": grad_norms[-1],
             "lr": self.scheduler.get_last_lr()[0],
             "policy_version": self.version,
             "staleness": float((version_before - batch.policy_versions).float().mean()),
             "learn_seconds": time.perf_counter() - t0,
+            "skipped": skipped,
         }
+
+    @staticmethod
+    def _checks(mb: TrainBatch, loss: torch.Tensor, stats: dict) -> torch.Tensor:
+        m = mb.completion_mask > 0
+        ref_bad = mb.ref_logp is not None and not torch.isfinite(mb.ref_logp[m]).all()
+        return torch.tensor([float(not torch.isfinite(mb.mu_logp[m]).all()), float(ref_bad),
+                             float(not torch.isfinite(loss)), float(stats["kl_mu_old_sum"]), float(stats["tokens"])],
+                            dtype=torch.float64)
+
+    def _veto(self, checks: torch.Tensor) -> str:
+        """The reason to skip this update, the same on every rank (the checks are summed over ranks first)."""
+        if not self.guard:
+            self.inner_optimizer.enabled = False
+            return ""
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(checks)
+        sampler, reference, loss, kl_sum, tokens = checks.tolist()
+        kl = kl_sum / max(tokens, 1.0)
+        if sampler:
+            return "sampler_logprobs"
+        if reference:
+            return "reference_logprobs"
+        if loss:
+            return "loss"
+        if kl != kl or (self.max_mismatch_kl > 0 and kl > self.max_mismatch_kl):
+            return "mismatch"
+        return ""
+
+    @staticmethod
+    def _rank() -> int:
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
     # ---------------------------------------------------------------- weights and checkpoints
 

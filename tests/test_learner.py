@@ -120,3 +120,61 @@ def test_shared_prompt_learner_matches_full_forward(tiny_model_path, zero_stage)
     flipped = float((diff > 1.5e-2).float().mean())
     print(f"zero {zero_stage}: {flipped:.2e} of weights moved the other way, mean |diff| {float(diff.mean()):.2e}")
     assert flipped < 2e-3 and float(diff.mean()) < 1e-3
+
+
+def _snapshot(learner) -> tuple[dict, dict, int]:
+    weights = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
+    moments = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
+               for i, s in enumerate(learner.inner_optimizer.state.values())}
+    return weights, moments, learner.scheduler.last_epoch
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else (_same(a[k], b[k]) if isinstance(a[k], dict)
+                                                                 else a[k] == b[k])) for k in a)
+
+
+@pytest.mark.parametrize("poison", ["sampler_logprobs", "reference_logprobs", "mismatch"])
+def test_guard_skips_the_update_and_leaves_every_bit_unchanged(tiny_model_path, poison):
+    """A poisoned batch takes no optimizer step: weights, Adam moments and step, the LR schedule and the policy version
+    are bit-identical afterwards, and the reason is reported; the next clean batch trains normally."""
+    from dataclasses import replace
+
+    learner = _learner(tiny_model_path, micro=4)
+    learner.loss_cfg = GRPOLossConfig(kl_coeff=0.01)
+    batch = _batch(32)
+    batch = replace(batch, ref_logp=-2.0 * batch.completion_mask)
+    clean = learner.train_step(batch)  # one real step first (no bound yet): the moments exist
+    assert clean["skipped"] == ""
+    # The bound: well above this batch's own mismatch, far below the poisoned one's.
+    learner.max_mismatch_kl = 2 * clean["stats"]["kl_mu_old_sum"] / clean["stats"]["tokens"] + 0.5
+    before, version = _snapshot(learner), learner.version
+    if poison == "sampler_logprobs":
+        mu = batch.mu_logp.clone()
+        mu[3, 5] = float("nan")
+        bad = replace(batch, mu_logp=mu)
+    elif poison == "reference_logprobs":
+        ref = batch.ref_logp.clone()
+        ref[7, 4] = float("inf")
+        bad = replace(batch, ref_logp=ref)
+    else:  # a sampler 6 nats less sure of every token than the policy: per-token KL(mu || pi_old) grows ~ e^6
+        bad = replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask)
+    out = learner.train_step(bad)
+    assert out["skipped"] == poison and out["policy_version"] == version
+    after = _snapshot(learner)
+    assert _same(before[0], after[0]) and _same(before[1], after[1]) and before[2] == after[2]
+    assert learner.train_step(batch)["skipped"] == ""
+    assert learner.version == version + 1
+    assert not _same(before[0], _snapshot(learner)[0])
+
+
+def test_guard_off_takes_the_step(tiny_model_path):
+    """With guard.enabled = false a mismatch above the bound is not a reason to skip (the control of the test above)."""
+    from dataclasses import replace
+
+    learner = _learner(tiny_model_path, micro=4)
+    learner.guard, learner.max_mismatch_kl = False, 0.01
+    batch = _batch(32)
+    out = learner.train_step(replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask))
+    assert out["skipped"] == "" and learner.version == 1
