@@ -1,0 +1,245 @@
+"""Pre-flight checks: what a valid config would still hang on or train garbage with, found before Ray starts.
+
+`preflight(cfg, model_path, cpus)` runs after `load_config` (the values are valid) and `check_task` (the task can be
+built), once the model folder is resolved, and before Ray starts or the run directory is created. Each problem is one
+line, "section.field: what is wrong (the numbers); the fix", like the messages of `cluster.config.validate`:
+
+1. run.output_dir can be created: its nearest existing ancestor is a folder this user may write into.
+2. Context length: the longest prompt, formatted exactly as the generators format it (`format_prompt`: chat template,
+   system prompt, worked examples), plus rollout.max_new_tokens fits the model's max_position_embeddings (and the
+   vLLM engine's rollout.vllm.max_model_len when set).
+3. Unknown tokens: no formatted prompt contains the tokenizer's unknown token (a character-level tokenizer given
+   words turns the prompt into <unk>s; training then optimises on noise).
+4. CPUs: rollout actors and learner ranks each get a core of their own, and the Ray CPUs the job asks for are at most
+   twice the CPUs there are (actors may share cores; far fewer cores than actors never finishes a step).
+
+Checks 2 and 3 look at a bounded deterministic sample of prompts (see `sample_items`). Cost on a 2-core CPU: loading
+the tokenizer imports transformers (a few seconds, mostly torch, which the driver imports next anyway); formatting
+the sample takes well under a second.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cluster.config import Config
+    from core.records import PromptItem
+
+# Prompts looked at per split: the first TRAIN_SAMPLE train items, and the first EVAL_SAMPLE eval items when the run
+# evaluates (all of them for eval_size <= EVAL_SAMPLE, as in the presets). Items of one task come from one generator or
+# file, so the first few hundred show its prompt lengths and alphabet; 512 keeps the slowest reasoning-gym generators
+# (milliseconds per item) and the chat-template rendering (~0.2 ms per prompt on SmolLM2) well under a second.
+# A user file is in memory already, so its LONGEST_ROWS longest rows (by characters) are added wherever they are.
+TRAIN_SAMPLE = 512
+EVAL_SAMPLE = 512
+LONGEST_ROWS = 64
+EXAMPLE_CHARS = 60  # how much of an example prompt a message quotes
+CPU_OVERSUBSCRIPTION = 2  # Ray CPUs asked for may be up to this many times the CPUs there are
+
+
+def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = False) -> list[str]:
+    """Every problem found, one line each; [] when the run may start. `model_path` is the resolved local model folder;
+    `cpus` the CPUs of this machine (local Ray) or of the cluster, None to skip the CPU checks. A resumed run writes
+    into its own run directory, so run.output_dir is not checked then."""
+    problems = [] if resuming else output_dir_problems(cfg.run.output_dir)
+    problems += prompt_problems(cfg, model_path)
+    if cpus is not None:
+        problems += cpu_problems(cfg, cpus)
+    return problems
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 1. run.output_dir
+
+
+def output_dir_problems(output_dir: str) -> list[str]:
+    """run.output_dir must be creatable: the nearest existing ancestor is a writable folder. Creates nothing."""
+    target = Path(output_dir).expanduser().absolute()
+    fix = "pick a folder you can write to, e.g. --set run.output_dir=~/qgrpo-runs"
+    p = target
+    while not os.path.exists(p):  # False on any OSError too (a parent without search permission); root exists
+        if os.path.islink(p):
+            return [f"run.output_dir: {output_dir!r} cannot be created: {str(p)!r} is a broken symbolic link; {fix}"]
+        p = p.parent
+    what = "is" if p == target else f"cannot be created: its nearest existing parent {str(p)!r} is"
+    if not p.is_dir():
+        return [f"run.output_dir: {output_dir!r} {what} a file, not a folder; {fix}"]
+    if not os.access(p, os.W_OK | os.X_OK):
+        return [f"run.output_dir: {output_dir!r} {what} not writable by this user; {fix}"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 2 and 3. Prompts against the model: context length and unknown tokens
+
+
+def model_context(model_path: str) -> int | None:
+    """max_position_embeddings from MODEL/config.json (or its text_config), None when absent or unreadable."""
+    try:
+        data = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for d in (data, data.get("text_config") or {}):
+        v = d.get("max_position_embeddings") if isinstance(d, dict) else None
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def _length(task: Any) -> int | None:
+    try:
+        return len(task)
+    except TypeError:  # digit_sum is unbounded
+        return None
+
+
+def sample_items(cfg: Config) -> list[PromptItem]:
+    """The prompts the checks look at: the first TRAIN_SAMPLE train items, the first EVAL_SAMPLE eval items when
+    run.eval is on, and for jsonl/parquet tasks also the LONGEST_ROWS longest rows of each split. Deterministic."""
+    from rollout.tasks import make_task
+
+    splits = [("train", TRAIN_SAMPLE)]
+    if cfg.run.eval and cfg.task.eval_size > 0:
+        splits.append(("eval", min(cfg.task.eval_size, EVAL_SAMPLE)))
+    items = []
+    for split, n in splits:
+        task = make_task(cfg.task, cfg.run.seed, split)
+        size = _length(task)
+        indices = list(range(n if size is None else min(n, size)))
+        rows = getattr(task, "rows", None)  # jsonl/parquet: rows in memory (train item i is row i % len)
+        if rows:
+            indices += sorted(range(len(rows)), key=lambda i: -len(rows[i].prompt))[:LONGEST_ROWS]
+        items += [task.item(i) for i in dict.fromkeys(indices)]
+    return items
+
+
+def _quote(text: str) -> str:
+    return repr(text if len(text) <= EXAMPLE_CHARS else text[:EXAMPLE_CHARS] + "...")
+
+
+def prompt_problems(cfg: Config, model_path: str) -> list[str]:
+    """Checks 2 (context length) and 3 (unknown tokens) on the sampled prompts, formatted as the generators do."""
+    from rollout.backends.common import format_prompt
+
+    try:
+        items = sample_items(cfg)
+    except Exception as e:  # check_task normally reports this first, with the same cause
+        return [f"task.name: could not draw prompts from {cfg.task.name!r} ({type(e).__name__}: {e}); "
+                "run `qgrpo check CONFIG` for the task's problems"]
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path)  # as the generators load it
+    except Exception as e:
+        return [f"model.path: cannot load the tokenizer from {model_path!r} ({type(e).__name__}: {e}); give a HF "
+                "model folder with its tokenizer files (tokenizer.json / tokenizer_config.json)"]
+
+    formatted: dict[tuple, tuple[list[int], PromptItem]] = {}  # easy tasks repeat prompts: format each once
+    for it in items:
+        key = (it.history, it.prompt)
+        if key not in formatted:
+            formatted[key] = (list(format_prompt(tok, it, cfg.task.chat_template)), it)
+    prompts = list(formatted.values())
+    if not prompts:
+        return []
+    problems = _context_problems(cfg, model_path, max(len(ids) for ids, _ in prompts))
+    problems += _unknown_token_problems(cfg, model_path, tok, prompts)
+    return problems
+
+
+def _context_problems(cfg: Config, model_path: str, longest: int) -> list[str]:
+    ro, out = cfg.rollout, []
+    n, ctx = ro.max_new_tokens, model_context(model_path)
+    where = f"max_position_embeddings in {Path(model_path) / 'config.json'}"
+    if ctx is not None and n + longest > ctx:
+        if longest < ctx:
+            fix = f"set rollout.max_new_tokens <= {ctx - longest} or shorten the prompts"
+        else:
+            fix = ("the prompt alone fills it: shorten the prompts (task.examples, task.system_prompt, "
+                   "task.instruction) or use a model with a longer context")
+        out.append(f"rollout.max_new_tokens: {n} new tokens + the longest prompt ({longest} tokens) exceed the "
+                   f"model's context of {ctx} positions ({where}); {fix}")
+    limit = ro.vllm.max_model_len
+    if ro.backend == "vllm" and limit > 0:
+        if ctx is not None and limit > ctx:  # vLLM refuses an engine longer than the model's context
+            out.append(f"rollout.vllm.max_model_len: {limit} tokens is more than the model's context of {ctx} "
+                       f"positions ({where}); set rollout.vllm.max_model_len <= {ctx}, or 0 for the model's context")
+        elif n + longest > limit:
+            fix = (f"set rollout.vllm.max_model_len >= {n + longest}" + (f" (at most {ctx})" if ctx else "")
+                   + " or 0 for the model's context" + (f", or rollout.max_new_tokens <= {limit - longest}"
+                                                         if longest < limit else ""))
+            out.append(f"rollout.vllm.max_model_len: {n} new tokens (rollout.max_new_tokens) + the longest prompt "
+                       f"({longest} tokens) exceed the vLLM engine's max_model_len of {limit} tokens; {fix}")
+    return out
+
+
+def _unknown_token_problems(cfg: Config, model_path: str, tok: Any,
+                            prompts: list[tuple[list[int], PromptItem]]) -> list[str]:
+    unk = tok.unk_token_id
+    if unk is None:  # byte-level BPE tokenizers write any text
+        return []
+    # Some tokenizers use one token as unknown AND as bos/eos/pad (GPT-2's <|endoftext|>), which a chat template may
+    # put in every prompt; then only the texts themselves (question, system prompt, worked examples) are checked.
+    shared = unk in {getattr(tok, f"{k}_token_id", None) for k in ("bos", "eos", "pad", "sep", "cls")}
+    if shared:
+        def encode(item: PromptItem, ids: list[int]) -> list[int]:
+            return [t for text in [*(c for _, c in item.history), item.prompt]
+                    for t in tok(text, add_special_tokens=False)["input_ids"]]
+    else:
+        def encode(item: PromptItem, ids: list[int]) -> list[int]:
+            return ids
+
+    bad, unknown, total = [], 0, 0
+    for ids, item in prompts:
+        seq = encode(item, ids)
+        k = sum(t == unk for t in seq)
+        unknown, total = unknown + k, total + len(seq)
+        if k:
+            bad.append((k, len(seq), item, ids))
+    if not bad:
+        return []
+    k, n, item, ids = bad[0]
+    parts = [item.prompt, *(c for _, c in item.history)]  # quote the text that holds the unknown characters
+    example = next((t for t in parts if unk in tok(t, add_special_tokens=False)["input_ids"]), None)
+    if example is not None:
+        where = f"e.g. {_quote(example)} ({k} of {n} tokens)"
+    else:  # every text alone is known: the unknown tokens come from what the formatting adds around them
+        where = (f"e.g. {_quote(tok.decode(ids))} ({k} of {n} tokens; the texts alone encode without it, so it "
+                 "comes from the formatting: the blank lines between turns or the chat template)")
+    return [f"task.name: {len(bad)} of the {len(prompts)} distinct prompts sampled from {cfg.task.name!r} contain the "
+            f"unknown token {tok.unk_token!r} of the tokenizer of model.path={cfg.model.path!r} ({model_path}); "
+            f"{unknown / total:.0%} of their tokens are unknown, {where}; "
+            "choose a task this tokenizer can write, or a model whose tokenizer covers it"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 4. CPUs
+
+
+def cpu_problems(cfg: Config, cpus: int) -> list[str]:
+    """Actors and ranks against the CPUs of this machine or cluster (logical CPUs, as Ray counts them)."""
+    ro, le, out = cfg.rollout, cfg.learner, []
+    bigger = "or join a bigger cluster with --ray-address"
+    if ro.num_actors > cpus:
+        out.append(f"rollout.num_actors: {ro.num_actors} rollout actors on {cpus} CPUs; each needs a core to make "
+                   f"progress (64 actors on 2 cores never completed a step); lower rollout.num_actors to at most "
+                   f"{cpus}, {bigger}")
+    if le.world_size > cpus:
+        out.append(f"learner.world_size: {le.world_size} learner ranks on {cpus} CPUs; each rank needs a core; lower "
+                   f"learner.world_size to at most {cpus} (rollout.prompts_per_step * rollout.group_size must stay a "
+                   f"multiple of it), {bigger}")
+    asks = {"rollout.num_cpus": (ro.num_actors * ro.num_cpus, f"rollout {ro.num_actors} x {ro.num_cpus:g}"),
+            "learner.num_cpus": (le.world_size * le.num_cpus, f"learner {le.world_size} x {le.num_cpus:g}")}
+    if cfg.algo.kl_coeff > 0:  # the reference actor exists only with a KL term
+        asks["reference.num_cpus"] = (cfg.reference.num_cpus, f"reference {cfg.reference.num_cpus:g}")
+    total = sum(v for v, _ in asks.values())
+    if total > CPU_OVERSUBSCRIPTION * cpus:
+        field = max(asks, key=lambda k: asks[k][0])  # the largest share names the message
+        out.append(f"{field}: the job asks Ray for {total:g} CPUs ({' + '.join(d for _, d in asks.values())}), more "
+                   f"than {CPU_OVERSUBSCRIPTION} x the {cpus} CPUs there are ({CPU_OVERSUBSCRIPTION * cpus}); actors "
+                   f"may share cores, not this thinly; lower rollout.num_actors or the num_cpus of the rollout, "
+                   f"learner and reference actors, {bigger}")
+    return out

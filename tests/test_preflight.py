@@ -1,0 +1,206 @@
+"""cluster/preflight.py: the checks between a valid config and starting Ray, on the real tiny model and tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from cluster.config import load_config
+from cluster.preflight import TRAIN_SAMPLE, model_context, preflight, sample_items
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+SMOLLM2 = ROOT / "configs" / "smollm2_arith.toml"
+
+
+def tiny_cfg(model: str, tmp_path: Path, *overrides: str):
+    return load_config(TINY, [f"model.path='{model}'", f"run.output_dir='{tmp_path / 'runs'}'", *overrides])
+
+
+def only(problems: list[str], field: str) -> str:
+    assert len(problems) == 1, problems
+    assert problems[0].startswith(f"{field}: "), problems
+    return problems[0]
+
+
+def test_tiny_preset_is_clean(tiny_model_path, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the preset's own output_dir ("runs", relative) resolves here
+    cfg = load_config(TINY, [f"model.path='{tiny_model_path}'"])
+    assert preflight(cfg, tiny_model_path, 2) == []
+    assert preflight(cfg, tiny_model_path, None) == []
+
+
+def test_smollm2_preset_is_clean_when_the_model_is_cached(tmp_path, monkeypatch):
+    """The default job with its real model, if a cache already holds it (the conversion takes ~45 s: not done here)."""
+    from rollout.models import builtin_cache_dir
+
+    folder = builtin_cache_dir("smollm2-135m-instruct", os.environ.get("QGRPO_TEST_CACHE", ""))
+    if not (folder / "config.json").is_file():
+        pytest.skip(f"builtin:smollm2-135m-instruct is not converted in {folder} (set QGRPO_TEST_CACHE)")
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(SMOLLM2, [f"model.path='{folder}'"])
+    assert preflight(cfg, str(folder), 2) == []
+    ctx = model_context(str(folder))
+    bad = load_config(SMOLLM2, [f"model.path='{folder}'", f"rollout.max_new_tokens={ctx}"])
+    assert "exceed the model's context" in only(preflight(bad, str(folder), 2), "rollout.max_new_tokens")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. run.output_dir
+
+
+def test_output_dir_under_a_file(tiny_model_path, tmp_path):
+    (tmp_path / "afile").write_text("not a folder")
+    cfg = tiny_cfg(tiny_model_path, tmp_path, f"run.output_dir='{tmp_path / 'afile' / 'runs'}'")
+    msg = only(preflight(cfg, tiny_model_path, None), "run.output_dir")
+    assert "afile" in msg and "not a folder" in msg and "writ" in msg
+    assert not (tmp_path / "afile" / "runs").exists()
+
+
+def test_output_dir_that_is_a_file(tiny_model_path, tmp_path):
+    (tmp_path / "afile").write_text("")
+    cfg = tiny_cfg(tiny_model_path, tmp_path, f"run.output_dir='{tmp_path / 'afile'}'")
+    assert "a file" in only(preflight(cfg, tiny_model_path, None), "run.output_dir")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_output_dir_under_a_read_only_folder(tiny_model_path, tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        cfg = tiny_cfg(tiny_model_path, tmp_path, f"run.output_dir='{ro / 'deep' / 'runs'}'")
+        msg = only(preflight(cfg, tiny_model_path, None), "run.output_dir")
+        assert "not writable" in msg and str(ro) in msg
+    finally:
+        ro.chmod(0o700)
+
+
+def test_output_dir_not_created_yet_is_fine(tiny_model_path, tmp_path):
+    cfg = tiny_cfg(tiny_model_path, tmp_path, f"run.output_dir='{tmp_path / 'a' / 'b' / 'c'}'")
+    assert preflight(cfg, tiny_model_path, None) == []
+    assert not (tmp_path / "a").exists()  # nothing is created
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. Context length
+
+
+def test_max_new_tokens_beyond_the_context(tiny_model_path, tmp_path):
+    ctx = json.loads((Path(tiny_model_path) / "config.json").read_text())["max_position_embeddings"]
+    assert model_context(tiny_model_path) == ctx == 64
+    # digit_sum with max_operand=3: "<bos>3+1=" is 5 tokens, so 59 new tokens fit and 60 do not
+    assert preflight(tiny_cfg(tiny_model_path, tmp_path, f"rollout.max_new_tokens={ctx - 5}"), tiny_model_path, 2) == []
+    msg = only(preflight(tiny_cfg(tiny_model_path, tmp_path, f"rollout.max_new_tokens={ctx - 4}"), tiny_model_path, 2),
+               "rollout.max_new_tokens")
+    assert f"{ctx - 4} new tokens + the longest prompt (5 tokens)" in msg and f"context of {ctx} positions" in msg
+    assert f"rollout.max_new_tokens <= {ctx - 5}" in msg and "max_position_embeddings" in msg
+    for n in (200, 100_000):
+        msg = only(preflight(tiny_cfg(tiny_model_path, tmp_path, f"rollout.max_new_tokens={n}"), tiny_model_path, 2),
+                   "rollout.max_new_tokens")
+        assert f"{n} new tokens" in msg
+
+
+def test_longest_prompt_counts_worked_examples(tiny_model_path, tmp_path):
+    """The examples are part of every formatted prompt: a long one pushes the prompt past the context."""
+    example = "task.examples=[{question='" + "1+" * 40 + "1=', completion='41'}]"
+    problems = preflight(tiny_cfg(tiny_model_path, tmp_path, example), tiny_model_path, 2)
+    assert "the prompt alone" in next(p for p in problems if p.startswith("rollout.max_new_tokens: "))
+    # plain-text formatting puts blank lines between turns, and this character vocabulary has no newline
+    assert "from the formatting" in next(p for p in problems if p.startswith("task.name: "))
+
+
+def test_vllm_max_model_len(tiny_model_path, tmp_path):
+    short = tiny_cfg(tiny_model_path, tmp_path, "rollout.backend='vllm'", "rollout.precision='bf16'",
+                     "rollout.max_new_tokens=20", "rollout.vllm.max_model_len=16")
+    msg = only(preflight(short, tiny_model_path, 2), "rollout.vllm.max_model_len")
+    assert "max_model_len of 16 tokens" in msg and "rollout.max_new_tokens <= 11" in msg
+    long = tiny_cfg(tiny_model_path, tmp_path, "rollout.backend='vllm'", "rollout.precision='bf16'",
+                    "rollout.vllm.max_model_len=128")
+    assert "context of 64" in only(preflight(long, tiny_model_path, 2), "rollout.vllm.max_model_len")
+    ok = tiny_cfg(tiny_model_path, tmp_path, "rollout.backend='vllm'", "rollout.precision='bf16'",
+                  "rollout.vllm.max_model_len=64")
+    assert preflight(ok, tiny_model_path, 2) == []
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. Unknown tokens
+
+
+def test_words_on_the_character_tokenizer_are_unknown(tiny_model_path, tmp_path):
+    cfg = tiny_cfg(tiny_model_path, tmp_path, "task.name='rg:basic_arithmetic'", "rollout.max_new_tokens=1",
+                   "task.instruction=''", "task.params={min_terms=2, max_terms=2, min_digits=1, max_digits=1}")
+    problems = preflight(cfg, tiny_model_path, 2)
+    msg = next(p for p in problems if p.startswith("task.name: "))
+    assert "rg:basic_arithmetic" in msg and "'<unk>'" in msg and tiny_model_path in msg
+    assert "Calculate" in msg and "% of their tokens are unknown" in msg
+    assert "choose a task this tokenizer can write, or a model whose tokenizer covers it" in msg
+
+
+def test_unknown_token_shared_with_eos(tiny_model_path, tmp_path):
+    """A tokenizer whose unknown token is also its EOS: only the prompt texts are checked (templates may hold EOS)."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_path, model, ignore=shutil.ignore_patterns("*.safetensors"))  # tokenizer + config only
+    tc = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**tc, "eos_token": tc["unk_token"]}))
+    assert preflight(tiny_cfg(str(model), tmp_path), str(model), 2) == []
+    words = tiny_cfg(str(model), tmp_path, "task.name='rg:basic_arithmetic'", "rollout.max_new_tokens=1",
+                     "task.instruction=''")
+    assert any(p.startswith("task.name: ") and "unknown" in p for p in preflight(words, str(model), 2))
+
+
+def test_sample_is_bounded_and_includes_eval(tmp_path):
+    cfg = load_config(TINY, [f"run.output_dir='{tmp_path}'", "task.eval_size=7"])
+    assert len(sample_items(cfg)) == TRAIN_SAMPLE + 7
+    cfg = load_config(TINY, [f"run.output_dir='{tmp_path}'", "task.eval_size=7", "run.eval=false"])
+    assert len(sample_items(cfg)) == TRAIN_SAMPLE
+
+
+def test_longest_rows_of_a_file_are_sampled(tiny_model_path, tmp_path):
+    """A user file's one long row, far past the first TRAIN_SAMPLE rows, is still found."""
+    rows = [{"prompt": "1+1=", "answer": "2"}] * (TRAIN_SAMPLE + 200) + [{"prompt": "1+" * 40 + "1=", "answer": "41"}]
+    rows += [{"prompt": "2+2=", "answer": "4"}] * 10
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = tiny_cfg(tiny_model_path, tmp_path, "task.name='jsonl'", f"task.path='{path}'", "task.instruction=''",
+                   "task.eval_size=10")
+    assert "longest prompt (83 tokens)" in only(preflight(cfg, tiny_model_path, 2), "rollout.max_new_tokens")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. CPUs
+
+
+def test_too_many_rollout_actors(tiny_model_path, tmp_path):
+    cfg = tiny_cfg(tiny_model_path, tmp_path, "rollout.num_actors=64")
+    problems = preflight(cfg, tiny_model_path, 2)
+    assert problems and all(p.split(":")[0] in ("rollout.num_actors", "rollout.num_cpus") for p in problems)
+    msg = next(p for p in problems if p.startswith("rollout.num_actors: "))
+    assert "64 rollout actors on 2 CPUs" in msg and "--ray-address" in msg
+    assert preflight(cfg, tiny_model_path, None) == []  # a cluster of unknown size: not judged
+    assert preflight(cfg, tiny_model_path, 64) == []
+
+
+def test_too_many_learner_ranks(tiny_model_path, tmp_path):
+    cfg = tiny_cfg(tiny_model_path, tmp_path, "learner.world_size=4")
+    problems = preflight(cfg, tiny_model_path, 2)
+    assert "4 learner ranks on 2 CPUs" in next(p for p in problems if p.startswith("learner.world_size: "))
+    # and 1 + 4 Ray CPUs are more than twice the 2 cores: the learner's share names the second message
+    assert [p.split(":")[0] for p in problems] == ["learner.world_size", "learner.num_cpus"]
+
+
+def test_ray_cpus_may_share_cores_twice_over(tiny_model_path, tmp_path):
+    # 2 actors + 1 rank + the reference (kl_coeff > 0) = 4 logical CPUs on 2 cores is fine (twice over)
+    fine = tiny_cfg(tiny_model_path, tmp_path, "reference.num_cpus=1", "rollout.num_actors=2")
+    assert preflight(fine, tiny_model_path, 2) == []
+    heavy = tiny_cfg(tiny_model_path, tmp_path, "rollout.num_cpus=2", "rollout.num_actors=2", "learner.num_cpus=1")
+    msg = only(preflight(heavy, tiny_model_path, 2), "rollout.num_cpus")
+    assert "asks Ray for 5 CPUs" in msg and "--ray-address" in msg
+    # the reference actor exists only with a KL term, so its CPUs count only then
+    no_kl = tiny_cfg(tiny_model_path, tmp_path, "reference.num_cpus=8", "algo.kl_coeff=0")
+    assert preflight(no_kl, tiny_model_path, 2) == []
+    kl = tiny_cfg(tiny_model_path, tmp_path, "reference.num_cpus=8")
+    assert "10 CPUs" in only(preflight(kl, tiny_model_path, 2), "reference.num_cpus")
