@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import ray
 
 from actors.common import apply_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
+from core import faults
 from learner.batch import TrainBatch
 from rollout.backends.common import probe_ids
 
@@ -29,6 +31,8 @@ class LearnerActor:
         self.learner = Learner(world_size=world_size, **learner_kwargs)
 
     def train_step(self, shard: TrainBatch, step: int = 0) -> dict:
+        if self.rank == 0 and faults.fires("learner.kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
         return self.learner.train_step(shard, step)
 
     def publish_weights(self, bucket_bytes: int) -> WeightUpdate | None:

@@ -1,6 +1,9 @@
 """Ray actor hosting one generator (any backend) behind the generator protocol."""
 from __future__ import annotations
 
+import math
+import os
+import signal
 import time
 
 import ray
@@ -9,18 +12,29 @@ from actors.common import apply_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
 from rollout.backends import make_generator
 from rollout.backends.common import check_fingerprint
+from core import faults
 from core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 
 
 @ray.remote
 class RolloutActor:
-    def __init__(self, backend: str, generator_kwargs: dict, threads: int):
+    def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None):
+        """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
+        ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start."""
         apply_threads(threads)
         self.gen = make_generator(backend, **generator_kwargs)
+        self.last_ack = self.load_weights(update) if update is not None else None
 
-    def generate(self, items: list[PromptItem], sampling: SamplingParams) -> tuple[list[GroupRollout], GenerationStats]:
+    def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
+                 ) -> tuple[list[GroupRollout], GenerationStats]:
         t0 = time.perf_counter()
+        if faults.fires("rollout.kill", step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if faults.fires("rollout.hang", step):
+            time.sleep(10**6)
         groups = self.gen.generate(items, sampling)
+        if groups and faults.fires("rollout.nan", step):
+            groups[0].completions[0].logprobs[0] = math.nan
         n = sum(len(c.token_ids) for g in groups for c in g.completions)
         return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version)
 
@@ -32,8 +46,12 @@ class RolloutActor:
         seconds = time.perf_counter() - t0
         fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
                                self.gen.score(update.probe_ids), update.probe_logprobs)
-        return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version, "seconds": seconds,
-                "fingerprint_gap": fp["gap"], "fingerprint_corr": fp["corr"]}
+        self.last_ack = {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
+                         "seconds": seconds, "fingerprint_gap": fp["gap"], "fingerprint_corr": fp["corr"]}
+        return self.last_ack
+
+    def last_load(self) -> dict | None:
+        return self.last_ack
 
     def info(self) -> dict:
         return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,

@@ -1,4 +1,4 @@
-"""`qgrpo train CONFIG [--set section.key=value ...] [--resume CHECKPOINT]`.
+"""`qgrpo train CONFIG [--set section.key=value ...]`, `qgrpo train [CONFIG] --resume RUN_DIR|CHECKPOINT`.
 
 The config is validated completely before Ray starts, any model is touched, or any directory is created: a bad
 config exits with status 2 and one message listing every problem.
@@ -16,16 +16,19 @@ from pathlib import Path
 from cluster.config import ConfigError, load_config
 
 EXIT_CONFIG = 2
+EXIT_FAILED = 1
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="qgrpo", description="GRPO with quantized rollouts on Ray")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("train", help="run a GRPO job")
-    t.add_argument("config", help="TOML preset, e.g. configs/tiny.toml")
+    t.add_argument("config", nargs="?", help="TOML preset, e.g. configs/tiny.toml (with --resume: default the run's "
+                   "own config.toml)")
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one field; repeatable")
-    t.add_argument("--resume", metavar="CHECKPOINT", help="a checkpoints/step_* folder of an earlier run")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest complete checkpoint (or from "
+                   "the checkpoints/step_* folder given), in the same run directory")
     t.add_argument("--ray-address", default=None, help="join a running cluster (default: start Ray locally, "
                    "or the one RAY_ADDRESS names, as under `ray job submit`)")
     c = sub.add_parser("check", help="validate a config and print the effective one")
@@ -121,8 +124,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"qgrpo export: {e}", file=sys.stderr)
             return EXIT_CONFIG
         return 0
+    resume = None
+    if getattr(args, "resume", None):
+        from cluster.resume import find_checkpoint
+
+        try:
+            resume = find_checkpoint(Path(args.resume).expanduser().resolve())
+        except ValueError as e:
+            print(f"qgrpo: --resume: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+    config_path = args.config or (resume.parent.parent / "config.toml" if resume else None)
+    if config_path is None:
+        print("qgrpo: train needs a config, e.g. `qgrpo train configs/tiny.toml`", file=sys.stderr)
+        return EXIT_CONFIG
     try:
-        cfg = load_config(args.config, args.overrides)
+        cfg = load_config(config_path, args.overrides)
     except ConfigError as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -137,16 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         print(to_toml(cfg.to_dict()))
         return 0
 
-    resume = Path(args.resume).resolve() if args.resume else None
-    if resume is not None and not (resume / "trainer_state.json").is_file():
-        print(f"qgrpo: --resume {args.resume}: not a checkpoint folder (no trainer_state.json); "
-              "pass runs/NAME/checkpoints/step_NNNNNN", file=sys.stderr)
-        return EXIT_CONFIG
-
     # Valid config: from here on work is expensive.
     from actors.common import quiet_libraries
 
     quiet_libraries()
+    from cluster.preflight import cpu_problems, preflight
     from rollout.models import resolve_model_path
 
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -158,9 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"qgrpo: --resume: {e}", file=sys.stderr)
             return EXIT_CONFIG
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    problems = preflight(cfg, model_path, None if address else os.cpu_count() or 1, resuming=resume is not None)
+    if problems:  # what would hang or train on garbage, before Ray starts or anything is written
+        print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
+        return EXIT_CONFIG
+    if resume is not None:
         run_dir = resume.parent.parent
+        saved, effective = run_dir / "config.toml", to_toml(cfg.to_dict())
+        if saved.is_file() and saved.read_text() != effective:  # the run's record follows what it now runs with
+            step = resume.name.removeprefix("step_")
+            saved.rename(run_dir / f"config.before_resume_at_{step}.toml")
+            print(f"qgrpo: the config differs from the run's; the earlier one is kept as "
+                  f"config.before_resume_at_{step}.toml", file=sys.stderr)
+        saved.write_text(effective)
+        print(f"qgrpo: resuming from {resume}", file=sys.stderr)
     else:
-        run_dir = Path(cfg.run.output_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = Path(cfg.run.output_dir).expanduser().resolve() / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
     print(f"qgrpo: run directory {run_dir}", file=sys.stderr)
@@ -168,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
 
     from cluster.driver import train
+    from cluster.workers import RunFailed
 
-    address = args.ray_address or os.environ.get("RAY_ADDRESS")
     started = not ray.is_initialized()
     if started:
         # Locally, logical CPUs are what the actors ask for (they share the cores; threads are set per actor).
@@ -177,9 +202,17 @@ def main(argv: list[str] | None = None) -> int:
                   + cfg.reference.num_cpus)
         ray.init(address=address, include_dashboard=False,
                  num_cpus=None if address else max(os.cpu_count() or 1, math.ceil(needed)))
+        problems = cpu_problems(cfg, int(ray.cluster_resources().get("CPU", 0))) if address else []
+        if problems:  # a cluster's CPUs are known once connected; still before any actor starts
+            ray.shutdown()
+            print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
+            return EXIT_CONFIG
     t0 = time.monotonic()
     try:
         result = train(cfg, run_dir, model_path, resume)
+    except RunFailed as e:
+        print(f"qgrpo: {e}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         if started:
             ray.shutdown()

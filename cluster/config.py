@@ -25,13 +25,15 @@ class RunConfig:
     output_dir: str = "runs"  # where run directories go
     seed: int = 0  # seeds prompts, sampling, and model init of builtin models
     steps: int = 100  # learner steps (one optimizer update per step unless learner.updates_per_batch > 1)
-    save_every: int = 0  # checkpoint every N steps (0 = only at the end)
+    # Checkpoint every N steps and at the end (0 = only at the end); a multiple of algo.update_every, so a checkpoint
+    # is always taken when the generators hold the checkpointed weights and a resume is exact.
+    save_every: int = 10
     keep_last: int = 2  # checkpoints kept on disk
     log_every: int = 1  # metrics.jsonl line every N steps
     progress: bool = True  # terminal progress bar
     tensorboard: bool = True  # TensorBoard event files under RUN_DIR/tensorboard when tensorboard is installed
     wandb_project: str = ""  # log to Weights & Biases under this project ("" = off; needs `pip install wandb`)
-    rollouts_flush_every: int = 10  # write RUN_DIR/rollouts/*.parquet every N steps
+    rollouts_flush_every: int = 10  # write RUN_DIR/rollouts/*.parquet every N steps (and at every checkpoint)
     eval_every: int = 0  # held-out accuracy (task.eval_size prompts, greedy) every N steps; 0 = before and after only
     eval: bool = False  # measure held-out accuracy before and after training (and every eval_every steps)
 
@@ -150,6 +152,29 @@ class SyncConfig:
 
 
 @dataclass
+class FaultsConfig:
+    """Deadlines and retries: a stage that does not finish in time raises, naming the stage and the actor."""
+
+    generate_timeout_s: float = 900.0  # one step's generation (restarted when a lost actor's prompts are resubmitted)
+    reference_timeout_s: float = 900.0  # one step's reference scoring
+    learn_timeout_s: float = 1800.0  # one learner step, and a checkpoint save or load
+    max_replacements: int = 3  # a rollout actor that fails this many times in a row more ends the run
+
+
+@dataclass
+class GuardConfig:
+    """The precision guard: a step whose sampler log-probs, reference log-probs, loss or gradients are not finite, or
+    whose sampler mismatch is above max_mismatch_kl, is skipped on every rank and logged with its reason."""
+
+    enabled: bool = True
+    max_mismatch_kl: float = 2.0  # bound on mismatch/kl_mu_old (mean per-token KL(mu || pi_old)); 0 = no bound
+    # When the guard fires, move the quantized generators one rung up the ladder (int4/nf4 -> int8 -> bf16), or the
+    # reference when its log-probs were the non-finite ones (or the generators are already at bf16).
+    ladder: bool = True
+    max_skips_at_top: int = 3  # skipped steps in a row with nothing left to step up before the run stops
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -160,6 +185,8 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    faults: FaultsConfig = field(default_factory=FaultsConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -427,10 +454,21 @@ def validate(cfg: Config) -> list[str]:
     need(le.num_cpus >= 0, f"learner.num_cpus: must be >= 0, got {le.num_cpus}")
     need(le.threads >= 0, f"learner.threads: must be >= 0, got {le.threads}")
     batch = ro.prompts_per_step * ro.group_size
-    need(batch % le.world_size == 0,
+    need(le.world_size < 1 or batch % le.world_size == 0,
          f"learner.world_size: the {batch} sequences of a step (rollout.prompts_per_step * rollout.group_size) must "
          f"split evenly over {le.world_size} ranks; change prompts_per_step or world_size")
 
+    need(r.save_every % max(a.update_every, 1) == 0,
+         f"run.save_every: must be a multiple of algo.update_every ({a.update_every}) so that checkpoints are taken "
+         f"when the generators hold the checkpointed weights (exact resume), got {r.save_every}; set e.g. "
+         f"run.save_every={a.update_every * max(1, -(-r.save_every // max(a.update_every, 1)))}")
     need(cfg.sync.timeout_s > 0, f"sync.timeout_s: must be > 0, got {cfg.sync.timeout_s}")
+    f = cfg.faults
+    for key in ("generate_timeout_s", "reference_timeout_s", "learn_timeout_s"):
+        need(getattr(f, key) > 0, f"faults.{key}: must be > 0 seconds, got {getattr(f, key)}")
+    need(f.max_replacements >= 0, f"faults.max_replacements: must be >= 0, got {f.max_replacements}")
+    g = cfg.guard
+    need(g.max_mismatch_kl >= 0, f"guard.max_mismatch_kl: must be >= 0 (0 = no bound), got {g.max_mismatch_kl}")
+    need(g.max_skips_at_top >= 1, f"guard.max_skips_at_top: must be >= 1, got {g.max_skips_at_top}")
     need(cfg.sync.bucket_mb > 0, f"sync.bucket_mb: must be > 0, got {cfg.sync.bucket_mb}")
     return p

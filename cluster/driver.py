@@ -3,19 +3,23 @@
 Departures from the GRPO paper, on purpose: rollouts come from quantized generators (mu), so every token's
 policy-gradient term is weighted by min(pi_old/mu, C) (FlashRL's truncated importance sampling) and the mismatch
 between mu and pi_old is logged each step; log-probs everywhere are those of softmax(logits / temperature).
+A step the learner's precision guard skipped moves the generators (or the reference) up the precision ladder.
 """
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from cluster.checkpoint import checkpoint_dir, read_state, save_checkpoint
-from cluster.evaluate import accuracy_reward, eval_items, greedy, score_eval
-from cluster.rollout_log import RolloutWriter
+from cluster.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
 from cluster.config import Config
+from cluster.evaluate import accuracy_reward, eval_items, greedy, score_eval
+from cluster.guard import GuardStop, PrecisionLadder
+from cluster.resume import earlier_evals, set_aside_future
+from cluster.rollout_log import RolloutWriter
 from cluster.runlog import RunLog
 from learner.batch import TrainBatch, build_train_batch
 from learner.loss import finalize_stats, merge_stats
@@ -95,72 +99,100 @@ def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], b
 
 def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = None) -> dict:
     """Run the job; returns the last step's metrics, the held-out evaluations by step and the final checkpoint.
-    `model_path` is the resolved initial model (the reference)."""
-    from cluster.workers import Workers
+    `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
+    Raises RunFailed (cluster/workers.py) with what happened and how to resume when a fault ends the run."""
+    from cluster.workers import RunFailed, Workers
 
-    state = {"step": 0, "policy_version": 0, "cursor": 0}
-    policy_path = model_path
-    if resume is not None:
-        state = read_state(resume)
-        policy_path = str(resume)
+    state, policy_path, evals, aside = {"step": 0, "policy_version": 0, "cursor": 0}, model_path, {}, None
+    if resume is not None:  # continue as one run: what the abandoned run wrote after the checkpoint is set aside
+        state, policy_path = read_state(resume), str(resume)
+        aside, evals = set_aside_future(run_dir, state["step"]), earlier_evals(run_dir, state["step"])
     ro, algo = cfg.rollout, cfg.algo
-
-    workers = Workers(cfg, policy_path, model_path, policy_version=state["policy_version"])
-    if resume is not None:
+    ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision if algo.kl_coeff > 0
+                             else None, state.get("guard"))
+    workers = Workers(cfg, policy_path, model_path, state["policy_version"], ladder.rollout, ladder.reference)
+    if resume is not None:  # optimizer moments and step, LR schedule, fp32 master weights, policy version
         workers.load(str(resume), state["policy_version"])
+        if ladder.rollout != ro.precision:
+            print(f"qgrpo: the precision guard had moved the generators to {ladder.rollout}; they resume there "
+                  f"(the config says rollout.precision = {ro.precision!r})", file=sys.stderr)
     sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=state["cursor"])
     rewards = WeightedRewards.from_config(cfg.rewards)
     metric = accuracy_reward([s.name for s in cfg.rewards.functions])
     log = RunLog(run_dir, cfg.run.steps, state["step"], cfg.run.progress, cfg.run.tensorboard,
                  cfg.run.wandb_project, cfg.to_dict())
     samples = RolloutWriter(run_dir, cfg.run.rollouts_flush_every)
-    log.write({"event": "start", "generators": workers.rollout_info(), "resumed_from": str(resume) if resume else None})
-    evals: dict[int, dict] = {}
+    log.write({"event": "resume" if resume else "start", "step": state["step"], "generators": workers.rollout_info(),
+               "resumed_from": str(resume) if resume else None, "set_aside": str(aside) if aside else None,
+               **ladder.state()})
     eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
+    published = state.get("published_version", state["policy_version"])
 
     def evaluate(step: int) -> None:
         groups, _ = workers.generate(eval_items(eval_task, cfg.task.eval_size), greedy(ro.max_new_tokens))
         evals[step] = score_eval(groups, metric)
         log.write({"event": "eval", "step": step, "split": "eval", **evals[step]})
 
-    if eval_task and state["step"] == 0:
-        evaluate(0)
     m: dict = {}
-    for step in range(state["step"], cfg.run.steps):
-        clock = StageClock()
-        items = sampler.next(ro.prompts_per_step)
-        sampling = SamplingParams(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
-                                  seed=cfg.run.seed * 1_000_003 + step)
-        groups, gen_stats = workers.generate(items, sampling)
-        clock.lap("generate")
-        reward_metrics = score_groups(groups, rewards, algo.advantage_scale)
-        batch = build_train_batch(groups, PAD_ID, ro.max_new_tokens)
-        if workers.reference is not None:
-            batch = batch.with_ref(workers.reference_logprobs(batch))
-        clock.lap("reference")
-        results = workers.train(batch)
-        clock.lap("learn")
-        last = step + 1 == cfg.run.steps
-        # The last step always syncs when evaluation follows, so the held-out score is of the final policy.
-        sync = workers.sync_weights() if (step + 1) % algo.update_every == 0 or (last and eval_task) else None
-        clock.lap("sync")
+    step = state["step"]
+    try:
+        if eval_task and step == 0:
+            evaluate(0)
+        for step in range(state["step"], cfg.run.steps):
+            clock = StageClock()
+            items = sampler.next(ro.prompts_per_step)
+            sampling = SamplingParams(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
+                                      seed=cfg.run.seed * 1_000_003 + step)
+            groups, gen_stats = workers.generate(items, sampling, step + 1)
+            clock.lap("generate")
+            reward_metrics = score_groups(groups, rewards, algo.advantage_scale)
+            batch = build_train_batch(groups, PAD_ID, ro.max_new_tokens)
+            if workers.reference is not None:
+                batch = batch.with_ref(workers.reference_logprobs(batch))
+            clock.lap("reference")
+            results = workers.train(batch, step + 1)
+            clock.lap("learn")
+            skipped, last = results[0]["skipped"], step + 1 == cfg.run.steps
+            # The last step always syncs when evaluation follows, so the held-out score is of the final policy.
+            due = (step + 1) % algo.update_every == 0 or (last and eval_task)
+            sync = workers.sync_weights() if due and results[0]["policy_version"] != published else None
+            published = sync["version"] if sync else published
+            up_rollout, up_reference = ladder.after_step(skipped, step + 1)  # a skipped step moves up the ladder
+            if up_rollout:
+                workers.rollout.set_precision(up_rollout)
+            if up_reference:
+                workers.set_reference_precision(up_reference)
+            clock.lap("sync")
 
-        m = {"step": step + 1, **reward_metrics, **step_metrics(groups, gen_stats, batch, results, sync, clock)}
-        if f"reward/{metric}" in m:
-            m["train/accuracy"] = m[f"reward/{metric}"]
-        samples.add(step + 1, groups)
-        if (step + 1) % cfg.run.log_every == 0 or last:
-            log.write(m)
-        log.progress(m)
-        if eval_task and (last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0)):
-            evaluate(step + 1)
-        if last or (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0):
-            samples.flush()  # samples up to a checkpoint are on disk with it
-            state = {"step": step + 1, "policy_version": m["policy_version"], "cursor": sampler.cursor,
-                     "model_path": model_path, "rollout_precision": ro.precision, "config": cfg.to_dict()}
-            path = save_checkpoint(run_dir, step + 1, workers.save, state, cfg.run.keep_last)
-            log.write({"event": "checkpoint", "step": step + 1, "path": str(path)})
-    samples.close()
-    log.close()
-    workers.shutdown()
+            m = {"step": step + 1, **reward_metrics, **step_metrics(groups, gen_stats, batch, results, sync, clock),
+                 **ladder.metrics(skipped)}
+            if f"reward/{metric}" in m:
+                m["train/accuracy"] = m[f"reward/{metric}"]
+            for event in workers.events() + ([{"event": "ladder", "reason": skipped, **ladder.state()}]
+                                             if up_rollout or up_reference else []):
+                log.write({"step": step + 1, **event})
+            samples.add(step + 1, groups)
+            if (step + 1) % cfg.run.log_every == 0 or last or skipped:
+                log.write(m)
+            log.progress(m)
+            if eval_task and (last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0)):
+                evaluate(step + 1)
+            if last or (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0):
+                samples.flush()  # samples up to a checkpoint are on disk with it
+                state = {"step": step + 1, "policy_version": m["policy_version"], "cursor": sampler.cursor,
+                         "published_version": published, "model_path": model_path, "guard": ladder.state(),
+                         "rollout_precision": ladder.rollout, "config": cfg.to_dict()}
+                path = save_checkpoint(run_dir, step + 1, workers.save, state, cfg.run.keep_last)
+                log.write({"event": "checkpoint", "step": step + 1, "path": str(path)})
+    except (RunFailed, GuardStop) as e:
+        samples.flush()  # the steps done since the last checkpoint: a resume sets them aside with the rest
+        done = complete_checkpoints(run_dir)
+        how = (f"continue from its last complete checkpoint ({done[-1][1].name}) with: qgrpo train --resume {run_dir}"
+               if done else "no checkpoint was written yet (run.save_every); start it again")
+        log.write({"event": "failed", "step": step + 1, "error": str(e)})
+        raise RunFailed(f"{e}\n  the run stopped at step {step + 1}; {how}") from None
+    finally:
+        samples.close()
+        log.close()
+        workers.shutdown()
     return {"last": m, "evals": evals, "checkpoint": str(checkpoint_dir(run_dir, cfg.run.steps))}

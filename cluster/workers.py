@@ -1,9 +1,17 @@
 """The actors of one job and the few operations the driver needs from them. Knows nothing of any backend: the
-rollout backend is a name and a dict of arguments handed to the rollout actors."""
+rollout backend is a name and a dict of arguments handed to the rollout actors.
+
+Faults: every call to an actor has a deadline (`faults.*_timeout_s`, `sync.timeout_s` for the two halves of a sync
+together) and raises StageTimeout naming the stage and the actors instead of hanging. A rollout actor that dies is
+replaced (the replacement loads the last published weights before it serves) and the prompts it had not returned
+are generated again by a live actor; `faults.max_replacements` failures in a row end the run. A learner or reference
+failure ends the run (RunFailed), leaving the last complete checkpoint to resume from.
+"""
 from __future__ import annotations
 
 import os
 import socket
+import time
 from pathlib import Path
 
 import ray
@@ -13,7 +21,7 @@ from actors.common import thread_env
 from actors.learner_actor import LearnerActor
 from actors.reference_actor import ReferenceActor
 from actors.rollout_actor import RolloutActor
-from actors.weights import wait_all
+from actors.weights import WeightUpdate
 from cluster.config import Config
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig
@@ -38,30 +46,159 @@ def _split(items: list, n: int) -> list[list]:
     return out
 
 
+class RunFailed(RuntimeError):
+    """A fault the run cannot survive; the message names the stage, the actor and the cause."""
+
+
+class StageTimeout(RunFailed):
+    pass
+
+
+def _cause(err: BaseException) -> str:
+    lines = [l for l in str(err).splitlines() if l.strip()]
+    return f"{type(err).__name__}: {(lines[-1] if isinstance(err, ray.exceptions.RayTaskError) else lines[0])[:300]}" \
+        if lines else type(err).__name__
+
+
+def gather(calls: dict, seconds: float, stage: str, setting: str) -> dict:
+    """{ref: actor name} -> {ref: result} by a deadline. A call still running then raises StageTimeout; a failed
+    call raises RunFailed naming the actor (for the learner and the reference: the run cannot go on without them)."""
+    out, pending, deadline = {}, list(calls), time.monotonic() + seconds
+    while pending:  # one at a time, so a failure is reported at once, not after the other ranks' deadline
+        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+        if not ready:
+            names = ", ".join(calls[r] for r in pending)
+            raise StageTimeout(f"{stage}: {names} did not finish within {seconds:.0f} s; raise {setting} if that is "
+                               "too short for this model, or look for a hung process")
+        try:
+            out[ready[0]] = ray.get(ready[0])
+        except ray.exceptions.RayError as e:
+            raise RunFailed(f"{stage}: {calls[ready[0]]} failed ({_cause(e)})") from None
+    return out
+
+
+class RolloutPool:
+    """The rollout actors, replaced when they die, moved up the precision ladder on request."""
+
+    def __init__(self, cfg: Config, policy_path: str, policy_version: int, precision: str, threads: int):
+        self.cfg, self.policy_path, self.policy_version, self.precision = cfg, policy_path, policy_version, precision
+        self.threads = threads
+        self.last_update: WeightUpdate | None = None  # what every actor has loaded (replacements load it too)
+        self.spawned = [0] * cfg.rollout.num_actors  # actors created per slot
+        self.failures = [0] * cfg.rollout.num_actors  # failures in a row per slot
+        self.events: list[dict] = []  # for the run log
+        self.actors = [self._spawn(i) for i in range(cfg.rollout.num_actors)]
+
+    def name(self, slot: int) -> str:
+        k = self.spawned[slot] - 1
+        return f"{self.cfg.rollout.backend}-{slot}" + (f".{k}" if k else "")
+
+    def _spawn(self, slot: int):
+        ro = self.cfg.rollout
+        self.spawned[slot] += 1
+        return RolloutActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
+                                    runtime_env={"env_vars": thread_env(self.threads)}).remote(
+            ro.backend,
+            dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
+                 generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
+                 chat_template=self.cfg.task.chat_template, **backend_options(ro.backend, ro)),
+            self.threads, self.last_update,
+        )
+
+    def _failed(self, slot: int, err: BaseException, prompt_ids: list[str], stage: str) -> None:
+        """Count a failure; replace the actor if its process is gone; end the run after too many in a row."""
+        self.failures[slot] += 1
+        name, cause, limit = self.name(slot), _cause(err), self.cfg.faults.max_replacements
+        self.events.append({"event": "rollout_actor_failed", "stage": stage, "actor": name, "cause": cause,
+                            "prompt_ids": prompt_ids, "failures_in_a_row": self.failures[slot]})
+        if self.failures[slot] > limit:
+            raise RunFailed(f"{stage}: rollout actor {name} failed {self.failures[slot]} times in a row "
+                            f"(faults.max_replacements = {limit}); last cause: {cause}; it held prompts "
+                            f"{', '.join(prompt_ids) or '(none)'}")
+        if isinstance(err, ray.exceptions.RayActorError):
+            ray.kill(self.actors[slot], no_restart=True)
+            self.actors[slot] = self._spawn(slot)
+            self.events.append({"event": "rollout_actor_replaced", "stage": stage, "actor": name,
+                                "replacement": self.name(slot), "weights_version": self.last_update.version
+                                if self.last_update else self.policy_version})
+
+    def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int
+                 ) -> tuple[list[GroupRollout], list[GenerationStats]]:
+        """Every prompt generated exactly once, whole groups per actor, results in the order of `items`."""
+        timeout = self.cfg.faults.generate_timeout_s
+        chunks = [c for c in _split(items, len(self.actors)) if c]
+        results: list = [None] * len(chunks)
+        pending = {self.actors[j].generate.remote(c, sampling, step): (j, j) for j, c in enumerate(chunks)}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                held = "; ".join(f"{self.name(s)} held {', '.join(i.prompt_id for i in chunks[j])}"
+                                 for j, s in pending.values())
+                raise StageTimeout(f"generate at step {step}: no result within {timeout:.0f} s ({held}); raise "
+                                   "faults.generate_timeout_s if generation is that slow, or look for a hung actor")
+            j, slot = pending.pop(ready[0])
+            try:
+                results[j] = ray.get(ready[0])
+                self.failures[slot] = 0
+                continue
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                self._failed(slot, e, [i.prompt_id for i in chunks[j]], f"generate at step {step}")
+            # Again on a live actor: one that has not failed, with the least work queued (else the replacement).
+            busy = [s for _, s in pending.values()]
+            live = [s for s in range(len(self.actors)) if s != slot and self.failures[s] == 0] or [slot]
+            target = min(live, key=busy.count)
+            pending[self.actors[target].generate.remote(chunks[j], sampling, step)] = (j, target)
+            deadline = max(deadline, time.monotonic() + timeout)
+        groups = [g for gs, _ in results for g in gs]
+        return groups, [s for _, s in results]
+
+    def load(self, update: WeightUpdate, seconds: float) -> list[dict]:
+        """Every actor loads `update` within `seconds`; an actor lost meanwhile is replaced (and loads it)."""
+        self.last_update = update
+        pending = {a.load_weights.remote(update): i for i, a in enumerate(self.actors)}
+        deadline, acks = time.monotonic() + seconds, []
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
+            if not ready:
+                raise StageTimeout(f"weight sync: {', '.join(self.name(s) for s in pending.values())} did not load "
+                                   f"version {update.version} within the sync budget (sync.timeout_s)")
+            slot = pending.pop(ready[0])
+            try:
+                acks.append(ray.get(ready[0]))
+            except ray.exceptions.RayActorError as e:
+                self._failed(slot, e, [], f"weight sync to version {update.version}")
+                pending[self.actors[slot].last_load.remote()] = slot  # the replacement loaded it as it started
+            except ray.exceptions.RayTaskError as e:  # a fingerprint mismatch or a bad tensor: not a lost process
+                raise RunFailed(f"weight sync: {self.name(slot)} could not load version {update.version} "
+                                f"({_cause(e)})") from None
+        return acks
+
+    def set_precision(self, precision: str) -> None:
+        """Every actor restarts at `precision` with the last published weights (the precision ladder)."""
+        for a in self.actors:
+            ray.kill(a)
+        self.precision = precision
+        self.actors = [self._spawn(i) for i in range(len(self.actors))]
+        gather({a.info.remote(): self.name(i) for i, a in enumerate(self.actors)},
+               self.cfg.faults.generate_timeout_s, f"restarting the rollout actors at {precision}",
+               "faults.generate_timeout_s")
+
+    def info(self) -> list[dict]:
+        return ray.get([a.info.remote() for a in self.actors])
+
+
 class Workers:
-    def __init__(self, cfg: Config, policy_path: str, reference_path: str, policy_version: int = 0):
+    def __init__(self, cfg: Config, policy_path: str, reference_path: str, policy_version: int = 0,
+                 rollout_precision: str | None = None, reference_precision: str | None = None):
         cores = os.cpu_count() or 1
         ro, le, ref = cfg.rollout, cfg.learner, cfg.reference
         self.cfg = cfg
-        r_threads = ro.threads or max(1, cores // ro.num_actors)
-        self.rollout = [
-            RolloutActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
-                                 runtime_env={"env_vars": thread_env(r_threads)}).remote(
-                ro.backend,
-                dict(model_path=policy_path, precision=ro.precision, group_size_quant=ro.group_size_quant,
-                     generator_id=f"{ro.backend}-{i}", seed=cfg.run.seed,
-                     initial_version=policy_version, chat_template=cfg.task.chat_template,
-                     **backend_options(ro.backend, ro)),
-                r_threads,
-            )
-            for i in range(ro.num_actors)
-        ]
-        self.reference = None
-        if cfg.algo.kl_coeff > 0:
-            f_threads = ref.threads or cores
-            self.reference = ReferenceActor.options(
-                num_cpus=ref.num_cpus, runtime_env={"env_vars": thread_env(f_threads)}
-            ).remote(reference_path, ref.precision, ro.group_size_quant, f_threads)
+        self.reference_path = reference_path
+        self.rollout = RolloutPool(cfg, policy_path, policy_version, rollout_precision or ro.precision,
+                                   ro.threads or max(1, cores // ro.num_actors))
+        self.reference_precision = reference_precision or ref.precision
+        self.reference = self._reference() if cfg.algo.kl_coeff > 0 else None
         batch = ro.prompts_per_step * ro.group_size
         l_threads = le.threads or max(1, cores // le.world_size)
         learner_kwargs = dict(
@@ -73,7 +210,7 @@ class Workers:
                                     is_mode=cfg.algo.is_mode, is_cap=cfg.algo.is_cap),
             loss_agg=cfg.algo.loss_agg, temperature=ro.temperature, updates_per_batch=cfg.algo.updates_per_batch,
             shared_prompt=le.shared_prompt,
-            seed=cfg.run.seed,
+            seed=cfg.run.seed, guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
         )
         port = _free_port()
         ext_dir = str(Path(os.environ.get("QGRPO_CACHE", Path.home() / ".cache" / "qgrpo")) / "torch_extensions")
@@ -83,54 +220,69 @@ class Workers:
             for rank in range(le.world_size)
         ]
         # Surface construction errors (bad model folder, DeepSpeed failure) here rather than at the first step.
-        ray.get([a.info.remote() for a in self.rollout] + [a.version.remote() for a in self.learners])
+        ray.get([a.info.remote() for a in self.rollout.actors] + [a.version.remote() for a in self.learners])
+
+    def _reference(self):
+        ref, cores = self.cfg.reference, os.cpu_count() or 1
+        threads = ref.threads or cores
+        return ReferenceActor.options(num_cpus=ref.num_cpus, runtime_env={"env_vars": thread_env(threads)}).remote(
+            self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads)
+
+    def set_reference_precision(self, precision: str) -> None:
+        ray.kill(self.reference)
+        self.reference_precision = precision
+        self.reference = self._reference()
 
     # ------------------------------------------------------------------ the driver's operations
 
-    def generate(self, items: list[PromptItem], sampling: SamplingParams
+    def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
                  ) -> tuple[list[GroupRollout], list[GenerationStats]]:
-        chunks = _split(items, len(self.rollout))
-        futures = [a.generate.remote(c, sampling) for a, c in zip(self.rollout, chunks) if c]
-        groups, stats = [], []
-        for g, s in ray.get(futures):
-            groups += g
-            stats.append(s)
-        return groups, stats
+        return self.rollout.generate(items, sampling, step)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         shared = self.cfg.learner.shared_prompt
-        return ray.get(self.reference.score.remote(batch.input_ids, self.cfg.rollout.temperature,
-                                                   batch.prompt_lens if shared else None,
-                                                   batch.group_ids if shared else None))
+        ref = self.reference.score.remote(batch.input_ids, self.cfg.rollout.temperature,
+                                          batch.prompt_lens if shared else None, batch.group_ids if shared else None)
+        return gather({ref: "the reference actor"}, self.cfg.faults.reference_timeout_s, "reference scoring",
+                      "faults.reference_timeout_s")[ref]
 
-    def train(self, batch: TrainBatch) -> list[dict]:
+    def train(self, batch: TrainBatch, step: int = 0) -> list[dict]:
         n = len(self.learners)
-        return ray.get([a.train_step.remote(batch.shard(r, n)) for r, a in enumerate(self.learners)])
+        calls = {a.train_step.remote(batch.shard(r, n), step): f"learner rank {r}" for r, a in enumerate(self.learners)}
+        out = gather(calls, self.cfg.faults.learn_timeout_s, f"learner step {step}", "faults.learn_timeout_s")
+        return [out[ref] for ref in calls]
 
     def sync_weights(self) -> dict:
-        """One versioned transfer from learner rank 0 to every rollout actor, with a deadline."""
-        timeout = self.cfg.sync.timeout_s
+        """One versioned transfer from learner rank 0 to every rollout actor; export and load share one deadline."""
+        budget, t0 = self.cfg.sync.timeout_s, time.monotonic()
         bucket_bytes = int(self.cfg.sync.bucket_mb * 2**20)
-        updates = wait_all([a.publish_weights.remote(bucket_bytes) for a in self.learners], timeout, "weight export")
-        update = updates[0]
-        acks = wait_all([a.load_weights.remote(update) for a in self.rollout], timeout, "weight sync")
+        calls = {a.publish_weights.remote(bucket_bytes): f"learner rank {r}" for r, a in enumerate(self.learners)}
+        out = gather(calls, budget, "weight export", "sync.timeout_s")
+        update = out[next(iter(calls))]
+        acks = self.rollout.load(update, budget - (time.monotonic() - t0))
         bad = [a for a in acks if a["version"] != update.version]
         if bad:
-            raise RuntimeError(f"rollout actors report versions {bad} after syncing version {update.version}")
+            raise RunFailed(f"rollout actors report versions {bad} after syncing version {update.version}")
         return {"version": update.version, "nbytes": update.nbytes, "buckets": len(update.buckets),
                 "load_seconds_max": max(a["seconds"] for a in acks),
                 "fingerprint_gap_max": max(a["fingerprint_gap"] for a in acks),
                 "fingerprint_corr_min": min(a["fingerprint_corr"] for a in acks)}
 
+    def events(self) -> list[dict]:
+        out, self.rollout.events = self.rollout.events, []
+        return out
+
     def rollout_info(self) -> list[dict]:
-        return ray.get([a.info.remote() for a in self.rollout])
+        return self.rollout.info()
 
     def save(self, out_dir: str) -> None:
-        ray.get([a.save.remote(out_dir) for a in self.learners])
+        calls = {a.save.remote(out_dir): f"learner rank {r}" for r, a in enumerate(self.learners)}
+        gather(calls, self.cfg.faults.learn_timeout_s, "checkpoint save", "faults.learn_timeout_s")
 
     def load(self, ckpt_dir: str, version: int) -> None:
-        ray.get([a.load.remote(ckpt_dir, version) for a in self.learners])
+        calls = {a.load.remote(ckpt_dir, version): f"learner rank {r}" for r, a in enumerate(self.learners)}
+        gather(calls, self.cfg.faults.learn_timeout_s, "loading the checkpoint", "faults.learn_timeout_s")
 
     def shutdown(self) -> None:
-        for a in self.rollout + self.learners + ([self.reference] if self.reference else []):
+        for a in self.rollout.actors + self.learners + ([self.reference] if self.reference else []):
             ray.kill(a)

@@ -10,6 +10,7 @@ it again. `POINT@STEP+` fires every time POINT is reached at STEP or later. The 
     rollout.hang       the rollout actor sleeps inside generate and never returns
     rollout.nan        the rollout actor returns NaN sampler log-probs for its first completion
     learner.nan_loss   learner rank 0 multiplies its loss by NaN (the other ranks stay finite)
+    learner.kill       learner rank 0 SIGKILLs its own process at the start of its step
     save.kill          the driver SIGKILLs its whole process group after the model files of a checkpoint are written
                        and before the checkpoint is complete
 
@@ -22,7 +23,7 @@ import tempfile
 
 ENV = "QGRPO_FAULTS"
 STATE_ENV = "QGRPO_FAULTS_STATE"
-POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "learner.nan_loss", "save.kill")
+POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "learner.nan_loss", "learner.kill", "save.kill")
 
 
 def env() -> dict[str, str]:

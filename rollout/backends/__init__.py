@@ -120,6 +120,18 @@ REGISTRY: dict[str, BackendSpec] = {
 # What the torch-based scorers (reference, learner-side) accept; the reference runs on the torch stack.
 TORCH_PRECISIONS = REGISTRY["torch"].precisions
 
+# The precision ladder: where a quantized generator or reference goes when the precision guard fires. One rung at a
+# time toward bf16, the rung every backend serves.
+LADDER = {"int4": "int8", "nf4": "int8", "fp8": "bf16", "int8": "bf16"}
+
+
+def next_rung(backend: str, precision: str) -> str | None:
+    """The next precision up the ladder that `backend` serves without a GPU it may not have; None at the top."""
+    nxt = LADDER.get(precision)
+    while nxt is not None and nxt not in REGISTRY[backend].precisions:
+        nxt = LADDER.get(nxt)
+    return nxt
+
 
 def available_here() -> list[str]:
     return [n for n, s in REGISTRY.items() if (not s.systems or sys.platform in s.systems)
@@ -143,5 +155,5 @@ def backend_options(backend: str, rollout_cfg) -> dict:
     return {"options": asdict(getattr(rollout_cfg, backend))}
 
 
-__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "make_generator",
-           "available_here", "backend_options"]
+__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "LADDER", "next_rung",
+           "make_generator", "available_here", "backend_options"]
