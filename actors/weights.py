@@ -14,10 +14,6 @@ import numpy as np
 import torch
 
 
-class WeightSyncTimeout(TimeoutError):
-    pass
-
-
 @dataclass
 class Bucket:
     names: list[str]
@@ -99,16 +95,3 @@ class ObjectStoreTransport:
 
         for ref in update.buckets:
             yield from unpack_bucket(ray.get(ref))
-
-
-def wait_all(futures: list, timeout_s: float, what: str) -> list:
-    """ray.get with a deadline that raises a clear error instead of hanging."""
-    import ray
-
-    ready, pending = ray.wait(futures, num_returns=len(futures), timeout=timeout_s)
-    if pending:
-        raise WeightSyncTimeout(
-            f"{what}: {len(pending)} of {len(futures)} actors did not finish within {timeout_s:.0f} s "
-            "(raise sync.timeout_s if the model is large)"
-        )
-    return ray.get(futures)

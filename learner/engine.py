@@ -240,8 +240,8 @@ class Learner:
 
     def _veto(self, checks: torch.Tensor) -> str:
         """The reason to skip this update, the same on every rank (the checks are summed over ranks first)."""
+        self.inner_optimizer.enabled = self.guard
         if not self.guard:
-            self.inner_optimizer.enabled = False
             return ""
         if torch.distributed.is_initialized():
             torch.distributed.all_reduce(checks)

@@ -182,6 +182,22 @@ def test_resumed_run_repeats_the_uninterrupted_metrics_exactly(ray_session, tiny
     assert steps == {s: 64 for s in range(1, 7)}
 
 
+def _run_own_group(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """Run a qgrpo process in a process group of its own (its Ray head and actors join it) and, whatever happens,
+    kill that group and only that group afterwards, so a failing test leaves no process behind."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def test_kill_during_checkpoint_write_then_resume(tiny_model_path, tmp_path):
     """The whole run (driver, Ray, actors: one process group) is SIGKILLed after step 4's model files are written
     and before the checkpoint is complete; `--resume RUN_DIR` continues from step 2 and completes."""
@@ -190,15 +206,14 @@ def test_kill_during_checkpoint_write_then_resume(tiny_model_path, tmp_path):
            "PYTHONWARNINGS": "ignore"}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "cluster.cli", *_args(tiny_model_path, out, "run.steps=5", "run.save_every=2")]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, start_new_session=True, capture_output=True, text=True, timeout=600)
+    proc = _run_own_group(cmd, env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     run_dir = _run_dir(out)
     ckpts = run_dir / "checkpoints"
     assert (ckpts / ".step_000004.tmp" / "model.safetensors").is_file()  # killed mid-write
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002"]
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "train", "--resume", str(run_dir)], cwd=ROOT,
-                          env={**env, "QGRPO_FAULTS": ""}, start_new_session=True, capture_output=True, text=True,
-                          timeout=600)
+    proc = _run_own_group([sys.executable, "-m", "cluster.cli", "train", "--resume", str(run_dir)],
+                          {**env, "QGRPO_FAULTS": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from" in proc.stderr and "step_000002" in proc.stderr
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000005"]

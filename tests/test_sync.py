@@ -7,7 +7,8 @@ import torch
 
 from actors.learner_actor import LearnerActor
 from actors.rollout_actor import RolloutActor
-from actors.weights import ObjectStoreTransport, wait_all
+from actors.weights import ObjectStoreTransport
+from cluster.workers import StageTimeout, gather
 from learner.batch import build_train_batch
 from learner.loss import GRPOLossConfig
 from rollout.advantages import group_advantages
@@ -104,13 +105,17 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
         assert _tokens(ray.get(a.generate.remote(ITEMS, GREEDY))[0]) == greedy_before[k], k
 
 
+def wait_all(refs: list, seconds: float, stage: str) -> list:
+    """Results in call order, with the driver's deadline."""
+    out = gather({r: f"receiver {i}" for i, r in enumerate(refs)}, seconds, stage, "sync.timeout_s")
+    return [out[r] for r in refs]
+
+
 def _tokens(groups):
     return [c.token_ids for g in groups for c in g.completions]
 
 
 def test_sync_deadline_raises(ray_session):
-    from actors.weights import WeightSyncTimeout
-
     @ray.remote
     def slow_receiver(seconds):
         import time
@@ -120,6 +125,6 @@ def test_sync_deadline_raises(ray_session):
 
     ray.get([slow_receiver.remote(0), slow_receiver.remote(0)])  # worker start-up is not what this test measures
     slow = slow_receiver.remote(60)
-    with pytest.raises(WeightSyncTimeout, match="1 of 2 actors did not finish within 3 s"):
+    with pytest.raises(StageTimeout, match="weight sync: receiver 1 did not finish within 3 s; raise sync.timeout_s"):
         wait_all([slow_receiver.remote(0), slow], 3.0, "weight sync")
     ray.cancel(slow, force=True)  # free its CPU slot for the tests that follow
