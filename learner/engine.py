@@ -181,7 +181,8 @@ class Learner:
             # pi_old = the BF16 policy as the batch arrives, before any update on it.
             with torch.no_grad():
                 old = [self._logprobs(mb) for mb in micro]
-        nan_loss = faults.fires("learner.nan_loss", step) and self._rank() == 0
+        # Rank first: a one-shot fault is claimed by whichever process asks first, so other ranks must not ask.
+        nan_loss = self._rank() == 0 and faults.fires("learner.nan_loss", step)
         stats_acc: dict = {}
         loss_total, grad_norms, skipped = 0.0, [], ""
         for update in range(self.updates_per_batch):
