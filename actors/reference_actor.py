@@ -5,14 +5,14 @@ import ray
 import torch
 
 from actors.common import apply_threads
-from rollout.reference import ReferenceScorer
+from rollout.reference import make_reference_scorer
 
 
 @ray.remote
 class ReferenceActor:
-    def __init__(self, model_path: str, precision: str, group_size_quant: int, threads: int):
+    def __init__(self, model_path: str, precision: str, group_size_quant: int, threads: int, backend: str = "torch"):
         apply_threads(threads)
-        self.scorer = ReferenceScorer(model_path, precision, group_size_quant)
+        self.scorer = make_reference_scorer(backend, model_path, precision, group_size_quant)
 
     def score(self, input_ids: torch.Tensor, temperature: float, prompt_lens: torch.Tensor | None = None,
               group_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from rollout.backends import REGISTRY, TORCH_PRECISIONS, VLLMOptions  # backends, their precisions and options
+from rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions  # backends, their precisions and options
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 
@@ -108,7 +108,10 @@ class RolloutConfig:
 
 @dataclass
 class ReferenceConfig:
-    precision: str = "bf16"  # the frozen reference may be quantized like the generators (original MLX design)
+    backend: str = "torch"  # torch | mlx (mlx-lm on Metal or the MLX CPU build; the Mac preset uses it)
+    # The frozen reference may be quantized like the generators (original MLX design). torch: bf16 | int8 | int4 |
+    # nf4; mlx: bf16 (unquantized; fp32 compute on CPU) | int8 | int4
+    precision: str = "bf16"
     num_cpus: float = 0.0
     threads: int = 0  # 0 = all cores (it runs while the generators are idle)
 
@@ -423,9 +426,14 @@ def validate(cfg: Config) -> list[str]:
     need(0 < ro.top_p <= 1, f"rollout.top_p: must be in (0, 1], got {ro.top_p}")
     need(ro.top_k >= 0, f"rollout.top_k: must be >= 0 (0 = off), got {ro.top_k}")
 
-    need(cfg.reference.precision in TORCH_PRECISIONS,
-         f"reference.precision: unknown precision {cfg.reference.precision!r}; the reference runs on torch: choose one "
-         f"of {', '.join(TORCH_PRECISIONS)}")
+    rb = cfg.reference.backend
+    if rb not in REFERENCE_BACKENDS:
+        p.append(f"reference.backend: unknown backend {rb!r}; choose one of {', '.join(REFERENCE_BACKENDS)}")
+    else:
+        p.extend(REGISTRY[rb].unavailable("reference.backend"))
+        need(cfg.reference.precision in REFERENCE_BACKENDS[rb],
+             f"reference.precision: {cfg.reference.precision!r} is not served by the {rb} reference; choose one of "
+             f"{', '.join(REFERENCE_BACKENDS[rb])}")
     need(cfg.reference.num_cpus >= 0, f"reference.num_cpus: must be >= 0, got {cfg.reference.num_cpus}")
     need(cfg.reference.threads >= 0, f"reference.threads: must be >= 0, got {cfg.reference.threads}")
 

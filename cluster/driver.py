@@ -109,7 +109,7 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
         aside, evals = set_aside_future(run_dir, state["step"]), earlier_evals(run_dir, state["step"])
     ro, algo = cfg.rollout, cfg.algo
     ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision if algo.kl_coeff > 0
-                             else None, state.get("guard"))
+                             else None, state.get("guard"), cfg.reference.backend)
     workers = Workers(cfg, policy_path, model_path, state["policy_version"], ladder.rollout, ladder.reference)
     if resume is not None:  # optimizer moments and step, LR schedule, fp32 master weights, policy version
         workers.load(str(resume), state["policy_version"])

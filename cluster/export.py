@@ -12,6 +12,7 @@ import struct
 import tempfile
 from pathlib import Path
 
+from rollout.backends.common import mlx_config
 from rollout.models import add_top_level_rope_theta
 
 # What an mlx-lm folder needs: the config, the weights, the tokenizer, the generation defaults. Everything else in a
@@ -82,24 +83,6 @@ def _check_source(src: Path) -> tuple[dict, list[Path], dict[str, str]]:
     return config, weights, dtypes
 
 
-def _mlx_config(config: dict, tensor_names: set[str]) -> dict:
-    """config.json as mlx-lm reads it: top-level rope_theta and rope_scaling, an explicit tie_word_embeddings."""
-    cfg = dict(config)
-    rope = cfg.get("rope_parameters") or {}
-    if cfg.get("rope_theta") is None and rope.get("rope_theta") is not None:
-        cfg["rope_theta"] = rope["rope_theta"]
-    if not cfg.get("rope_scaling") and rope.get("rope_type", "default") != "default":
-        # mlx-lm reads scaling only from `rope_scaling` (its "type" or "rope_type" key), never `rope_parameters`.
-        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
-    has_head = "lm_head.weight" in tensor_names
-    if "tie_word_embeddings" not in cfg:
-        # mlx-lm defaults to tied, transformers (Llama/Qwen2) to untied: say it explicitly, from the weights.
-        cfg["tie_word_embeddings"] = not has_head
-    elif not cfg["tie_word_embeddings"] and not has_head and tensor_names:
-        raise ValueError("export: config.json says tie_word_embeddings=false but the weights hold no lm_head.weight")
-    return cfg
-
-
 def export_for_mlx(src: str | Path, dst: str | Path, *, overwrite: bool = False) -> Path:
     """Copy the HF checkpoint folder `src` into `dst` (created; returned) in a form `mlx_lm.load(dst)` loads.
 
@@ -134,7 +117,7 @@ def export_for_mlx(src: str | Path, dst: str | Path, *, overwrite: bool = False)
         for f in sorted(src.iterdir()):
             if f.is_file() and f.name != "config.json" and any(fnmatch.fnmatch(f.name, p) for p in COPY_PATTERNS):
                 shutil.copy2(f, tmp / f.name)
-        cfg = _mlx_config(config, set(dtypes))
+        cfg = mlx_config(config, set(dtypes))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         add_top_level_rope_theta(tmp / "config.json")  # no-op unless a RoPE base sits somewhere else
     except BaseException:

@@ -19,8 +19,9 @@ class GuardStop(RuntimeError):
 
 
 class PrecisionLadder:
-    def __init__(self, cfg: GuardConfig, backend: str, rollout: str, reference: str | None, state: dict | None = None):
-        self.cfg, self.backend = cfg, backend
+    def __init__(self, cfg: GuardConfig, backend: str, rollout: str, reference: str | None, state: dict | None = None,
+                 reference_backend: str = "torch"):
+        self.cfg, self.backend, self.reference_backend = cfg, backend, reference_backend
         self.rollout, self.reference = rollout, reference  # reference None: no reference actor in this run
         self.skipped_total, self.skips_at_top = 0, 0
         if state:  # a resumed run keeps its rung and counts
@@ -37,7 +38,7 @@ class PrecisionLadder:
         self.skipped_total += 1
         if self.cfg.ladder:
             up_rollout = next_rung(self.backend, self.rollout)
-            up_reference = next_rung("torch", self.reference) if self.reference is not None else None
+            up_reference = next_rung(self.reference_backend, self.reference) if self.reference is not None else None
             moves = [(up_rollout, None), (None, up_reference)]
             if skipped == "reference_logprobs":
                 moves.reverse()

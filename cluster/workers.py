@@ -213,9 +213,12 @@ class Workers:
             seed=cfg.run.seed, guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
         )
         port = _free_port()
+        # The learner runs on CPU here: it is the device our learner has run on (no CUDA learner yet). On a Mac,
+        # DeepSpeed would otherwise pick its new MPS accelerator by itself, which we have not been able to test.
+        learner_env = {**thread_env(l_threads), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
         ext_dir = str(Path(os.environ.get("QGRPO_CACHE", Path.home() / ".cache" / "qgrpo")) / "torch_extensions")
         self.learners = [
-            LearnerActor.options(num_cpus=le.num_cpus, runtime_env={"env_vars": thread_env(l_threads)}).remote(
+            LearnerActor.options(num_cpus=le.num_cpus, runtime_env={"env_vars": learner_env}).remote(
                 rank, le.world_size, "127.0.0.1", port, learner_kwargs, l_threads, ext_dir)
             for rank in range(le.world_size)
         ]
@@ -226,7 +229,7 @@ class Workers:
         ref, cores = self.cfg.reference, os.cpu_count() or 1
         threads = ref.threads or cores
         return ReferenceActor.options(num_cpus=ref.num_cpus, runtime_env={"env_vars": thread_env(threads)}).remote(
-            self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads)
+            self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads, ref.backend)
 
     def set_reference_precision(self, precision: str) -> None:
         ray.kill(self.reference)

@@ -31,8 +31,9 @@ BAD = [
     ("rollout.group_size=1", "rollout.group_size: must be >= 2"),
     ("learner.lr=-0.1", "learner.lr: must be in (0, 1)"),
     ("rollout.precision=int3", "rollout.precision: 'int3' is not served by the torch backend"),
-    ("rollout.backend='tensorrt'", "rollout.backend: unknown backend 'tensorrt'; choose one of torch, vllm"),
-    ("reference.precision=fp8", "reference.precision: unknown precision 'fp8'; the reference runs on torch"),
+    ("rollout.backend='tensorrt'", "rollout.backend: unknown backend 'tensorrt'; choose one of torch, vllm, mlx"),
+    ("reference.precision=fp8", "reference.precision: 'fp8' is not served by the torch reference; choose one of"),
+    ("reference.backend='vllm'", "reference.backend: unknown backend 'vllm'; choose one of torch, mlx"),
     ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb: must be > 0"),
     ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization: must be in (0, 1]"),
     ("rollout.vllm.swap=4", "rollout.vllm.swap: unknown key; known keys of [rollout.vllm] are"),
@@ -62,7 +63,8 @@ def test_each_invalid_value_is_named(override, fragment):
 def test_all_problems_reported_at_once_by_cli(tmp_path):
     out = tmp_path / "runs"
     # one value per field; an unknown backend would hide the precision check, which depends on the backend
-    used = [(o, f) for o, f in BAD if not o.startswith(("model.path", "learner.lr='", "rollout.backend"))]
+    used = [(o, f) for o, f in BAD
+            if not o.startswith(("model.path", "learner.lr='", "rollout.backend", "reference.backend"))]
     args = [f"--set={o}" for o, _ in used] + [f"--set=run.output_dir='{out}'"]
     proc = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(TINY), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)

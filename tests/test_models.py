@@ -9,7 +9,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 
-from cluster.export import _mlx_config, export_for_mlx, safetensors_header  # noqa: E402
+from cluster.export import export_for_mlx, safetensors_header  # noqa: E402
+from rollout.backends.common import mlx_config as _mlx_config  # noqa: E402
 from rollout import models  # noqa: E402
 from rollout.models import BUILTIN_MODELS, BUILTIN_VERSIONS, builtin_cache_dir, resolve_model_path  # noqa: E402
 
@@ -172,8 +173,11 @@ def test_mlx_config_rope_scaling_and_tie_inference():
 @pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None,
                     reason="mlx-lm is not installed (pip install 'mlx[cpu]' mlx-lm)")
 def test_mlx_lm_loads_the_export_and_matches_torch(tmp_path):
-    import mlx.core as mx
     import numpy as np
+
+    from rollout.backends.mlx_backend import import_mlx
+
+    mx = import_mlx()  # before mlx_lm: OpenBLAS under MLX where the system has it
     from mlx_lm import load
 
     src = _tiny_hf_folder(tmp_path / "ckpt", tie=True, rope_theta=50000.0, dtype="float32")
@@ -283,8 +287,11 @@ def test_smollm2_exports_for_mlx(smollm2_path, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("mlx_lm") is None,
                     reason="mlx-lm is not installed (pip install 'mlx[cpu]' mlx-lm)")
 def test_smollm2_export_matches_torch_in_mlx(smollm2_path, tmp_path):
-    import mlx.core as mx
     import numpy as np
+
+    from rollout.backends.mlx_backend import import_mlx
+
+    mx = import_mlx()  # before mlx_lm: OpenBLAS under MLX where the system has it
     from mlx_lm import load
     from transformers import AutoTokenizer
 

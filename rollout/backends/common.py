@@ -137,3 +137,35 @@ def build_group(item: PromptItem, prompt_ids: list[int], samples: list[tuple[lis
                                 text=tokenizer.decode(toks[:n], skip_special_tokens=True)))
     return GroupRollout(item=item, prompt_ids=list(prompt_ids), completions=comps, policy_version=policy_version,
                         generator_id=generator_id, precision=precision)
+
+
+def hf_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the model folder's tensors, read from the safetensors headers (no tensor is loaded)."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                shapes[k] = tuple(st.get_slice(k).get_shape())
+    if not shapes:
+        raise FileNotFoundError(f"{model_path}: no *.safetensors files; generators load safetensors folders")
+    return shapes
+
+
+def mlx_config(config: dict, tensor_names: set[str]) -> dict:
+    """config.json as mlx-lm reads it: top-level rope_theta and rope_scaling, an explicit tie_word_embeddings."""
+    cfg = dict(config)
+    rope = cfg.get("rope_parameters") or {}
+    if cfg.get("rope_theta") is None and rope.get("rope_theta") is not None:
+        cfg["rope_theta"] = rope["rope_theta"]
+    if not cfg.get("rope_scaling") and rope.get("rope_type", "default") != "default":
+        # mlx-lm reads scaling only from `rope_scaling` (its "type" or "rope_type" key), never `rope_parameters`.
+        cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    has_head = "lm_head.weight" in tensor_names
+    if "tie_word_embeddings" not in cfg:
+        # mlx-lm defaults to tied, transformers (Llama/Qwen2) to untied: say it explicitly, from the weights.
+        cfg["tie_word_embeddings"] = not has_head
+    elif not cfg["tie_word_embeddings"] and not has_head and tensor_names:
+        raise ValueError("export: config.json says tie_word_embeddings=false but the weights hold no lm_head.weight")
+    return cfg

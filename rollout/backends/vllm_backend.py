@@ -26,7 +26,7 @@ from typing import Iterable
 import torch
 
 from core.records import GroupRollout, PromptItem, SamplingParams
-from rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
+from rollout.backends.common import build_group, check_stream, format_prompt, hf_tensor_shapes, stop_token_ids
 from rollout.quant import int8_per_channel
 
 # compressed-tensors config of the int8 engine: W8A8, symmetric int8 weights per output channel, int8 activations
@@ -60,20 +60,6 @@ def to_int8_stream(named_tensors: Iterable[tuple[str, torch.Tensor]]):
             yield name.removesuffix("weight") + "weight_scale", scale
         else:
             yield name, t
-
-
-def _hf_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
-    """Names and shapes of the model folder's tensors, read from the safetensors headers (no tensor is loaded)."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(Path(model_path).glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                shapes[k] = tuple(st.get_slice(k).get_shape())
-    if not shapes:
-        raise FileNotFoundError(f"{model_path}: no *.safetensors files; the vllm backend loads safetensors folders")
-    return shapes
 
 
 def write_int8_folder(model_path: str, out_dir: Path) -> Path:
@@ -149,7 +135,7 @@ class VLLMGenerator:
         self.chat_template = chat_template
         self._seed = seed
         self._calls = 0
-        self._expected = {k: v for k, v in _hf_tensor_shapes(model_path).items()}
+        self._expected = {k: v for k, v in hf_tensor_shapes(model_path).items()}
         cuda = torch.cuda.is_available()
         # In-process engine: no extra process per actor, tensors reach reload_weights as tensors, start-up ~3 s.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
