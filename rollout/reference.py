@@ -77,7 +77,7 @@ class MLXReferenceScorer:
         import numpy as np
         from mlx_lm.models.cache import BatchKVCache
 
-        from rollout.backends.mlx_backend import import_mlx
+        from rollout.backends.mlx_backend import import_mlx, picked_logprobs, take_rows
 
         mx = import_mlx()
         B, T = ids.shape
@@ -96,11 +96,7 @@ class MLXReferenceScorer:
         if K > 0:
             prefix = [[0] * p + ids[f, :int(n) - 1].tolist() for p, f, n in zip(pads, first, group_len)]
             model(mx.array(prefix), cache=cache)
-        sel = mx.array(row_group.numpy())
-        for c in cache:
-            if c.keys is not None:
-                c.keys, c.values = c.keys[sel], c.values[sel]
-            c.offset, c.left_padding = c.offset[sel], c.left_padding[sel]
+        take_rows(cache, mx.array(row_group.numpy()))
         # Suffix: each row's last prompt token and its completion (right-padded), on top of its prompt's cache.
         L = T - int(prompt_lens.min()) + 1
         suffix = torch.zeros((B, L), dtype=torch.long)
@@ -109,8 +105,7 @@ class MLXReferenceScorer:
             suffix[b, :len(part)] = part
         sfx = mx.array(suffix.numpy())
         logits = model(sfx, cache=cache)[:, :-1].astype(mx.float32) / temperature
-        picked = mx.take_along_axis(logits, sfx[:, 1:, None], axis=-1)[..., 0] - mx.logsumexp(logits, axis=-1)
-        picked = torch.from_numpy(np.array(picked))  # [B, L-1]: picked[b, j] scores token prompt_len[b] + j
+        picked = torch.from_numpy(np.array(picked_logprobs(logits, sfx[:, 1:])))  # [B, L-1]: picked[b, j] scores token prompt_len[b] + j
         out = torch.zeros((B, T + L), dtype=torch.float32)
         out.scatter_(1, prompt_lens[:, None] + torch.arange(L - 1), picked)
         return out[:, :T]

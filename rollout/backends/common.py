@@ -167,5 +167,5 @@ def mlx_config(config: dict, tensor_names: set[str]) -> dict:
         # mlx-lm defaults to tied, transformers (Llama/Qwen2) to untied: say it explicitly, from the weights.
         cfg["tie_word_embeddings"] = not has_head
     elif not cfg["tie_word_embeddings"] and not has_head and tensor_names:
-        raise ValueError("export: config.json says tie_word_embeddings=false but the weights hold no lm_head.weight")
+        raise ValueError("config.json says tie_word_embeddings=false but the weights hold no lm_head.weight")
     return cfg

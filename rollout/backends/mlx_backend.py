@@ -102,6 +102,21 @@ def to_mx(t, dtype):
     return mx.array(t.numpy()).astype(dtype)
 
 
+def take_rows(cache, rows) -> None:
+    """Index each layer's left-padded `BatchKVCache` to batch rows `rows` (mx int array), in place: a prompt run once
+    hands its cache to the completions that continue it (the generator's G samples, the reference's group rows)."""
+    for c in cache:
+        if c.keys is not None:
+            c.keys, c.values = c.keys[rows], c.values[rows]
+        c.offset, c.left_padding = c.offset[rows], c.left_padding[rows]
+
+
+def picked_logprobs(logits, targets):
+    """logits [..., V] float32, targets [...] int -> log-softmax of the logits at the targets, [...]."""
+    mx = import_mlx()
+    return mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(logits, axis=-1)
+
+
 class MLXModel:
     """An mlx-lm model loaded from an HF folder at one precision, with strict, re-quantizing weight loads.
     Shared by the generator and the MLX reference scorer."""
@@ -155,9 +170,7 @@ class MLXModel:
     def logprobs(self, ids, temperature: float = 1.0):
         """ids mx [B, T] -> mx float32 [B, T-1]: log p(token j | tokens < j) for j = 1.., at `temperature`."""
         mx = import_mlx()
-        logits = self.model(ids)[:, :-1].astype(mx.float32) / temperature
-        picked = mx.take_along_axis(logits, ids[:, 1:, None], axis=-1)[..., 0]
-        return picked - mx.logsumexp(logits, axis=-1)
+        return picked_logprobs(self.model(ids)[:, :-1].astype(mx.float32) / temperature, ids[:, 1:])
 
     def memory_bytes(self) -> dict[str, int]:
         import_mlx()
@@ -207,10 +220,9 @@ class MLXGenerator:
         ids = mx.array([[self.pad_id] * n + p for n, p in zip(pad, prompts)])
         cache = [BatchKVCache(pad) for _ in model.layers]
         logits = model(ids, cache=cache)[:, -1, :].astype(mx.float32)  # one prefill per distinct prompt ...
-        for c in cache:  # ... whose cache is repeated to its G rows
-            c.keys, c.values = mx.repeat(c.keys, G, axis=0), mx.repeat(c.values, G, axis=0)
-            c.offset, c.left_padding = mx.repeat(c.offset, G, axis=0), mx.repeat(c.left_padding, G, axis=0)
-        logits = mx.repeat(logits, G, axis=0)
+        rows = mx.repeat(mx.arange(len(prompts)), G)  # ... whose cache and logits go to its G rows
+        take_rows(cache, rows)
+        logits = logits[rows]
         mx.eval(logits, [(c.keys, c.values) for c in cache])
         B = len(prompts) * G
         toks: list[list[int]] = [[] for _ in range(B)]
@@ -273,5 +285,4 @@ def pick(logits, sp: SamplingParams, key):
             drop = mx.concatenate([mx.zeros_like(drop[:, :1]), drop[:, 1:]], axis=-1)
             logits = mx.put_along_axis(logits, order, mx.where(drop, -mx.inf, srt), axis=-1)
         tok = mx.random.categorical(logits, axis=-1, key=key)
-    lp = mx.take_along_axis(logits, tok[:, None], axis=-1)[:, 0] - mx.logsumexp(logits, axis=-1)
-    return tok, lp
+    return tok, picked_logprobs(logits, tok)
