@@ -6,11 +6,21 @@ import os
 
 def thread_env(threads: int) -> dict[str, str]:
     """Environment for an actor process. PASSIVE: idle OpenMP threads sleep instead of spinning, which otherwise
-    slows the other actors on a shared machine by up to 10x. Fault-injection drills (core/faults.py) pass through."""
+    slows the other actors on a shared machine by up to 10x. Fault-injection drills (core/faults.py) pass through.
+    `threads` 0: decided inside the actor from the CPUs Ray gives it (`resolve_threads`)."""
     from core import faults
 
-    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE",
-            "TOKENIZERS_PARALLELISM": "false", **faults.env()}
+    counts = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
+    return {**counts, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", **faults.env()}
+
+
+def resolve_threads(threads: int) -> int:
+    """`threads`, or (0) as many as the CPUs Ray assigned to this actor, at least one."""
+    if threads:
+        return threads
+    import ray
+
+    return max(1, int(ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)))
 
 
 def apply_threads(threads: int) -> None:

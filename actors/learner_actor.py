@@ -1,12 +1,17 @@
-"""Ray actors for the DeepSpeed learner: one per rank, joined into one gloo/NCCL process group."""
+"""Ray actors for the DeepSpeed learner: one per rank, joined into one gloo/NCCL process group.
+
+Started in two steps so that ranks can sit on different nodes: the actors are created (placed by the caller, e.g. in
+a placement group), rank 0 picks the rendezvous address on its own node (its node's IP and a port free there), and
+then every rank builds its Learner against that address (`start_learners`)."""
 from __future__ import annotations
 
 import os
 import signal
+import socket
 
 import ray
 
-from actors.common import apply_threads
+from actors.common import apply_threads, resolve_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
 from core import faults
 from learner.batch import TrainBatch
@@ -15,20 +20,36 @@ from rollout.backends.common import probe_ids
 
 @ray.remote
 class LearnerActor:
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, learner_kwargs: dict,
-                 threads: int, extensions_dir: str):
-        apply_threads(threads)
+    def __init__(self, rank: int, world_size: int, learner_kwargs: dict, threads: int, extensions_dir: str):
+        """`threads` 0: as many as the CPUs Ray gave this rank."""
+        apply_threads(resolve_threads(threads))
+        self.rank, self.world_size, self.kwargs, self.extensions_dir = rank, world_size, learner_kwargs, extensions_dir
+        self._probe: list[int] | None = None
+        self.learner = None
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's address and a port free on it (rank 0: where the other ranks find the process group)."""
+        ip = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ip, s.getsockname()[1]
+
+    def setup(self, master_addr: str, master_port: int) -> dict:
+        """Join the process group at rank 0's address and build the DeepSpeed engine; returns where this rank runs."""
         os.environ.update(
-            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(rank), LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+            WORLD_SIZE=str(self.world_size),
+            # Each rank is its own process group member with only its own devices visible (Ray sets
+            # CUDA_VISIBLE_DEVICES per actor), wherever the ranks sit: device 0 of this process.
+            LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
             # DeepSpeed JIT-builds ops into this cache, which the project controls (not ~/.cache).
-            TORCH_EXTENSIONS_DIR=extensions_dir,
+            TORCH_EXTENSIONS_DIR=self.extensions_dir,
         )
         from learner.engine import Learner
 
-        self.rank = rank
-        self._probe: list[int] | None = None
-        self.learner = Learner(world_size=world_size, **learner_kwargs)
+        self.learner = Learner(world_size=self.world_size, **self.kwargs)
+        return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
+                "address": ray.util.get_node_ip_address(), "threads": torch_threads()}
 
     def train_step(self, shard: TrainBatch, step: int = 0) -> dict:
         if self.rank == 0 and faults.fires("learner.kill", step):
@@ -40,7 +61,7 @@ class LearnerActor:
         the probe sequence that every receiver checks its load against."""
         probe = self._probe_ids()
         probe_logprobs = self.learner.score(probe)  # a forward: collective under ZeRO-3, so every rank runs it
-        weights = self.learner.named_weights()
+        weights = self.learner.named_weights(bucket_bytes)
         if self.rank == 0:
             update = ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
             update.probe_ids, update.probe_logprobs = probe, probe_logprobs
@@ -64,3 +85,20 @@ class LearnerActor:
 
     def version(self) -> int:
         return self.learner.version
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def start_learners(world_size: int, learner_kwargs: dict, threads: int, extensions_dir: str,
+                   options: list[dict] | None = None) -> tuple[list, list]:
+    """Create the rank actors (`options[r]`: Ray options of rank r, e.g. its placement-group bundle), then have them
+    rendezvous at rank 0's node. Returns (actors, refs of their `setup` calls): the caller waits for those refs with
+    its own deadline (DeepSpeed set-up, and scheduling when the cluster is busy)."""
+    actors = [LearnerActor.options(**(options[r] if options else {})).remote(
+        r, world_size, learner_kwargs, threads, extensions_dir) for r in range(world_size)]
+    addr, port = ray.get(actors[0].rendezvous.remote())
+    return actors, [a.setup.remote(addr, port) for a in actors]

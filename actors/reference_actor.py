@@ -4,16 +4,19 @@ from __future__ import annotations
 import ray
 import torch
 
-from actors.common import apply_threads
+from actors.common import apply_threads, resolve_threads
 from rollout.reference import make_reference_scorer
 
 
 @ray.remote
 class ReferenceActor:
     def __init__(self, model_path: str, precision: str, group_size_quant: int, threads: int, backend: str = "torch"):
-        apply_threads(threads)
+        apply_threads(resolve_threads(threads))
         self.scorer = make_reference_scorer(backend, model_path, precision, group_size_quant)
 
     def score(self, input_ids: torch.Tensor, temperature: float, prompt_lens: torch.Tensor | None = None,
               group_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.scorer.score(input_ids, temperature, prompt_lens, group_ids)
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()

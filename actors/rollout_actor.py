@@ -8,7 +8,7 @@ import time
 
 import ray
 
-from actors.common import apply_threads
+from actors.common import apply_threads, resolve_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
 from rollout.backends import make_generator
 from rollout.backends.common import check_fingerprint
@@ -21,7 +21,7 @@ class RolloutActor:
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start."""
-        apply_threads(threads)
+        apply_threads(resolve_threads(threads))
         self.gen = make_generator(backend, **generator_kwargs)
         self.last_ack = self.load_weights(update) if update is not None else None
 
@@ -54,5 +54,12 @@ class RolloutActor:
         return self.last_ack
 
     def info(self) -> dict:
+        import torch
+
         return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
-                "precision": self.gen.precision, "memory_bytes": self.gen.memory_bytes()}
+                "precision": self.gen.precision, "memory_bytes": self.gen.memory_bytes(),
+                "node_id": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads()}
+
+    def set_threads(self, threads: int) -> None:
+        """Local mode: more actors now share this machine's cores (or fewer do)."""
+        apply_threads(threads)

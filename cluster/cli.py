@@ -1,4 +1,5 @@
-"""`qgrpo train CONFIG [--set section.key=value ...]`, `qgrpo train [CONFIG] --resume RUN_DIR|CHECKPOINT`.
+"""`qgrpo train CONFIG [--set section.key=value ...]`, `qgrpo train [CONFIG] --resume RUN_DIR|CHECKPOINT`,
+`qgrpo submit CONFIG --address URL` (the same run on a Ray cluster), `qgrpo scale RUN_DIR --rollout-actors N`.
 
 The config is validated completely before Ray starts, any model is touched, or any directory is created: a bad
 config exits with status 2 and one message listing every problem.
@@ -31,6 +32,20 @@ def _parser() -> argparse.ArgumentParser:
                    "the checkpoints/step_* folder given), in the same run directory")
     t.add_argument("--ray-address", default=None, help="join a running cluster (default: start Ray locally, "
                    "or the one RAY_ADDRESS names, as under `ray job submit`)")
+    s = sub.add_parser("submit", help="run a job on a running Ray cluster (through `ray job submit`)")
+    s.add_argument("config", help="TOML preset inside this project folder (the folder is uploaded)")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    s.add_argument("--address", help="the cluster's dashboard address, e.g. http://HEAD:8265 (default: "
+                   "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
+    s.add_argument("--python", help="the Python of the project's environment on the cluster's nodes (default: this "
+                   "one, at the same path on every node)")
+    s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the "
+                   "job and its actors; repeatable")
+    s.add_argument("--submission-id", help="the job's id (default qgrpo-NAME-TIME)")
+    s.add_argument("--no-wait", action="store_true", help="return once submitted (follow with `ray job logs -f ID`)")
+    k = sub.add_parser("scale", help="change the number of rollout actors of a running job at its next step")
+    k.add_argument("run_dir")
+    k.add_argument("--rollout-actors", type=int, required=True, metavar="N")
     c = sub.add_parser("check", help="validate a config and print the effective one")
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -110,6 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "eval":
         return _eval_command(args)
+    if args.command == "submit":
+        from cluster.submit import submit
+
+        return submit(args)
+    if args.command == "scale":
+        from cluster.control import request_rollout_actors
+
+        try:
+            path = request_rollout_actors(Path(args.run_dir).expanduser(), args.rollout_actors)
+        except ValueError as e:
+            print(f"qgrpo scale: {e}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(f"qgrpo scale: asked for {args.rollout_actors} rollout actors ({path}); the run applies it at its next "
+              "step boundary and logs a `scale` event in metrics.jsonl", file=sys.stderr)
+        return 0
     if args.command == "report":
         from cluster.report import report
 
@@ -146,6 +176,14 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.tasks import check_task
 
     problems = check_task(cfg.task, cfg.run.seed)  # reads user datasets fully: malformed rows fail here, not mid-run
+    from cluster.submit import ray_job_id
+
+    out = cfg.run.output_dir
+    if ray_job_id() and resume is None and "://" not in out and not Path(out).expanduser().is_absolute():
+        problems.append(f"run.output_dir: {out!r} is relative, and this is a Ray job, whose working directory is a "
+                        f"copy in Ray's package cache ({Path.cwd()}): the submitter would not find the run there and "
+                        "Ray may delete it; give an absolute path on storage every node shares (or a URI), or submit "
+                        "with `qgrpo submit`, which makes it absolute")
     if problems:
         print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
         return EXIT_CONFIG
@@ -157,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from actors.common import quiet_libraries
 
     quiet_libraries()
-    from cluster.preflight import cpu_problems, preflight
+    from cluster.preflight import CPU_OVERSUBSCRIPTION, cpu_problems, preflight
     from rollout.models import resolve_model_path
 
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
@@ -174,6 +212,33 @@ def main(argv: list[str] | None = None) -> int:
     if problems:  # what would hang or train on garbage, before Ray starts or anything is written
         print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
         return EXIT_CONFIG
+    import ray
+
+    from cluster.driver import train
+    from cluster.workers import RunFailed
+
+    started = not ray.is_initialized()
+    if started and address:
+        from cluster.submit import use_auth_token
+
+        use_auth_token()
+    if started:
+        # Locally, logical CPUs are what the actors ask for (they share the cores; threads are set per actor), with
+        # room for `qgrpo scale` to add rollout actors (up to the oversubscription preflight allows).
+        needed = (cfg.rollout.num_actors * cfg.rollout.num_cpus + cfg.learner.world_size * cfg.learner.num_cpus
+                  + cfg.reference.num_cpus)
+        ray.init(address=address, include_dashboard=False,
+                 num_cpus=None if address else max(CPU_OVERSUBSCRIPTION * (os.cpu_count() or 1), math.ceil(needed)))
+    if address or not started:  # a cluster: what its nodes can hold is known once connected, before any actor
+        from cluster.placement import infeasible, role_requests
+
+        problems = infeasible(role_requests(cfg), ray.nodes()) + (
+            cpu_problems(cfg, int(ray.cluster_resources().get("CPU", 0))) if address else [])
+        if problems:
+            if started:
+                ray.shutdown()
+            print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
+            return EXIT_CONFIG
     if resume is not None:
         run_dir = resume.parent.parent
         saved, effective = run_dir / "config.toml", to_toml(cfg.to_dict())
@@ -189,24 +254,6 @@ def main(argv: list[str] | None = None) -> int:
         run_dir.mkdir(parents=True, exist_ok=False)
         (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
     print(f"qgrpo: run directory {run_dir}", file=sys.stderr)
-
-    import ray
-
-    from cluster.driver import train
-    from cluster.workers import RunFailed
-
-    started = not ray.is_initialized()
-    if started:
-        # Locally, logical CPUs are what the actors ask for (they share the cores; threads are set per actor).
-        needed = (cfg.rollout.num_actors * cfg.rollout.num_cpus + cfg.learner.world_size * cfg.learner.num_cpus
-                  + cfg.reference.num_cpus)
-        ray.init(address=address, include_dashboard=False,
-                 num_cpus=None if address else max(os.cpu_count() or 1, math.ceil(needed)))
-        problems = cpu_problems(cfg, int(ray.cluster_resources().get("CPU", 0))) if address else []
-        if problems:  # a cluster's CPUs are known once connected; still before any actor starts
-            ray.shutdown()
-            print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
-            return EXIT_CONFIG
     t0 = time.monotonic()
     try:
         result = train(cfg, run_dir, model_path, resume)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
+from cluster.placement import STRATEGIES
 from rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions  # backends, their precisions and options
 
 BUILTIN_MODEL_PREFIX = "builtin:"
@@ -96,7 +97,12 @@ class RolloutConfig:
     num_actors: int = 1  # rollout actors; prompts of a step are spread over them, whole groups per actor
     num_cpus: float = 1.0  # Ray CPU resource per rollout actor
     num_gpus: float = 0.0  # Ray GPU resource per rollout actor (CUDA clusters; vllm's tensor_parallel_size within)
-    threads: int = 0  # torch threads per rollout actor (0 = cores / num_actors)
+    memory_gb: float = 0.0  # Ray memory reserved per rollout actor (0 = none reserved)
+    # Custom Ray resources per rollout actor, to pin it to node types started with `ray start --resources '{"NAME": N}'`,
+    # e.g. {rollout_node = 1}
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_labels: dict[str, Any] = field(default_factory=dict)  # labels its node must carry (`ray start --labels`)
+    threads: int = 0  # torch threads per rollout actor (0 = cores / num_actors locally; num_cpus on a cluster)
     prompts_per_step: int = 16  # prompts sampled per learner step (global)
     group_size: int = 8  # completions per prompt (G)
     max_new_tokens: int = 8
@@ -113,7 +119,13 @@ class ReferenceConfig:
     # nf4; mlx: bf16 (unquantized; fp32 compute on CPU) | int8 | int4
     precision: str = "bf16"
     num_cpus: float = 0.0
-    threads: int = 0  # 0 = all cores (it runs while the generators are idle)
+    num_gpus: float = 0.0
+    memory_gb: float = 0.0  # Ray memory reserved per reference actor (0 = none reserved)
+    # Custom Ray resources per reference actor, to pin it to node types started with `ray start --resources '{"NAME": N}'`,
+    # e.g. {reference_node = 1}
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_labels: dict[str, Any] = field(default_factory=dict)  # labels its node must carry (`ray start --labels`)
+    threads: int = 0  # 0 = all cores locally (it runs while the generators are idle); on a cluster, its num_cpus
 
 
 @dataclass
@@ -144,8 +156,17 @@ class LearnerConfig:
     # Run each distinct prompt once per micro-batch and share its KV cache with the group's completions (learner and
     # reference). Same log-probs and gradients as the full forward (tests/test_scoring.py), several times fewer tokens.
     shared_prompt: bool = True
-    num_cpus: float = 1.0
-    threads: int = 0  # 0 = all cores
+    num_cpus: float = 1.0  # Ray CPU resource per rank
+    num_gpus: float = 0.0  # Ray GPU resource per rank (CUDA: NCCL between ranks; 0 = the CPU learner, gloo)
+    memory_gb: float = 0.0  # Ray memory reserved per rank (0 = none reserved)
+    # Custom Ray resources per rank, to pin it to node types started with `ray start --resources '{"NAME": N}'`,
+    # e.g. {learner_node = 1}
+    resources: dict[str, Any] = field(default_factory=dict)
+    node_labels: dict[str, Any] = field(default_factory=dict)  # labels its node must carry (`ray start --labels`)
+    # How the ranks' placement group spreads them: PACK (few nodes, default), SPREAD, STRICT_PACK (one node),
+    # STRICT_SPREAD (one rank per node). All ranks are placed together or not at all.
+    placement_strategy: str = "PACK"
+    threads: int = 0  # 0 = all cores locally; on a cluster, the CPUs each rank was given (num_cpus)
 
 
 @dataclass
@@ -162,6 +183,9 @@ class FaultsConfig:
     reference_timeout_s: float = 900.0  # one step's reference scoring
     learn_timeout_s: float = 1800.0  # one learner step, and a checkpoint save or load
     max_replacements: int = 3  # a rollout actor that fails this many times in a row more ends the run
+    # How long actors may wait for a busy cluster to free the resources they ask for (a request no node can ever
+    # satisfy fails at once instead)
+    schedule_timeout_s: float = 600.0
 
 
 @dataclass
@@ -414,7 +438,6 @@ def validate(cfg: Config) -> list[str]:
     for name, other in REGISTRY.items():  # each backend checks its own [rollout.NAME] table, chosen or not
         if other.options is not None:
             p.extend(getattr(ro, name).problems(f"rollout.{name}", ro.num_gpus))
-    need(ro.num_gpus >= 0, f"rollout.num_gpus: must be >= 0, got {ro.num_gpus}")
     need(ro.group_size_quant in (32, 64, 128), f"rollout.group_size_quant: must be 32, 64 or 128, got {ro.group_size_quant}")
     need(ro.num_actors >= 1, f"rollout.num_actors: must be >= 1, got {ro.num_actors}")
     need(ro.num_cpus >= 0, f"rollout.num_cpus: must be >= 0, got {ro.num_cpus}")
@@ -435,6 +458,10 @@ def validate(cfg: Config) -> list[str]:
              f"reference.precision: {cfg.reference.precision!r} is not served by the {rb} reference; choose one of "
              f"{', '.join(REFERENCE_BACKENDS[rb])}")
     need(cfg.reference.num_cpus >= 0, f"reference.num_cpus: must be >= 0, got {cfg.reference.num_cpus}")
+    for name, sec in (("rollout", ro), ("reference", cfg.reference), ("learner", le)):
+        p.extend(placement_problems(name, sec))
+    need(le.placement_strategy in STRATEGIES, f"learner.placement_strategy: must be one of {', '.join(STRATEGIES)}, "
+         f"got {le.placement_strategy!r}")
     need(cfg.reference.threads >= 0, f"reference.threads: must be >= 0, got {cfg.reference.threads}")
 
     need(a.advantage_scale in ("std", "none"), f"algo.advantage_scale: must be 'std' or 'none', got {a.advantage_scale!r}")
@@ -474,9 +501,30 @@ def validate(cfg: Config) -> list[str]:
     f = cfg.faults
     for key in ("generate_timeout_s", "reference_timeout_s", "learn_timeout_s"):
         need(getattr(f, key) > 0, f"faults.{key}: must be > 0 seconds, got {getattr(f, key)}")
+    need(f.schedule_timeout_s > 0, f"faults.schedule_timeout_s: must be > 0 seconds, got {f.schedule_timeout_s}")
     need(f.max_replacements >= 0, f"faults.max_replacements: must be >= 0, got {f.max_replacements}")
     g = cfg.guard
     need(g.max_mismatch_kl >= 0, f"guard.max_mismatch_kl: must be >= 0 (0 = no bound), got {g.max_mismatch_kl}")
     need(g.max_skips_at_top >= 1, f"guard.max_skips_at_top: must be >= 1, got {g.max_skips_at_top}")
     need(cfg.sync.bucket_mb > 0, f"sync.bucket_mb: must be > 0, got {cfg.sync.bucket_mb}")
+    return p
+
+
+def placement_problems(section: str, sec) -> list[str]:
+    """The resource fields every role has: GPUs, memory, custom resources, node labels."""
+    p = []
+    if sec.num_gpus < 0:
+        p.append(f"{section}.num_gpus: must be >= 0, got {sec.num_gpus}")
+    if sec.memory_gb < 0:
+        p.append(f"{section}.memory_gb: must be >= 0 (0 = none reserved), got {sec.memory_gb}")
+    for key, value in sec.resources.items():
+        if key in ("CPU", "GPU", "memory", "object_store_memory"):
+            p.append(f"{section}.resources.{key}: set it with {section}.num_cpus/num_gpus/memory_gb, not as a custom "
+                     "resource")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            p.append(f"{section}.resources.{key}: must be a number > 0 (the amount of the custom resource per actor), "
+                     f"got {value!r}")
+    for key, value in sec.node_labels.items():
+        if not isinstance(value, str) or not value:
+            p.append(f"{section}.node_labels.{key}: must be a non-empty string (the label's value), got {value!r}")
     return p

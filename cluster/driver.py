@@ -16,6 +16,7 @@ import torch
 
 from cluster.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
 from cluster.config import Config
+from cluster.control import wanted_rollout_actors
 from cluster.evaluate import accuracy_reward, eval_items, greedy, score_eval
 from cluster.guard import GuardStop, PrecisionLadder
 from cluster.resume import earlier_evals, set_aside_future
@@ -78,6 +79,7 @@ def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], b
     m = {
         "policy_version": results[0]["policy_version"],
         "rollout/policy_versions": sorted({s.policy_version for s in gen_stats}),
+        "rollout/actors": len({s.generator_id for s in gen_stats}),
         "rollout/staleness": results[0]["staleness"],
         "rollout/completion_len": new_tokens / len(completions),
         "rollout/stop_frac": sum(c.finish_reason == "stop" for c in completions) / len(completions),
@@ -123,8 +125,8 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
                  cfg.run.wandb_project, cfg.to_dict())
     samples = RolloutWriter(run_dir, cfg.run.rollouts_flush_every)
     log.write({"event": "resume" if resume else "start", "step": state["step"], "generators": workers.rollout_info(),
-               "resumed_from": str(resume) if resume else None, "set_aside": str(aside) if aside else None,
-               **ladder.state()})
+               "placement": workers.placement(), "resumed_from": str(resume) if resume else None,
+               "set_aside": str(aside) if aside else None, **ladder.state()})
     eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
     published = state.get("published_version", state["policy_version"])
 
@@ -139,6 +141,9 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
         if eval_task and step == 0:
             evaluate(0)
         for step in range(state["step"], cfg.run.steps):
+            want = wanted_rollout_actors(run_dir)  # `qgrpo scale`: applied between steps, nothing in flight
+            if want and want != len(workers.rollout.actors):
+                log.write({"step": step, **workers.rollout.resize(want)})
             clock = StageClock()
             items = sampler.next(ro.prompts_per_step)
             sampling = SamplingParams(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,

@@ -10,7 +10,6 @@ failure ends the run (RunFailed), leaving the last complete checkpoint to resume
 from __future__ import annotations
 
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -18,21 +17,16 @@ import ray
 import torch
 
 from actors.common import thread_env
-from actors.learner_actor import LearnerActor
+from actors.learner_actor import start_learners
 from actors.reference_actor import ReferenceActor
 from actors.rollout_actor import RolloutActor
 from actors.weights import WeightUpdate
 from cluster.config import Config
+from cluster.placement import RoleRequest, infeasible, learner_group, role_requests, wait_scheduled
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig
 from rollout.backends import backend_options
 from core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _split(items: list, n: int) -> list[list]:
@@ -80,9 +74,12 @@ def gather(calls: dict, seconds: float, stage: str, setting: str) -> dict:
 class RolloutPool:
     """The rollout actors, replaced when they die, moved up the precision ladder on request."""
 
-    def __init__(self, cfg: Config, policy_path: str, policy_version: int, precision: str, threads: int):
+    def __init__(self, cfg: Config, policy_path: str, policy_version: int, precision: str, request: RoleRequest,
+                 threads: int, cores: int = 0):
+        """`threads` per actor (0: the CPUs Ray gives each); `cores`: the machine's cores when every actor shares
+        the driver's machine (local mode: threads follow the number of actors as it scales), else 0."""
         self.cfg, self.policy_path, self.policy_version, self.precision = cfg, policy_path, policy_version, precision
-        self.threads = threads
+        self.request, self.threads, self.cores = request, threads, cores
         self.last_update: WeightUpdate | None = None  # what every actor has loaded (replacements load it too)
         self.spawned = [0] * cfg.rollout.num_actors  # actors created per slot
         self.failures = [0] * cfg.rollout.num_actors  # failures in a row per slot
@@ -96,7 +93,7 @@ class RolloutPool:
     def _spawn(self, slot: int):
         ro = self.cfg.rollout
         self.spawned[slot] += 1
-        return RolloutActor.options(num_cpus=ro.num_cpus, num_gpus=ro.num_gpus,
+        return RolloutActor.options(**self.request.actor_options(),
                                     runtime_env={"env_vars": thread_env(self.threads)}).remote(
             ro.backend,
             dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
@@ -187,20 +184,64 @@ class RolloutPool:
     def info(self) -> list[dict]:
         return ray.get([a.info.remote() for a in self.actors])
 
+    def wait_started(self, actors: list) -> list[dict]:
+        """Wait (with the scheduling deadline and a message while the cluster is busy) until `actors` serve."""
+        calls = {a.info.remote(): f"rollout actor {self.name(self.actors.index(a))}" for a in actors}
+        wait_scheduled(calls, self.cfg.faults.schedule_timeout_s, "starting the rollout actors")
+        return ray.get(list(calls))
+
+    def resize(self, n: int) -> dict:
+        """Add or remove rollout actors (between steps: nothing is in flight, so no prompt is dropped). New actors
+        load the last published weights before they serve. Returns an event for the run log."""
+        old = len(self.actors)
+        event: dict = {"event": "scale", "role": "rollout", "from": old, "to": n}
+        if n > old:
+            problems = infeasible([RoleRequest(**{**self.request.__dict__, "count": n})], ray.nodes())
+            if problems:  # refused, not fatal: the run goes on with the actors it has
+                return {**event, "to": old, "refused": problems[0]}
+            self.failures += [0] * (n - old)
+            self.spawned += [0] * max(n - len(self.spawned), 0)
+            new = [self._spawn(i) for i in range(old, n)]
+            self.actors += new
+            try:
+                event["started"] = self.wait_started(new)
+            except (TimeoutError, ray.exceptions.RayError) as e:
+                for a in new:
+                    ray.kill(a)
+                del self.actors[old:], self.failures[old:]
+                return {**event, "to": old, "refused": _cause(e)}
+        else:
+            for a in self.actors[n:]:
+                ray.kill(a)
+            del self.actors[n:], self.failures[n:]
+        if self.cores:  # local mode: the actors share this machine's cores
+            self.threads = max(1, self.cores // n)
+            ray.get([a.set_threads.remote(self.threads) for a in self.actors])
+        return event
+
 
 class Workers:
     def __init__(self, cfg: Config, policy_path: str, reference_path: str, policy_version: int = 0,
                  rollout_precision: str | None = None, reference_precision: str | None = None):
-        cores = os.cpu_count() or 1
         ro, le, ref = cfg.rollout, cfg.learner, cfg.reference
         self.cfg = cfg
         self.reference_path = reference_path
+        requests = {r.role: r for r in role_requests(cfg)}
+        problems = infeasible(list(requests.values()), ray.nodes())
+        if problems:
+            raise Unplaceable(problems)
+        # Threads: on one machine (local mode) the actors share the driver's cores; on a cluster each actor uses the
+        # CPUs Ray gave it (threads = 0 resolves inside the actor), not the driver's machine's count.
+        cores = (os.cpu_count() or 1) if _single_node() else 0
+        self.cores = cores
         self.rollout = RolloutPool(cfg, policy_path, policy_version, rollout_precision or ro.precision,
-                                   ro.threads or max(1, cores // ro.num_actors))
+                                   requests["rollout"], ro.threads or cores // ro.num_actors,
+                                   cores if not ro.threads else 0)
         self.reference_precision = reference_precision or ref.precision
+        self.reference_request = requests.get("reference")
         self.reference = self._reference() if cfg.algo.kl_coeff > 0 else None
         batch = ro.prompts_per_step * ro.group_size
-        l_threads = le.threads or max(1, cores // le.world_size)
+        l_threads = le.threads or max(0, cores // le.world_size)
         learner_kwargs = dict(
             model_path=policy_path, zero_stage=le.zero_stage, lr=le.lr, weight_decay=le.weight_decay,
             betas=(le.beta1, le.beta2), grad_clip=le.grad_clip, warmup_steps=le.warmup_steps,
@@ -212,24 +253,40 @@ class Workers:
             shared_prompt=le.shared_prompt,
             seed=cfg.run.seed, guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
         )
-        port = _free_port()
-        # The learner runs on CPU here: it is the device our learner has run on (no CUDA learner yet). On a Mac,
-        # DeepSpeed would otherwise pick its new MPS accelerator by itself, which we have not been able to test.
-        learner_env = {**thread_env(l_threads), "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+        # A CPU learner is forced to DeepSpeed's CPU accelerator: on a Mac DeepSpeed would otherwise pick its new MPS
+        # accelerator by itself, which we have not been able to test. With GPUs DeepSpeed picks CUDA (NCCL).
+        learner_env = {**thread_env(l_threads)}
+        if not le.num_gpus:
+            learner_env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
         ext_dir = str(Path(os.environ.get("QGRPO_CACHE", Path.home() / ".cache" / "qgrpo")) / "torch_extensions")
-        self.learners = [
-            LearnerActor.options(num_cpus=le.num_cpus, runtime_env={"env_vars": learner_env}).remote(
-                rank, le.world_size, "127.0.0.1", port, learner_kwargs, l_threads, ext_dir)
-            for rank in range(le.world_size)
-        ]
+        # The ranks are gang-scheduled: one placement group, one bundle per rank, all placed or none.
+        learn = requests["learner"]
+        self.learner_group = learner_group(learn)
+        wait_scheduled({self.learner_group.ready(): f"the learner ({learn.count} x {learn.describe()})"},
+                       cfg.faults.schedule_timeout_s, "placing the learner ranks")
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options = [dict(num_cpus=learn.cpus, num_gpus=learn.gpus, resources=learn.resources or None,
+                        **({"memory": int(learn.memory_gb * 2**30)} if learn.memory_gb else {}),
+                        runtime_env={"env_vars": learner_env},
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.learner_group, r))
+                   for r in range(le.world_size)]
+        self.learners, setups = start_learners(le.world_size, learner_kwargs, l_threads, ext_dir, options)
         # Surface construction errors (bad model folder, DeepSpeed failure) here rather than at the first step.
-        ray.get([a.info.remote() for a in self.rollout.actors] + [a.version.remote() for a in self.learners])
+        started = self.rollout.wait_started(self.rollout.actors)
+        self.placed = {"learner": ray.get(setups), "rollout": [{"actor": i["generator_id"], "node_id": i["node_id"]}
+                                                               for i in started]}
+        if self.reference is not None:
+            wait_scheduled({self.reference.node.remote(): "the reference actor"}, cfg.faults.schedule_timeout_s,
+                           "starting the reference actor")
+            self.placed["reference"] = [{"node_id": ray.get(self.reference.node.remote())}]
 
     def _reference(self):
-        ref, cores = self.cfg.reference, os.cpu_count() or 1
-        threads = ref.threads or cores
-        return ReferenceActor.options(num_cpus=ref.num_cpus, runtime_env={"env_vars": thread_env(threads)}).remote(
-            self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads, ref.backend)
+        threads = self.cfg.reference.threads or self.cores  # 0 on a cluster: the CPUs it was given
+        return ReferenceActor.options(**self.reference_request.actor_options(),
+                                      runtime_env={"env_vars": thread_env(threads)}).remote(
+            self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads,
+            self.cfg.reference.backend)
 
     def set_reference_precision(self, precision: str) -> None:
         ray.kill(self.reference)
@@ -286,6 +343,37 @@ class Workers:
         calls = {a.load.remote(ckpt_dir, version): f"learner rank {r}" for r, a in enumerate(self.learners)}
         gather(calls, self.cfg.faults.learn_timeout_s, "loading the checkpoint", "faults.learn_timeout_s")
 
+    def placement(self) -> dict:
+        """Where each role's actors run: node ids, with each node's custom resources and labels (for the run log)."""
+        nodes = {n["NodeID"]: n for n in ray.nodes()}
+
+        def where(node_id: str) -> dict:
+            n = nodes.get(node_id, {})
+            custom = sorted(k for k in n.get("Resources", {}) if k not in _BUILTIN_RESOURCES and ":" not in k)
+            labels = {k: v for k, v in n.get("Labels", {}).items() if not k.startswith("ray.io/")}
+            return {"node_id": node_id, "address": n.get("NodeManagerAddress"), "resources": custom, "labels": labels}
+
+        return {role: [{**{k: v for k, v in a.items() if k != "node_id"}, **where(a["node_id"])} for a in actors]
+                for role, actors in self.placed.items()}
+
     def shutdown(self) -> None:
         for a in self.rollout.actors + self.learners + ([self.reference] if self.reference else []):
             ray.kill(a)
+        ray.util.remove_placement_group(self.learner_group)
+
+
+_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
+
+
+def _single_node() -> bool:
+    """Every actor runs on the driver's machine (local mode, or a one-node cluster started on it)."""
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    return len(alive) == 1 and alive[0]["NodeID"] == ray.get_runtime_context().get_node_id()
+
+
+class Unplaceable(RunFailed):
+    """A role asks for resources no node of the cluster has: refused before any actor starts."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("the cluster can never place these actors:\n" + "\n".join(f"  - {p}" for p in problems))

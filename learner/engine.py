@@ -274,17 +274,21 @@ class Learner:
         self.engine.module.train(was_training)
         return lp
 
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, bf16 tensor) for every parameter, HF names. Under ZeRO-3 every rank must iterate (gathers are
-        collectives); tensors are full on every rank."""
+    def named_weights(self, bucket_bytes: int = 64 << 20) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, bf16 tensor) for every parameter, HF names. Under ZeRO-3 every rank must iterate: parameters are
+        gathered a bucket of about `bucket_bytes` at a time (one collective per bucket, not per parameter; at most
+        one bucket of full tensors held at once besides the shards), and tensors are full on every rank."""
         import deepspeed
 
-        for name, p in self.engine.module.named_parameters():
-            if self.zero_stage == 3:
-                with deepspeed.zero.GatheredParameters([p]):
-                    yield name, p.data.detach().to(torch.bfloat16).clone()
-            else:
+        params = list(self.engine.module.named_parameters())
+        if self.zero_stage != 3:
+            for name, p in params:
                 yield name, p.detach().to(torch.bfloat16)
+            return
+        for bucket in _buckets(params, bucket_bytes):
+            with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
+                full = [(name, p.data.detach().to(torch.bfloat16).clone()) for name, p in bucket]
+            yield from full
 
     def save(self, out_dir: str | Path, rank: int = 0) -> None:
         """HF folder (model.safetensors + config + tokenizer) written by rank 0, and DeepSpeed's optimizer state
@@ -302,6 +306,20 @@ class Learner:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed optimizer state under {ckpt_dir}/optimizer")
         self.version = version
+
+
+def _buckets(params: list, bucket_bytes: int) -> Iterator[list]:
+    """Consecutive groups of ZeRO-3 parameters of about `bucket_bytes` (full bf16 size, `ds_numel`) each."""
+    bucket, size = [], 0
+    for name, p in params:
+        n = getattr(p, "ds_numel", p.numel()) * 2
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, p))
+        size += n
+    if bucket:
+        yield bucket
 
 
 def _copy_tokenizer(src: str, dst: Path) -> None:

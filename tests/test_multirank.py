@@ -5,18 +5,18 @@ import pytest
 import ray
 import torch
 
-from actors.learner_actor import LearnerActor
+from actors.learner_actor import start_learners
 from actors.weights import ObjectStoreTransport
-from cluster.workers import _free_port
 from learner.loss import GRPOLossConfig
 from tests.test_learner import _batch
 
 
 def _ranks(path, world, zero_stage, ext):
-    port = _free_port()
     kw = dict(model_path=path, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world, zero_stage=zero_stage,
               grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
-    return [LearnerActor.remote(r, world, "127.0.0.1", port, kw, 1, ext) for r in range(world)]
+    actors, setups = start_learners(world, kw, 1, ext)
+    ray.get(setups)
+    return actors
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])

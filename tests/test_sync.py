@@ -5,7 +5,7 @@ import pytest
 import ray
 import torch
 
-from actors.learner_actor import LearnerActor
+from actors.learner_actor import start_learners
 from actors.rollout_actor import RolloutActor
 from actors.weights import ObjectStoreTransport
 from cluster.workers import StageTimeout, gather
@@ -40,15 +40,13 @@ def _mean_gap(groups, model):
 
 @pytest.fixture(scope="module")
 def actors(ray_session, tiny_model_path, tmp_path_factory):
-    from cluster.workers import _free_port
-
     rollouts = {(b, p): RolloutActor.remote(b, dict(model_path=tiny_model_path, precision=p, generator_id=f"{b}-{p}"), 1)
                 for b, p in KINDS}
-    learner = LearnerActor.remote(
-        0, 1, "127.0.0.1", _free_port(),
-        dict(model_path=tiny_model_path, lr=5e-2, micro_batch_per_rank=16, sequences_per_rank=32,
-             loss_cfg=GRPOLossConfig()),
+    (learner,), setups = start_learners(
+        1, dict(model_path=tiny_model_path, lr=5e-2, micro_batch_per_rank=16, sequences_per_rank=32,
+                loss_cfg=GRPOLossConfig()),
         1, str(tmp_path_factory.mktemp("ext")))
+    ray.get(setups)
     yield rollouts, learner
     for a in [*rollouts.values(), learner]:
         ray.kill(a)

@@ -1,0 +1,162 @@
+"""Where each role runs: what one actor of a role asks Ray for, whether the cluster can ever give it, and waiting
+(with a visible message and a deadline) while a busy cluster cannot give it yet.
+
+Every role (rollout, reference, learner) asks per actor for CPUs, GPUs, memory, custom resources (nodes started with
+`ray start --resources '{"rollout_node": 8}'`) and node labels (`ray start --labels pool=spot`). Learner ranks are
+gang-scheduled through one placement group (all ranks start or none; `learner.placement_strategy` PACK/SPREAD/
+STRICT_PACK/STRICT_SPREAD), so a half-started learner never holds resources while waiting for its other ranks.
+
+A request no node of the cluster can ever satisfy is refused before any actor starts, naming the role and the resource
+(`infeasible`); Ray itself would wait forever. What only a busy cluster delays waits up to
+`faults.schedule_timeout_s`, saying so every WAIT_MESSAGE_S seconds.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+WAIT_MESSAGE_S = 30.0
+STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+_GB = 2**30
+
+
+@dataclass
+class RoleRequest:
+    """What one actor of a role asks for, and how many actors the role has."""
+
+    role: str  # "rollout" | "reference" | "learner": also the config section the message points at
+    count: int
+    cpus: float
+    gpus: float = 0.0
+    memory_gb: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    strategy: str = ""  # placement-group strategy for gang-scheduled roles ("" = independent actors)
+
+    def bundle(self) -> dict[str, float]:
+        b = {"CPU": self.cpus, "GPU": self.gpus, "memory": self.memory_gb * _GB, **self.resources}
+        return {k: float(v) for k, v in b.items() if v}
+
+    def actor_options(self) -> dict:
+        """`.options(...)` for one actor of this role outside a placement group."""
+        opts: dict = {"num_cpus": self.cpus, "num_gpus": self.gpus}
+        if self.memory_gb:
+            opts["memory"] = int(self.memory_gb * _GB)
+        if self.resources:
+            opts["resources"] = dict(self.resources)
+        if self.labels:
+            opts["label_selector"] = dict(self.labels)
+        return opts
+
+    def describe(self) -> str:
+        parts = [f"{k}={v:g}" for k, v in self.bundle().items() if k != "memory"]
+        if self.memory_gb:
+            parts.append(f"memory={self.memory_gb:g} GB")
+        parts += [f"label {k}={v}" for k, v in self.labels.items()]
+        return f"{{{', '.join(parts) or 'nothing'}}}"
+
+
+def role_requests(cfg) -> list[RoleRequest]:
+    ro, ref, le = cfg.rollout, cfg.reference, cfg.learner
+
+    def req(role: str, count: int, sec, strategy: str = "") -> RoleRequest:
+        return RoleRequest(role, count, sec.num_cpus, sec.num_gpus, sec.memory_gb,
+                           {k: float(v) for k, v in sec.resources.items()},
+                           {k: str(v) for k, v in sec.node_labels.items()}, strategy)
+
+    out = [req("rollout", ro.num_actors, ro)]
+    if cfg.algo.kl_coeff > 0:  # the reference actor exists only with a KL term
+        out.append(req("reference", 1, ref))
+    out.append(req("learner", le.world_size, le, le.placement_strategy))
+    return out
+
+
+def _fits(node: dict, bundle: dict[str, float], labels: dict[str, str]) -> bool:
+    have, lab = node.get("Resources", {}), node.get("Labels", {})
+    return all(have.get(k, 0.0) >= v for k, v in bundle.items()) and all(lab.get(k) == v for k, v in labels.items())
+
+
+def infeasible(requests: list[RoleRequest], nodes: list[dict]) -> list[str]:
+    """Why a request can never be placed on these nodes (`ray.nodes()`, totals, not what is free now); [] if it can.
+    One line per role, naming the missing resource (or label) and the fix."""
+    alive = [n for n in nodes if n.get("Alive", n.get("alive"))]
+    problems = []
+    for r in requests:
+        bundle = r.bundle()
+        hosts = [n for n in alive if _fits(n, bundle, r.labels)]
+        need = {"STRICT_SPREAD": r.count}.get(r.strategy, 1)
+        if len(hosts) >= need and (r.strategy != "STRICT_PACK" or any(
+                _fits(n, {k: v * r.count for k, v in bundle.items()}, r.labels) for n in alive)):
+            continue
+        if hosts:  # each actor fits somewhere, the strategy asks for more than that
+            problems.append(f"learner.placement_strategy: {r.strategy} needs {need if need > 1 else r.count} "
+                            f"{'distinct nodes' if need > 1 else 'ranks on one node'} for {r.role} "
+                            f"({r.count} x {r.describe()}), the cluster has {len(hosts)} node(s) that fit one; use PACK or SPREAD, "
+                            f"or add nodes")
+            continue
+        problems.append(f"{r.role}: asks per actor for {r.describe()}, which no node of this "
+                        f"cluster ({len(alive)} node(s)) can ever give: {_missing(bundle, r.labels, alive)}; "
+                        f"{_fix(r)}")
+    return problems
+
+
+def _missing(bundle: dict[str, float], labels: dict[str, str], nodes: list[dict]) -> str:
+    """The first resource (or label) that rules out every node, with the most any node has of it."""
+    for k, v in bundle.items():
+        most = max((n.get("Resources", {}).get(k, 0.0) for n in nodes), default=0.0)
+        if most < v:
+            shown = (lambda x: f"{x / _GB:g} GB") if k == "memory" else (lambda x: f"{x:g}")
+            return (f"resource {k!r}: needs {shown(v)}, " +
+                    (f"the largest node has {shown(most)}" if most else "no node has it"))
+    for k, v in labels.items():
+        seen = sorted({str(n.get("Labels", {}).get(k)) for n in nodes if k in n.get("Labels", {})})
+        if not any(n.get("Labels", {}).get(k) == v for n in nodes):
+            return f"node label {k}={v}: " + (f"nodes carry {k}={'|'.join(seen)}" if seen else "no node carries it")
+    return "no single node has all of it at once"
+
+
+def _fix(r: RoleRequest) -> str:
+    keys = {"rollout": "rollout.num_cpus/num_gpus/memory_gb/resources/node_labels",
+            "reference": "reference.num_cpus/num_gpus/memory_gb/resources/node_labels",
+            "learner": "learner.num_cpus/num_gpus/memory_gb/resources/node_labels"}[r.role]
+    return f"lower it in {keys}, or add a node that has it (ray start --resources / --labels)"
+
+
+def learner_group(r: RoleRequest):
+    """The learner ranks' placement group (created, not yet waited for)."""
+    from ray.util.placement_group import placement_group
+
+    return placement_group([r.bundle() or {"CPU": 0.001}] * r.count, strategy=r.strategy or "PACK",
+                           bundle_label_selector=[dict(r.labels)] * r.count if r.labels else None)
+
+
+def wait_scheduled(pending: dict, seconds: float, what: str, message_every: float = WAIT_MESSAGE_S) -> None:
+    """{ref: name} -> wait until every ref is ready or `seconds` pass; says every `message_every` what it waits for.
+    Raises TimeoutError naming the roles still waiting and the setting to raise."""
+    import ray
+
+    refs, t0 = list(pending), time.monotonic()
+    deadline, said = t0 + seconds, t0
+    while refs:
+        _, refs = ray.wait(refs, num_returns=len(refs), timeout=min(message_every, max(deadline - time.monotonic(), 0)))
+        if not refs:
+            return
+        now = time.monotonic()
+        names = ", ".join(sorted({pending[r] for r in refs}))
+        if now >= deadline:
+            raise TimeoutError(f"{what}: {names} could not be placed within {seconds:.0f} s (faults.schedule_timeout_s):"
+                               " the cluster has the resources but they stay busy; free them, add nodes, or raise "
+                               "faults.schedule_timeout_s")
+        if now - said >= message_every * 0.9:
+            print(f"qgrpo: waiting {now - t0:.0f} s for the cluster to free resources for {names} "
+                  f"(giving up in {deadline - now:.0f} s, faults.schedule_timeout_s)", file=sys.stderr)
+            said = now
+
+
+def assigned_threads() -> int:
+    """Threads for an actor from the CPUs Ray gave it (at least one)."""
+    import ray
+
+    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
+    return max(1, int(cpus))
