@@ -164,9 +164,14 @@ def test_transport_is_validated():
         ["sync.transport: must be 'object_store' or 'collective', got 'nccl'"]
 
 
-def test_train_end_to_end_with_the_collective_transport(ray_session, tiny_model_path, tmp_path):
+def test_train_end_to_end_with_the_collective_transport(ray_session, tiny_model_path, tmp_path, monkeypatch):
+    """A 3-step job with sync.transport=collective, one of its two rollout actors killed at step 2: the replacement
+    loads the published version from learner rank 0 before it serves, and the next sync forms the group again."""
     from cluster.cli import main
 
+    monkeypatch.setenv("QGRPO_FAULTS", "rollout.kill@2")
+    (tmp_path / "fault-state").mkdir()
+    monkeypatch.setenv("QGRPO_FAULTS_STATE", str(tmp_path / "fault-state"))
     out = tmp_path / "runs"
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", "run.progress=false", "run.eval=false",
             "run.tensorboard=false", "rollout.prompts_per_step=8", "rollout.group_size=8", "run.steps=3",
@@ -178,6 +183,8 @@ def test_train_end_to_end_with_the_collective_transport(ray_session, tiny_model_
     assert [m["rollout/policy_versions"] for m in steps] == [[0], [1], [2]]
     for m in steps:
         assert m["sync/buckets"] >= 1 and m["sync/nbytes"] > 0 and math.isfinite(m["sync/fingerprint_gap_max"])
+    (replaced,) = [e for e in rows if e.get("event") == "rollout_actor_replaced"]
+    assert replaced["step"] == 2 and replaced["weights_version"] == 1
 
 
 @pytest.mark.cuda
