@@ -11,6 +11,7 @@ import socket
 
 import ray
 
+from actors.collective import CollectiveMember
 from actors.common import apply_threads, resolve_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
 from core import faults
@@ -19,7 +20,7 @@ from rollout.backends.common import probe_ids
 
 
 @ray.remote
-class LearnerActor:
+class LearnerActor(CollectiveMember):
     def __init__(self, rank: int, world_size: int, learner_kwargs: dict, threads: int, extensions_dir: str):
         """`threads` 0: as many as the CPUs Ray gave this rank."""
         apply_threads(resolve_threads(threads))
@@ -56,12 +57,15 @@ class LearnerActor:
             os.kill(os.getpid(), signal.SIGKILL)
         return self.learner.train_step(shard, step)
 
-    def publish_weights(self, bucket_bytes: int) -> WeightUpdate | None:
+    def publish_weights(self, bucket_bytes: int, transport: str = "object_store") -> WeightUpdate | None:
         """Every rank iterates (ZeRO-3 gathers are collectives); rank 0 publishes, with the policy's log-probs on
-        the probe sequence that every receiver checks its load against."""
+        the probe sequence that every receiver checks its load against. "collective": rank 0 broadcasts to the
+        rollout actors' receive_weights calls (actors/collective.py) and returns the update without handles."""
         probe = self._probe_ids()
         probe_logprobs = self.learner.score(probe)  # a forward: collective under ZeRO-3, so every rank runs it
         weights = self.learner.named_weights(bucket_bytes)
+        if self.rank == 0 and transport == "collective":
+            return self._collective().publish(self.learner.version, weights, bucket_bytes, probe, probe_logprobs)
         if self.rank == 0:
             update = ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
             update.probe_ids, update.probe_logprobs = probe, probe_logprobs
@@ -69,6 +73,15 @@ class LearnerActor:
         for _ in weights:
             pass
         return None
+
+    def collective_host(self, timeout_s: float) -> tuple[str, int, str]:
+        """Rank 0 hosts the weight group's store: (node address, port, device type of the weights)."""
+        addr, port = self._collective().host(timeout_s)
+        return addr, port, next(self.learner.engine.module.parameters()).device.type
+
+    def last_published_update(self) -> WeightUpdate | None:
+        """The last weights broadcast by the collective transport, as an object-store update (for new actors)."""
+        return self._collective().last_published()
 
     def _probe_ids(self) -> list[int]:
         if self._probe is None:

@@ -8,8 +8,9 @@ import time
 
 import ray
 
+from actors.collective import CollectiveMember
 from actors.common import apply_threads, resolve_threads
-from actors.weights import ObjectStoreTransport, WeightUpdate
+from actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
 from rollout.backends import make_generator
 from rollout.backends.common import check_fingerprint
 from core import faults
@@ -17,7 +18,7 @@ from core.records import GenerationStats, GroupRollout, PromptItem, SamplingPara
 
 
 @ray.remote
-class RolloutActor:
+class RolloutActor(CollectiveMember):
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start."""
@@ -39,15 +40,27 @@ class RolloutActor:
         return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version)
 
     def load_weights(self, update: WeightUpdate) -> dict:
-        """Load one versioned update, then prove it: the generator's log-probs on the update's probe sequence must
+        """Load one versioned update from the object store (see `_load`)."""
+        t0 = time.perf_counter()
+        buckets = ObjectStoreTransport.fetch(update)
+        return self._load(update, buckets, time.perf_counter() - t0)
+
+    def receive_weights(self) -> dict:
+        """Receive one update from learner rank 0's broadcast (sync.transport = "collective"; see `_load`)."""
+        update, buckets, seconds = self._collective().receive()
+        return self._load(update, buckets, seconds)
+
+    def _load(self, update: WeightUpdate, buckets: list[Bucket], receive_seconds: float) -> dict:
+        """Load the received buckets, then prove it: the generator's log-probs on the update's probe sequence must
         match the learner's within the precision's tolerance (WeightFingerprintError otherwise)."""
         t0 = time.perf_counter()
-        self.gen.load_weights(update.version, ObjectStoreTransport.receive(update))
+        self.gen.load_weights(update.version, unpack_buckets(buckets))
         seconds = time.perf_counter() - t0
         fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
                                self.gen.score(update.probe_ids), update.probe_logprobs)
         self.last_ack = {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
-                         "seconds": seconds, "fingerprint_gap": fp["gap"], "fingerprint_corr": fp["corr"]}
+                         "seconds": seconds, "receive_seconds": receive_seconds, "fingerprint_gap": fp["gap"],
+                         "fingerprint_corr": fp["corr"]}
         return self.last_ack
 
     def last_load(self) -> dict | None:

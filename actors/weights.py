@@ -1,8 +1,10 @@
-"""Versioned weight stream, carried in buckets. The format is (name, tensor) pairs; the carrier is pluggable.
+"""Versioned weight stream, carried in buckets. The format is (name, tensor) pairs; the carrier is chosen by
+`sync.transport`, and both carriers pack and unpack the same buckets:
 
-`ObjectStoreTransport` puts each bucket once into Ray's object store (shared memory on one node, pulled once per node
-across nodes); every rollout actor reads the same buckets. An NCCL broadcast carrier for CUDA clusters implements the
-same publish/receive pair.
+- `ObjectStoreTransport` (here, "object_store") puts each bucket once into Ray's object store (shared memory on one
+  node, pulled once per node across nodes); every rollout actor reads the same buckets.
+- `CollectiveTransport` (actors/collective.py, "collective") broadcasts them from learner rank 0 over a process group
+  of its own (gloo on CPU, NCCL when the tensors live on CUDA).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ class WeightUpdate:
     buckets: list = field(default_factory=list)  # carrier-specific handles (ray ObjectRefs here)
     num_tensors: int = 0
     nbytes: int = 0
+    num_buckets: int = 0  # also for carriers that hand out no handles (the collective broadcast)
     # A fingerprint of the sent weights: token ids of a fixed probe text and the sender's log-probs of tokens 1..
     # under them; each receiver scores the same ids after loading and must agree within its precision's tolerance.
     probe_ids: list[int] = field(default_factory=list)
@@ -65,6 +68,11 @@ def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
         yield flush()
 
 
+def unpack_buckets(buckets: Iterable[Bucket]) -> Iterator[tuple[str, torch.Tensor]]:
+    for b in buckets:
+        yield from unpack_bucket(b)
+
+
 def unpack_bucket(b: Bucket) -> Iterator[tuple[str, torch.Tensor]]:
     with warnings.catch_warnings():  # object-store buffers are read-only; receivers copy out of them
         warnings.simplefilter("ignore", UserWarning)
@@ -80,14 +88,14 @@ class ObjectStoreTransport:
         self.bucket_bytes = bucket_bytes
 
     def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdate:
+        return put_buckets(version, pack_buckets(named_tensors, self.bucket_bytes))
+
+    @staticmethod
+    def fetch(update: WeightUpdate) -> list[Bucket]:
+        """Every bucket of `update` (zero-copy views of the object store on this node)."""
         import ray
 
-        update = WeightUpdate(version=version)
-        for b in pack_buckets(named_tensors, self.bucket_bytes):
-            update.buckets.append(ray.put(b))
-            update.num_tensors += len(b.names)
-            update.nbytes += b.data.nbytes
-        return update
+        return ray.get(list(update.buckets))
 
     @staticmethod
     def receive(update: WeightUpdate) -> Iterator[tuple[str, torch.Tensor]]:
@@ -95,3 +103,16 @@ class ObjectStoreTransport:
 
         for ref in update.buckets:
             yield from unpack_bucket(ray.get(ref))
+
+
+def put_buckets(version: int, buckets: Iterable[Bucket]) -> WeightUpdate:
+    """An object-store WeightUpdate of packed buckets (each put once); the caller adds the probe."""
+    import ray
+
+    update = WeightUpdate(version=version)
+    for b in buckets:
+        update.buckets.append(ray.put(b))
+        update.num_tensors += len(b.names)
+        update.nbytes += b.data.nbytes
+    update.num_buckets = len(update.buckets)
+    return update

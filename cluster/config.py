@@ -173,6 +173,9 @@ class LearnerConfig:
 class SyncConfig:
     timeout_s: float = 120.0  # a weight sync that takes longer raises
     bucket_mb: float = 64.0  # weights travel in buckets of about this size (one object per bucket)
+    # How the buckets travel from learner rank 0: "object_store" (Ray's object store; shared memory on one node) or
+    # "collective" (a broadcast over a process group of rank 0 and the rollout actors: gloo on CPU, NCCL on CUDA).
+    transport: str = "object_store"
 
 
 @dataclass
@@ -507,6 +510,8 @@ def validate(cfg: Config) -> list[str]:
     need(g.max_mismatch_kl >= 0, f"guard.max_mismatch_kl: must be >= 0 (0 = no bound), got {g.max_mismatch_kl}")
     need(g.max_skips_at_top >= 1, f"guard.max_skips_at_top: must be >= 1, got {g.max_skips_at_top}")
     need(cfg.sync.bucket_mb > 0, f"sync.bucket_mb: must be > 0, got {cfg.sync.bucket_mb}")
+    need(cfg.sync.transport in ("object_store", "collective"),
+         f"sync.transport: must be 'object_store' or 'collective', got {cfg.sync.transport!r}")
     return p
 
 

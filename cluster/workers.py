@@ -16,6 +16,7 @@ from pathlib import Path
 import ray
 import torch
 
+from actors.collective import CollectiveGroup
 from actors.common import thread_env
 from actors.learner_actor import start_learners
 from actors.reference_actor import ReferenceActor
@@ -84,6 +85,9 @@ class RolloutPool:
         self.spawned = [0] * cfg.rollout.num_actors  # actors created per slot
         self.failures = [0] * cfg.rollout.num_actors  # failures in a row per slot
         self.events: list[dict] = []  # for the run log
+        # sync.transport = "collective": the broadcast group (its members, formed again when the actors change).
+        self.group = CollectiveGroup(lambda calls, seconds, stage: gather(calls, seconds, stage, "sync.timeout_s")) \
+            if cfg.sync.transport == "collective" else None
         self.actors = [self._spawn(i) for i in range(cfg.rollout.num_actors)]
 
     def name(self, slot: int) -> str:
@@ -92,6 +96,8 @@ class RolloutPool:
 
     def _spawn(self, slot: int):
         ro = self.cfg.rollout
+        if self.group is not None and self.last_update is None:  # a collective sync leaves it to learner rank 0
+            self.last_update = self.group.last_published(self.cfg.sync.timeout_s)
         self.spawned[slot] += 1
         return RolloutActor.options(**self.request.actor_options(),
                                     runtime_env={"env_vars": thread_env(self.threads)}).remote(
@@ -170,6 +176,13 @@ class RolloutPool:
                 raise RunFailed(f"weight sync: {self.name(slot)} could not load version {update.version} "
                                 f"({_cause(e)})") from None
         return acks
+
+    def load_collective(self, learners: list, bucket_bytes: int, seconds: float) -> tuple[WeightUpdate, list[dict]]:
+        """Learner rank 0 broadcasts to every actor (the group formed again first if the actors changed). An actor
+        lost meanwhile fails the sync (RunFailed, within `seconds`): a broadcast cannot go on without a member."""
+        self.last_update = None  # rank 0 keeps the published buckets; `_spawn` fetches them for a new actor
+        return self.group.sync(learners, self.actors, [self.name(s) for s in range(len(self.actors))], bucket_bytes,
+                               seconds)
 
     def set_precision(self, precision: str) -> None:
         """Every actor restarts at `precision` with the last published weights (the precision ladder)."""
@@ -316,14 +329,17 @@ class Workers:
         """One versioned transfer from learner rank 0 to every rollout actor; export and load share one deadline."""
         budget, t0 = self.cfg.sync.timeout_s, time.monotonic()
         bucket_bytes = int(self.cfg.sync.bucket_mb * 2**20)
-        calls = {a.publish_weights.remote(bucket_bytes): f"learner rank {r}" for r, a in enumerate(self.learners)}
-        out = gather(calls, budget, "weight export", "sync.timeout_s")
-        update = out[next(iter(calls))]
-        acks = self.rollout.load(update, budget - (time.monotonic() - t0))
+        if self.cfg.sync.transport == "collective":
+            update, acks = self.rollout.load_collective(self.learners, bucket_bytes, budget)
+        else:
+            calls = {a.publish_weights.remote(bucket_bytes): f"learner rank {r}" for r, a in enumerate(self.learners)}
+            out = gather(calls, budget, "weight export", "sync.timeout_s")
+            update = out[next(iter(calls))]
+            acks = self.rollout.load(update, budget - (time.monotonic() - t0))
         bad = [a for a in acks if a["version"] != update.version]
         if bad:
             raise RunFailed(f"rollout actors report versions {bad} after syncing version {update.version}")
-        return {"version": update.version, "nbytes": update.nbytes, "buckets": len(update.buckets),
+        return {"version": update.version, "nbytes": update.nbytes, "buckets": update.num_buckets,
                 "load_seconds_max": max(a["seconds"] for a in acks),
                 "fingerprint_gap_max": max(a["fingerprint_gap"] for a in acks),
                 "fingerprint_corr_min": min(a["fingerprint_corr"] for a in acks)}

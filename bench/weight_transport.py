@@ -1,0 +1,194 @@
+"""Weight sync by transport, side by side in one run, on the real SmolLM2-135M-Instruct (bf16, ~270 MB of weights):
+`sync.transport = object_store` (learner rank 0 puts the packed buckets into Ray's object store, each rollout actor
+reads them) vs `collective` (rank 0 broadcasts them over a gloo group of its own, actors/collective.py).
+
+The sender is a plain Ray actor holding the model's bf16 weights that streams `model.named_parameters()` through the
+same pack / transport code as LearnerActor.publish_weights (same probe log-probs too), not a DeepSpeed learner: the
+learner's own export is not what is compared here. The receivers are real RolloutActors (torch backend), 1 and 2 of
+them, at bf16 and int8; every sync ends with their fingerprint check, as in a run. Per configuration: one untimed
+sync per transport (for collective it forms the group: timed and shown apart), then `--repeats` syncs per transport,
+alternating, median reported. Columns (seconds):
+
+    send     the sender's publish: pack + ray.put (object_store) or pack + broadcast (collective); excludes the
+             probe forward, which both transports do alike
+    receive  slowest receiver: ray.get of the buckets (zero-copy on one node) / manifest arrival to last bucket
+    load     slowest receiver: `gen.load_weights` (strict check, re-quantization)
+    total    the whole sync as the driver sees it (both probes and the fingerprint checks included)
+
+The share of a step uses --step-s (default: the README's default-job figure, "seed 0, ~20 s per step").
+
+    .venv/bin/python bench/weight_transport.py [--cache-dir DIR] [--repeats N] [--step-s S] [--bucket-mb MB] [--out PATH]
+    .venv/bin/python bench/weight_transport.py --model builtin:tiny-digits --repeats 1 --out /tmp/x.json  # smoke test
+
+Prints a table and writes bench/results/weight_transport.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+STEP_S = 20.0
+STEP_SOURCE = "README.md, default job (seed 0): 'Where the time goes (qgrpo report, seed 0, ~20 s per step)'"
+CONFIGS = [(1, "bf16"), (1, "int8"), (2, "bf16"), (2, "int8")]  # (rollout actors, precision)
+TRANSPORTS = ("object_store", "collective")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cache-dir", default="", help="builtin models' cache (default: $QGRPO_CACHE or ~/.cache/qgrpo)")
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct", help="another model only to smoke-test this script")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--step-s", type=float, default=STEP_S, help=f"seconds per default-job step ({STEP_SOURCE})")
+    ap.add_argument("--bucket-mb", type=float, default=64.0, help="sync.bucket_mb (the default)")
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="sync.timeout_s (the default)")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    out = Path(args.out or ROOT / "bench" / "results" / "weight_transport.json")
+    args.out, started, t_start = str(out), datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
+    load_start = os.getloadavg()[0]
+
+    import ray
+    import torch
+
+    from actors.collective import CollectiveGroup, CollectiveMember
+    from actors.common import thread_env
+    from actors.rollout_actor import RolloutActor
+    from actors.weights import ObjectStoreTransport
+    from cluster.workers import gather
+    from rollout.models import resolve_model_path
+
+    @ray.remote
+    class Sender(CollectiveMember):
+        """Learner rank 0's side of a sync without DeepSpeed: bf16 weights, probe log-probs, both transports."""
+
+        def __init__(self, path: str):
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            from core.scoring import token_logprobs
+            from rollout.backends.common import probe_ids
+
+            torch.set_num_threads(1)
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+            self.probe = probe_ids(AutoTokenizer.from_pretrained(path))
+            self.score = lambda: token_logprobs(self.model, torch.tensor([self.probe]))[0, 1:].float().tolist()
+            self.send_s = 0.0
+
+        def collective_host(self, timeout_s: float):
+            return (*self._collective().host(timeout_s), "cpu")
+
+        def publish_weights(self, bucket_bytes: int, transport: str = "object_store"):
+            with torch.no_grad():
+                logprobs = self.score()
+            t0 = time.perf_counter()
+            weights = ((n, p.detach().to(torch.bfloat16)) for n, p in self.model.named_parameters())
+            if transport == "collective":
+                update = self._collective().publish(1, weights, bucket_bytes, self.probe, logprobs)
+            else:
+                update = ObjectStoreTransport(bucket_bytes).publish(1, weights)
+                update.probe_ids, update.probe_logprobs = self.probe, logprobs
+            self.send_s = time.perf_counter() - t0
+            return update
+
+        def last_send_seconds(self) -> float:
+            return self.send_s
+
+    path = resolve_model_path(args.model, args.cache_dir)
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    env = {"env_vars": {**thread_env(1), "PYTHONPATH": str(ROOT)}}
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=env)
+    rows, nbytes = [], 0
+    try:
+        sender = Sender.remote(path)
+
+        def wait(calls, seconds, stage):
+            return gather(calls, seconds, stage, "--timeout-s")
+
+        for n, precision in CONFIGS:
+            actors = [RolloutActor.remote("torch", dict(model_path=path, precision=precision,
+                                                        generator_id=f"torch-{precision}-{i}"), 1) for i in range(n)]
+            names = [f"torch-{precision}-{i}" for i in range(n)]
+            ray.get([sender.last_send_seconds.remote(), *[a.info.remote() for a in actors]])  # start-up not timed
+            group = CollectiveGroup(wait)
+
+            def sync(transport: str) -> dict:
+                t0 = time.perf_counter()
+                if transport == "collective":
+                    update, acks = group.sync([sender], actors, names, bucket_bytes, args.timeout_s)
+                else:
+                    ref = sender.publish_weights.remote(bucket_bytes)
+                    update = wait({ref: "sender"}, args.timeout_s, "publish")[ref]
+                    refs = {a.load_weights.remote(update): name for a, name in zip(actors, names)}
+                    acks = list(wait(refs, args.timeout_s, "load").values())
+                total = time.perf_counter() - t0
+                return {"send": ray.get(sender.last_send_seconds.remote()), "nbytes": update.nbytes,
+                        "receive": max(a["receive_seconds"] for a in acks), "load": max(a["seconds"] for a in acks),
+                        "total": total, "fingerprint_gap_max": max(a["fingerprint_gap"] for a in acks)}
+
+            first = {t: sync(t) for t in TRANSPORTS}  # warm-up; collective forms its group here
+            samples = {t: [] for t in TRANSPORTS}
+            for _ in range(args.repeats):
+                for t in TRANSPORTS:
+                    samples[t].append(sync(t))
+            for t in TRANSPORTS:
+                nbytes = samples[t][0]["nbytes"]
+                med = {k: statistics.median(s[k] for s in samples[t]) for k in ("send", "receive", "load", "total")}
+                rows.append({"actors": n, "precision": precision, "transport": t, **{k: round(v, 3) for k, v in med.items()},
+                             "pct_of_step": round(100 * med["total"] / args.step_s, 2),
+                             "totals": [round(s["total"], 3) for s in samples[t]],
+                             "first_sync_total": round(first[t]["total"], 3),
+                             "fingerprint_gap_max": max(s["fingerprint_gap_max"] for s in samples[t])})
+            for a in actors:
+                ray.kill(a)
+        ray.kill(sender)
+    finally:
+        ray.shutdown()
+    result = {"meta": {"date": started, "torch": torch.__version__, "ray": ray.__version__, "cpu_count": os.cpu_count(),
+                       "model": path, "nbytes": nbytes, "args": vars(args), "step_source": STEP_SOURCE,
+                       "sender": "plain Ray actor streaming model.named_parameters() in bf16 through the same pack / "
+                                 "transport code (not DeepSpeed)",
+                       "load_avg": [load_start, os.getloadavg()[0]], "total_s": round(time.perf_counter() - t_start, 1)},
+            "rows": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")  # before the table: a table bug must not lose the run
+    print_table(result)
+    print(f"\nwrote {out}")
+
+
+def print_table(result: dict) -> None:
+    """The table of one run, from its JSON (`print_table(json.load(open(path)))` re-prints a saved run)."""
+    meta = result["meta"]
+    a = meta["args"]
+    print(f"\nWeight sync of {Path(meta['model']).name} ({meta['nbytes'] / 2**20:.0f} MB bf16, buckets of {a['bucket_mb']:g} "
+          f"MB), torch rollout actors (1 thread each), median of {a['repeats']}, seconds; torch {meta['torch']}, "
+          f"ray {meta['ray']}, {meta['cpu_count']} cores")
+    print(f"sender: {meta['sender']}")
+    print(f"step: {a['step_s']:g} s from {meta['step_source']}")
+    print(f"first: the untimed warm-up sync (collective: includes forming the group); load average at start / end: "
+          f"{meta['load_avg'][0]:.1f} / {meta['load_avg'][1]:.1f} (other jobs share the machine)")
+    head = ["actors", "precision", "transport", "send", "receive", "load", "total", "% of step", "totals",
+            "first"]
+    cells = [[str(r["actors"]), r["precision"], r["transport"], f"{r['send']:.2f}", f"{r['receive']:.2f}",
+              f"{r['load']:.2f}", f"{r['total']:.2f}", f"{r['pct_of_step']:.1f}%",
+              "/".join(f"{x:.2f}" for x in r["totals"]), f"{r['first_sync_total']:.2f}"] for r in result["rows"]]
+    widths = [max(len(h), *(len(c[k]) for c in cells)) + 2 for k, h in enumerate(head)]
+
+    def line(cs):
+        return "".join(f"{c:<{w}}" if k < 3 else f"{c:>{w}}" for k, (c, w) in enumerate(zip(cs, widths)))
+
+    print("\n" + line(head))
+    for c in cells:
+        print(line(c))
+    print(f"\nbench took {meta['total_s'] / 60:.1f} min")
+
+
+if __name__ == "__main__":
+    main()
