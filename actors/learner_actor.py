@@ -47,7 +47,9 @@ class LearnerActor(CollectiveMember):
             TORCH_EXTENSIONS_DIR=self.extensions_dir,
         )
         from learner.engine import Learner
+        from rollout.models import resolve_model_path
 
+        self.kwargs["model_path"] = resolve_model_path(self.kwargs["model_path"])  # a builtin: built on this node
         self.learner = Learner(world_size=self.world_size, **self.kwargs)
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
                 "address": ray.util.get_node_ip_address(), "threads": torch_threads()}

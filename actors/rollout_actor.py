@@ -22,7 +22,11 @@ class RolloutActor(CollectiveMember):
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start."""
+        from rollout.models import resolve_model_path
+
         apply_threads(resolve_threads(threads))
+        # A builtin model is built on this node (cached); a folder must exist on every node (shared or copied).
+        generator_kwargs = {**generator_kwargs, "model_path": resolve_model_path(generator_kwargs["model_path"])}
         self.gen = make_generator(backend, **generator_kwargs)
         self.last_ack = self.load_weights(update) if update is not None else None
 

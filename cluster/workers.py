@@ -22,7 +22,7 @@ from actors.learner_actor import start_learners
 from actors.reference_actor import ReferenceActor
 from actors.rollout_actor import RolloutActor
 from actors.weights import WeightUpdate
-from cluster.config import Config
+from cluster.config import BUILTIN_MODEL_PREFIX, Config
 from cluster.placement import RoleRequest, infeasible, learner_group, role_requests, wait_scheduled
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig
@@ -238,6 +238,10 @@ class Workers:
                  rollout_precision: str | None = None, reference_precision: str | None = None):
         ro, le, ref = cfg.rollout, cfg.learner, cfg.reference
         self.cfg = cfg
+        # A builtin model is materialised by each actor on its own node (the driver's cache is not on the others).
+        builtin = cfg.model.path.startswith(BUILTIN_MODEL_PREFIX) and not cfg.model.cache_dir
+        policy_path = cfg.model.path if builtin and policy_path == reference_path else policy_path
+        reference_path = cfg.model.path if builtin else reference_path
         self.reference_path = reference_path
         requests = {r.role: r for r in role_requests(cfg)}
         problems = infeasible(list(requests.values()), ray.nodes())
