@@ -8,6 +8,7 @@ import ray
 
 from actors.common import apply_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
+from cluster.storage import localize, staged
 from core import faults
 from learner.batch import TrainBatch
 from rollout.backends.common import probe_ids
@@ -28,7 +29,9 @@ class LearnerActor:
 
         self.rank = rank
         self._probe: list[int] | None = None
-        self.learner = Learner(world_size=world_size, **learner_kwargs)
+        # A checkpoint given as a URI is read from this node's copy of it (optimizer state included, for load()).
+        self.learner = Learner(world_size=world_size, **{**learner_kwargs,
+                                                         "model_path": localize(learner_kwargs["model_path"])})
 
     def train_step(self, shard: TrainBatch, step: int = 0) -> dict:
         if self.rank == 0 and faults.fires("learner.kill", step):
@@ -57,10 +60,13 @@ class LearnerActor:
         return self._probe
 
     def save(self, out_dir: str) -> None:
-        self.learner.save(out_dir, rank=self.rank)
+        """`out_dir` a URI: this rank writes its part (model files from rank 0, its optimizer shard) on its own node
+        and uploads it there; the driver marks the checkpoint complete once every rank has returned."""
+        with staged(out_dir) as local:
+            self.learner.save(local, rank=self.rank)
 
     def load(self, ckpt_dir: str, version: int) -> None:
-        self.learner.load(ckpt_dir, version)
+        self.learner.load(localize(ckpt_dir), version)
 
     def version(self) -> int:
         return self.learner.version

@@ -10,6 +10,7 @@ import ray
 
 from actors.common import apply_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
+from cluster.storage import localize
 from rollout.backends import make_generator
 from rollout.backends.common import check_fingerprint
 from core import faults
@@ -22,7 +23,9 @@ class RolloutActor:
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start."""
         apply_threads(threads)
-        self.gen = make_generator(backend, **generator_kwargs)
+        # A checkpoint given as a URI (a resume) is read from this node's copy of its model files.
+        model_path = localize(generator_kwargs["model_path"], skip=("optimizer",))
+        self.gen = make_generator(backend, **{**generator_kwargs, "model_path": model_path})
         self.last_ack = self.load_weights(update) if update is not None else None
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0

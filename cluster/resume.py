@@ -34,7 +34,7 @@ def find_checkpoint(target):
                      "runs/NAME-TIME or runs/NAME-TIME/checkpoints/step_NNNNNN")
 
 
-def set_aside_future(run_dir: Path, step: int, root=None) -> Path | None:
+def set_aside_future(run_dir: Path, step: int, root=None) -> Path | str | None:
     """Move everything the run wrote after `step` under RUN_DIR/abandoned/; returns that folder (None if nothing).
     `root`: where the run's checkpoints are when `run_dir` is a URI run's staging copy (cluster/storage.py)."""
     aside = run_dir / "abandoned" / f"after_step_{step:06d}-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -81,6 +81,8 @@ def set_aside_future(run_dir: Path, step: int, root=None) -> Path | None:
             tmp = run_dir / ".metrics.jsonl.tmp"
             tmp.write_text("".join(keep_lines))
             tmp.replace(metrics)
+    if moved and storage.is_uri(root):  # where the run's record of it is (the staging copy goes once mirrored)
+        return storage.join(root, *aside.relative_to(run_dir).parts)
     return aside if moved else None
 
 

@@ -27,6 +27,7 @@ _SCHEMES = {"file": "LocalFileSystem", "s3": "S3FileSystem", "gs": "GcsFileSyste
             "hdfs": "HadoopFileSystem", "viewfs": "HadoopFileSystem", "abfs": "AzureFileSystem",
             "abfss": "AzureFileSystem"}
 
+
 def is_uri(loc) -> bool:
     return isinstance(loc, str) and bool(_URI.match(loc))
 
