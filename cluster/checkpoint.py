@@ -31,7 +31,7 @@ _STEP = re.compile(r"step_(\d+)$")
 _MODEL_FILES = ("config.json", "model.safetensors")  # model.safetensors.index.json stands for a sharded save
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(storage.StorageError):
     """A checkpoint that cannot be made complete; every earlier checkpoint is left as it was."""
 
 

@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     try:
         result = train(cfg, run_dir, model_path, resume)
-    except RunFailed as e:
+    except (RunFailed, storage.StorageError) as e:  # StorageError: the last copy of the logs to a URI failed
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
-from cluster.checkpoint import CheckpointError, checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
+from cluster.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
 from cluster.config import Config
 from cluster.evaluate import accuracy_reward, eval_items, greedy, score_eval
 from cluster.guard import GuardStop, PrecisionLadder
 from cluster.resume import earlier_evals, set_aside_future
 from cluster.rollout_log import RolloutWriter
 from cluster.runlog import RunLog
-from cluster.storage import RunDir
+from cluster.storage import RunDir, StorageError
 from learner.batch import TrainBatch, build_train_batch
 from learner.loss import finalize_stats, merge_stats
 from rollout.advantages import group_advantages
@@ -188,7 +188,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
                          "rollout_precision": ladder.rollout, "config": cfg.to_dict()}
                 path = save_checkpoint(run.root, step + 1, workers.save, state, cfg.run.keep_last)
                 log.write({"event": "checkpoint", "step": step + 1, "path": str(path)})
-    except (RunFailed, GuardStop, CheckpointError) as e:
+    except (RunFailed, GuardStop, StorageError) as e:  # StorageError: the URI, or a run_dir the nodes do not share
         samples.flush()  # the steps done since the last checkpoint: a resume sets them aside with the rest
         done = complete_checkpoints(run.root)
         how = (f"continue from its last complete checkpoint (step_{done[-1][0]:06d}) with: qgrpo train --resume "

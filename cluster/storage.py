@@ -261,6 +261,10 @@ def staged(dest) -> Iterator[str]:
 # ---------------------------------------------------------------------------------------------------------------------
 # A run directory: where the driver writes its logs, and where the run lives.
 
+
+class StorageError(OSError):
+    """The run's storage cannot hold what the run must write there; the message says where things are kept."""
+
 # Never staged: checkpoints are written to the URI directly; a resume needs neither what earlier resumes set aside
 # nor old reports.
 _NOT_STAGED = ("checkpoints", "abandoned", "report")
@@ -325,9 +329,13 @@ class RunDir:
             return []
         now = self._scan()
         changed = sorted(rel for rel, sig in now.items() if self._sent.get(rel) != sig)
-        upload(self.local, self.root, changed)
-        for rel in sorted(set(self._sent) - set(now)):
-            delete(join(self.root, *rel.split(os.sep)))
+        try:
+            upload(self.local, self.root, changed)
+            for rel in sorted(set(self._sent) - set(now)):
+                delete(join(self.root, *rel.split(os.sep)))
+        except OSError as e:  # pyarrow's filesystem errors are OSErrors
+            raise StorageError(f"copying the run's logs to {self.root} failed ({type(e).__name__}: {e}); they are "
+                               f"kept in {self.local}") from e
         self._sent = now
         return changed
 
@@ -338,12 +346,10 @@ class RunDir:
             return
         try:
             self.sync()
-        except Exception as e:  # noqa: BLE001 - any storage error: say where the logs are
-            msg = (f"the run's logs could not be copied to {self.root} ({type(e).__name__}: {e}); they are kept in "
-                   f"{self.local}")
+        except StorageError as e:
             if not failing:
-                raise OSError(msg) from e
-            print(f"qgrpo: {msg}", file=sys.stderr)
+                raise
+            print(f"qgrpo: {e}", file=sys.stderr)
             return
         shutil.rmtree(self.local.parent, ignore_errors=True)
 

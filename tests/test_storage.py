@@ -133,6 +133,22 @@ def test_mirror_uploads_only_changes_and_never_deletes_files_the_run_did_not_wri
         storage.RunDir.create(_uri(remote), "tiny-1")
 
 
+def test_logs_that_cannot_reach_the_uri_are_kept_and_said_where(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("QGRPO_CACHE", str(tmp_path / "cache"))
+    run = storage.RunDir.create(_uri(tmp_path / "bucket"), "tiny-1")
+    (run.local / "metrics.jsonl").write_text('{"step": 1}\n')
+
+    def unreachable(*a, **k):
+        raise OSError("When uploading part: AWS Error NETWORK_CONNECTION")
+
+    monkeypatch.setattr(storage, "upload", unreachable)
+    with pytest.raises(storage.StorageError, match=f"they are kept in {run.local}"):
+        run.close()  # the run itself went well: its end says the logs did not arrive
+    run.close(failing=True)  # another error is on its way out: this one is printed, not raised over it
+    assert f"they are kept in {run.local}" in capsys.readouterr().err
+    assert (run.local / "metrics.jsonl").is_file() and not (tmp_path / "bucket").exists()
+
+
 def _model_writer(tag: str):
     """Stands in for the learner ranks: each writes its part node-locally and uploads it (actors/learner_actor.py)."""
     def write(out: str) -> None:
