@@ -204,6 +204,7 @@ def move(src, dst) -> None:
     from pyarrow.fs import copy_files
 
     (fs, a), (_, b) = _fs(src), _fs(dst)
+    fs.create_dir(b, recursive=True)  # copy_files creates the sub-folders, not this one (a local filesystem needs it)
     copy_files(a, b, source_filesystem=fs, destination_filesystem=fs)
     delete(src)
 

@@ -40,6 +40,16 @@ def test_paths_and_uris():
     assert storage.join(Path("/a"), "b") == Path("/a/b")
 
 
+def test_move_and_delete_on_a_uri(tmp_path):
+    """A checkpoint set aside by a resume: copied under a folder that does not exist yet, then removed."""
+    (tmp_path / "step_000004").mkdir()
+    (tmp_path / "step_000004" / STATE_FILE).write_text("{}")
+    storage.move(_uri(tmp_path / "step_000004"), _uri(tmp_path / "abandoned" / "after" / "step_000004"))
+    assert _tree(tmp_path) == {f"abandoned/after/step_000004/{STATE_FILE}": "{}"}
+    storage.delete(_uri(tmp_path / "abandoned"))
+    assert list(tmp_path.iterdir()) == [] and not storage.exists(_uri(tmp_path / "abandoned"))
+
+
 @pytest.mark.parametrize("value, message", [
     ("foo://bucket/runs", "has the scheme 'foo', which pyarrow's filesystems do not open"),
     ("file://runs", "a file URI names an absolute path"),
