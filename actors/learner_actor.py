@@ -12,8 +12,9 @@ import socket
 import ray
 
 from actors.collective import CollectiveMember
-from actors.common import apply_threads, resolve_threads
+from actors.common import apply_threads, local_model, resolve_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
+from cluster.storage import localize, staged
 from core import faults
 from learner.batch import TrainBatch
 from rollout.backends.common import probe_ids
@@ -47,9 +48,10 @@ class LearnerActor(CollectiveMember):
             TORCH_EXTENSIONS_DIR=self.extensions_dir,
         )
         from learner.engine import Learner
-        from rollout.models import resolve_model_path
 
-        self.kwargs["model_path"] = resolve_model_path(self.kwargs["model_path"])  # a builtin: built on this node
+        # A builtin model is built on this node; a checkpoint given as a URI is read from this node's copy of it
+        # (optimizer state included, for load()).
+        self.kwargs["model_path"] = local_model(self.kwargs["model_path"])
         self.learner = Learner(world_size=self.world_size, **self.kwargs)
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
                 "address": ray.util.get_node_ip_address(), "threads": torch_threads()}
@@ -93,10 +95,13 @@ class LearnerActor(CollectiveMember):
         return self._probe
 
     def save(self, out_dir: str) -> None:
-        self.learner.save(out_dir, rank=self.rank)
+        """`out_dir` a URI: this rank writes its part (model files from rank 0, its optimizer shard) on its own node
+        and uploads it there; the driver marks the checkpoint complete once every rank has returned."""
+        with staged(out_dir) as local:
+            self.learner.save(local, rank=self.rank)
 
     def load(self, ckpt_dir: str, version: int) -> None:
-        self.learner.load(ckpt_dir, version)
+        self.learner.load(localize(ckpt_dir), version)
 
     def version(self) -> int:
         return self.learner.version

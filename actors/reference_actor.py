@@ -4,17 +4,15 @@ from __future__ import annotations
 import ray
 import torch
 
-from actors.common import apply_threads, resolve_threads
+from actors.common import apply_threads, local_model, resolve_threads
 from rollout.reference import make_reference_scorer
 
 
 @ray.remote
 class ReferenceActor:
     def __init__(self, model_path: str, precision: str, group_size_quant: int, threads: int, backend: str = "torch"):
-        from rollout.models import resolve_model_path
-
         apply_threads(resolve_threads(threads))
-        self.scorer = make_reference_scorer(backend, resolve_model_path(model_path), precision, group_size_quant)
+        self.scorer = make_reference_scorer(backend, local_model(model_path), precision, group_size_quant)
 
     def score(self, input_ids: torch.Tensor, temperature: float, prompt_lens: torch.Tensor | None = None,
               group_ids: torch.Tensor | None = None) -> torch.Tensor:

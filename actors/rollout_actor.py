@@ -9,7 +9,7 @@ import time
 import ray
 
 from actors.collective import CollectiveMember
-from actors.common import apply_threads, resolve_threads
+from actors.common import apply_threads, local_model, resolve_threads
 from actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
 from rollout.backends import make_generator
 from rollout.backends.common import check_fingerprint
@@ -22,12 +22,11 @@ class RolloutActor(CollectiveMember):
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start."""
-        from rollout.models import resolve_model_path
-
         apply_threads(resolve_threads(threads))
-        # A builtin model is built on this node (cached); a folder must exist on every node (shared or copied).
-        generator_kwargs = {**generator_kwargs, "model_path": resolve_model_path(generator_kwargs["model_path"])}
-        self.gen = make_generator(backend, **generator_kwargs)
+        # A builtin model is built on this node; a checkpoint given as a URI (a resume) is read from this node's copy
+        # of its model files.
+        model_path = local_model(generator_kwargs["model_path"], skip=("optimizer",))
+        self.gen = make_generator(backend, **{**generator_kwargs, "model_path": model_path})
         self.last_ack = self.load_weights(update) if update is not None else None
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0

@@ -5,6 +5,11 @@ and folder is fsynced, trainer_state.json is written last, and only then is it r
 swaps the new folder in (the old one is set aside first and removed after). A kill -9 at any point leaves every
 earlier checkpoint loadable; `clean_stray` (run before each save and on resume) removes half-written folders and
 puts back a set-aside one whose replacement never landed.
+
+On a URI (cluster/storage.py) there is no rename: the learner ranks upload their parts into step_NNNNNN/ itself, and
+trainer_state.json, which the driver writes last, is what makes it complete; a folder without it is an interrupted
+save, ignored and then removed by `clean_stray`. Either way the driver first checks that the model files are where
+it looks: a local run_dir that the learner's node does not share is refused before anything is marked complete.
 """
 from __future__ import annotations
 
@@ -16,14 +21,23 @@ import signal
 from pathlib import Path
 from typing import Any, Callable
 
+from cluster import storage
 from core import faults
 
 STATE_FILE = "trainer_state.json"
 _STEP = re.compile(r"step_(\d+)$")
 
 
-def checkpoint_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / "checkpoints" / f"step_{step:06d}"
+_MODEL_FILES = ("config.json", "model.safetensors")  # model.safetensors.index.json stands for a sharded save
+
+
+class CheckpointError(storage.StorageError):
+    """A checkpoint that cannot be made complete; every earlier checkpoint is left as it was."""
+
+
+def checkpoint_dir(run_dir, step: int):
+    """run_dir/checkpoints/step_NNNNNN: a Path, or a URI for a URI run."""
+    return storage.join(run_dir, "checkpoints", f"step_{step:06d}")
 
 
 def _fsync_tree(root: Path) -> None:
@@ -45,9 +59,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def clean_stray(ckpt_root: Path) -> list[str]:
+def clean_stray(ckpt_root) -> list[str]:
     """Remove `.step_N.tmp` folders of interrupted saves; restore `.step_N.old` when its replacement never landed.
     Returns what it did, one line each."""
+    if storage.is_uri(ckpt_root):
+        return _clean_stray_uri(ckpt_root)
     done: list[str] = []
     if not ckpt_root.is_dir():
         return done
@@ -64,27 +80,87 @@ def clean_stray(ckpt_root: Path) -> list[str]:
     return done
 
 
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every complete checkpoint of a run, oldest first."""
-    root = run_dir / "checkpoints"
+def _clean_stray_uri(root: str) -> list[str]:
+    done: list[str] = []
+    names = storage.listdir(root)
+    for n in names:
+        if _STEP.match(n) and not storage.is_file(storage.join(root, n, STATE_FILE)):
+            storage.delete(storage.join(root, n))
+            done.append(f"removed the interrupted save {n}")
+    for n in names:
+        if n.startswith(".step_") and n.endswith(".old"):
+            final = n[1:-len(".old")]
+            if storage.is_file(storage.join(root, final, STATE_FILE)):
+                storage.delete(storage.join(root, n))
+            else:
+                storage.move(storage.join(root, n), storage.join(root, final))
+                done.append(f"restored {final}, whose re-save was interrupted")
+    return done
+
+
+def complete_checkpoints(run_dir) -> list[tuple[int, Any]]:
+    """(step, folder) of every complete checkpoint of a run, oldest first (folders are URIs for a URI run)."""
+    root = storage.join(run_dir, "checkpoints")
     found = []
-    for p in root.glob("step_*") if root.is_dir() else ():
-        m = _STEP.match(p.name)
-        if m and p.is_dir() and (p / STATE_FILE).is_file():
-            found.append((int(m.group(1)), p))
+    for n in storage.listdir(root):
+        m = _STEP.match(n)
+        if m and storage.is_file(storage.join(root, n, STATE_FILE)):
+            found.append((int(m.group(1)), storage.join(root, n)))
     return sorted(found)
 
 
-def save_checkpoint(run_dir: Path, step: int, write_model: Callable[[str], None], state: dict[str, Any],
-                    keep_last: int) -> Path:
+def _check_model_files(folder, step: int) -> None:
+    """The learner's rank 0 wrote the model files into `folder` on its own node; the driver must see them there, or
+    the checkpoint would be split between nodes (model on one, trainer_state.json on another). The partial folder is
+    removed; earlier checkpoints are untouched."""
+    names = set(storage.listdir(folder))
+    missing = [f for f in _MODEL_FILES if f not in names and not (f == "model.safetensors" and
+                                                                   "model.safetensors.index.json" in names)]
+    if not missing:
+        return
+    storage.delete(folder)
+    where = ("rank 0's upload did not arrive there" if storage.is_uri(folder) else
+             "the learner wrote them on its node, which does not share this folder with the driver's node")
+    raise CheckpointError(
+        f"checkpoint at step {step}: {', '.join(missing)} not found in {folder} after the learners saved ({where}). "
+        "run.output_dir must be on storage shared by all nodes (the same path mounted on each), or a URI every node "
+        "can write to, e.g. run.output_dir='s3://bucket/runs' (or gs://, hdfs://); earlier checkpoints are intact")
+
+
+def save_checkpoint(run_dir, step: int, write_model: Callable[[str], None], state: dict[str, Any],
+                    keep_last: int):
+    """Write checkpoint `step` (write_model fills the folder it is given; trainer_state.json comes last), then keep
+    the newest `keep_last` up to this step (a resumed run has already set its abandoned future aside)."""
     final = checkpoint_dir(run_dir, step)
-    clean_stray(final.parent)
+    clean_stray(storage.parent(final))
+    (_save_uri if storage.is_uri(final) else _save_local)(final, step, write_model, json.dumps(state, indent=2))
+    older = [p for s, p in complete_checkpoints(run_dir) if s < step]
+    for p in older[:max(len(older) - (keep_last - 1), 0)]:
+        storage.delete(p)
+    return final
+
+
+def _save_uri(final: str, step: int, write_model: Callable[[str], None], state: str) -> None:
+    old = storage.join(storage.parent(final), f".{storage.name(final)}.old")
+    if storage.exists(final):  # a re-save: the complete copy stays aside until the new one is complete
+        storage.move(final, old)
+    write_model(final)
+    _check_model_files(final, step)
+    if faults.fires("save.kill", step):
+        os.killpg(os.getpgid(0), signal.SIGKILL)
+    storage.write_text(storage.join(final, STATE_FILE), state)
+    if storage.exists(old):
+        storage.delete(old)
+
+
+def _save_local(final: Path, step: int, write_model: Callable[[str], None], state: str) -> None:
     tmp = final.parent / f".{final.name}.tmp"
     tmp.mkdir(parents=True)
     write_model(str(tmp))
+    _check_model_files(tmp, step)
     if faults.fires("save.kill", step):  # a drill: the whole run dies in the middle of a checkpoint write
         os.killpg(os.getpgid(0), signal.SIGKILL)
-    (tmp / STATE_FILE).write_text(json.dumps(state, indent=2))
+    (tmp / STATE_FILE).write_text(state)
     _fsync_tree(tmp)
     if final.exists():
         old = final.parent / f".{final.name}.old"
@@ -95,28 +171,23 @@ def save_checkpoint(run_dir: Path, step: int, write_model: Callable[[str], None]
     else:
         tmp.rename(final)
         _fsync_dir(final.parent)
-    # Keep the newest `keep_last` up to this step (a resumed run has already set its abandoned future aside).
-    older = [p for s, p in complete_checkpoints(run_dir) if s < step]
-    for p in older[:max(len(older) - (keep_last - 1), 0)]:
-        shutil.rmtree(p)
-    return final
 
 
-def read_state(ckpt: Path) -> dict[str, Any]:
-    f = ckpt / STATE_FILE
-    if not f.is_file():
+def read_state(ckpt) -> dict[str, Any]:
+    f = storage.join(ckpt, STATE_FILE)
+    if not storage.is_file(f):
         raise FileNotFoundError(f"{ckpt} is not a qgrpo checkpoint (no {STATE_FILE}); pass a run directory or "
                                 "one of its checkpoints/step_* folders")
-    return json.loads(f.read_text())
+    return json.loads(storage.read_text(f))
 
 
 _ARCH_KEYS = ("model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
               "intermediate_size", "num_key_value_heads")
 
 
-def check_same_model(ckpt: Path, model_path: str) -> None:
+def check_same_model(ckpt, model_path: str) -> None:
     """A checkpoint from another model is refused before any expensive work."""
-    a = json.loads((ckpt / "config.json").read_text())
+    a = json.loads(storage.read_text(storage.join(ckpt, "config.json")))
     b = json.loads((Path(model_path) / "config.json").read_text())
     diff = [f"{k}: checkpoint {a.get(k)!r} vs model.path {b.get(k)!r}" for k in _ARCH_KEYS if a.get(k) != b.get(k)]
     if diff:

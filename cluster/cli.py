@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from cluster import storage
 from cluster.config import ConfigError, load_config
 
 EXIT_CONFIG = 2
@@ -29,7 +30,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one field; repeatable")
     t.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its newest complete checkpoint (or from "
-                   "the checkpoints/step_* folder given), in the same run directory")
+                   "the checkpoints/step_* folder given), in the same run directory (a path or a URI)")
     t.add_argument("--ray-address", default=None, help="join a running cluster (default: start Ray locally, "
                    "or the one RAY_ADDRESS names, as under `ray job submit`)")
     s = sub.add_parser("submit", help="run a job on a running Ray cluster (through `ray job submit`)")
@@ -50,7 +51,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("config")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint or model folder (greedy)")
-    e.add_argument("model", help="a checkpoint (runs/NAME/checkpoints/step_N) or any local HF model folder")
+    e.add_argument("model", help="a checkpoint (runs/NAME/checkpoints/step_N, or its URI) or any local HF model "
+                   "folder")
     e.add_argument("--task", help="task name, e.g. rg:basic_arithmetic (default: the config's)")
     e.add_argument("--config", help="preset whose [task], [rewards] and max_new_tokens to use")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
@@ -58,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--precision", default="bf16", help="generator precision for the evaluation (default bf16)")
     e.add_argument("--backend", help="generator backend for the evaluation, e.g. vllm (default: the config's)")
     r = sub.add_parser("report", help="PNG plots and a Markdown summary of a run")
-    r.add_argument("run_dir")
+    r.add_argument("run_dir", help="a run directory or its URI (the report is written into RUN_DIR/report)")
     x = sub.add_parser("export", help="copy a checkpoint into a folder that mlx-lm loads")
     x.add_argument("checkpoint")
     x.add_argument("out")
@@ -79,7 +81,12 @@ def _run_config(model: Path) -> dict | None:
 
 
 def _eval_command(args) -> int:
-    model = Path(args.model).expanduser()
+    try:  # a URI checkpoint is evaluated from this machine's copy of it (without the optimizer state)
+        model = Path(storage.localize(args.model, skip=("optimizer",)) if storage.is_uri(args.model) else args.model)
+    except OSError as e:
+        print(f"qgrpo eval: {args.model}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    model = model.expanduser()
     overrides = [f"model.path={json.dumps(str(model))}", *args.overrides]
     if args.task:
         overrides.append(f"task.name={json.dumps(args.task)}")
@@ -133,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.control import request_rollout_actors
 
         try:
-            path = request_rollout_actors(Path(args.run_dir).expanduser(), args.rollout_actors)
+            path = request_rollout_actors(storage.absolute(args.run_dir), args.rollout_actors)
         except ValueError as e:
             print(f"qgrpo scale: {e}", file=sys.stderr)
             return EXIT_CONFIG
@@ -141,9 +148,7 @@ def main(argv: list[str] | None = None) -> int:
               "step boundary and logs a `scale` event in metrics.jsonl", file=sys.stderr)
         return 0
     if args.command == "report":
-        from cluster.report import report
-
-        print(report(args.run_dir))
+        print(_report_command(args.run_dir))
         return 0
     if args.command == "export":
         from cluster.export import export_for_mlx
@@ -159,16 +164,22 @@ def main(argv: list[str] | None = None) -> int:
         from cluster.resume import find_checkpoint
 
         try:
-            resume = find_checkpoint(Path(args.resume).expanduser().resolve())
-        except ValueError as e:
+            resume = find_checkpoint(storage.absolute(args.resume))
+        except (ValueError, OSError) as e:
             print(f"qgrpo: --resume: {e}", file=sys.stderr)
             return EXIT_CONFIG
-    config_path = args.config or (resume.parent.parent / "config.toml" if resume else None)
+    run_root = storage.parent(storage.parent(resume)) if resume else None  # RUN/checkpoints/step_N
+    config_path = args.config or (storage.join(run_root, "config.toml") if resume else None)
     if config_path is None:
         print("qgrpo: train needs a config, e.g. `qgrpo train configs/tiny.toml`", file=sys.stderr)
         return EXIT_CONFIG
     try:
-        cfg = load_config(config_path, args.overrides)
+        if storage.is_uri(config_path):  # a URI run's own config.toml, as the effective config to start from
+            import tomllib
+
+            cfg = load_config(None, args.overrides, base=tomllib.loads(storage.read_text(config_path)))
+        else:
+            cfg = load_config(config_path, args.overrides)
     except ConfigError as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     from cluster.submit import ray_job_id
 
     out = cfg.run.output_dir
-    if ray_job_id() and resume is None and "://" not in out and not Path(out).expanduser().is_absolute():
+    if ray_job_id() and resume is None and not storage.is_uri(out) and not Path(out).expanduser().is_absolute():
         problems.append(f"run.output_dir: {out!r} is relative, and this is a Ray job, whose working directory is a "
                         f"copy in Ray's package cache ({Path.cwd()}): the submitter would not find the run there and "
                         "Ray may delete it; give an absolute path on storage every node shares (or a URI), or submit "
@@ -240,34 +251,55 @@ def main(argv: list[str] | None = None) -> int:
             print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
             return EXIT_CONFIG
     if resume is not None:
-        run_dir = resume.parent.parent
-        saved, effective = run_dir / "config.toml", to_toml(cfg.to_dict())
+        run_dir = storage.RunDir.resume(run_root)  # a URI run: its logs come down to a staging copy, mirrored back
+        saved, effective = run_dir.local / "config.toml", to_toml(cfg.to_dict())
         if saved.is_file() and saved.read_text() != effective:  # the run's record follows what it now runs with
-            step = resume.name.removeprefix("step_")
-            saved.rename(run_dir / f"config.before_resume_at_{step}.toml")
+            step = storage.name(resume).removeprefix("step_")
+            saved.rename(run_dir.local / f"config.before_resume_at_{step}.toml")
             print(f"qgrpo: the config differs from the run's; the earlier one is kept as "
                   f"config.before_resume_at_{step}.toml", file=sys.stderr)
         saved.write_text(effective)
         print(f"qgrpo: resuming from {resume}", file=sys.stderr)
     else:
-        run_dir = Path(cfg.run.output_dir).expanduser().resolve() / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-        run_dir.mkdir(parents=True, exist_ok=False)
-        (run_dir / "config.toml").write_text(to_toml(cfg.to_dict()))
-    print(f"qgrpo: run directory {run_dir}", file=sys.stderr)
+        try:  # a URI: the first sync shows the run there and proves it writable before any actor starts
+            run_dir = storage.RunDir.create(cfg.run.output_dir, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+            (run_dir.local / "config.toml").write_text(to_toml(cfg.to_dict()))
+            run_dir.sync()
+        except OSError as e:
+            if started:
+                ray.shutdown()
+            print(f"qgrpo: run.output_dir: cannot write the run directory there ({type(e).__name__}: {e}); pick a "
+                  "place this machine and every node can write to", file=sys.stderr)
+            return EXIT_CONFIG
+    print(f"qgrpo: run directory {run_dir}" + (f" (logs staged in {run_dir.local})" if run_dir.local != run_dir.root
+                                               else ""), file=sys.stderr)
+
     t0 = time.monotonic()
     try:
         result = train(cfg, run_dir, model_path, resume)
-    except RunFailed as e:
+    except (RunFailed, storage.StorageError) as e:  # StorageError: the last copy of the logs to a URI failed
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_FAILED
     finally:
         if started:
             ray.shutdown()
-    print(summary(result, run_dir, time.monotonic() - t0), file=sys.stderr)
+    print(summary(result, run_dir.root, time.monotonic() - t0), file=sys.stderr)
     return 0
 
 
-def summary(result: dict, run_dir: Path, seconds: float) -> str:
+def _report_command(run_dir: str) -> str:
+    """`qgrpo report`; a URI run's logs are read from this machine's cache of them and the report is uploaded to
+    RUN_DIR/report next to them."""
+    from cluster.report import report
+
+    if not storage.is_uri(run_dir):
+        return str(report(run_dir))
+    out = report(storage.localize(run_dir, skip=("checkpoints", "abandoned", "report")))
+    storage.upload(out, storage.join(run_dir, "report"))
+    return f"{storage.join(run_dir, 'report')} (also in {out})"
+
+
+def summary(result: dict, run_dir, seconds: float) -> str:
     m, evals = result["last"], result["evals"]
     lines = [f"qgrpo: done in {seconds / 60:.1f} min, {m.get('step')} steps; "
              f"last step reward {m.get('reward/mean', float('nan')):.3f}"]

@@ -23,7 +23,10 @@ BUILTIN_MODEL_PREFIX = "builtin:"
 @dataclass
 class RunConfig:
     name: str = "run"  # run directory name under output_dir (a timestamp is appended)
-    output_dir: str = "runs"  # where run directories go
+    # Where run directories go: a local folder (on a cluster, one shared by every node), or a URI pyarrow opens
+    # (s3://bucket/runs, gs://, hdfs://, file:///abs/path): logs are staged locally and mirrored there, checkpoints
+    # uploaded by the learner ranks.
+    output_dir: str = "runs"
     seed: int = 0  # seeds prompts, sampling, and model init of builtin models
     steps: int = 100  # learner steps (one optimizer update per step unless learner.updates_per_batch > 1)
     # Checkpoint every N steps and at the end (0 = only at the end); a multiple of algo.update_every, so a checkpoint
@@ -350,6 +353,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def validate(cfg: Config) -> list[str]:
+    from cluster.storage import uri_problem
     from rollout.datasets import FORMATS as FILE_FORMATS
     from rollout.rewards import REWARD_FUNCTIONS
     from rollout.tasks import RG_PREFIX, RG_SEED_STRIDE, TASKS, rg_config_problems
@@ -366,6 +370,7 @@ def validate(cfg: Config) -> list[str]:
     need(r.keep_last >= 1, f"run.keep_last: must be >= 1, got {r.keep_last}")
     need(r.log_every >= 1, f"run.log_every: must be >= 1, got {r.log_every}")
     need(bool(r.name) and "/" not in r.name, f"run.name: must be non-empty without '/', got {r.name!r}")
+    p.extend(filter(None, [uri_problem(r.output_dir, "run.output_dir")]))  # the scheme only: no network here
     need(r.rollouts_flush_every >= 1, f"run.rollouts_flush_every: must be >= 1, got {r.rollouts_flush_every}")
     need(not r.eval or cfg.task.eval_size > 0,
          "run.eval: held-out evaluation needs task.eval_size > 0; set task.eval_size=100 or run.eval=false")

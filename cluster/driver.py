@@ -22,6 +22,7 @@ from cluster.guard import GuardStop, PrecisionLadder
 from cluster.resume import earlier_evals, set_aside_future
 from cluster.rollout_log import RolloutWriter
 from cluster.runlog import RunLog
+from cluster.storage import RunDir, StorageError
 from learner.batch import TrainBatch, build_train_batch
 from learner.loss import finalize_stats, merge_stats
 from rollout.advantages import group_advantages
@@ -99,16 +100,18 @@ def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], b
     return m
 
 
-def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = None) -> dict:
+def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None) -> dict:
     """Run the job; returns the last step's metrics, the held-out evaluations by step and the final checkpoint.
     `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
+    `run_dir`: a folder, or a RunDir whose logs are staged locally and mirrored to a URI (cluster/storage.py).
     Raises RunFailed (cluster/workers.py) with what happened and how to resume when a fault ends the run."""
     from cluster.workers import RunFailed, Workers
 
+    run = RunDir.of(run_dir)  # logs go to run.local; checkpoints to run.root (the same folder, or a URI)
     state, policy_path, evals, aside = {"step": 0, "policy_version": 0, "cursor": 0}, model_path, {}, None
     if resume is not None:  # continue as one run: what the abandoned run wrote after the checkpoint is set aside
         state, policy_path = read_state(resume), str(resume)
-        aside, evals = set_aside_future(run_dir, state["step"]), earlier_evals(run_dir, state["step"])
+        aside, evals = set_aside_future(run.local, state["step"], run.root), earlier_evals(run.local, state["step"])
     ro, algo = cfg.rollout, cfg.algo
     ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision if algo.kl_coeff > 0
                              else None, state.get("guard"), cfg.reference.backend)
@@ -121,9 +124,9 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
     sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=state["cursor"])
     rewards = WeightedRewards.from_config(cfg.rewards)
     metric = accuracy_reward([s.name for s in cfg.rewards.functions])
-    log = RunLog(run_dir, cfg.run.steps, state["step"], cfg.run.progress, cfg.run.tensorboard,
+    log = RunLog(run.local, cfg.run.steps, state["step"], cfg.run.progress, cfg.run.tensorboard,
                  cfg.run.wandb_project, cfg.to_dict())
-    samples = RolloutWriter(run_dir, cfg.run.rollouts_flush_every)
+    samples = RolloutWriter(run.local, cfg.run.rollouts_flush_every)
     log.write({"event": "resume" if resume else "start", "step": state["step"], "generators": workers.rollout_info(),
                "placement": workers.placement(), "resumed_from": str(resume) if resume else None,
                "set_aside": str(aside) if aside else None, **ladder.state()})
@@ -141,7 +144,7 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
         if eval_task and step == 0:
             evaluate(0)
         for step in range(state["step"], cfg.run.steps):
-            want = wanted_rollout_actors(run_dir)  # `qgrpo scale`: applied between steps, nothing in flight
+            want = wanted_rollout_actors(run.root)  # `qgrpo scale`: applied between steps, nothing in flight
             if want and want != len(workers.rollout.actors):
                 log.write({"step": step, **workers.rollout.resize(want)})
             clock = StageClock()
@@ -184,15 +187,17 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
                 evaluate(step + 1)
             if last or (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0):
                 samples.flush()  # samples up to a checkpoint are on disk with it
+                run.sync()  # and, for a URI run, on the URI before the checkpoint is marked complete
                 state = {"step": step + 1, "policy_version": m["policy_version"], "cursor": sampler.cursor,
                          "published_version": published, "model_path": model_path, "guard": ladder.state(),
                          "rollout_precision": ladder.rollout, "config": cfg.to_dict()}
-                path = save_checkpoint(run_dir, step + 1, workers.save, state, cfg.run.keep_last)
+                path = save_checkpoint(run.root, step + 1, workers.save, state, cfg.run.keep_last)
                 log.write({"event": "checkpoint", "step": step + 1, "path": str(path)})
-    except (RunFailed, GuardStop) as e:
+    except (RunFailed, GuardStop, StorageError) as e:  # StorageError: the URI, or a run_dir the nodes do not share
         samples.flush()  # the steps done since the last checkpoint: a resume sets them aside with the rest
-        done = complete_checkpoints(run_dir)
-        how = (f"continue from its last complete checkpoint ({done[-1][1].name}) with: qgrpo train --resume {run_dir}"
+        done = complete_checkpoints(run.root)
+        how = (f"continue from its last complete checkpoint (step_{done[-1][0]:06d}) with: qgrpo train --resume "
+               f"{run.root}"
                if done else "no checkpoint was written yet (run.save_every); start it again")
         log.write({"event": "failed", "step": step + 1, "error": str(e)})
         raise RunFailed(f"{e}\n  the run stopped at step {step + 1}; {how}") from None
@@ -200,4 +205,5 @@ def train(cfg: Config, run_dir: Path, model_path: str, resume: Path | None = Non
         samples.close()
         log.close()
         workers.shutdown()
-    return {"last": m, "evals": evals, "checkpoint": str(checkpoint_dir(run_dir, cfg.run.steps))}
+        run.close(failing=sys.exc_info()[0] is not None)  # a URI run: the logs reach it on failure too
+    return {"last": m, "evals": evals, "checkpoint": str(checkpoint_dir(run.root, cfg.run.steps))}

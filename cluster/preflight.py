@@ -44,7 +44,7 @@ def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = F
     """Every problem found, one line each; [] when the run may start. `model_path` is the resolved local model folder;
     `cpus` the CPUs of this machine (local Ray) or of the cluster, None to skip the CPU checks. A resumed run writes
     into its own run directory, so run.output_dir is not checked then."""
-    problems = [] if resuming else output_dir_problems(cfg.run.output_dir)
+    problems = [] if resuming else output_dir_problems(cfg.run.output_dir)  # [] for a URI (checked by config.py)
     problems += prompt_problems(cfg, model_path)
     if cpus is not None:
         problems += cpu_problems(cfg, cpus)
@@ -57,6 +57,10 @@ def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = F
 
 def output_dir_problems(output_dir: str) -> list[str]:
     """run.output_dir must be creatable: the nearest existing ancestor is a writable folder. Creates nothing."""
+    from cluster.storage import is_uri
+
+    if is_uri(output_dir):  # its scheme is checked with the config; the first write, before Ray starts, does the rest
+        return []
     target = Path(output_dir).expanduser().absolute()
     fix = "pick a folder you can write to, e.g. --set run.output_dir=~/qgrpo-runs"
     p = target

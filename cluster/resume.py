@@ -11,17 +11,20 @@ import re
 import time
 from pathlib import Path
 
+from cluster import storage
 from cluster.checkpoint import STATE_FILE, clean_stray, complete_checkpoints
 
 _ROLLOUT_FILE = re.compile(r"steps_(\d+)-(\d+)\.parquet$")
 
 
-def find_checkpoint(target: Path) -> Path:
-    """A checkpoint folder as given, or the newest complete checkpoint of a run directory. Raises ValueError."""
-    if (target / STATE_FILE).is_file():
+def find_checkpoint(target):
+    """A checkpoint folder as given, or the newest complete checkpoint of a run directory (paths or URIs).
+    Raises ValueError."""
+    join = storage.join
+    if storage.is_file(join(target, STATE_FILE)):
         return target
-    if (target / "checkpoints").is_dir() or (target / "metrics.jsonl").is_file():
-        clean_stray(target / "checkpoints")
+    if storage.exists(join(target, "checkpoints")) or storage.is_file(join(target, "metrics.jsonl")):
+        clean_stray(join(target, "checkpoints"))
         found = complete_checkpoints(target)
         if not found:
             raise ValueError(f"{target} has no complete checkpoint to resume from (checkpoints are written every "
@@ -31,8 +34,9 @@ def find_checkpoint(target: Path) -> Path:
                      "runs/NAME-TIME or runs/NAME-TIME/checkpoints/step_NNNNNN")
 
 
-def set_aside_future(run_dir: Path, step: int) -> Path | None:
-    """Move everything the run wrote after `step` under RUN_DIR/abandoned/; returns that folder (None if nothing)."""
+def set_aside_future(run_dir: Path, step: int, root=None) -> Path | str | None:
+    """Move everything the run wrote after `step` under RUN_DIR/abandoned/; returns that folder (None if nothing).
+    `root`: where the run's checkpoints are when `run_dir` is a URI run's staging copy (cluster/storage.py)."""
     aside = run_dir / "abandoned" / f"after_step_{step:06d}-{time.strftime('%Y%m%d-%H%M%S')}"
     moved = False
 
@@ -42,9 +46,11 @@ def set_aside_future(run_dir: Path, step: int) -> Path | None:
         (aside / sub).mkdir(parents=True, exist_ok=True)
         return aside / sub
 
-    for s, p in complete_checkpoints(run_dir):
+    root = run_dir if root is None else root
+    for s, p in complete_checkpoints(root):
         if s > step:
-            p.rename(target("checkpoints") / p.name)
+            into = target("checkpoints") / storage.name(p)  # a URI run: the same place on the URI
+            storage.move(p, storage.join(root, *into.relative_to(run_dir).parts) if storage.is_uri(root) else into)
     for p in sorted((run_dir / "rollouts").glob("steps_*.parquet")):
         m = _ROLLOUT_FILE.match(p.name)
         first, last = int(m.group(1)), int(m.group(2))
@@ -75,6 +81,8 @@ def set_aside_future(run_dir: Path, step: int) -> Path | None:
             tmp = run_dir / ".metrics.jsonl.tmp"
             tmp.write_text("".join(keep_lines))
             tmp.replace(metrics)
+    if moved and storage.is_uri(root):  # where the run's record of it is (the staging copy goes once mirrored)
+        return storage.join(root, *aside.relative_to(run_dir).parts)
     return aside if moved else None
 
 

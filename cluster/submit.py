@@ -81,7 +81,9 @@ def build(config: str, overrides: list[str], address: str, python: str, wait: bo
         notes += [f"not checked here, the job checks on the cluster: {p}" for p in e.problems]
         cfg = None
     out = cfg.run.output_dir if cfg else _output_dir(cfg_path, overrides)
-    if "://" not in out and not Path(out).expanduser().is_absolute():
+    from cluster.storage import is_uri
+
+    if not is_uri(out) and not Path(out).expanduser().is_absolute():
         absolute = str(Path(out).expanduser().resolve())
         overrides.append(f"run.output_dir={json.dumps(absolute)}")
         notes.append(f"run.output_dir {out!r} is relative; the job writes under {absolute} (on a cluster of several "
