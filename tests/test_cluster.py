@@ -112,7 +112,8 @@ def test_roles_run_on_the_nodes_their_config_asks_for(one_rank):
     assert placed["learner"][0]["threads"] == 1  # the one CPU its node gave it (not the driver machine's cores)
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+# ZeRO-3 across nodes runs with `make test-slow` (ZeRO-3 between two ranks also runs in tests/test_multirank.py).
+@pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_two_learner_ranks_on_two_nodes_match_one_rank(cluster, one_rank, tmp_path, zero_stage):
     out = tmp_path / "runs"
     r = _train(cluster, out, *PINNED, "learner.world_size=2", f"learner.zero_stage={zero_stage}",

@@ -291,6 +291,7 @@ def test_uri_run_holds_everything_and_resumes_exactly(ray_session, tiny_model_pa
     assert Counter(pq.read_table(run_dir / "rollouts").column("step").to_pylist()) == {s: 64 for s in (1, 2, 3, 4)}
 
 
+@pytest.mark.slow  # ~1 min; `make test-slow`
 def test_failed_uri_run_leaves_its_logs_there_and_resumes_from_the_run_uri(ray_session, tiny_model_path, tmp_path,
                                                                             faults, capsys):
     faults("learner.kill@3")

@@ -162,6 +162,7 @@ def test_transport_is_validated():
         ["sync.transport: must be 'object_store' or 'collective', got 'nccl'"]
 
 
+@pytest.mark.slow  # ~1 min; `make test-slow`
 def test_train_end_to_end_with_the_collective_transport(ray_session, tiny_model_path, tmp_path, monkeypatch):
     """A 3-step job with sync.transport=collective, one of its two rollout actors killed at step 2: the replacement
     loads the published version from learner rank 0 before it serves, and the next sync forms the group again."""
