@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from cluster.placement import STRATEGIES
+from cluster.placement import STRATEGIES, placement_problems
 from rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions  # backends, their precisions and options
 
 BUILTIN_MODEL_PREFIX = "builtin:"
@@ -519,22 +519,3 @@ def validate(cfg: Config) -> list[str]:
          f"sync.transport: must be 'object_store' or 'collective', got {cfg.sync.transport!r}")
     return p
 
-
-def placement_problems(section: str, sec) -> list[str]:
-    """The resource fields every role has: GPUs, memory, custom resources, node labels."""
-    p = []
-    if sec.num_gpus < 0:
-        p.append(f"{section}.num_gpus: must be >= 0, got {sec.num_gpus}")
-    if sec.memory_gb < 0:
-        p.append(f"{section}.memory_gb: must be >= 0 (0 = none reserved), got {sec.memory_gb}")
-    for key, value in sec.resources.items():
-        if key in ("CPU", "GPU", "memory", "object_store_memory"):
-            p.append(f"{section}.resources.{key}: set it with {section}.num_cpus/num_gpus/memory_gb, not as a custom "
-                     "resource")
-        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            p.append(f"{section}.resources.{key}: must be a number > 0 (the amount of the custom resource per actor), "
-                     f"got {value!r}")
-    for key, value in sec.node_labels.items():
-        if not isinstance(value, str) or not value:
-            p.append(f"{section}.node_labels.{key}: must be a non-empty string (the label's value), got {value!r}")
-    return p

@@ -38,14 +38,19 @@ class RoleRequest:
         b = {"CPU": self.cpus, "GPU": self.gpus, "memory": self.memory_gb * _GB, **self.resources}
         return {k: float(v) for k, v in b.items() if v}
 
-    def actor_options(self) -> dict:
-        """`.options(...)` for one actor of this role outside a placement group."""
+    def actor_options(self, group=None, bundle: int = -1) -> dict:
+        """`.options(...)` for one actor of this role; in placement group `group` (bundle `bundle`), whose bundles
+        carry the node labels."""
         opts: dict = {"num_cpus": self.cpus, "num_gpus": self.gpus}
         if self.memory_gb:
             opts["memory"] = int(self.memory_gb * _GB)
         if self.resources:
             opts["resources"] = dict(self.resources)
-        if self.labels:
+        if group is not None:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, bundle)
+        elif self.labels:
             opts["label_selector"] = dict(self.labels)
         return opts
 
@@ -160,3 +165,23 @@ def assigned_threads() -> int:
 
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
     return max(1, int(cpus))
+
+
+def placement_problems(section: str, sec) -> list[str]:
+    """Config rules for the resource fields every role has: GPUs, memory, custom resources, node labels."""
+    p = []
+    if sec.num_gpus < 0:
+        p.append(f"{section}.num_gpus: must be >= 0, got {sec.num_gpus}")
+    if sec.memory_gb < 0:
+        p.append(f"{section}.memory_gb: must be >= 0 (0 = none reserved), got {sec.memory_gb}")
+    for key, value in sec.resources.items():
+        if key in ("CPU", "GPU", "memory", "object_store_memory"):
+            p.append(f"{section}.resources.{key}: set it with {section}.num_cpus/num_gpus/memory_gb, not as a custom "
+                     "resource")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            p.append(f"{section}.resources.{key}: must be a number > 0 (the amount of the custom resource per actor), "
+                     f"got {value!r}")
+    for key, value in sec.node_labels.items():
+        if not isinstance(value, str) or not value:
+            p.append(f"{section}.node_labels.{key}: must be a non-empty string (the label's value), got {value!r}")
+    return p

@@ -9,6 +9,7 @@ failure ends the run (RunFailed), leaving the last complete checkpoint to resume
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -209,7 +210,7 @@ class RolloutPool:
         old = len(self.actors)
         event: dict = {"event": "scale", "role": "rollout", "from": old, "to": n}
         if n > old:
-            problems = infeasible([RoleRequest(**{**self.request.__dict__, "count": n})], ray.nodes())
+            problems = infeasible([dataclasses.replace(self.request, count=n)], ray.nodes())
             if problems:  # refused, not fatal: the run goes on with the actors it has
                 return {**event, "to": old, "refused": problems[0]}
             self.failures += [0] * (n - old)
@@ -281,12 +282,7 @@ class Workers:
         self.learner_group = learner_group(learn)
         wait_scheduled({self.learner_group.ready(): f"the learner ({learn.count} x {learn.describe()})"},
                        cfg.faults.schedule_timeout_s, "placing the learner ranks")
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        options = [dict(num_cpus=learn.cpus, num_gpus=learn.gpus, resources=learn.resources or None,
-                        **({"memory": int(learn.memory_gb * 2**30)} if learn.memory_gb else {}),
-                        runtime_env={"env_vars": learner_env},
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(self.learner_group, r))
+        options = [{**learn.actor_options(self.learner_group, r), "runtime_env": {"env_vars": learner_env}}
                    for r in range(le.world_size)]
         self.learners, setups = start_learners(le.world_size, learner_kwargs, l_threads, ext_dir, options)
         # Surface construction errors (bad model folder, DeepSpeed failure) here rather than at the first step.
@@ -294,9 +290,9 @@ class Workers:
         self.placed = {"learner": ray.get(setups), "rollout": [{"actor": i["generator_id"], "node_id": i["node_id"]}
                                                                for i in started]}
         if self.reference is not None:
-            wait_scheduled({self.reference.node.remote(): "the reference actor"}, cfg.faults.schedule_timeout_s,
-                           "starting the reference actor")
-            self.placed["reference"] = [{"node_id": ray.get(self.reference.node.remote())}]
+            node = self.reference.node.remote()
+            wait_scheduled({node: "the reference actor"}, cfg.faults.schedule_timeout_s, "starting the reference actor")
+            self.placed["reference"] = [{"node_id": ray.get(node)}]
 
     def _reference(self):
         threads = self.cfg.reference.threads or self.cores  # 0 on a cluster: the CPUs it was given
