@@ -108,6 +108,7 @@ def _eval_command(args) -> int:
     except ConfigError as e:
         print(f"qgrpo eval: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    from cluster.baselines import verdict_lines
     from cluster.evaluate import accuracy_reward, evaluate_model
     from rollout.backends import backend_options
     from rollout.tasks import make_task
@@ -120,11 +121,14 @@ def _eval_command(args) -> int:
     res = evaluate_model(cfg.model.path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
                          cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
                          precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
-                         backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout))
+                         backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout),
+                         train_task=make_task(cfg.task, cfg.run.seed))
     print(json.dumps({"task": cfg.task.name, "backend": cfg.rollout.backend,
                       **{k: v for k, v in res.items() if k != "samples"}}))
     print(f"qgrpo eval: {args.model}: accuracy {res['accuracy']:.1%} on {res['n']} held-out {cfg.task.name} prompts "
           f"({res['metric']}, greedy, {cfg.rollout.backend} {res['precision']})", file=sys.stderr)
+    for line in verdict_lines(res, res["baseline"]):
+        print(f"qgrpo eval: {line}", file=sys.stderr)
     return 0
 
 
@@ -300,13 +304,17 @@ def _report_command(run_dir: str) -> str:
 
 
 def summary(result: dict, run_dir, seconds: float) -> str:
+    from cluster.baselines import verdict_lines
+
     m, evals = result["last"], result["evals"]
     lines = [f"qgrpo: done in {seconds / 60:.1f} min, {m.get('step')} steps; "
              f"last step reward {m.get('reward/mean', float('nan')):.3f}"]
     if evals:
         first, last = evals[min(evals)], evals[max(evals)]
+        before = "base model" if min(evals) == 0 else f"step {min(evals)}"
         lines.append(f"  held-out accuracy ({first['metric']}, {first['n']} prompts, greedy, {first['precision']} "
-                     f"generator): {first['accuracy']:.1%} before -> {last['accuracy']:.1%} after")
+                     f"generator): {first['accuracy']:.1%} before ({before}) -> {last['accuracy']:.1%} after")
+        lines += [f"  {line}" for line in verdict_lines(last, result.get("baseline"))]
     lines += [f"  run directory:    {run_dir}",
               f"  final checkpoint: {result['checkpoint']}  (loads with transformers.AutoModelForCausalLM)",
               f"  look at it:       qgrpo report {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard",

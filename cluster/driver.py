@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from cluster.baselines import hollow_warnings, majority_baseline, step_answer_metrics
 from cluster.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
 from cluster.config import Config
 from cluster.control import wanted_rollout_actors
@@ -101,7 +102,8 @@ def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], b
 
 
 def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None) -> dict:
-    """Run the job; returns the last step's metrics, the held-out evaluations by step and the final checkpoint.
+    """Run the job; returns the last step's metrics, the held-out evaluations by step, the majority baseline
+    (cluster/baselines.py) and the final checkpoint.
     `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
     `run_dir`: a folder, or a RunDir whose logs are staged locally and mirrored to a URI (cluster/storage.py).
     Raises RunFailed (cluster/workers.py) with what happened and how to resume when a fault ends the run."""
@@ -131,12 +133,18 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
                "placement": workers.placement(), "resumed_from": str(resume) if resume else None,
                "set_aside": str(aside) if aside else None, **ladder.state()})
     eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
+    # What always giving the train split's most common answer scores on the held-out prompts (no step: not a scalar)
+    baseline = majority_baseline(sampler.task, eval_items(eval_task, cfg.task.eval_size), metric) if eval_task else None
+    if baseline:
+        log.write({"event": "baseline", **baseline})
     published = state.get("published_version", state["policy_version"])
 
     def evaluate(step: int) -> None:
         groups, _ = workers.generate(eval_items(eval_task, cfg.task.eval_size), greedy(ro.max_new_tokens))
         evals[step] = score_eval(groups, metric)
         log.write({"event": "eval", "step": step, "split": "eval", **evals[step]})
+        for warning in hollow_warnings(evals[step], baseline) if step else []:  # step 0 is the base model
+            log.write({"event": "warning", "step": step, "message": warning})
 
     m: dict = {}
     step = state["step"]
@@ -172,8 +180,8 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
                 workers.set_reference_precision(up_reference)
             clock.lap("sync")
 
-            m = {"step": step + 1, **reward_metrics, **step_metrics(groups, gen_stats, batch, results, sync, clock),
-                 **ladder.metrics(skipped)}
+            m = {"step": step + 1, **reward_metrics, **step_answer_metrics(groups, metric),
+                 **step_metrics(groups, gen_stats, batch, results, sync, clock), **ladder.metrics(skipped)}
             if f"reward/{metric}" in m:
                 m["train/accuracy"] = m[f"reward/{metric}"]
             for event in workers.events() + ([{"event": "ladder", "reason": skipped, **ladder.state()}]
@@ -206,4 +214,4 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
         log.close()
         workers.shutdown()
         run.close(failing=sys.exc_info()[0] is not None)  # a URI run: the logs reach it on failure too
-    return {"last": m, "evals": evals, "checkpoint": str(checkpoint_dir(run.root, cfg.run.steps))}
+    return {"last": m, "evals": evals, "baseline": baseline, "checkpoint": str(checkpoint_dir(run.root, cfg.run.steps))}

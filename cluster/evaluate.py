@@ -1,4 +1,5 @@
-"""Held-out accuracy: greedy completions of the task's eval split, scored by a correctness reward.
+"""Held-out accuracy: greedy completions of the task's eval split, scored by a correctness reward, with how diverse
+the answers were (cluster/baselines.py).
 
 During training the rollout actors answer (at their own precision, recorded with the result); `qgrpo eval` builds a
 generator in-process for any checkpoint or model folder.
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from cluster.baselines import eval_answer_stats, hollow_warnings, majority_baseline
 from core.records import GroupRollout, PromptItem, SamplingParams
 from rollout.rewards import REWARD_FUNCTIONS
 
@@ -33,7 +35,7 @@ def score_eval(groups: list[GroupRollout], metric: str) -> dict:
     if "lenient_correct" in REWARD_FUNCTIONS:
         fns["lenient_accuracy"] = REWARD_FUNCTIONS["lenient_correct"]
     out = {k: sum(fn(g.completions[0].text, g.item.reference) for g in groups) / len(groups) for k, fn in fns.items()}
-    out.update(n=len(groups), metric=metric, precision=groups[0].precision,
+    out.update(n=len(groups), metric=metric, precision=groups[0].precision, **eval_answer_stats(groups, metric),
                samples=[{"prompt": g.item.prompt, "reference": g.item.reference, "completion": g.completions[0].text}
                         for g in groups[:3]])
     return out
@@ -41,8 +43,10 @@ def score_eval(groups: list[GroupRollout], metric: str) -> dict:
 
 def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: str = "correct",
                    precision: str = "bf16", batch: int = 32, chat_template: bool = True, backend: str = "torch",
-                   options: dict | None = None) -> dict:
-    """In-process evaluation of a checkpoint or model folder (used by `qgrpo eval`), on any registered backend."""
+                   options: dict | None = None, train_task=None) -> dict:
+    """In-process evaluation of a checkpoint or model folder (used by `qgrpo eval`), on any registered backend.
+    With `train_task` (the train split) the result also holds the majority baseline and the warnings
+    (cluster/baselines.py)."""
     from rollout.backends import make_generator
 
     gen = make_generator(backend, model_path=model_path, precision=precision, generator_id=f"eval-{backend}-{precision}",
@@ -51,4 +55,8 @@ def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: s
     groups = []
     for i in range(0, n, batch):
         groups += gen.generate(items[i:i + batch], greedy(max_new_tokens))
-    return score_eval(groups, metric)
+    res = score_eval(groups, metric)
+    if train_task is not None:
+        res["baseline"] = majority_baseline(train_task, items, metric)
+        res["warnings"] = hollow_warnings(res, res["baseline"])
+    return res

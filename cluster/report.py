@@ -13,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cluster.baselines import describe_answers, describe_baseline, hollow_warnings
 from cluster.report_plots import (
     plot_accuracy,
     plot_kl,
@@ -35,6 +36,7 @@ from cluster.run_data import (
     eval_points,
     fmt,
     fmt_duration,
+    last_event,
     last_finite,
     load_config,
     load_metrics,
@@ -59,11 +61,28 @@ def _short(text: Any, limit: int = MAX_TEXT) -> str:
     return s if len(s) <= limit else s[:limit] + f" [... {len(s) - limit} more characters]"
 
 
+def _baseline_lines(before: dict, after: dict, baseline: dict | None) -> list[str]:
+    """The final held-out accuracy beside the base model's and the majority baseline, and its answers."""
+    base = (f"base model {fmt(before.get('accuracy'))}" if before["step"] == 0 and before is not after
+            else "no base-model evaluation before it")
+    majority = (f"majority baseline: {describe_baseline(baseline)}" if baseline
+                else "no majority baseline in the run log (a run from before it was logged)")
+    lines = [f"  - final {fmt(after.get('accuracy'))} at step {after['step']} against: {base}; {majority}"]
+    answers = describe_answers(after)
+    return lines + ([f"  - held-out answers at step {after['step']}: {answers}"] if answers else [])
+
+
 def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollouts: Rollouts | None,
              missing: list[str]) -> str:
     c = data.config
     name = _cfg(c, "run", "name") or run_dir.name
     md = [f"# Run report: {name}", "", f"Run directory: `{run_dir}`", ""]
+    points, baseline = eval_points(data), last_event(data, "baseline")
+    final = points["eval"][-1] if points.get("eval") else None
+    warnings = hollow_warnings(final, baseline) if final and final["step"] > 0 else []  # step 0: the base model
+    if warnings:
+        md += ["## Warnings", "", f"Held-out evaluation at step {final['step']}:", ""]
+        md += [f"- **Warning:** {w.removeprefix('warning: ')}" for w in warnings] + [""]
 
     md += ["## Settings", "", "| setting | value |", "|---|---|"]
     for sec, key in SETTINGS:
@@ -99,9 +118,13 @@ def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollout
             md.append(f"| {key.split('/', 1)[1]} | {fmt(a)} | {fmt(b)} | {_signed(b - a)} |")
         if len(data.steps) < 2 * k:
             md.append(f"\n(Only {len(data.steps)} steps: the first and last {k} overlap.)")
+        if data.has("answers/top_share"):
+            d, t = data.y("answers/distinct"), data.y("answers/top_share")
+            md.append(f"\nAnswers of the training completions (all of a step's): {fmt(nanmean(d[:k]), 1)} -> "
+                      f"{fmt(nanmean(d[-k:]), 1)} distinct, the most common {fmt(nanmean(t[:k]))} -> "
+                      f"{fmt(nanmean(t[-k:]))} of them (first vs last {k} steps).")
         md.append("")
 
-    points = eval_points(data)
     if points:
         md += ["## Held-out accuracy", ""]
         for split, pts in sorted(points.items(), key=lambda kv: kv[0] != "eval"):
@@ -115,6 +138,8 @@ def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollout
                          else ""))
             if before is after:
                 md.append("  (a single eval: no before/after pair)")
+            if split == "eval":
+                md += _baseline_lines(before, after, baseline)
         md.append("")
 
     mism = [k for k in ("mismatch/kl_mu_old", "mismatch/log_ratio_mean", "mismatch/log_ratio_max",

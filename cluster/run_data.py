@@ -232,3 +232,8 @@ def eval_points(data: RunData) -> dict[str, list[dict]]:
     return {split: [pts[k] for k in sorted(pts)] for split, pts in out.items()}
 
 
+
+
+def last_event(data: RunData, name: str) -> dict | None:
+    """The last event called `name` (e.g. "baseline", logged again when a run resumes), None if there is none."""
+    return next((e for e in reversed(data.events) if e.get("event") == name), None)

@@ -115,14 +115,44 @@ def answer_format(completion: str, reference: str) -> float:
     return 1.0 if single and blocks[0].strip() else 0.5
 
 
+def lenient_answer(text: str | None) -> str | None:
+    """The answer in the last `<answer>` block, or without tags the last number in the text."""
+    got = extract_answer(text)
+    return last_number(text) if got is None else got
+
+
 def lenient_correct(completion: str, reference: str) -> float:
     """Like `answer_correct`, but without tags the last number in the completion is the answer (an untrained model
     rarely uses the tags; this is the "lenient" accuracy of the baseline measurements). Present but empty tags
     give 0."""
-    got = extract_answer(completion)
-    if got is None:
-        got = last_number(completion)
-    return float(answers_match(got, reference))
+    return float(answers_match(lenient_answer(completion), reference))
+
+
+# The answer a correctness reward reads from a completion (None: no answer), and a completion it reads as a given
+# answer. Answer statistics and the majority baseline (cluster/baselines.py) go through these, so they see answers
+# exactly as the reward does.
+ANSWER_READERS: dict[str, Callable[[str], str | None]] = {
+    "correct": extract_integer,
+    "exact": str.strip,
+    "answer_correct": extract_answer,
+    "lenient_correct": lenient_answer,
+}
+
+
+def completion_with_answer(metric: str, answer: str) -> str:
+    """A completion that `metric` reads as `answer`: tagged for the <answer> rewards, the bare answer otherwise."""
+    return f"<answer>{answer}</answer>" if metric in ("answer_correct", "lenient_correct") else answer
+
+
+def answer_key(answer: str | None) -> str | None:
+    """The form under which two answers count as the same one: numbers by value ("7.0", "+7" -> "7"), other text as
+    `answers_match` normalises it; None for no answer or an empty one."""
+    if answer is None:
+        return None
+    number = _as_number(answer)
+    if number is not None:
+        return format(number.normalize() + 0, "f")  # + 0: "-0" is "0"
+    return _normalise(answer) or None
 
 
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
