@@ -5,10 +5,20 @@ one (`prompt_lens`, `group_ids`), each distinct prompt is run once and its KV ca
 the group (`shared_prompt_logprobs`). Gradients flow back through the shared cache, so this is the same function as
 the full forward, computed with far fewer tokens when prompts are long (few-shot prompts are ~140 tokens, completions
 ~20), and the output projection runs only where log-probs are needed.
+
+The output projection and the softmax over the vocabulary run in chunks of `CHUNK_TOKENS` positions
+(`head_logprobs`), each recomputed in the backward pass: the [B, T, vocab] float32 logits (~0.8 GB for 32 x 128
+tokens of a 49k vocabulary, and as much again for their gradient) never exist at once.
 """
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
+
+CHUNK_TOKENS = 1024  # positions per chunk of the output projection: [1024, vocab] fp32 logits (~200 MB at 49k)
+# Causal LMs whose forward is `lm_head(trunk(...))` (with an optional final tanh soft-cap); any other model is scored
+# through its own forward, full logits at once.
+_HEAD_AFTER_TRUNK = {"llama", "qwen2", "qwen3", "mistral", "nanochat", "smollm3"}
 
 
 def _picked(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -17,6 +27,54 @@ def _picked(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> 
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                    softcap: float | None) -> torch.Tensor:
+    logits = head(hidden).float()
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return _picked(logits, targets, temperature)
+
+
+def split_head(model):
+    """(trunk, head, softcap) of a causal LM whose logits are `head(trunk(...).last_hidden_state)`, else None.
+    Works through a DeepSpeed engine (`.module`); calling the submodules keeps ZeRO-3's gather hooks."""
+    m = getattr(model, "module", model)
+    config = getattr(m, "config", None)
+    if getattr(config, "model_type", None) not in _HEAD_AFTER_TRUNK:
+        return None
+    trunk, head = getattr(m, getattr(m, "base_model_prefix", ""), None), m.get_output_embeddings()
+    if trunk is None or head is None:
+        return None
+    return trunk, head, getattr(config, "final_logit_softcapping", None)
+
+
+def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                  softcap: float | None = None, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+    """log softmax(head(hidden) / T)[targets], [..., H] and [...] -> [...] float32, `chunk` positions at a time.
+    With gradients on, each chunk's logits are recomputed in the backward pass instead of being kept."""
+    shape = targets.shape
+    h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    parts = []
+    for i in range(0, h.shape[0], chunk):
+        args = (head, h[i:i + chunk], t[i:i + chunk], temperature, softcap)
+        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
+    return torch.cat(parts).reshape(shape) if parts else torch.zeros(shape)
+
+
+def _forward_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, temperature: float,
+                      **kwargs) -> tuple[torch.Tensor, object]:
+    """Log-probs of `targets` [B, L-1] given `input_ids` [B, L] (position j predicts targets[:, j]), and the
+    model output (for its cache): through the chunked head when the model allows, else its full logits."""
+    parts = split_head(model)
+    if parts is None:
+        out = model(input_ids=input_ids, **kwargs)
+        return _picked(out.logits[:, :-1], targets, temperature), out
+    trunk, head, softcap = parts
+    out = trunk(input_ids=input_ids, **kwargs)
+    return head_logprobs(head, out.last_hidden_state[:, :-1], targets, temperature, softcap), out
 
 
 def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
@@ -29,8 +87,8 @@ def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, pro
     """
     if prompt_lens is not None:
         return shared_prompt_logprobs(model, input_ids, prompt_lens, group_ids, temperature, pad_id)
-    logits = model(input_ids=input_ids).logits[:, :-1]  # [B, T-1, V]
-    return torch.nn.functional.pad(_picked(logits, input_ids[:, 1:], temperature), (1, 0))
+    picked, _ = _forward_logprobs(model, input_ids, input_ids[:, 1:], temperature)  # [B, T-1]
+    return torch.nn.functional.pad(picked, (1, 0))
 
 
 def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
@@ -69,7 +127,9 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
                 prefix[g, K - n:] = input_ids[first[g], :n]
                 prefix_mask[g, K - n:] = 1
         pos = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
-        out = model(input_ids=prefix, attention_mask=prefix_mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        parts = split_head(model)  # the prefix's logits are never needed: run the trunk alone where possible
+        kw = dict(input_ids=prefix, attention_mask=prefix_mask, position_ids=pos, use_cache=True)
+        out = parts[0](**kw) if parts else model(**kw, logits_to_keep=1)
         cache = out.past_key_values
         cache.batch_select_indices(row_group)  # [N, ...] -> [B, ...]
 
@@ -81,9 +141,9 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
     attn = torch.cat([prefix_mask[row_group], torch.ones((B, L), dtype=torch.long, device=dev)], dim=1)
     pos = (prompt_lens - 1).unsqueeze(1) + torch.arange(L, device=dev)  # [B, L] positions continue the prompt's
     kwargs = {"past_key_values": cache} if cache is not None else {}
-    logits = model(input_ids=suffix, attention_mask=attn, position_ids=pos, use_cache=cache is not None,
-                   **kwargs).logits[:, :-1]  # [B, L-1, V]
-    picked = _picked(logits, suffix[:, 1:], temperature)  # [B, L-1]: picked[b, j] scores token P_b + j
+    # picked[b, j] scores token P_b + j: [B, L-1]
+    picked, _ = _forward_logprobs(model, suffix, suffix[:, 1:], temperature, attention_mask=attn, position_ids=pos,
+                                  use_cache=cache is not None, **kwargs)
     # Place at columns P_b .. P_b + L - 2; columns past T (suffix padding) land in the slack and are cut off.
     idx = prompt_lens.unsqueeze(1) + torch.arange(L - 1, device=dev)
     return torch.zeros((B, T + L), dtype=picked.dtype, device=dev).scatter(1, idx, picked)[:, :T]

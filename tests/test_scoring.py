@@ -71,3 +71,81 @@ def test_shared_prompt_rejects_mismatched_group():
     bad[0] += 1
     with pytest.raises(ValueError, match="different prompt lengths"):
         token_logprobs(_model(), ids, prompt_lens=bad, group_ids=gids)
+
+
+def _reference_logprobs(model, ids, temperature):
+    """The plain definition: the model's own full logits, softmax at T, picked (no chunking, no trunk split)."""
+    logits = model(input_ids=ids).logits[:, :-1].float() / temperature
+    return torch.nn.functional.pad(torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+
+
+def _nanochat(seed: int = 0):
+    """nanochat's head soft-caps its logits (tanh): the chunked head must apply it as the model's forward does."""
+    from transformers import NanoChatConfig, NanoChatForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = NanoChatConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         final_logit_softcapping=3.0)
+    m = NanoChatForCausalLM(cfg).float()
+    for p in m.parameters():
+        p.data.normal_(0, 0.2)
+    return m
+
+
+@pytest.mark.parametrize("make", [_model, _nanochat])
+@pytest.mark.parametrize("shared", [False, True])
+def test_chunked_head_equals_full_logits(make, shared, monkeypatch):
+    """Chunks of 7 positions (so chunks cut across rows) give the full-logits values and the same gradients."""
+    import core.scoring as scoring
+
+    ids, mask, plens, gids = _groups()
+    adv = torch.linspace(-1, 1, ids.shape[0])[:, None]
+    kw = {"prompt_lens": plens, "group_ids": gids} if shared else {}
+    model = make()
+    assert scoring.split_head(model) is not None
+    want = _reference_logprobs(model, ids, 0.7) * mask
+    (want * adv).sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(scoring, "CHUNK_TOKENS", 7)
+    monkeypatch.setattr(scoring.head_logprobs, "__defaults__", (1.0, None, 7))
+    got = token_logprobs(model, ids, 0.7, **kw) * mask
+    (got * adv).sum().backward()
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    for p, g in zip(model.parameters(), want_grads):
+        torch.testing.assert_close(p.grad, g, atol=2e-5, rtol=1e-4)
+
+
+def test_no_full_vocabulary_logits_tensor(monkeypatch):
+    """Scoring 24 sequences never creates a tensor as large as [B, T, vocab] (forward or backward): the logits live
+    one chunk at a time. Fails if the head is run over all positions at once."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import core.scoring as scoring
+
+    class Largest(TorchDispatchMode):
+        numel = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.numel = max(Largest.numel, t.numel())
+            return out
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    V = 2000  # the vocabulary dominates, as in real models (49k vs a hidden size of 576)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, V, (24, 40), generator=g)  # 936 positions: chunks of 128 hold 1/7 of the logits
+    monkeypatch.setattr(scoring.head_logprobs, "__defaults__", (1.0, None, 128))
+    with Largest():
+        lp = token_logprobs(model, ids, 1.0)
+        lp.sum().backward()
+    full = 24 * 39 * V
+    assert Largest.numel > 0
+    assert Largest.numel < full, f"a tensor of {Largest.numel} elements: the full logits are {full}"
