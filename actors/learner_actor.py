@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 
 import ray
 
@@ -65,6 +66,7 @@ class LearnerActor(CollectiveMember):
         """Every rank iterates (ZeRO-3 gathers are collectives); rank 0 publishes, with the policy's log-probs on
         the probe sequence that every receiver checks its load against. "collective": rank 0 broadcasts to the
         rollout actors' receive_weights calls (actors/collective.py) and returns the update without handles."""
+        t0 = time.perf_counter()
         probe = self._probe_ids()
         probe_logprobs = self.learner.score(probe)  # a forward: collective under ZeRO-3, so every rank runs it
         weights = self.learner.named_weights(bucket_bytes)
@@ -73,6 +75,7 @@ class LearnerActor(CollectiveMember):
         if self.rank == 0:
             update = ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
             update.probe_ids, update.probe_logprobs = probe, probe_logprobs
+            update.export_seconds = time.perf_counter() - t0
             return update
         for _ in weights:
             pass

@@ -58,11 +58,14 @@ class RolloutActor(CollectiveMember):
         match the learner's within the precision's tolerance (WeightFingerprintError otherwise)."""
         t0 = time.perf_counter()
         self.gen.load_weights(update.version, unpack_buckets(buckets))
-        seconds = time.perf_counter() - t0
+        t1 = time.perf_counter()
         fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
                                self.gen.score(update.probe_ids), update.probe_logprobs)
+        # `seconds`: loading, re-quantization included (`requantize_seconds` where the backend times it apart)
         self.last_ack = {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
-                         "seconds": seconds, "receive_seconds": receive_seconds, "fingerprint_gap": fp["gap"],
+                         "seconds": t1 - t0, "receive_seconds": receive_seconds,
+                         "requantize_seconds": getattr(self.gen, "requantize_seconds", float("nan")),
+                         "verify_seconds": time.perf_counter() - t1, "fingerprint_gap": fp["gap"],
                          "fingerprint_corr": fp["corr"]}
         return self.last_ack
 

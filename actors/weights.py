@@ -38,6 +38,7 @@ class WeightUpdate:
     # under them; each receiver scores the same ids after loading and must agree within its precision's tolerance.
     probe_ids: list[int] = field(default_factory=list)
     probe_logprobs: list[float] = field(default_factory=list)
+    export_seconds: float = 0.0  # the sender's time to gather, fingerprint and hand out the weights
 
 
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:

@@ -340,6 +340,9 @@ class Workers:
         if bad:
             raise RunFailed(f"rollout actors report versions {bad} after syncing version {update.version}")
         return {"version": update.version, "nbytes": update.nbytes, "buckets": update.num_buckets,
+                "seconds": time.monotonic() - t0, "export_seconds": update.export_seconds,
+                **{f"{k}_seconds_max": max(a.get(f"{k}_seconds", float("nan")) for a in acks)
+                   for k in ("receive", "requantize", "verify")},
                 "load_seconds_max": max(a["seconds"] for a in acks),
                 "fingerprint_gap_max": max(a["fingerprint_gap"] for a in acks),
                 "fingerprint_corr_min": min(a["fingerprint_corr"] for a in acks)}

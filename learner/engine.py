@@ -185,9 +185,11 @@ class Learner:
         nan_loss = self._rank() == 0 and faults.fires("learner.nan_loss", step)
         stats_acc: dict = {}
         loss_total, grad_norms, skipped = 0.0, [], ""
+        clock = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for time/learn_* in the metrics
         for update in range(self.updates_per_batch):
             checks = torch.zeros(5, dtype=torch.float64)  # sampler, reference, loss non-finite; mismatch sum, tokens
             for i, mb in enumerate(micro):
+                t = time.perf_counter()
                 logp = self._logprobs(mb)
                 # With one update per batch pi_theta == pi_old at this point, so pi_old needs no extra forward.
                 old_logp = logp.detach() if old is None else old[i]
@@ -201,15 +203,18 @@ class Learner:
                 if nan_loss:
                     loss = loss * float("nan")
                 checks += self._checks(mb, loss, stats)
+                t = _lap(clock, "forward", t)
                 # Each rank's loss is its share of the global sum; DeepSpeed averages gradients over ranks, so scale
                 # back up. scale_wrt_gas=False: the weights already normalise over the whole batch.
                 self.engine.backward(loss * self.world_size, scale_wrt_gas=False)
+                t = _lap(clock, "backward", t)
                 if i == len(micro) - 1:  # the accumulation boundary: decide together, then step (or not)
                     opt = self.inner_optimizer
                     # DeepSpeed's bf16 wrapper skips the inner step by itself on a non-finite gradient norm.
                     opt.veto, opt.applied = self._veto(checks), False
                     opt.reason = opt.veto or "grad_norm"
                 self.engine.step()
+                _lap(clock, "optimizer", t)
                 loss_total += loss.detach().item()
                 # Over every pass: the clip only acts from the second update on (the first has ratio 1 exactly).
                 stats_acc = merge_stats(stats_acc, stats)
@@ -227,7 +232,9 @@ class Learner:
             "lr": self.scheduler.get_last_lr()[0],
             "policy_version": self.version,
             "staleness": float((version_before - batch.policy_versions).float().mean()),
+            "version_before": version_before,  # the policy the batch was trained from (staleness per rollout)
             "learn_seconds": time.perf_counter() - t0,
+            "timing": clock,
             "skipped": skipped,
         }
 
@@ -306,6 +313,12 @@ class Learner:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed optimizer state under {ckpt_dir}/optimizer")
         self.version = version
+
+
+def _lap(clock: dict, stage: str, since: float) -> float:
+    now = time.perf_counter()
+    clock[stage] += now - since
+    return now
 
 
 def _buckets(params: list, bucket_bytes: int) -> Iterator[list]:

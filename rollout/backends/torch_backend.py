@@ -126,7 +126,9 @@ class TorchGenerator:
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self._master, named_tensors)
+        t0 = time.perf_counter()
         self._rebuild()
+        self.requantize_seconds = time.perf_counter() - t0
         self.policy_version = version
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 import zlib
 from pathlib import Path
 from typing import Iterable
@@ -213,8 +214,10 @@ class VLLMGenerator:
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Checked to its end before the engine is touched: a bad stream leaves the old weights serving.
         received = list(check_stream(self._expected, named_tensors))
+        t0 = time.perf_counter()
         if self.precision == "int8":
             received = list(to_int8_stream(received))
+        self.requantize_seconds = time.perf_counter() - t0
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": received})
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.policy_version = version
