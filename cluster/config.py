@@ -143,6 +143,10 @@ class AlgoConfig:
     is_cap: float = 2.0  # C in min(pi_old/mu, C)
     update_every: int = 1  # generators get new weights every N learner steps (1 = on-policy up to quantization)
     updates_per_batch: int = 1  # optimizer updates on each batch (>1 makes the clip matter)
+    # One-step-off-policy: step k+1's rollouts are generated while the learner trains on step k (cluster/overlap.py).
+    # They are one update stale at update_every = 1, corrected by the importance weights (is_mode); staleness is
+    # recorded per rollout. Pays off when generators and learner have their own devices or nodes.
+    overlap: bool = False
 
 
 @dataclass

@@ -20,6 +20,7 @@ from cluster.config import Config
 from cluster.control import wanted_rollout_actors
 from cluster.evaluate import accuracy_reward, eval_items, greedy, score_eval
 from cluster.guard import GuardStop, PrecisionLadder
+from cluster.overlap import RolloutSource
 from cluster.resume import earlier_evals, set_aside_future
 from cluster.rollout_log import RolloutWriter
 from cluster.runlog import RunLog
@@ -27,7 +28,7 @@ from cluster.storage import RunDir, StorageError
 from learner.batch import TrainBatch, build_train_batch
 from learner.loss import finalize_stats, merge_stats
 from rollout.advantages import group_advantages
-from core.records import GenerationStats, GroupRollout, SamplingParams
+from core.records import GenerationStats, GroupRollout
 from rollout.rewards import WeightedRewards
 from rollout.tasks import PromptSampler, make_task
 
@@ -90,14 +91,15 @@ def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], b
         "loss/grad_norm": results[0]["grad_norm"],
         "loss/lr": results[0]["lr"],
         **{(k if k.startswith("mismatch/") else f"loss/{k}"): v for k, v in loss_stats.items()},
-        "perf/gen_tokens_per_s": new_tokens / max(clock.seconds["generate"], 1e-9),
+        # the generators' own time (they run side by side; with algo.overlap, while the learner trains)
+        "perf/gen_tokens_per_s": new_tokens / max(max(s.seconds for s in gen_stats), 1e-9),
         "perf/learn_tokens_per_s": batch.total_tokens / max(clock.seconds["learn"], 1e-9),
+        **{f"time/learn_{k}": v for k, v in results[0].get("timing", {}).items()},  # rank 0's split
         **{f"time/{k}": v for k, v in clock.seconds.items()},
         "time/step": clock.last - clock.start,
     }
     if sync:
-        m.update({f"sync/{k}": sync[k] for k in ("nbytes", "buckets", "load_seconds_max", "fingerprint_gap_max",
-                                                 "fingerprint_corr_min")})
+        m.update({f"sync/{k}": v for k, v in sync.items() if k != "version"})
     return m
 
 
@@ -133,6 +135,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
                "placement": workers.placement(), "resumed_from": str(resume) if resume else None,
                "set_aside": str(aside) if aside else None, **ladder.state()})
     eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
+    source = RolloutSource(workers, sampler, ro, cfg.run.seed, algo.overlap)  # one step ahead with algo.overlap
     # What always giving the train split's most common answer scores on the held-out prompts (no step: not a scalar)
     baseline = majority_baseline(sampler.task, eval_items(eval_task, cfg.task.eval_size), metric) if eval_task else None
     if baseline:
@@ -156,10 +159,8 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             if want and want != len(workers.rollout.actors):
                 log.write({"step": step, **workers.rollout.resize(want)})
             clock = StageClock()
-            items = sampler.next(ro.prompts_per_step)
-            sampling = SamplingParams(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
-                                      seed=cfg.run.seed * 1_000_003 + step)
-            groups, gen_stats = workers.generate(items, sampling, step + 1)
+            rollouts = source.take(step, cfg.run.steps)
+            groups, gen_stats = rollouts.groups, rollouts.stats
             clock.lap("generate")
             reward_metrics = score_groups(groups, rewards, algo.advantage_scale)
             batch = build_train_batch(groups, PAD_ID, ro.max_new_tokens)
@@ -168,6 +169,8 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             clock.lap("reference")
             results = workers.train(batch, step + 1)
             clock.lap("learn")
+            source.settle()  # the next step's rollouts (algo.overlap) are done: the generators are free to sync
+            clock.lap("rollout_wait")
             skipped, last = results[0]["skipped"], step + 1 == cfg.run.steps
             # The last step always syncs when evaluation follows, so the held-out score is of the final policy.
             due = (step + 1) % algo.update_every == 0 or (last and eval_task)
@@ -187,7 +190,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             for event in workers.events() + ([{"event": "ladder", "reason": skipped, **ladder.state()}]
                                              if up_rollout or up_reference else []):
                 log.write({"step": step + 1, **event})
-            samples.add(step + 1, groups)
+            samples.add(step + 1, groups, results[0]["version_before"])
             if (step + 1) % cfg.run.log_every == 0 or last or skipped:
                 log.write(m)
             log.progress(m)
@@ -196,7 +199,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             if last or (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0):
                 samples.flush()  # samples up to a checkpoint are on disk with it
                 run.sync()  # and, for a URI run, on the URI before the checkpoint is marked complete
-                state = {"step": step + 1, "policy_version": m["policy_version"], "cursor": sampler.cursor,
+                state = {"step": step + 1, "policy_version": m["policy_version"], "cursor": rollouts.cursor,
                          "published_version": published, "model_path": model_path, "guard": ladder.state(),
                          "rollout_precision": ladder.rollout, "config": cfg.to_dict()}
                 path = save_checkpoint(run.root, step + 1, workers.save, state, cfg.run.keep_last)
@@ -210,6 +213,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
         log.write({"event": "failed", "step": step + 1, "error": str(e)})
         raise RunFailed(f"{e}\n  the run stopped at step {step + 1}; {how}") from None
     finally:
+        source.close()
         samples.close()
         log.close()
         workers.shutdown()

@@ -7,7 +7,7 @@ from pathlib import Path
 from core.records import GroupRollout
 
 SCHEMA_FIELDS = ("step", "prompt_id", "prompt", "reference", "completion", "reward", "advantage", "finish_reason",
-                 "num_tokens", "mean_logprob", "policy_version", "precision", "generator_id")
+                 "num_tokens", "mean_logprob", "policy_version", "staleness", "precision", "generator_id")
 
 
 class RolloutWriter:
@@ -21,11 +21,12 @@ class RolloutWriter:
         self.first_step: int | None = None
         self.last_step: int | None = None
 
-    def add(self, step: int, groups: list[GroupRollout]) -> None:
+    def add(self, step: int, groups: list[GroupRollout], trained_from: int) -> None:
+        """`trained_from`: the learner's policy version the step trained from; staleness = it - the sampler's."""
         for g in groups:
             for c, r, a in zip(g.completions, g.rewards, g.advantages, strict=True):
                 row = (step, g.item.prompt_id, g.item.prompt, g.item.reference, c.text, r, a, c.finish_reason,
-                       len(c.token_ids), sum(c.logprobs) / max(len(c.logprobs), 1), g.policy_version, g.precision,
+                       len(c.token_ids), sum(c.logprobs) / max(len(c.logprobs), 1), g.policy_version, trained_from - g.policy_version, g.precision,
                        g.generator_id)
                 for k, v in zip(SCHEMA_FIELDS, row):
                     self.rows[k].append(v)

@@ -1,0 +1,67 @@
+"""Each step's rollouts, generated one step ahead when `algo.overlap` is on (one-step-off-policy training).
+
+With overlap, step k+1's prompts are handed to the generators as soon as step k's rollouts are back, so they are
+generated while the driver scores step k and the learner trains on it. They come from the weights the generators
+held then (one update behind the learner at `update_every = 1`): the learner's importance weights min(pi_old/mu, C)
+correct for that as they do for quantization, since mu is whatever sampled the tokens. `settle()` waits for the
+generation in flight before anything else uses the rollout actors (a weight sync, an evaluation, a resize, the
+precision ladder), so only one thread ever drives them at a time.
+
+The data cursor a checkpoint saves is the one after the prompts of the step being trained (`StepRollouts.cursor`),
+not after the prompts generated ahead: a resumed run generates those again, from the checkpoint's weights.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+from core.records import GenerationStats, GroupRollout, SamplingParams
+
+
+@dataclass
+class StepRollouts:
+    groups: list[GroupRollout]
+    stats: list[GenerationStats]
+    cursor: int  # the sampler's cursor after this step's prompts: what a checkpoint taken after this step saves
+
+
+class RolloutSource:
+    def __init__(self, workers, sampler, ro, seed: int, overlap: bool):
+        self.workers, self.sampler, self.ro, self.seed = workers, sampler, ro, seed
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollouts-ahead") if overlap else None
+        self.ahead: tuple[int, int, Future] | None = None  # (step, cursor after its prompts, generation)
+
+    def sampling(self, step: int) -> SamplingParams:
+        ro = self.ro
+        return SamplingParams(ro.group_size, ro.max_new_tokens, ro.temperature, ro.top_p, ro.top_k,
+                              seed=self.seed * 1_000_003 + step)
+
+    def _draw(self) -> tuple[int, list]:
+        items = self.sampler.next(self.ro.prompts_per_step)
+        return self.sampler.cursor, items
+
+    def take(self, step: int, steps: int) -> StepRollouts:
+        """Step `step`'s rollouts (0-based; generator step `step + 1`); with overlap, also start step + 1's."""
+        if self.ahead is not None and self.ahead[0] == step:
+            _, cursor, future = self.ahead
+            self.ahead = None
+            groups, stats = future.result()
+        else:
+            cursor, items = self._draw()
+            groups, stats = self.workers.generate(items, self.sampling(step), step + 1)
+        if self.pool is not None and step + 1 < steps:
+            nxt, items = self._draw()
+            self.ahead = (step + 1, nxt, self.pool.submit(self.workers.generate, items, self.sampling(step + 1),
+                                                          step + 2))
+        return StepRollouts(groups, stats, cursor)
+
+    def settle(self) -> None:
+        """Wait until the generation in flight (if any) is done; its failure is raised here, in the driver."""
+        if self.ahead is not None:
+            wait([self.ahead[2]])
+            if self.ahead[2].exception() is not None:
+                raise self.ahead[2].exception()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
