@@ -149,6 +149,9 @@ class AlgoConfig:
     overlap: bool = False
 
 
+ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")  # learner.attention
+
+
 @dataclass
 class LearnerConfig:
     world_size: int = 1  # DeepSpeed ranks, one Ray actor each
@@ -163,6 +166,10 @@ class LearnerConfig:
     # Run each distinct prompt once per micro-batch and share its KV cache with the group's completions (learner and
     # reference). Same log-probs and gradients as the full forward (tests/test_scoring.py), several times fewer tokens.
     shared_prompt: bool = True
+    # Attention kernel of the learner's model: "auto" = "eager" on a CPU learner (on this 2-core CPU the shared-prompt
+    # forward + backward ran 1.1-1.5x faster than with SDPA, whose masked CPU path is slow: bench/learner_profile.py),
+    # "sdpa" with GPUs; or name one of transformers' attn_implementation values.
+    attention: str = "auto"
     num_cpus: float = 1.0  # Ray CPU resource per rank
     num_gpus: float = 0.0  # Ray GPU resource per rank (CUDA: NCCL between ranks; 0 = the CPU learner, gloo)
     memory_gb: float = 0.0  # Ray memory reserved per rank (0 = none reserved)
@@ -472,6 +479,7 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.reference.num_cpus >= 0, f"reference.num_cpus: must be >= 0, got {cfg.reference.num_cpus}")
     for name, sec in (("rollout", ro), ("reference", cfg.reference), ("learner", le)):
         p.extend(placement_problems(name, sec))
+    need(le.attention in ATTENTION, f"learner.attention: must be one of {', '.join(ATTENTION)}, got {le.attention!r}")
     need(le.placement_strategy in STRATEGIES, f"learner.placement_strategy: must be one of {', '.join(STRATEGIES)}, "
          f"got {le.placement_strategy!r}")
     need(cfg.reference.threads >= 0, f"reference.threads: must be >= 0, got {cfg.reference.threads}")

@@ -268,7 +268,7 @@ class Workers:
                                     kl_coeff=cfg.algo.kl_coeff, kl_estimator=cfg.algo.kl_estimator,
                                     is_mode=cfg.algo.is_mode, is_cap=cfg.algo.is_cap),
             loss_agg=cfg.algo.loss_agg, temperature=ro.temperature, updates_per_batch=cfg.algo.updates_per_batch,
-            shared_prompt=le.shared_prompt,
+            shared_prompt=le.shared_prompt, attention=le.attention,
             seed=cfg.run.seed, guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
         )
         # A CPU learner is forced to DeepSpeed's CPU accelerator: on a Mac DeepSpeed would otherwise pick its new MPS

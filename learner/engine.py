@@ -112,6 +112,7 @@ class Learner:
         seed: int = 0,
         guard: bool = True,
         max_mismatch_kl: float = 0.0,
+        attention: str = "auto",
     ):
         import deepspeed
         from transformers import AutoModelForCausalLM
@@ -131,7 +132,9 @@ class Learner:
         self.max_mismatch_kl = max_mismatch_kl  # skip the update when mismatch/kl_mu_old exceeds it (0 = no bound)
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+        if attention == "auto":
+            attention = "sdpa" if torch.cuda.is_available() else "eager"
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, attn_implementation=attention)
         model.config.use_cache = False
         # Every micro-batch is one DeepSpeed micro-step; the optimizer steps at the accumulation boundary.
         self.grad_accum = math.ceil(sequences_per_rank / micro_batch_per_rank)

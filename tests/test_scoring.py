@@ -149,3 +149,19 @@ def test_no_full_vocabulary_logits_tensor(monkeypatch):
     full = 24 * 39 * V
     assert Largest.numel > 0
     assert Largest.numel < full, f"a tensor of {Largest.numel} elements: the full logits are {full}"
+
+
+def test_eager_attention_equals_sdpa_with_shared_prompts():
+    """learner.attention = "auto" picks eager on a CPU learner: the shared-prompt forward (left-padded prefix with a
+    mask, cache, suffix) must give the same log-probs and gradients under it as under SDPA."""
+    ids, mask, plens, gids = _groups()
+    out = {}
+    for impl in ("sdpa", "eager"):
+        model = _model()
+        model.config._attn_implementation = impl
+        lp = token_logprobs(model, ids, 0.7, prompt_lens=plens, group_ids=gids) * mask
+        lp.sum().backward()
+        out[impl] = (lp.detach(), [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(out["eager"][0], out["sdpa"][0], atol=2e-5, rtol=1e-5)
+    for a, b in zip(out["eager"][1], out["sdpa"][1]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
