@@ -1,0 +1,232 @@
+"""The real learner (DeepSpeed, BF16, one rank, in-process) on a GRPO batch, variants side by side in one run:
+seconds per step split into forward / backward / optimizer, useful FLOP/s against the bf16 matmul ceiling measured
+by this same script at the learner's own shapes, and each variant's peak RSS.
+
+    .venv/bin/python bench/learner_profile.py [--groups 4 --group-size 8 --prompt-len 70 --completion-len 64]
+
+The default batch is the TRL comparison's (bench/vs_trl.py): 4 prompts x 8 completions x 64 tokens, zero-shot prompts
+of ~70 tokens. Each variant runs in its own process (so its peak RSS is its own) for `--steps` steps; the table shows
+the median of the steps after the first. Writes bench/results/learner_profile.json. Ratios are what to read: the
+machine is shared and noisy.
+
+Variants: `full logits` is the learner before the chunked head (the model's own forward: [B, T, vocab] float32
+logits at once); `chunked` is the default; `eager` swaps SDPA attention for the eager one; `micro 16` splits the 32
+sequences into two micro-batches of 16 (gradient accumulation), longest first; `full prompts` runs every row's
+prompt (learner.shared_prompt = false: one causal forward without a cache or a mask, as TRL does); `plain torch`
+is the same model, batch, log-probs and loss with a torch AdamW on bf16 weights and no DeepSpeed (no fp32 master
+weights): what the DeepSpeed engine costs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+VARIANTS = {
+    "full logits": {"chunked": False},
+    "chunked": {"attn": "sdpa"},
+    "chunked + eager attention": {"attn": "eager"},  # the default on CPU (learner.attention = "auto")
+    "chunked + micro 16": {"micro": 16},
+    "chunked + full prompts": {"shared": False},
+    "plain torch (no DeepSpeed)": {"plain": True},
+}
+
+
+def batch(args, vocab: int):
+    """A GRPO batch: `groups` prompts x `group_size` completions, completion lengths spread over 75-100% of max."""
+    import torch
+
+    from learner.batch import TrainBatch
+
+    G, N, P, C = args.group_size, args.groups, args.prompt_len, args.completion_len
+    g = torch.Generator().manual_seed(0)
+    B, T = N * G, P + C
+    ids = torch.randint(100, vocab, (B, T), generator=g)
+    ids[:, :P] = ids[::G, :P].repeat_interleave(G, dim=0)
+    lens = (C * (0.75 + 0.25 * torch.rand(B, generator=g))).long()
+    mask = torch.zeros(B, T)
+    for b in range(B):
+        mask[b, P:P + int(lens[b])] = 1
+        ids[b, P + int(lens[b]):] = 0
+    return TrainBatch(input_ids=ids, completion_mask=mask, mu_logp=-torch.rand(B, T) * mask,
+                      advantages=torch.randn(B, generator=g), policy_versions=torch.zeros(B, dtype=torch.long),
+                      prompt_lens=torch.full((B,), P), group_ids=torch.arange(B) // G, total_sequences=B,
+                      total_tokens=float(mask.sum()), max_new_tokens=C), lens
+
+
+def useful_flops(cfg, args, lens) -> float:
+    """Forward + backward (2x forward) matmul FLOPs of one step with shared prompts: each prompt's prefix through the
+    trunk once, each completion (+ its last prompt token) through the trunk and the head. Attention scores included;
+    the head's recomputation in the backward pass is not counted (it is overhead, not useful work)."""
+    H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = H * cfg.num_key_value_heads // cfg.num_attention_heads
+    per_token_trunk = 2 * L * (H * H * 2 + 2 * H * kv + 3 * H * I)  # q, o, k, v projections and the gated MLP
+    P, C, N, G = args.prompt_len, args.completion_len, args.groups, args.group_size
+    prefix = N * (P - 1)
+    suffix = N * G * (C + 1)  # rows are padded to the longest completion: the padded positions run too
+    attn = 2 * 2 * L * H * (N * (P - 1) ** 2 / 2 + N * G * ((C + 1) * (P - 1) + (C + 1) ** 2 / 2))
+    fwd = (prefix + suffix) * per_token_trunk + suffix * 2 * H * V + attn
+    return 3 * fwd
+
+
+def matmul_ceiling(cfg, tokens: int, threads: int) -> dict:
+    """bf16 matrix products at the learner's shapes (tokens x hidden times hidden x {intermediate, vocab chunk}, and
+    the transposed weight-gradient shape); the best is the ceiling."""
+    import torch
+
+    torch.set_num_threads(threads)
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    shapes = {"x@W_mlp": (tokens, H, I), "x@W_head(1024)": (1024, H, V), "dY^T@x (grad)": (I, tokens, H)}
+    out = {}
+    for name, (m, k, n) in shapes.items():
+        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        for _ in range(2):
+            a @ b
+        reps, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 1.5:
+            a @ b
+            reps += 1
+        out[name] = 2 * m * k * n * reps / (time.perf_counter() - t0)
+    return out
+
+
+def run_variant(args) -> None:
+    """Child process: one variant, JSON on stdout's last line."""
+    import socket
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                      DS_ACCELERATOR="cpu")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    import torch
+
+    torch.set_num_threads(args.threads)
+    v = VARIANTS[args.variant]
+    import core.scoring as scoring
+
+    if v.get("chunked", True) is False:
+        scoring._HEAD_AFTER_TRUNK = set()
+    from transformers import AutoConfig
+
+    from learner.engine import Learner
+    from rollout.models import resolve_model_path
+
+    path = resolve_model_path(args.model)
+    cfg = AutoConfig.from_pretrained(path)
+    b, lens = batch(args, cfg.vocab_size)
+    order = lens.argsort(descending=True)  # longest first: the micro-batches' padding follows their own longest row
+    b = b.select(order)
+    if v.get("plain"):
+        return print(json.dumps(plain_torch(path, b, args.steps)))
+    learner = Learner(path, lr=1e-6, micro_batch_per_rank=v.get("micro", 64), sequences_per_rank=len(b),
+                      zero_stage=0, shared_prompt=v.get("shared", True), attention=v.get("attn", "auto"))
+    steps = []
+    for _ in range(args.steps):
+        t0 = time.perf_counter()
+        r = learner.train_step(b)
+        steps.append({"total": time.perf_counter() - t0, **r["timing"]})
+    print(json.dumps({"steps": steps, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+
+
+def plain_torch(path: str, b, steps: int) -> dict:
+    """The learner's forward, loss and backward without DeepSpeed: bf16 weights, torch AdamW on them."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from core.scoring import token_logprobs
+    from learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
+    model.config.use_cache = False
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logp = token_logprobs(model, b.input_ids, 1.0, b.prompt_lens, b.group_ids)
+        w = aggregation_weights(b.completion_mask, "token_mean", num_sequences=b.total_sequences,
+                                num_tokens=b.total_tokens, max_len=b.max_new_tokens)
+        loss, _ = grpo_loss(logp, logp.detach(), b.mu_logp, None, b.advantages, b.completion_mask, w,
+                            GRPOLossConfig())
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        out.append({"total": t3 - t0, "forward": t1 - t0, "backward": t2 - t1, "optimizer": t3 - t2})
+    return {"steps": out, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=70)
+    ap.add_argument("--completion-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variant", help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "learner_profile.json"))
+    args = ap.parse_args()
+    if args.variant:
+        return run_variant(args)
+
+    from transformers import AutoConfig
+
+    from rollout.models import resolve_model_path
+
+    cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
+    _, lens = batch(args, cfg.vocab_size)
+    flops = useful_flops(cfg, args, lens)
+    load0 = os.getloadavg()[0]
+    ceiling = matmul_ceiling(cfg, args.groups * args.group_size * (args.completion_len + 1), args.threads)
+    best = max(ceiling.values())
+    rows = []
+    for name in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--variant", name, *sys.argv[1:]]
+        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
+        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+        if p.returncode:
+            print(p.stderr[-3000:], file=sys.stderr)
+            raise SystemExit(f"variant {name!r} failed")
+        res = json.loads(p.stdout.strip().splitlines()[-1])
+        timed = res["steps"][1:] or res["steps"]
+        med = {k: statistics.median(s[k] for s in timed) for k in timed[0]}
+        rows.append({"variant": name, **{f"{k}_s": v for k, v in med.items()}, "peak_rss_gb": res["peak_rss_gb"],
+                     "tflops": flops / med["total"] / 1e12, "pct_of_ceiling": 100 * flops / med["total"] / best,
+                     "steps": res["steps"]})
+        print(f"  {name}: {med['total']:.2f} s/step", file=sys.stderr, flush=True)
+    load1 = os.getloadavg()[0]
+    head = (f"learner: {args.model}, {args.groups} prompts x {args.group_size} completions, prompt {args.prompt_len} + "
+            f"completion <= {args.completion_len} tokens, bf16, DeepSpeed ZeRO-0, 1 rank, {args.threads} threads; "
+            f"median of steps 2-{args.steps}\nuseful work {flops / 1e12:.2f} TFLOP per step; bf16 matmul ceiling "
+            f"measured here {best / 1e12:.2f} TFLOP/s (" + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in ceiling.items())
+            + f"); load average {load0:.1f} -> {load1:.1f}")
+    lines = [head, f"{'variant':<26}{'fwd s':>7}{'bwd s':>7}{'opt s':>7}{'step s':>8}{'TFLOP/s':>9}"
+                   f"{'% ceil':>8}{'peak RSS GB':>12}"]
+    for r in rows:
+        lines.append(f"{r['variant']:<26}{r['forward_s']:>7.2f}{r['backward_s']:>7.2f}{r['optimizer_s']:>7.2f}"
+                     f"{r['total_s']:>8.2f}{r['tflops']:>9.3f}{r['pct_of_ceiling']:>8.1f}{r['peak_rss_gb']:>12.2f}")
+    print("\n".join(lines))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "useful_tflop_per_step": flops / 1e12,
+                               "ceiling_tflops": {k: v / 1e12 for k, v in ceiling.items()},
+                               "load_average": [load0, load1], "rows": rows, "table": "\n".join(lines)}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
