@@ -11,16 +11,17 @@ metrics.jsonl timestamps, TRL's `on_step_end`), so everything a step costs is in
 - Each side runs in a process of its own (ours: `python -m cluster.cli train bench/vs_trl.toml`, which starts its own
   local Ray; TRL: bench/trl_runner.py), one at a time, alternating ours, TRL, ours, TRL, ... (`--rounds`) so that load
   from other jobs falls on both alike; the table shows each side's median over rounds and the ratio ours / TRL.
-- Memory: a thread here samples every 0.5 s the side's process and all its descendants (psutil) and sums their RSS and
-  PSS (proportional set size: shared pages, such as Ray's object store in /dev/shm and shared libraries, divided among
-  the processes mapping them, so the PSS sum does not double-count them). The peaks of both sums are reported, and for
-  our side the peak per role (learner, rollout, reference actors by their `ray::...` process titles; Ray's own
-  processes; the driver). Ray started by our CLI (`ray.init()` without an address: RAY_ADDRESS is removed from the
-  side's environment) runs gcs_server, raylet and their helpers as children of the driver, and the actors as children
-  of the raylet, so all of them are descendants; as a check, every process on the machine whose command line names
-  our Ray session folder (it ends in the driver's pid) is compared with that set and any outside it is reported
-  (`unowned_ray_processes`, expected 0). Peaks are over the whole life of the process (start-up, and for our side the
-  final checkpoint it always writes after the last step, are in); `peak_in_steps` has the peaks during steps 1..N.
+- Memory: a thread here samples the side's process and all its descendants (psutil) and sums their RSS (every
+  0.5 s) and PSS (every 3 s, as reading it is costly: see MemorySampler). PSS, the proportional set size, divides
+  shared pages (Ray's object store in /dev/shm, shared libraries) among the processes mapping them, so its sum does not
+  double-count them. The peaks of both sums are reported, and for our side the peak per role (learner, rollout,
+  reference actors by their `ray::...` process titles; Ray's own processes; the driver). Ray started by our CLI
+  (`ray.init()` without an address: RAY_ADDRESS is removed from the side's environment) runs gcs_server, raylet and
+  their helpers as children of the driver, and the actors as children of the raylet, so all of them are descendants;
+  as a check, every process on the machine whose command line names our Ray session folder (it ends in the driver's
+  pid) is compared with that set and any outside it is reported (`unowned_ray_processes`, expected 0). Peaks are over
+  the whole life of the process (start-up in, and for our side the final checkpoint it always writes after the last
+  step); `memory.peak_in` has them during steps 1..N (`steps`) and during the timed steps (`timed`).
 - `--ours-set KEY=VALUE` (repeatable) goes to our side as `--set`, e.g. `--ours-set rollout.backend=vllm`; `--trl-set
   KEY=VALUE` sets a GRPOConfig field of TRL's side (a TOML value, e.g. `--trl-set gradient_checkpointing=true`).
 
@@ -70,26 +71,33 @@ def role(cmdline: list[str], pid: int, root: int) -> str:
             return name
     if cmd.startswith("ray::IDLE"):
         return "ray idle workers"
-    return "ray system" if "ray" in cmd else "other"
+    # Ray's own: its agents (ray::DashboardAgent, ...), gcs_server, raylet and helpers, all run from the ray package
+    return "ray system" if cmd.startswith("ray::") or "/ray/" in cmd else "other"
 
 
 class MemorySampler(threading.Thread):
-    """Every `interval` s: RSS and PSS summed over process `pid` and all its descendants; peaks per role and per pid."""
+    """Sums over process `pid` and all its descendants: RSS every `interval` s, PSS every `pss_every`-th sample; peaks of
+    the sums, per role and per pid. PSS is read from /proc/PID/smaps_rollup, for which the kernel walks the page tables
+    (~0.1 s for a 5 GB process here): read at every sample it took a sixth of a core on this 2-core machine, so PSS is
+    sampled less often (peaks shorter than that may be missed) and the thread's own CPU time is reported."""
 
-    def __init__(self, pid: int, interval: float = 0.5):
+    def __init__(self, pid: int, interval: float = 0.5, pss_every: int = 6):
         super().__init__(daemon=True)
         import psutil
 
-        self.psutil, self.pid, self.interval = psutil, pid, interval
-        self.stop, self.series = threading.Event(), []  # series: (time, rss sum, pss sum)
+        self.psutil, self.pid, self.interval, self.pss_every = psutil, pid, interval, pss_every
+        self.stop, self.series = threading.Event(), []  # series: (time, rss sum, pss sum or None)
         self.roles: dict[int, str] = {}  # pid -> role (an actor keeps its role once its title shows it)
         self.pid_peak: dict[int, list[int]] = {}  # pid -> [rss, pss] peaks
         self.role_peak: dict[str, list[int]] = {}  # role -> [rss, pss] peaks of the role's sums
         self.session, self.unowned = "", set()  # our Ray session folder; processes naming it outside our tree
+        self.cpu_s = 0.0
 
     def run(self) -> None:
         while not self.stop.is_set():
+            t0 = time.thread_time()
             self.sample()
+            self.cpu_s += time.thread_time() - t0
             self.stop.wait(self.interval)
 
     def sample(self) -> None:
@@ -99,48 +107,50 @@ class MemorySampler(threading.Thread):
             procs = [root, *root.children(recursive=True)]
         except ps.NoSuchProcess:
             return
+        full = len(self.series) % self.pss_every == 0
         t, rss, pss, by_role, ours = time.time(), 0, 0, {}, set()
         for p in procs:
             try:
-                mem, cmd = p.memory_full_info(), p.cmdline()
+                mem, cmd = (p.memory_full_info() if full else p.memory_info()), p.cmdline()
             except (ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
                 continue
             ours.add(p.pid)
-            r = role(cmd, p.pid, self.pid)
             if self.roles.get(p.pid) not in dict(ACTOR_ROLES).values():
-                self.roles[p.pid] = r
-            r = self.roles[p.pid]
-            rss, pss = rss + mem.rss, pss + mem.pss
-            agg = by_role.setdefault(r, [0, 0])
-            agg[0], agg[1] = agg[0] + mem.rss, agg[1] + mem.pss
+                self.roles[p.pid] = role(cmd, p.pid, self.pid)
+            mem_pss = mem.pss if full else 0
+            rss, pss = rss + mem.rss, pss + mem_pss
+            agg = by_role.setdefault(self.roles[p.pid], [0, 0])
+            agg[0], agg[1] = agg[0] + mem.rss, agg[1] + mem_pss
             peak = self.pid_peak.setdefault(p.pid, [0, 0])
-            peak[0], peak[1] = max(peak[0], mem.rss), max(peak[1], mem.pss)
+            peak[0], peak[1] = max(peak[0], mem.rss), max(peak[1], mem_pss)
             if not self.session:
                 self.session = next((a.split("/sockets/")[0].rsplit("/", 1)[-1] for a in cmd
                                      if "session_" in a and "/sockets/" in a), "")
         for r, (a, b) in by_role.items():
             peak = self.role_peak.setdefault(r, [0, 0])
             peak[0], peak[1] = max(peak[0], a), max(peak[1], b)
-        self.series.append((t, rss, pss))
+        self.series.append((t, rss, pss if full else None))
         if self.session and len(self.series) % 10 == 1:  # every ~5 s: Ray processes of our session outside our tree
             for p in ps.process_iter(["pid", "cmdline"]):
                 if p.info["pid"] not in ours and any(self.session in a for a in p.info["cmdline"] or ()):
                     self.unowned.add(p.info["pid"])
 
     def result(self, windows: dict[str, tuple[float, float]]) -> dict:
-        peak = {k: max((s[k] for s in self.series), default=0) for k in (1, 2)}
-        in_window = {name: {"rss": max((s[1] for s in self.series if a <= s[0] <= b), default=0),
-                            "pss": max((s[2] for s in self.series if a <= s[0] <= b), default=0)}
-                     for name, (a, b) in windows.items()}
+        def peak(k, a=0.0, b=float("inf")):
+            return max((s[k] for s in self.series if a <= s[0] <= b and s[k] is not None), default=0)
+
         per_pid = {}
         for pid, (r, p) in self.pid_peak.items():
             per_pid.setdefault(self.roles[pid], []).append({"pid": pid, "rss": r, "pss": p})
-        return {"peak_rss": peak[1], "peak_pss": peak[2], "peak_in": in_window,
+        return {"peak_rss": peak(1), "peak_pss": peak(2),
+                "peak_in": {name: {"rss": peak(1, a, b), "pss": peak(2, a, b)} for name, (a, b) in windows.items()},
                 "per_role_peak": {r: {"rss": a, "pss": b, "processes": len(per_pid.get(r, []))}
                                   for r, (a, b) in self.role_peak.items()},
                 "per_process_peak": per_pid, "ray_session": self.session, "unowned_ray_processes": sorted(self.unowned),
-                "samples": len(self.series), "interval_s": self.interval,
-                "series": [(round(t, 2), round(a / 2**20), round(b / 2**20)) for t, a, b in self.series]}
+                "samples": len(self.series), "interval_s": self.interval, "pss_every": self.pss_every,
+                "sampler_cpu_s": round(self.cpu_s, 1),
+                "series": [(round(t, 2), round(a / 2**20), None if b is None else round(b / 2**20))
+                           for t, a, b in self.series]}
 
 
 def run_side(cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[int, MemorySampler, float]:
@@ -387,6 +397,9 @@ def table(result: dict) -> str:
         f"{r} {v['rss'] / GB:.2f}/{v['pss'] / GB:.2f}" for r, v in sorted(roles.items(), key=lambda x: -x[1]["pss"])))
     unowned = sorted({pid for r in result["rounds"]["qgrpo"] for pid in r["memory"]["unowned_ray_processes"]})
     p(f"Ray processes of our session outside the sampled tree: {len(unowned)}" + (f" {unowned}" if unowned else ""))
+    p("memory sampler's own CPU (s) / side's process wall (s): " + "; ".join(
+        f"{side} " + ", ".join(f"{r['memory']['sampler_cpu_s']:.0f}/{r['process_s']:.0f}" for r in rs)
+        for side, rs in result["rounds"].items()))
     p(f"\nbench took {meta['total_s'] / 60:.1f} min")
     return buf.getvalue().rstrip("\n")
 
