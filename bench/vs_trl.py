@@ -22,6 +22,9 @@ metrics.jsonl timestamps, TRL's `on_step_end`), so everything a step costs is in
   pid) is compared with that set and any outside it is reported (`unowned_ray_processes`, expected 0). Peaks are over
   the whole life of the process (start-up in, and for our side the final checkpoint it always writes after the last
   step); `memory.peak_in` has them during steps 1..N (`steps`) and during the timed steps (`timed`).
+- Load from other jobs: for each run of a side, the machine's busy CPU time minus that of the side's processes and of
+  the sampler, per second of wall time (`memory.others_cores`, shown per round in the table): ~0 on a quiet machine;
+  a round with a high value was slowed by someone else, whichever side it was.
 - `--ours-set KEY=VALUE` (repeatable) goes to our side as `--set`, e.g. `--ours-set rollout.backend=vllm`; `--trl-set
   KEY=VALUE` sets a GRPOConfig field of TRL's side (a TOML value, e.g. `--trl-set gradient_checkpointing=true`).
 
@@ -91,7 +94,10 @@ class MemorySampler(threading.Thread):
         self.pid_peak: dict[int, list[int]] = {}  # pid -> [rss, pss] peaks
         self.role_peak: dict[str, list[int]] = {}  # role -> [rss, pss] peaks of the role's sums
         self.session, self.unowned = "", set()  # our Ray session folder; processes naming it outside our tree
-        self.cpu_s = 0.0
+        self.cpu_s = 0.0  # this thread's own CPU time
+        self.tree_cpu: dict[int, float] = {}  # pid -> CPU seconds (user + system) when last seen
+        self.machine_busy = busy_seconds(psutil)  # to tell how much CPU other jobs took meanwhile (`others_cores`)
+        self.t0, self.load_start = time.time(), os.getloadavg()[0]
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -115,6 +121,9 @@ class MemorySampler(threading.Thread):
             except (ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
                 continue
             ours.add(p.pid)
+            with contextlib.suppress(ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
+                cpu = p.cpu_times()
+                self.tree_cpu[p.pid] = cpu.user + cpu.system
             if self.roles.get(p.pid) not in dict(ACTOR_ROLES).values():
                 self.roles[p.pid] = role(cmd, p.pid, self.pid)
             mem_pss = mem.pss if full else 0
@@ -135,6 +144,14 @@ class MemorySampler(threading.Thread):
                 if p.info["pid"] not in ours and any(self.session in a for a in p.info["cmdline"] or ()):
                     self.unowned.add(p.info["pid"])
 
+    def finish(self) -> None:
+        """Once the side has exited: the CPU other jobs used meanwhile, in cores on average (machine busy time minus
+        this side's processes and this sampler; ~0 on a quiet machine, up to the core count when something else
+        saturates it)."""
+        wall = time.time() - self.t0
+        others = busy_seconds(self.psutil) - self.machine_busy - sum(self.tree_cpu.values()) - self.cpu_s
+        self.others_cores, self.load_end = max(others, 0.0) / wall, os.getloadavg()[0]
+
     def result(self, windows: dict[str, tuple[float, float]]) -> dict:
         def peak(k, a=0.0, b=float("inf")):
             return max((s[k] for s in self.series if a <= s[0] <= b and s[k] is not None), default=0)
@@ -148,9 +165,16 @@ class MemorySampler(threading.Thread):
                                   for r, (a, b) in self.role_peak.items()},
                 "per_process_peak": per_pid, "ray_session": self.session, "unowned_ray_processes": sorted(self.unowned),
                 "samples": len(self.series), "interval_s": self.interval, "pss_every": self.pss_every,
-                "sampler_cpu_s": round(self.cpu_s, 1),
+                "sampler_cpu_s": round(self.cpu_s, 1), "tree_cpu_s": round(sum(self.tree_cpu.values()), 1),
+                "others_cores": round(self.others_cores, 2), "load_avg": [self.load_start, self.load_end],
                 "series": [(round(t, 2), round(a / 2**20), None if b is None else round(b / 2**20))
                            for t, a, b in self.series]}
+
+
+def busy_seconds(psutil) -> float:
+    """CPU seconds the machine has spent busy since boot, all cores."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
 
 
 def run_side(cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[int, MemorySampler, float]:
@@ -171,6 +195,7 @@ def run_side(cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[in
             print(f"  timed out after {timeout_s:.0f} s (see {log})", file=sys.stderr)
         sampler.stop.set()
         sampler.join()
+        sampler.finish()
     return rc, sampler, time.time() - t0
 
 
@@ -390,8 +415,9 @@ def table(result: dict) -> str:
       f"{ratio['peak_pss']:.2f}x peak PSS")
     p("learn: ours time/learn (the learner actor's step); TRL: everything but generation (rewards, forward, backward, "
       "optimizer, logging). other: ours reference + sync + the driver's own time; TRL none.")
-    p("per round (tok trained/s): " + "; ".join(
-        f"{side} " + "/".join(f"{r['trained_tokens_per_s']:.0f}" for r in rs) for side, rs in result["rounds"].items()))
+    p("per round, tok trained/s (cores other jobs used meanwhile): " + "; ".join(
+        f"{side} " + ", ".join(f"{r['trained_tokens_per_s']:.0f} ({r['memory']['others_cores']:.1f})" for r in rs)
+        for side, rs in result["rounds"].items()))
     roles = med["qgrpo"]["per_role_peak"]
     p("qgrpo peak by role (RSS / PSS sums, GB): " + ", ".join(
         f"{r} {v['rss'] / GB:.2f}/{v['pss'] / GB:.2f}" for r, v in sorted(roles.items(), key=lambda x: -x[1]["pss"])))
