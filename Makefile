@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONWARNINGS := ignore
 export QGRPO_CACHE ?= $(CURDIR)/.cache/qgrpo
 
-.PHONY: install train test test-slow bench clean
+.PHONY: install train test test-slow bench bench-trl clean
 
 install: $(STAMP)
 
@@ -48,6 +48,13 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/quant_bytes.py
+
+# qgrpo vs TRL's GRPOTrainer on the same setting (bench/vs_trl.py, ~25 min at full size): installs the `bench` extra
+# (TRL, pinned to a version that leaves torch and transformers as they are) beside the project's own pins. Flags via
+# ARGS, e.g. make bench-trl ARGS=--quick
+bench-trl: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
+	$(PY) bench/vs_trl.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .cache runs

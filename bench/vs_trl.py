@@ -1,0 +1,434 @@
+"""qgrpo vs TRL's GRPOTrainer, side by side in one session, on the setting of the comparison issue: SmolLM2-135M-Instruct
+(our builtin model: both sides load the same local bf16 folder), reasoning-gym basic_arithmetic at its default
+settings, zero-shot, 4 prompts x 8 completions x up to 64 new tokens, bf16 rollouts, no reference, lr 1e-5, T = 1,
+6 steps of which step 1 is warm-up (bench/vs_trl.toml; TRL's side: bench/trl_runner.py, which says what is the same and
+what differs).
+
+The figure of merit is **completion tokens trained per second**: the completion tokens of the timed steps (2..N) over
+the wall seconds of those steps, from the end of step 1 to the end of step N (each side's own end-of-step clock: our
+metrics.jsonl timestamps, TRL's `on_step_end`), so everything a step costs is in, logging included.
+
+- Each side runs in a process of its own (ours: `python -m cluster.cli train bench/vs_trl.toml`, which starts its own
+  local Ray; TRL: bench/trl_runner.py), one at a time, alternating ours, TRL, ours, TRL, ... (`--rounds`) so that load
+  from other jobs falls on both alike; the table shows each side's median over rounds and the ratio ours / TRL.
+- Memory: a thread here samples the side's process and all its descendants (psutil) and sums their RSS (every
+  0.5 s) and PSS (every 3 s, as reading it is costly: see MemorySampler). PSS, the proportional set size, divides
+  shared pages (Ray's object store in /dev/shm, shared libraries) among the processes mapping them, so its sum does not
+  double-count them. The peaks of both sums are reported, and for our side the peak per role (learner, rollout,
+  reference actors by their `ray::...` process titles; Ray's own processes; the driver). Ray started by our CLI
+  (`ray.init()` without an address: RAY_ADDRESS is removed from the side's environment) runs gcs_server, raylet and
+  their helpers as children of the driver, and the actors as children of the raylet, so all of them are descendants;
+  as a check, every process on the machine whose command line names our Ray session folder (it ends in the driver's
+  pid) is compared with that set and any outside it is reported (`unowned_ray_processes`, expected 0). Peaks are over
+  the whole life of the process (start-up in, and for our side the final checkpoint it always writes after the last
+  step); `memory.peak_in` has them during steps 1..N (`steps`) and during the timed steps (`timed`).
+- Load from other jobs: for each run of a side, the machine's busy CPU time minus that of the side's processes and of
+  the sampler, per second of wall time (`memory.others_cores`, shown per round in the table): ~0 on a quiet machine;
+  a round with a high value was slowed by someone else, whichever side it was.
+- `--ours-set KEY=VALUE` (repeatable) goes to our side as `--set`, e.g. `--ours-set rollout.backend=vllm`; `--trl-set
+  KEY=VALUE` sets a GRPOConfig field of TRL's side (a TOML value, e.g. `--trl-set gradient_checkpointing=true`).
+
+    .venv/bin/python bench/vs_trl.py [--rounds 2] [--steps 6] [--prompts 4] [--group-size 8] [--max-new-tokens 64]
+    .venv/bin/python bench/vs_trl.py --quick      # smoke check: 3 steps, 1 round, 16 new tokens
+    make bench-trl                                # installs the `bench` extra (TRL) first; ARGS="..." passes flags
+
+Writes bench/results/vs_trl.json (vs_trl_quick.json with --quick) with every round's raw numbers and each side's log
+under bench/results/vs_trl_logs/; `--publish` also writes bench/published/vs_trl.{json,txt}.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import tomllib
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+CONFIG = ROOT / "bench" / "vs_trl.toml"
+WARMUP_STEPS = 1
+GB = 2**30
+# Process titles Ray gives actor processes -> role; other processes are told apart by `role`.
+ACTOR_ROLES = (("ray::LearnerActor", "learner"), ("ray::RolloutActor", "rollout"), ("ray::ReferenceActor", "reference"))
+PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "ray", "reasoning-gym", "psutil")
+
+
+def role(cmdline: list[str], pid: int, root: int) -> str:
+    if pid == root:
+        return "driver"
+    cmd = " ".join(cmdline)
+    for prefix, name in ACTOR_ROLES:
+        if cmd.startswith(prefix):
+            return name
+    if cmd.startswith("ray::IDLE"):
+        return "ray idle workers"
+    # Ray's own: its agents (ray::DashboardAgent, ...), gcs_server, raylet and helpers, all run from the ray package
+    return "ray system" if cmd.startswith("ray::") or "/ray/" in cmd else "other"
+
+
+class MemorySampler(threading.Thread):
+    """Sums over process `pid` and all its descendants: RSS every `interval` s, PSS every `pss_every`-th sample; peaks of
+    the sums, per role and per pid. PSS is read from /proc/PID/smaps_rollup, for which the kernel walks the page tables
+    (~0.1 s for a 5 GB process here): read at every sample it took a sixth of a core on this 2-core machine, so PSS is
+    sampled less often (peaks shorter than that may be missed) and the thread's own CPU time is reported."""
+
+    def __init__(self, pid: int, interval: float = 0.5, pss_every: int = 6):
+        super().__init__(daemon=True)
+        import psutil
+
+        self.psutil, self.pid, self.interval, self.pss_every = psutil, pid, interval, pss_every
+        self.stop, self.series = threading.Event(), []  # series: (time, rss sum, pss sum or None)
+        self.roles: dict[int, str] = {}  # pid -> role (an actor keeps its role once its title shows it)
+        self.pid_peak: dict[int, list[int]] = {}  # pid -> [rss, pss] peaks
+        self.role_peak: dict[str, list[int]] = {}  # role -> [rss, pss] peaks of the role's sums
+        self.session, self.unowned = "", set()  # our Ray session folder; processes naming it outside our tree
+        self.cpu_s = 0.0  # this thread's own CPU time
+        self.tree_cpu: dict[int, float] = {}  # pid -> CPU seconds (user + system) when last seen
+        self.machine_busy = busy_seconds(psutil)  # to tell how much CPU other jobs took meanwhile (`others_cores`)
+        self.t0, self.load_start = time.time(), os.getloadavg()[0]
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            t0 = time.thread_time()
+            self.sample()
+            self.cpu_s += time.thread_time() - t0
+            self.stop.wait(self.interval)
+
+    def sample(self) -> None:
+        ps = self.psutil
+        try:
+            root = ps.Process(self.pid)
+            procs = [root, *root.children(recursive=True)]
+        except ps.NoSuchProcess:
+            return
+        full = len(self.series) % self.pss_every == 0
+        t, rss, pss, by_role, ours = time.time(), 0, 0, {}, set()
+        for p in procs:
+            try:
+                mem, cmd = (p.memory_full_info() if full else p.memory_info()), p.cmdline()
+            except (ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
+                continue
+            ours.add(p.pid)
+            with contextlib.suppress(ps.NoSuchProcess, ps.AccessDenied, ps.ZombieProcess):
+                cpu = p.cpu_times()
+                self.tree_cpu[p.pid] = cpu.user + cpu.system
+            if self.roles.get(p.pid) not in dict(ACTOR_ROLES).values():
+                self.roles[p.pid] = role(cmd, p.pid, self.pid)
+            mem_pss = mem.pss if full else 0
+            rss, pss = rss + mem.rss, pss + mem_pss
+            agg = by_role.setdefault(self.roles[p.pid], [0, 0])
+            agg[0], agg[1] = agg[0] + mem.rss, agg[1] + mem_pss
+            peak = self.pid_peak.setdefault(p.pid, [0, 0])
+            peak[0], peak[1] = max(peak[0], mem.rss), max(peak[1], mem_pss)
+            if not self.session:
+                self.session = next((a.split("/sockets/")[0].rsplit("/", 1)[-1] for a in cmd
+                                     if "session_" in a and "/sockets/" in a), "")
+        for r, (a, b) in by_role.items():
+            peak = self.role_peak.setdefault(r, [0, 0])
+            peak[0], peak[1] = max(peak[0], a), max(peak[1], b)
+        self.series.append((t, rss, pss if full else None))
+        if self.session and len(self.series) % 10 == 1:  # every ~5 s: Ray processes of our session outside our tree
+            for p in ps.process_iter(["pid", "cmdline"]):
+                if p.info["pid"] not in ours and any(self.session in a for a in p.info["cmdline"] or ()):
+                    self.unowned.add(p.info["pid"])
+
+    def finish(self) -> None:
+        """Once the side has exited: the CPU other jobs used meanwhile, in cores on average (machine busy time minus
+        this side's processes and this sampler; ~0 on a quiet machine, up to the core count when something else
+        saturates it)."""
+        wall = time.time() - self.t0
+        others = busy_seconds(self.psutil) - self.machine_busy - sum(self.tree_cpu.values()) - self.cpu_s
+        self.others_cores, self.load_end = max(others, 0.0) / wall, os.getloadavg()[0]
+
+    def result(self, windows: dict[str, tuple[float, float]]) -> dict:
+        def peak(k, a=0.0, b=float("inf")):
+            return max((s[k] for s in self.series if a <= s[0] <= b and s[k] is not None), default=0)
+
+        per_pid = {}
+        for pid, (r, p) in self.pid_peak.items():
+            per_pid.setdefault(self.roles[pid], []).append({"pid": pid, "rss": r, "pss": p})
+        return {"peak_rss": peak(1), "peak_pss": peak(2),
+                "peak_in": {name: {"rss": peak(1, a, b), "pss": peak(2, a, b)} for name, (a, b) in windows.items()},
+                "per_role_peak": {r: {"rss": a, "pss": b, "processes": len(per_pid.get(r, []))}
+                                  for r, (a, b) in self.role_peak.items()},
+                "per_process_peak": per_pid, "ray_session": self.session, "unowned_ray_processes": sorted(self.unowned),
+                "samples": len(self.series), "interval_s": self.interval, "pss_every": self.pss_every,
+                "sampler_cpu_s": round(self.cpu_s, 1), "tree_cpu_s": round(sum(self.tree_cpu.values()), 1),
+                "others_cores": round(self.others_cores, 2), "load_avg": [self.load_start, self.load_end],
+                "series": [(round(t, 2), round(a / 2**20), None if b is None else round(b / 2**20))
+                           for t, a, b in self.series]}
+
+
+def busy_seconds(psutil) -> float:
+    """CPU seconds the machine has spent busy since boot, all cores."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
+
+
+def run_side(cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[int, MemorySampler, float]:
+    """Run one side to completion under the memory sampler; on timeout or Ctrl-C stop it and every descendant."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        sampler = MemorySampler(proc.pid)
+        sampler.start()
+        t0 = time.time()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as e:
+            stop_tree(proc, sampler)
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            rc = -1
+            print(f"  timed out after {timeout_s:.0f} s (see {log})", file=sys.stderr)
+        sampler.stop.set()
+        sampler.join()
+        sampler.finish()
+    return rc, sampler, time.time() - t0
+
+
+def stop_tree(proc: subprocess.Popen, sampler: MemorySampler) -> None:
+    """SIGINT first (our CLI shuts its Ray down in a `finally`), then SIGKILL to whatever of the tree is left, by pid."""
+    ps = sampler.psutil
+    try:
+        tree = [ps.Process(proc.pid), *ps.Process(proc.pid).children(recursive=True)]
+    except ps.NoSuchProcess:
+        tree = []
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+    for p in tree:
+        with contextlib.suppress(ps.NoSuchProcess):
+            p.kill()
+    proc.wait()
+
+
+def side_env(threads: int = 0) -> dict:
+    from actors.common import thread_env
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
+    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+               PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
+    if threads:
+        env.update(thread_env(threads))
+    return env
+
+
+def ours(args, overrides: list[str], model_path: str, n: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="vs_trl-ours-") as tmp:
+        cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG), "--set", f"run.output_dir={json.dumps(tmp)}",
+               "--set", f"model.path={json.dumps(model_path)}", *[x for o in overrides for x in ("--set", o)]]
+        rc, sampler, seconds = run_side(cmd, side_env(), args.log_dir / f"ours_round{n}.log", args.timeout_s)
+        lines = [json.loads(x) for m in Path(tmp).glob("*/metrics.jsonl") for x in m.read_text().splitlines()]
+    steps = [m for m in lines if "time/step" in m]
+    if rc != 0 or len(steps) != args.steps:
+        raise SystemExit(f"our side failed (exit {rc}, {len(steps)} of {args.steps} steps): see "
+                         f"{args.log_dir / f'ours_round{n}.log'}")
+    per_step = args.prompts * args.group_size
+    timed = steps[WARMUP_STEPS:]
+    wall = steps[-1]["time"] - steps[WARMUP_STEPS - 1]["time"]
+    tokens = sum(m["rollout/completion_len"] * per_step for m in timed)
+    stage = {k: sum(m[f"time/{k}"] for m in timed) for k in ("generate", "reference", "learn", "sync")}
+    first_start = steps[0]["time"] - steps[0]["time/step"]
+    return summary(
+        "qgrpo", wall, tokens, stage["generate"], stage["learn"], seconds, len(timed),
+        sampler.result({"steps": (first_start, steps[-1]["time"]), "timed": (steps[WARMUP_STEPS - 1]["time"],
+                                                                             steps[-1]["time"])}),
+        steps=[{k: m[k] for k in ("step", "time", "time/step", "time/generate", "time/reference", "time/learn",
+                                  "time/sync", "rollout/completion_len", "perf/gen_tokens_per_s", "reward/mean")
+                if k in m} for m in steps],
+        reference_s=stage["reference"], sync_s=stage["sync"])
+
+
+def trl(args, overrides: list[str], model_path: str, n: int, trl_set: dict) -> dict:
+    with tempfile.TemporaryDirectory(prefix="vs_trl-trl-") as tmp:
+        out = Path(tmp) / "trl.json"
+        spec = {"config": str(CONFIG), "overrides": overrides, "model_path": model_path, "out": str(out),
+                "tmp_dir": str(Path(tmp) / "trainer"), "threads": args.trl_threads, "trl_set": trl_set,
+                "dtype": args.trl_dtype}
+        cmd = [sys.executable, str(ROOT / "bench" / "trl_runner.py"), json.dumps(spec)]
+        rc, sampler, seconds = run_side(cmd, side_env(args.trl_threads), args.log_dir / f"trl_round{n}.log",
+                                        args.timeout_s)
+        rec = json.loads(out.read_text()) if out.is_file() else {}
+    ends = rec.get("step_end", [])
+    if rc != 0 or len(ends) != args.steps or len(rec["generate_s"]) != args.steps:
+        raise SystemExit(f"TRL's side failed (exit {rc}, {len(ends)} of {args.steps} steps): see "
+                         f"{args.log_dir / f'trl_round{n}.log'}")
+    if not all(rec["prompt_ids_match"]):
+        raise SystemExit(f"TRL's prompt token ids differ from ours at steps {rec['prompt_ids_match']}: not comparable")
+    wall = ends[-1] - ends[WARMUP_STEPS - 1]
+    tokens = sum(rec["completion_tokens"][WARMUP_STEPS:])
+    gen = sum(rec["generate_s"][WARMUP_STEPS:])
+    lengths = [lg["completions/mean_length"] for lg in rec["logs"] if "completions/mean_length" in lg]
+    return summary(
+        "trl", wall, tokens, gen, wall - gen, seconds, len(ends) - WARMUP_STEPS,
+        sampler.result({"steps": (rec["train_begin"], ends[-1]), "timed": (ends[WARMUP_STEPS - 1], ends[-1])}),
+        steps=[{"step": i + 1, "time": t, "generate_s": g, "completion_tokens": c, "trl_mean_length": ln,
+                "trl_step_time": lg.get("step_time")}
+               for i, (t, g, c, ln, lg) in enumerate(zip(ends, rec["generate_s"], rec["completion_tokens"],
+                                                         lengths, [x for x in rec["logs"] if "loss" in x]))],
+        setup_s=rec["setup_s"], threads=rec["threads"], grpo_config=rec["grpo_config"])
+
+
+def summary(side, wall, tokens, gen_s, learn_s, process_s, timed, memory, **extra) -> dict:
+    return {"side": side, "timed_steps": timed, "wall_s": wall, "s_per_step": wall / timed,
+            "completion_tokens": tokens, "trained_tokens_per_s": tokens / wall, "generate_s_per_step": gen_s / timed,
+            "gen_tokens_per_s": tokens / gen_s, "learn_s_per_step": learn_s / timed,
+            "other_s_per_step": (wall - gen_s - learn_s) / timed, "process_s": process_s, "memory": memory, **extra}
+
+
+def medians(rounds: list[dict]) -> dict:
+    keys = ("s_per_step", "trained_tokens_per_s", "gen_tokens_per_s", "generate_s_per_step", "learn_s_per_step",
+            "other_s_per_step")
+    med = {k: statistics.median(r[k] for r in rounds) for k in keys}
+    for k in ("peak_rss", "peak_pss"):
+        med[k] = statistics.median(r["memory"][k] for r in rounds)
+    med["per_role_peak"] = {role: {k: statistics.median(r["memory"]["per_role_peak"].get(role, {}).get(k, 0)
+                                                        for r in rounds) for k in ("rss", "pss")}
+                            for role in rounds[0]["memory"]["per_role_peak"]}
+    med["rounds"] = len(rounds)
+    return med
+
+
+def versions() -> dict:
+    out = {}
+    for p in PACKAGES:
+        try:
+            out[p] = version(p)
+        except PackageNotFoundError:
+            out[p] = None
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    out["qgrpo_commit"] = git("rev-parse", "HEAD") + (" (dirty)" if git("status", "--porcelain", "--", ".") else "")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2, help="ours, TRL alternating, this many times each")
+    ap.add_argument("--steps", type=int, default=6, help=f"steps per run; the first {WARMUP_STEPS} is warm-up")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--quick", action="store_true", help="smoke check: 3 steps, 1 round, 16 new tokens")
+    ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE", help="passed to our side as --set")
+    ap.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a GRPOConfig field of TRL's side (TOML value)")
+    ap.add_argument("--trl-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="TRL's weights: bf16 (the issue's setting) or fp32 (bf16 autocast; see bench/trl_runner.py)")
+    ap.add_argument("--trl-threads", type=int, default=os.cpu_count() or 1, help="torch threads of TRL's process")
+    ap.add_argument("--cache-dir", default="", help="builtin models' cache (default: $QGRPO_CACHE or ~/.cache/qgrpo)")
+    ap.add_argument("--timeout-s", type=float, default=3600.0, help="per run of one side")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--publish", action="store_true", help="also write bench/published/vs_trl.{json,txt}")
+    args = ap.parse_args()
+    if args.quick:
+        args.steps, args.rounds, args.max_new_tokens = 3, 1, 16
+    if args.steps <= WARMUP_STEPS:
+        ap.error(f"--steps must be > {WARMUP_STEPS} (step 1 is warm-up)")
+    out = Path(args.out or ROOT / "bench" / "results" / f"vs_trl{'_quick' if args.quick else ''}.json")
+    args.log_dir = out.parent / "vs_trl_logs"
+    started, t_start, load_start = datetime.datetime.now().isoformat(timespec="seconds"), time.time(), os.getloadavg()
+    trl_set = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (s.split("=", 1) for s in args.trl_set)}
+
+    from rollout.models import resolve_model_path
+
+    model_path = resolve_model_path("builtin:smollm2-135m-instruct", args.cache_dir)
+    # Both sides read bench/vs_trl.toml with these overrides (TRL's side for its prompts, rewards and sizes).
+    shared = [f"run.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
+              f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}"]
+    rounds: dict[str, list] = {"qgrpo": [], "trl": []}
+    for n in range(1, args.rounds + 1):
+        for side in ("qgrpo", "trl"):
+            print(f"round {n}/{args.rounds}: {side} ...", file=sys.stderr, flush=True)
+            r = (ours(args, shared + args.ours_set, model_path, n) if side == "qgrpo"
+                 else trl(args, shared, model_path, n, trl_set))
+            rounds[side].append(r)
+            print(f"  {r['s_per_step']:.1f} s/step, {r['trained_tokens_per_s']:.0f} completion tokens trained/s, peak "
+                  f"PSS sum {r['memory']['peak_pss'] / GB:.1f} GB", file=sys.stderr, flush=True)
+    med = {side: medians(rs) for side, rs in rounds.items()}
+    result = {
+        "meta": {"date": started, **versions(), "cpu_count": os.cpu_count(), "model": model_path,
+                 "config": str(CONFIG.relative_to(ROOT)), "shared_overrides": shared, "ours_set": args.ours_set,
+                 "trl_set": trl_set, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                 "warmup_steps": WARMUP_STEPS, "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
+                 "total_s": round(time.time() - t_start, 1)},
+        "median": med,
+        "ratio_ours_over_trl": {"trained_tokens_per_s": med["qgrpo"]["trained_tokens_per_s"]
+                                / med["trl"]["trained_tokens_per_s"],
+                                "peak_pss": med["qgrpo"]["peak_pss"] / med["trl"]["peak_pss"]},
+        "rounds": rounds,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")  # before the table: a table bug must not lose the run
+    text = table(result)
+    print(text)
+    print(f"\nwrote {out}")
+    if args.publish:
+        pub = ROOT / "bench" / "published"
+        (pub / "vs_trl.json").write_text(json.dumps(result, indent=2) + "\n")
+        (pub / "vs_trl.txt").write_text(text + "\n")
+        print(f"published {pub / 'vs_trl.json'} and vs_trl.txt")
+
+
+def table(result: dict) -> str:
+    """The table of one run, from its JSON (`print(table(json.load(open(path))))` re-prints a saved run)."""
+    meta, med, a = result["meta"], result["median"], result["meta"]["args"]
+    buf = io.StringIO()
+    p = lambda *s: print(*s, file=buf)  # noqa: E731
+    p(f"qgrpo vs TRL GRPOTrainer: SmolLM2-135M-Instruct bf16, rg:basic_arithmetic (defaults), {a['prompts']} prompts x "
+      f"{a['group_size']} completions x up to {a['max_new_tokens']} new tokens, no reference, lr 1e-5, T=1; "
+      f"steps {meta['warmup_steps'] + 1}-{a['steps']} timed, median of {a['rounds']} alternating round(s)")
+    dirty = " (dirty)" if "dirty" in meta["qgrpo_commit"] else ""
+    p(f"torch {meta['torch']}, transformers {meta['transformers']}, trl {meta['trl']}, deepspeed {meta['deepspeed']}, "
+      f"ray {meta['ray']}; qgrpo {meta['qgrpo_commit'][:12]}{dirty}; {meta['cpu_count']} cores; TRL "
+      f"{a['trl_threads']} threads, {a['trl_dtype']} weights; load average at start / end "
+      f"{meta['load_avg_start'][0]:.1f} / {meta['load_avg_end'][0]:.1f}")
+    if meta["ours_set"] or meta["trl_set"]:
+        p(f"ours --set {' '.join(meta['ours_set']) or '-'}; TRL GRPOConfig {meta['trl_set'] or '-'}")
+    head = ["side", "s/step", "tok trained/s", "gen tok/s", "gen s/step", "learn s/step", "other s/step",
+            "peak RSS sum", "peak PSS sum", "rounds"]
+    cells = [[side, f"{m['s_per_step']:.1f}", f"{m['trained_tokens_per_s']:.0f}", f"{m['gen_tokens_per_s']:.0f}",
+              f"{m['generate_s_per_step']:.1f}", f"{m['learn_s_per_step']:.1f}", f"{m['other_s_per_step']:.1f}",
+              f"{m['peak_rss'] / GB:.1f} GB", f"{m['peak_pss'] / GB:.1f} GB", str(m["rounds"])]
+             for side, m in med.items()]
+    widths = [max(len(h), *(len(c[k]) for c in cells)) + (0 if k == 0 else 2) for k, h in enumerate(head)]
+    line = lambda cs: "".join(f"{c:<{w}}" if k == 0 else f"{c:>{w}}" for k, (c, w) in enumerate(zip(cs, widths)))  # noqa: E731
+    p("\n" + line(head))
+    for c in cells:
+        p(line(c))
+    ratio = result["ratio_ours_over_trl"]
+    p(f"\nours / TRL: {ratio['trained_tokens_per_s']:.2f}x completion tokens trained per second; "
+      f"{ratio['peak_pss']:.2f}x peak PSS")
+    p("learn: ours time/learn (the learner actor's step); TRL: everything but generation (rewards, forward, backward, "
+      "optimizer, logging). other: ours reference + sync + the driver's own time; TRL none.")
+    p("per round, tok trained/s (cores other jobs used meanwhile): " + "; ".join(
+        f"{side} " + ", ".join(f"{r['trained_tokens_per_s']:.0f} ({r['memory']['others_cores']:.1f})" for r in rs)
+        for side, rs in result["rounds"].items()))
+    roles = med["qgrpo"]["per_role_peak"]
+    p("qgrpo peak by role (RSS / PSS sums, GB): " + ", ".join(
+        f"{r} {v['rss'] / GB:.2f}/{v['pss'] / GB:.2f}" for r, v in sorted(roles.items(), key=lambda x: -x[1]["pss"])))
+    unowned = sorted({pid for r in result["rounds"]["qgrpo"] for pid in r["memory"]["unowned_ray_processes"]})
+    p(f"Ray processes of our session outside the sampled tree: {len(unowned)}" + (f" {unowned}" if unowned else ""))
+    p("memory sampler's own CPU (s) / side's process wall (s): " + "; ".join(
+        f"{side} " + ", ".join(f"{r['memory']['sampler_cpu_s']:.0f}/{r['process_s']:.0f}" for r in rs)
+        for side, rs in result["rounds"].items()))
+    p(f"\nbench took {meta['total_s'] / 60:.1f} min")
+    return buf.getvalue().rstrip("\n")
+
+
+if __name__ == "__main__":
+    main()
