@@ -228,7 +228,7 @@ def side_env(threads: int = 0) -> dict:
     return env
 
 
-def ours(args, overrides: list[str], model_path: str, n: int) -> dict:
+def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
     with tempfile.TemporaryDirectory(prefix="vs_trl-ours-") as tmp:
         cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG), "--set", f"run.output_dir={json.dumps(tmp)}",
                "--set", f"model.path={json.dumps(model_path)}", *[x for o in overrides for x in ("--set", o)]]
@@ -243,6 +243,7 @@ def ours(args, overrides: list[str], model_path: str, n: int) -> dict:
     wall = steps[-1]["time"] - steps[WARMUP_STEPS - 1]["time"]
     tokens = sum(m["rollout/completion_len"] * per_step for m in timed)
     stage = {k: sum(m[f"time/{k}"] for m in timed) for k in ("generate", "reference", "learn", "sync")}
+    stage["generate"] += sum(m.get("time/rollout_wait", 0.0) for m in timed)  # algo.overlap: what was not hidden
     first_start = steps[0]["time"] - steps[0]["time/step"]
     return summary(
         "qgrpo", wall, tokens, stage["generate"], stage["learn"], seconds, len(timed),
@@ -325,6 +326,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--quick", action="store_true", help="smoke check: 3 steps, 1 round, 16 new tokens")
     ap.add_argument("--ours-set", action="append", default=[], metavar="KEY=VALUE", help="passed to our side as --set")
+    ap.add_argument("--ours-variant", action="append", default=[], metavar="NAME:KEY=VALUE[;KEY=VALUE]",
+                    help="one more side of ours with these --set values on top, run in every round "
+                         "(e.g. 'overlap:algo.overlap=true')")
     ap.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a GRPOConfig field of TRL's side (TOML value)")
     ap.add_argument("--trl-dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -350,12 +354,17 @@ def main() -> None:
     # Both sides read bench/vs_trl.toml with these overrides (TRL's side for its prompts, rewards and sizes).
     shared = [f"run.steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",
               f"rollout.group_size={args.group_size}", f"rollout.max_new_tokens={args.max_new_tokens}"]
-    rounds: dict[str, list] = {"qgrpo": [], "trl": []}
+    variants = {"qgrpo": []}
+    for v in args.ours_variant:
+        name, _, sets = v.partition(":")
+        variants[f"qgrpo {name}"] = [x for x in sets.split(";") if x]
+    rounds: dict[str, list] = {**{side: [] for side in variants}, "trl": []}
     for n in range(1, args.rounds + 1):
-        for side in ("qgrpo", "trl"):
+        for side in rounds:
             print(f"round {n}/{args.rounds}: {side} ...", file=sys.stderr, flush=True)
-            r = (ours(args, shared + args.ours_set, model_path, n) if side == "qgrpo"
-                 else trl(args, shared, model_path, n, trl_set))
+            r = (trl(args, shared, model_path, n, trl_set) if side == "trl" else
+                 ours(args, shared + args.ours_set + variants[side], model_path, f"{n}{side[5:].replace(' ', '_')}"))
+            r["side"] = side
             rounds[side].append(r)
             print(f"  {r['s_per_step']:.1f} s/step, {r['trained_tokens_per_s']:.0f} completion tokens trained/s, peak "
                   f"PSS sum {r['memory']['peak_pss'] / GB:.1f} GB", file=sys.stderr, flush=True)
@@ -363,13 +372,17 @@ def main() -> None:
     result = {
         "meta": {"date": started, **versions(), "cpu_count": os.cpu_count(), "model": model_path,
                  "config": str(CONFIG.relative_to(ROOT)), "shared_overrides": shared, "ours_set": args.ours_set,
+                 "ours_variants": variants,
                  "trl_set": trl_set, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                  "warmup_steps": WARMUP_STEPS, "load_avg_start": load_start, "load_avg_end": os.getloadavg(),
                  "total_s": round(time.time() - t_start, 1)},
         "median": med,
         "ratio_ours_over_trl": {"trained_tokens_per_s": med["qgrpo"]["trained_tokens_per_s"]
                                 / med["trl"]["trained_tokens_per_s"],
-                                "peak_pss": med["qgrpo"]["peak_pss"] / med["trl"]["peak_pss"]},
+                                "peak_pss": med["qgrpo"]["peak_pss"] / med["trl"]["peak_pss"],
+                                "peak_rss": med["qgrpo"]["peak_rss"] / med["trl"]["peak_rss"],
+                                **{f"{side}/trained_tokens_per_s": med[side]["trained_tokens_per_s"]
+                                   / med["trl"]["trained_tokens_per_s"] for side in variants if side != "qgrpo"}},
         "rounds": rounds,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -412,7 +425,13 @@ def table(result: dict) -> str:
         p(line(c))
     ratio = result["ratio_ours_over_trl"]
     p(f"\nours / TRL: {ratio['trained_tokens_per_s']:.2f}x completion tokens trained per second; "
-      f"{ratio['peak_pss']:.2f}x peak PSS")
+      f"{ratio['peak_pss']:.2f}x peak PSS" + "".join(f"; {k.split('/')[0]}: {v:.2f}x" for k, v in ratio.items()
+                                                      if k.startswith("qgrpo ")))
+    for side, sets in meta.get("ours_variants", {}).items():
+        if sets:
+            p(f"{side}: --set {' '.join(sets)}")
+    p("gen s/step: ours, the time the driver waited for rollouts (with algo.overlap, what the learner did not hide); "
+      "gen tok/s = tokens / that time.")
     p("learn: ours time/learn (the learner actor's step); TRL: everything but generation (rewards, forward, backward, "
       "optimizer, logging). other: ours reference + sync + the driver's own time; TRL none.")
     p("per round, tok trained/s (cores other jobs used meanwhile): " + "; ".join(
