@@ -414,7 +414,7 @@ def table(result: dict) -> str:
         p(f"ours --set {' '.join(meta['ours_set']) or '-'}; TRL GRPOConfig {meta['trl_set'] or '-'}")
     head = ["side", "s/step", "tok trained/s", "gen tok/s", "gen s/step", "learn s/step", "other s/step",
             "peak RSS sum", "peak PSS sum", "rounds"]
-    cells = [[side, f"{m['s_per_step']:.1f}", f"{m['trained_tokens_per_s']:.0f}", f"{m['gen_tokens_per_s']:.0f}",
+    cells = [[side, f"{m['s_per_step']:.1f}", f"{m['trained_tokens_per_s']:.0f}", (f"{m['gen_tokens_per_s']:.0f}" if m["generate_s_per_step"] >= 0.05 else "hidden"),
               f"{m['generate_s_per_step']:.1f}", f"{m['learn_s_per_step']:.1f}", f"{m['other_s_per_step']:.1f}",
               f"{m['peak_rss'] / GB:.1f} GB", f"{m['peak_pss'] / GB:.1f} GB", str(m["rounds"])]
              for side, m in med.items()]
