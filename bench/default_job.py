@@ -1,0 +1,217 @@
+"""The default job (configs/smollm2_arith.toml) run whole, once per (seed, rollout precision): what each precision costs
+and what it learns, in one session.
+
+Per run, from the run's own metrics.jsonl and run log:
+- **learning**: greedy held-out accuracy at step 0 and after the last step, as the run measured it (its generators, at
+  the rollout precision), and again for the final checkpoint on a **bf16** generator (`qgrpo eval CKPT --precision
+  bf16`), so that int8 and bf16 runs are compared on the trained policy and not on the precision of the evaluation;
+  points of held-out accuracy gained per minute of wall time (the whole `qgrpo train` process: start-up, evaluations
+  and checkpoints in, as a user waits for them);
+- **step time by stage** (mean over steps 2..N; step 1 is warm-up): generation, reference, learner (forward, backward,
+  optimizer: the learner's own clock), weight sync (export on the learner; receive, re-quantize and verify on the
+  slowest rollout actor; the whole sync as the driver saw it). The driver's laps cover the whole step: "ref" includes
+  reward scoring and building the batch, and algo.overlap's wait for the next step's rollouts is its own lap;
+- **memory per actor**: peak RSS and PSS of the learner, rollout and reference actors, Ray's own processes and the
+  driver, and of their sum (bench/vs_trl.py's sampler: the process tree of the run, RSS every 0.5 s, PSS every 3 s).
+
+Runs go one at a time (seed-major: s0 int8, s0 bf16, s1 int8, ...), so a slow spell of the machine falls on both
+precisions of a seed. Each finished run is kept in bench/results/default_job/<name>.json and `--resume` skips it, so a
+long session can be split (a full 30-step run takes 30-60 min on a 2-core CPU without AMX).
+
+    .venv/bin/python bench/default_job.py                                   # seeds 0 1 x int8 bf16, 30 steps each
+    .venv/bin/python bench/default_job.py --seeds 0 --precisions bf16 int8 int4 --steps 6 --no-eval --tag profile
+    .venv/bin/python bench/default_job.py --resume --publish                # add the runs not done yet, then publish
+
+Writes bench/results/default_job[_TAG].json and prints a table; `--publish` also writes bench/published/
+default_job[_TAG].{json,txt}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from vs_trl import GB, run_side, side_env, versions  # noqa: E402  (same sampler and environment as the TRL bench)
+
+CONFIG = ROOT / "configs" / "smollm2_arith.toml"
+WARMUP_STEPS = 1
+STAGES = ("generate", "reference", "learn", "rollout_wait", "sync")  # the driver's laps: together the whole step
+LEARN = ("forward", "backward", "optimizer")
+SYNC = ("export_seconds", "receive_seconds_max", "requantize_seconds_max", "verify_seconds_max", "seconds")
+EVAL_KEYS = ("accuracy", "lenient_accuracy", "precision", "answers_given", "answers_distinct", "answers_top_share")
+ROLES = ("learner", "rollout", "reference", "ray system", "ray idle workers", "driver")
+
+
+def mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]  # NaN (e.g. no re-quantization on a bf16 generator) is left out, not averaged in
+    return statistics.fmean(xs) if xs else float("nan")
+
+
+def eval_bf16(checkpoint: Path, log: Path) -> dict:
+    """The final checkpoint on a bf16 generator: the trained policy itself, whatever precision sampled its rollouts."""
+    out = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(checkpoint), "--precision", "bf16"],
+                         cwd=ROOT, env=side_env(), capture_output=True, text=True)
+    log.write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise SystemExit(f"qgrpo eval of {checkpoint} failed (exit {out.returncode}): see {log}")
+    return json.loads(out.stdout.splitlines()[0])
+
+
+def one_run(args, seed: int, precision: str) -> dict:
+    name = f"s{seed}_{precision}"
+    logs = args.out_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="default_job-", dir=args.tmp_dir) as tmp:
+        sets = {"run.seed": seed, "rollout.precision": precision, "run.output_dir": tmp, "run.name": name,
+                "run.progress": False, **({"run.steps": args.steps} if args.steps else {}),
+                **({"run.eval": False} if args.no_eval else {})}
+        cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG),
+               *[x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")]]
+        print(f"[{datetime.datetime.now():%H:%M}] {name}: {' '.join(cmd[2:])}", flush=True)
+        rc, sampler, seconds = run_side(cmd, side_env(), logs / f"{name}.log", args.timeout_s)
+        run_dir = next(Path(tmp).glob(f"{name}*"), None)
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if run_dir else []
+        steps = [m for m in lines if "time/step" in m]
+        if rc != 0 or not steps or steps[-1]["step"] != (args.steps or 30):
+            raise SystemExit(f"run {name} failed (exit {rc}, {len(steps)} steps logged): see {logs / f'{name}.log'}")
+        shutil.copy(run_dir / "metrics.jsonl", logs / f"{name}.metrics.jsonl")
+        evals = {e["step"]: e for e in lines if e.get("event") == "eval"}
+        baseline = next((e for e in lines if e.get("event") == "baseline"), None)
+        final = None
+        if evals:
+            ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
+            final = eval_bf16(ckpts[-1], logs / f"{name}.eval_bf16.log")
+    timed = steps[WARMUP_STEPS:]
+    synced = [m for m in timed if "sync/seconds" in m]
+    stage = {k: mean([m.get(f"time/{k}", float("nan")) for m in timed]) for k in STAGES}
+    step_s = mean([m["time/step"] for m in timed])
+    first, last = (min(evals), max(evals)) if evals else (None, None)
+    acc0 = evals[first]["accuracy"] if evals else None
+    res = {
+        "name": name, "seed": seed, "precision": precision, "steps": len(steps), "process_s": seconds,
+        "train_s": sum(m["time/step"] for m in steps),
+        "s_per_step": step_s, "stage_s": stage,
+        "learn_split_s": {k: mean([m.get(f"time/learn_{k}", float("nan")) for m in timed]) for k in LEARN},
+        "sync_split_s": {k: mean([m[f"sync/{k}"] for m in synced]) for k in SYNC},
+        "sync_mb": mean([m["sync/nbytes"] / 2**20 for m in synced]),
+        "gen_tokens_per_s": mean([m.get("perf/gen_tokens_per_s", float("nan")) for m in timed]),
+        "completion_len": mean([m["rollout/completion_len"] for m in steps]),
+        "train_reward_first5": mean([m["reward/mean"] for m in steps[:5]]),
+        "train_reward_last5": mean([m["reward/mean"] for m in steps[-5:]]),
+        "is_weight_mean": mean([m.get("loss/is_weight_mean", float("nan")) for m in steps]),
+        "mismatch_kl_mean": mean([m.get("mismatch/kl_mu_old", float("nan")) for m in steps]),
+        "skipped_steps": sum(bool(m.get("guard/skipped")) for m in steps),
+        "eval": {s: {k: e.get(k) for k in EVAL_KEYS} for s, e in sorted(evals.items())},
+        "eval_final_bf16": final and {k: final.get(k) for k in EVAL_KEYS},
+        "baseline": baseline and {k: v for k, v in baseline.items() if k not in ("event", "time")},
+        "memory": {k: v for k, v in sampler.result({}).items() if k not in ("series", "peak_in")},
+    }
+    if evals:
+        res["acc_gain_points"] = 100 * (evals[last]["accuracy"] - acc0)
+        res["acc_gain_points_per_min"] = res["acc_gain_points"] / (seconds / 60)
+        res["acc_gain_bf16_points_per_min"] = 100 * (final["accuracy"] - acc0) / (seconds / 60)
+    return res
+
+
+def table(result: dict) -> str:
+    runs = result["runs"]
+    f = lambda x, p=1: "-" if x is None or x != x else f"{x:.{p}f}"  # noqa: E731
+    out = [f"default job ({result['config']}), {result['steps']} steps, {result['started']}, commit "
+           f"{result['versions']['qgrpo_commit'][:12]}", ""]
+    if any(r["eval"] for r in runs):
+        out += ["held-out accuracy (greedy, 100 prompts): step 0 -> last step on the run's own generators; the final "
+                "checkpoint again on bf16",
+                f"{'run':<10} {'acc 0':>6} {'acc end':>8} {'end bf16':>9} {'gain pts':>9} {'wall min':>9} "
+                f"{'pts/min':>8} {'majority':>9} {'distinct':>9} {'reward 1-5':>11} {'reward -5':>10}"]
+        for r in runs:
+            if not r["eval"]:
+                continue
+            ev = list(r["eval"].values())
+            maj = (r["baseline"] or {}).get("majority_accuracy")
+            out.append(f"{r['name']:<10} {f(100 * ev[0]['accuracy'])+'%':>6} {f(100 * ev[-1]['accuracy'])+'%':>8} "
+                       f"{f(100 * r['eval_final_bf16']['accuracy'])+'%':>9} {f(r['acc_gain_points']):>9} "
+                       f"{f(r['process_s'] / 60):>9} {f(r['acc_gain_points_per_min'], 2):>8} "
+                       f"{(f(100 * maj) + '%') if maj is not None else '-':>9} {ev[-1].get('answers_distinct') or '-':>9} "
+                       f"{f(r['train_reward_first5'], 3):>11} {f(r['train_reward_last5'], 3):>10}")
+        for prec, acc in result.get("by_precision", {}).items():
+            out.append(f"  {prec}: end accuracy mean {f(100 * acc['end'])}% (bf16 eval {f(100 * acc['end_bf16'])}%) "
+                       f"over seeds {acc['seeds']}")
+        out.append("")
+    out += ["seconds per step by stage (mean over steps 2..N)",
+            f"{'run':<10} {'step':>6} {'generate':>9} {'ref':>6} {'learn':>6} {'fwd':>6} {'bwd':>6} {'optim':>6} "
+            f"{'sync':>6} {'export':>7} {'receive':>8} {'requant':>8} {'verify':>7} {'sync %':>7} "
+            f"{'gen tok/s':>9}"]
+    for r in runs:
+        st, ls, ss = r["stage_s"], r["learn_split_s"], r["sync_split_s"]
+        out.append(f"{r['name']:<10} {f(r['s_per_step']):>6} {f(st['generate']):>9} {f(st['reference']):>6} "
+                   f"{f(st['learn']):>6} {f(ls['forward']):>6} {f(ls['backward']):>6} {f(ls['optimizer'], 2):>6} "
+                   f"{f(st['sync'], 2):>6} {f(ss['export_seconds'], 2):>7} {f(ss['receive_seconds_max'], 2):>8} "
+                   f"{f(ss['requantize_seconds_max'], 2):>8} {f(ss['verify_seconds_max'], 2):>7} "
+                   f"{f(100 * st['sync'] / r['s_per_step']):>7} {f(r['gen_tokens_per_s'], 0):>9}")
+    out += ["", "peak memory per actor, GB RSS / PSS (whole run, start-up and checkpoints in)",
+            f"{'run':<10} " + " ".join(f"{x:>15}" for x in (*ROLES, "sum")) + f" {'others cores':>13}"]
+    for r in runs:
+        mem, roles = r["memory"], r["memory"]["per_role_peak"]
+        cells = [f"{roles[x]['rss'] / GB:.2f} / {roles[x]['pss'] / GB:.2f}" if x in roles else "-" for x in ROLES]
+        cells.append(f"{mem['peak_rss'] / GB:.2f} / {mem['peak_pss'] / GB:.2f}")
+        out.append(f"{r['name']:<10} " + " ".join(f"{c:>15}" for c in cells) + f" {mem['others_cores']:>13.2f}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--precisions", nargs="+", default=["int8", "bf16"], help="rollout.precision values")
+    ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's 30)")
+    ap.add_argument("--no-eval", action="store_true", help="run.eval = false (a stage/memory profile only)")
+    ap.add_argument("--tag", default="", help="suffix of the result files, e.g. 'profile'")
+    ap.add_argument("--resume", action="store_true", help="keep runs already in bench/results/default_job[_TAG]/")
+    ap.add_argument("--publish", action="store_true", help="also write bench/published/default_job[_TAG].{json,txt}")
+    ap.add_argument("--timeout-s", type=float, default=3 * 3600, help="per run")
+    ap.add_argument("--tmp-dir", default=None, help="where runs write checkpoints (2 x 2.1 GB each; deleted after)")
+    args = ap.parse_args()
+    stem = "default_job" + (f"_{args.tag}" if args.tag else "")
+    args.out_dir = ROOT / "bench" / "results" / stem
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    runs = []
+    for seed in args.seeds:
+        for precision in args.precisions:
+            path = args.out_dir / f"s{seed}_{precision}.json"
+            if args.resume and path.is_file():
+                runs.append(json.loads(path.read_text()))
+                print(f"{path.stem}: kept from {path}")
+                continue
+            runs.append(one_run(args, seed, precision))
+            path.write_text(json.dumps({**runs[-1], "versions": versions()}, indent=1))
+    by_precision = {}
+    for p in args.precisions:
+        done = [r for r in runs if r["precision"] == p and r["eval"]]
+        if done:
+            by_precision[p] = {"seeds": [r["seed"] for r in done],
+                               "end": mean([list(r["eval"].values())[-1]["accuracy"] for r in done]),
+                               "end_bf16": mean([r["eval_final_bf16"]["accuracy"] for r in done])}
+    result = {"config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "started": started,
+              "argv": sys.argv[1:], "versions": versions(), "by_precision": by_precision, "runs": runs}
+    text = table(result)
+    print(text)
+    (ROOT / "bench" / "results" / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    if args.publish:
+        pub = ROOT / "bench" / "published"
+        (pub / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (pub / f"{stem}.txt").write_text(text + "\n")
+        print(f"published bench/published/{stem}.{{json,txt}}")
+
+
+if __name__ == "__main__":
+    main()
