@@ -61,6 +61,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--backend", help="generator backend for the evaluation, e.g. vllm (default: the config's)")
     r = sub.add_parser("report", help="PNG plots and a Markdown summary of a run")
     r.add_argument("run_dir", help="a run directory or its URI (the report is written into RUN_DIR/report)")
+    m = sub.add_parser("migrate", help="write an MLX-GRPO TOML config as one of ours (how each key maps, as comments)")
+    m.add_argument("config", help="the MLX-GRPO TOML (flat keys or an [mlx_grpo] table)")
+    m.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="an MLX-GRPO key (key=value) or one of ours (section.key=value); repeatable")
+    m.add_argument("-o", "--out", help="write here (default: print); an existing file is not overwritten")
     x = sub.add_parser("export", help="copy a checkpoint into a folder that mlx-lm loads")
     x.add_argument("checkpoint")
     x.add_argument("out")
@@ -132,6 +137,50 @@ def _eval_command(args) -> int:
     return 0
 
 
+def _migrate_command(args) -> int:
+    """An MLX-GRPO config -> our TOML: only the fields the translation set (the rest are our defaults), each key's
+    mapping as a comment above. Validated as ours before anything is written."""
+    import tomllib
+
+    from cluster.config import _set_path
+    from cluster.mlx_grpo import is_mlx_grpo, translate
+    from cluster.runlog import to_toml
+
+    out = Path(args.out) if args.out else None
+    try:
+        data = tomllib.loads(Path(args.config).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        print(f"qgrpo migrate: {args.config}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if not is_mlx_grpo(data):
+        print(f"qgrpo migrate: {args.config} has no MLX-GRPO keys (it may already be one of ours: `qgrpo check` it)",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    ours, lines, _, problems, rest = translate(data, args.overrides)
+    for item in rest:  # our own section.key=value overrides land in the file too
+        key, _, raw = item.partition("=")
+        _set_path(ours, key.strip(), raw.strip(), problems)
+    text = to_toml(ours)
+    try:
+        if problems:
+            raise ConfigError(problems)
+        load_config(None, [], base=tomllib.loads(text))  # what we write loads as our config
+    except ConfigError as e:
+        print(f"qgrpo migrate: {args.config}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    header = [f"# Written by `qgrpo migrate {args.config}` from an MLX-GRPO config; how each key maps:"]
+    header += [f"#   {line}" for line in lines] + ["# Fields not listed here take our defaults (`qgrpo check` shows all).", ""]
+    if out is None:
+        print("\n".join(header) + text)
+        return 0
+    if out.exists():
+        print(f"qgrpo migrate: {out} exists; not overwritten (give another -o)", file=sys.stderr)
+        return EXIT_CONFIG
+    out.write_text("\n".join(header) + text)
+    print(f"qgrpo migrate: wrote {out}; run it with `qgrpo train {out}`", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "eval":
@@ -154,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         print(_report_command(args.run_dir))
         return 0
+    if args.command == "migrate":
+        return _migrate_command(args)
     if args.command == "export":
         from cluster.export import export_for_mlx
 
@@ -183,7 +234,13 @@ def main(argv: list[str] | None = None) -> int:
 
             cfg = load_config(None, args.overrides, base=tomllib.loads(storage.read_text(config_path)))
         else:
-            cfg = load_config(config_path, args.overrides)
+            notes: list[str] = []
+            try:
+                cfg = load_config(config_path, args.overrides, notes=notes)
+            finally:  # the mapping helps read an error about a translated field too
+                if notes:
+                    print(f"qgrpo: {config_path} is an MLX-GRPO config, read as ours (`qgrpo migrate` writes the "
+                          "result as a file):\n" + "\n".join(f"  {line}" for line in notes), file=sys.stderr)
     except ConfigError as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -40,6 +40,7 @@ class RunConfig:
     rollouts_flush_every: int = 10  # write RUN_DIR/rollouts/*.parquet every N steps (and at every checkpoint)
     eval_every: int = 0  # held-out accuracy (task.eval_size prompts, greedy) every N steps; 0 = before and after only
     eval: bool = False  # measure held-out accuracy before and after training (and every eval_every steps)
+    eval_max_new_tokens: int = 0  # generation length of the held-out evaluation (0 = rollout.max_new_tokens)
 
 
 @dataclass
@@ -149,6 +150,7 @@ class AlgoConfig:
     overlap: bool = False
 
 
+LR_SCHEDULES = ("constant", "cosine")  # learner.lr_schedule
 ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")  # learner.attention
 
 
@@ -161,6 +163,9 @@ class LearnerConfig:
     beta1: float = 0.9
     beta2: float = 0.999
     warmup_steps: int = 0  # linear warm-up of the learning rate
+    # "constant" after the warm-up, or "cosine": lr x (1 + cos(pi x update / total updates)) / 2 times the warm-up
+    # ramp (MLX-GRPO's schedule), decaying towards 0 at run.steps
+    lr_schedule: str = "constant"
     grad_clip: float = 1.0  # max global grad norm (0 = off)
     micro_batch_per_rank: int = 64  # sequences per forward/backward on one rank; gradients accumulate over the rest
     # Run each distinct prompt once per micro-batch and share its KV cache with the group's completions (learner and
@@ -322,10 +327,16 @@ def _set_path(data: dict, dotted: str, raw: str, problems: list[str]) -> None:
     table[parts[-1]] = value
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base: dict[str, Any] | None = None) -> Config:
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base: dict[str, Any] | None = None,
+                notes: list[str] | None = None) -> Config:
     """Read a TOML preset, apply `section.key=value` overrides, build and validate. Raises ConfigError.
-    Without a path, `base` (an effective config saved by a run, e.g. a checkpoint's) is the starting point."""
+    Without a path, `base` (an effective config saved by a run, e.g. a checkpoint's) is the starting point.
+    An MLX-GRPO file (cluster/mlx_grpo.py) is translated first: its `key=value` overrides apply before the
+    translation, ours after; how each key mapped is appended to `notes`."""
+    from cluster.mlx_grpo import is_mlx_grpo, name_origin, translate
+
     problems: list[str] = []
+    origin: dict[str, str] = {}
     data: dict[str, Any] = copy.deepcopy(base) if base else {}
     if path is not None:
         p = Path(path)
@@ -335,6 +346,12 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base:
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError([f"{p}: not valid TOML ({e})"]) from None
+        if is_mlx_grpo(data):
+            data, lines, origin, bad, overrides = translate(data, overrides)
+            if bad:
+                raise ConfigError([f"{x} (in {p}, read as an MLX-GRPO config)" for x in bad])
+            if notes is not None:
+                notes.extend(lines)
     for item in overrides:
         if "=" not in item:
             problems.append(f"--set {item}: expected section.key=value")
@@ -346,7 +363,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base:
     problems = [p[1:] if p.startswith(".") else p for p in problems]
     problems += validate(cfg)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError([name_origin(x, origin) for x in problems])
     return cfg
 
 
@@ -386,6 +403,8 @@ def validate(cfg: Config) -> list[str]:
     need(not r.eval or cfg.task.eval_size > 0,
          "run.eval: held-out evaluation needs task.eval_size > 0; set task.eval_size=100 or run.eval=false")
     need(r.eval_every >= 0, f"run.eval_every: must be >= 0 (0 = before and after only), got {r.eval_every}")
+    need(r.eval_max_new_tokens >= 0,
+         f"run.eval_max_new_tokens: must be >= 0 (0 = rollout.max_new_tokens), got {r.eval_max_new_tokens}")
     if r.wandb_project:
         import importlib.util
 
@@ -504,6 +523,8 @@ def validate(cfg: Config) -> list[str]:
     need(le.weight_decay >= 0, f"learner.weight_decay: must be >= 0, got {le.weight_decay}")
     need(0 <= le.beta1 < 1 and 0 <= le.beta2 < 1, f"learner.beta1/beta2: must be in [0, 1), got {le.beta1}, {le.beta2}")
     need(le.warmup_steps >= 0, f"learner.warmup_steps: must be >= 0, got {le.warmup_steps}")
+    need(le.lr_schedule in LR_SCHEDULES,
+         f"learner.lr_schedule: must be one of {', '.join(LR_SCHEDULES)}, got {le.lr_schedule!r}")
     need(le.grad_clip >= 0, f"learner.grad_clip: must be >= 0 (0 = off), got {le.grad_clip}")
     need(le.micro_batch_per_rank >= 1, f"learner.micro_batch_per_rank: must be >= 1, got {le.micro_batch_per_rank}")
     need(le.num_cpus >= 0, f"learner.num_cpus: must be >= 0, got {le.num_cpus}")

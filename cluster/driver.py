@@ -143,7 +143,8 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     published = state.get("published_version", state["policy_version"])
 
     def evaluate(step: int) -> None:
-        groups, _ = workers.generate(eval_items(eval_task, cfg.task.eval_size), greedy(ro.max_new_tokens))
+        tokens = cfg.run.eval_max_new_tokens or ro.max_new_tokens
+        groups, _ = workers.generate(eval_items(eval_task, cfg.task.eval_size), greedy(tokens))
         evals[step] = score_eval(groups, metric)
         log.write({"event": "eval", "step": step, "split": "eval", **evals[step]})
         for warning in hollow_warnings(evals[step], baseline) if step else []:  # step 0 is the base model

@@ -155,16 +155,18 @@ def prompt_problems(cfg: Config, model_path: str) -> list[str]:
 
 
 def _context_problems(cfg: Config, model_path: str, longest: int) -> list[str]:
-    ro, out = cfg.rollout, []
-    n, ctx = ro.max_new_tokens, model_context(model_path)
+    ro, out, ctx = cfg.rollout, [], model_context(model_path)
+    n, key = ro.max_new_tokens, "rollout.max_new_tokens"
+    if cfg.run.eval and cfg.run.eval_max_new_tokens > n:  # the held-out evaluation generates the longest
+        n, key = cfg.run.eval_max_new_tokens, "run.eval_max_new_tokens"
     where = f"max_position_embeddings in {Path(model_path) / 'config.json'}"
     if ctx is not None and n + longest > ctx:
         if longest < ctx:
-            fix = f"set rollout.max_new_tokens <= {ctx - longest} or shorten the prompts"
+            fix = f"set {key} <= {ctx - longest} or shorten the prompts"
         else:
             fix = ("the prompt alone fills it: shorten the prompts (task.examples, task.system_prompt, "
                    "task.instruction) or use a model with a longer context")
-        out.append(f"rollout.max_new_tokens: {n} new tokens + the longest prompt ({longest} tokens) exceed the "
+        out.append(f"{key}: {n} new tokens + the longest prompt ({longest} tokens) exceed the "
                    f"model's context of {ctx} positions ({where}); {fix}")
     limit = ro.vllm.max_model_len
     if ro.backend == "vllm" and limit > 0:
@@ -173,9 +175,9 @@ def _context_problems(cfg: Config, model_path: str, longest: int) -> list[str]:
                        f"positions ({where}); set rollout.vllm.max_model_len <= {ctx}, or 0 for the model's context")
         elif n + longest > limit:
             fix = (f"set rollout.vllm.max_model_len >= {n + longest}" + (f" (at most {ctx})" if ctx else "")
-                   + " or 0 for the model's context" + (f", or rollout.max_new_tokens <= {limit - longest}"
+                   + " or 0 for the model's context" + (f", or {key} <= {limit - longest}"
                                                          if longest < limit else ""))
-            out.append(f"rollout.vllm.max_model_len: {n} new tokens (rollout.max_new_tokens) + the longest prompt "
+            out.append(f"rollout.vllm.max_model_len: {n} new tokens ({key}) + the longest prompt "
                        f"({longest} tokens) exceed the vLLM engine's max_model_len of {limit} tokens; {fix}")
     return out
 

@@ -263,6 +263,7 @@ class Workers:
         learner_kwargs = dict(
             model_path=policy_path, zero_stage=le.zero_stage, lr=le.lr, weight_decay=le.weight_decay,
             betas=(le.beta1, le.beta2), grad_clip=le.grad_clip, warmup_steps=le.warmup_steps,
+            lr_schedule=le.lr_schedule, total_updates=cfg.run.steps * cfg.algo.updates_per_batch,
             micro_batch_per_rank=le.micro_batch_per_rank, sequences_per_rank=-(-batch // le.world_size),
             loss_cfg=GRPOLossConfig(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
                                     kl_coeff=cfg.algo.kl_coeff, kl_estimator=cfg.algo.kl_estimator,

@@ -71,6 +71,16 @@ class GuardedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def lr_factor(update: int, warmup_steps: int, schedule: str = "constant", total_updates: int = 0) -> float:
+    """The learning rate of optimizer update `update` (0-based) over the configured lr: a linear warm-up ramp
+    ((update + 1) / warmup_steps, up to 1), times 1 ("constant") or, for "cosine", (1 + cos(pi * update / total)) / 2,
+    which decays towards 0 at the last update (MLX-GRPO's cosine_decay times its warm-up)."""
+    warm = min(1.0, (update + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+    if schedule == "cosine" and total_updates > 0:
+        return warm * 0.5 * (1.0 + math.cos(math.pi * min(update, total_updates) / total_updates))
+    return warm
+
+
 class GuardedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
     """The LR schedule advances only with optimizer steps that were really taken."""
 
@@ -102,6 +112,8 @@ class Learner:
         betas: tuple[float, float] = (0.9, 0.999),
         grad_clip: float = 1.0,
         warmup_steps: int = 0,
+        lr_schedule: str = "constant",
+        total_updates: int = 0,
         micro_batch_per_rank: int = 64,
         sequences_per_rank: int = 64,
         loss_cfg: GRPOLossConfig = GRPOLossConfig(),
@@ -151,8 +163,8 @@ class Learner:
         }
         # A torch AdamW: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
         self.inner_optimizer = GuardedAdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
-        warm = max(warmup_steps, 0)
-        scheduler = GuardedLambdaLR(self.inner_optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0)
+        scheduler = GuardedLambdaLR(self.inner_optimizer,
+                                    lambda s: lr_factor(s, warmup_steps, lr_schedule, total_updates))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=ds_config
         )
