@@ -421,8 +421,9 @@ def validate(cfg: Config) -> list[str]:
         need(name in BUILTIN_MODELS,
              f"model.path: unknown builtin model {name!r}; choose one of {', '.join(sorted(BUILTIN_MODELS))}")
     elif not Path(m.path).expanduser().is_dir():
-        p.append(f"model.path: folder {m.path!r} does not exist; give a local HF model folder "
-                 "(config.json + safetensors + tokenizer) or a builtin model such as builtin:smollm2-135m-instruct")
+        p.append(f"model.path: folder {m.path!r} does not exist; put the model there (config.json, *.safetensors and "
+                 "tokenizer files: a transformers folder, or an mlx-lm / MLX-GRPO folder of a nanochat model), point "
+                 "model.path at it, or use a builtin model such as builtin:smollm2-135m-instruct")
     elif not (Path(m.path).expanduser() / "config.json").is_file():
         p.append(f"model.path: {m.path!r} has no config.json; it must be a HF model folder")
 

@@ -12,6 +12,7 @@ import struct
 import tempfile
 from pathlib import Path
 
+from rollout import nanochat
 from rollout.backends.common import mlx_config
 from rollout.models import add_top_level_rope_theta
 
@@ -92,6 +93,7 @@ def export_for_mlx(src: str | Path, dst: str | Path, *, overwrite: bool = False)
     - Weights are copied as they are (safetensors, bf16 or fp32; fp16 too). A qgrpo checkpoint is bf16 and stays bf16:
       mlx-lm loads it, but bf16 matmuls are slow on the MLX CPU backend; convert to fp32 inside MLX for CPU speed
       (`model.set_dtype(mx.float32)`). Non-float (quantized) weights are refused.
+    - nanochat: tensors renamed to nanochat's own names, which mlx-lm's nanochat model reads (rollout/nanochat.py).
     - Tokenizer files, chat template and generation_config.json are copied; optimizer/, trainer_state.json and any
       other file (pickles included) are not.
     - Written into a temporary folder next to `dst` and renamed into place: a crash leaves no half-written export.
@@ -114,8 +116,22 @@ def export_for_mlx(src: str | Path, dst: str | Path, *, overwrite: bool = False)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
     try:
         tmp.chmod(0o755)
+        renaming = nanochat.is_nanochat(config) and not nanochat.native_names(set(dtypes))
+        if renaming:
+            nanochat.check_mlx_compatible(config)
         for f in sorted(src.iterdir()):
-            if f.is_file() and f.name != "config.json" and any(fnmatch.fnmatch(f.name, p) for p in COPY_PATTERNS):
+            if not (f.is_file() and f.name != "config.json" and any(fnmatch.fnmatch(f.name, p) for p in COPY_PATTERNS)):
+                continue
+            if renaming and f.suffix == ".safetensors":  # mlx-lm's nanochat model reads nanochat's own tensor names
+                from safetensors.torch import load_file, save_file
+
+                save_file({nanochat.to_native(k): v for k, v in load_file(str(f)).items()}, str(tmp / f.name),
+                          metadata={"format": "mlx"})
+            elif renaming and f.name == "model.safetensors.index.json":
+                index = json.loads(f.read_text())
+                index["weight_map"] = {nanochat.to_native(k): v for k, v in index["weight_map"].items()}
+                (tmp / f.name).write_text(json.dumps(index, indent=1))
+            else:
                 shutil.copy2(f, tmp / f.name)
         cfg = mlx_config(config, set(dtypes))
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

