@@ -21,6 +21,7 @@ long session can be split (a full 30-step run takes 30-60 min on a 2-core CPU wi
     .venv/bin/python bench/default_job.py                                   # seeds 0 1 x int8 bf16, 30 steps each
     .venv/bin/python bench/default_job.py --seeds 0 --precisions bf16 int8 int4 --steps 6 --no-eval --tag profile
     .venv/bin/python bench/default_job.py --resume --publish                # add the runs not done yet, then publish
+    .venv/bin/python bench/default_job.py --report --publish                # tabulate the runs done so far
 
 Writes bench/results/default_job[_TAG].json and prints a table; `--publish` also writes bench/published/
 default_job[_TAG].{json,txt}.
@@ -126,8 +127,8 @@ def one_run(args, seed: int, precision: str) -> dict:
 def table(result: dict) -> str:
     runs = result["runs"]
     f = lambda x, p=1: "-" if x is None or x != x else f"{x:.{p}f}"  # noqa: E731
-    out = [f"default job ({result['config']}), {result['steps']} steps, {result['started']}, commit "
-           f"{result['versions']['qgrpo_commit'][:12]}", ""]
+    commits = sorted({r.get("versions", {}).get("qgrpo_commit", "?")[:12] for r in runs})
+    out = [f"default job ({result['config']}), {result['steps']} steps; runs at commit {', '.join(commits)}", ""]
     if any(r["eval"] for r in runs):
         out += ["held-out accuracy (greedy, 100 prompts): step 0 -> last step on the run's own generators; the final "
                 "checkpoint again on bf16",
@@ -176,6 +177,8 @@ def main() -> None:
     ap.add_argument("--no-eval", action="store_true", help="run.eval = false (a stage/memory profile only)")
     ap.add_argument("--tag", default="", help="suffix of the result files, e.g. 'profile'")
     ap.add_argument("--resume", action="store_true", help="keep runs already in bench/results/default_job[_TAG]/")
+    ap.add_argument("--report", action="store_true", help="run nothing: tabulate the runs already in the results "
+                    "folder (those not done yet are listed as missing)")
     ap.add_argument("--publish", action="store_true", help="also write bench/published/default_job[_TAG].{json,txt}")
     ap.add_argument("--timeout-s", type=float, default=3 * 3600, help="per run")
     ap.add_argument("--tmp-dir", default=None, help="where runs write checkpoints (2 x 2.1 GB each; deleted after)")
@@ -184,16 +187,20 @@ def main() -> None:
     args.out_dir = ROOT / "bench" / "results" / stem
     args.out_dir.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    runs = []
+    runs, missing = [], []
     for seed in args.seeds:
         for precision in args.precisions:
             path = args.out_dir / f"s{seed}_{precision}.json"
-            if args.resume and path.is_file():
+            if (args.resume or args.report) and path.is_file():
                 runs.append(json.loads(path.read_text()))
                 print(f"{path.stem}: kept from {path}")
                 continue
-            runs.append(one_run(args, seed, precision))
-            path.write_text(json.dumps({**runs[-1], "versions": versions()}, indent=1))
+            if args.report:
+                missing.append(path.stem)
+                continue
+            at_start = versions()  # the code the run starts with
+            runs.append({**one_run(args, seed, precision), "versions": at_start})
+            path.write_text(json.dumps(runs[-1], indent=1))
     by_precision = {}
     for p in args.precisions:
         done = [r for r in runs if r["precision"] == p and r["eval"]]
@@ -202,8 +209,9 @@ def main() -> None:
                                "end": mean([list(r["eval"].values())[-1]["accuracy"] for r in done]),
                                "end_bf16": mean([r["eval_final_bf16"]["accuracy"] for r in done])}
     result = {"config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "started": started,
-              "argv": sys.argv[1:], "versions": versions(), "by_precision": by_precision, "runs": runs}
-    text = table(result)
+              "argv": sys.argv[1:], "versions": versions(), "by_precision": by_precision, "runs": runs,
+              "missing": missing}
+    text = table(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else "")
     print(text)
     (ROOT / "bench" / "results" / f"{stem}.json").write_text(json.dumps(result, indent=1))
     if args.publish:
