@@ -99,8 +99,31 @@ def matmul_ceiling(cfg, tokens: int, threads: int) -> dict:
     return out
 
 
-def run_variant(args) -> None:
-    """Child process: one variant, JSON on stdout's last line."""
+def batch_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The model, batch shape, steps and threads of a learner bench (defaults: the TRL comparison's batch)."""
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=70)
+    ap.add_argument("--completion-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    return ap
+
+
+def run_child(script: str, variant: str) -> dict:
+    """`script --variant NAME` with this process's arguments in a process of its own; its last stdout line (JSON)."""
+    cmd = [sys.executable, script, "--variant", variant, *sys.argv[1:]]
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if p.returncode:
+        print(p.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"variant {variant!r} failed")
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def one_rank_env() -> None:
+    """The environment of a one-rank gloo process group on a free local port, DeepSpeed on its CPU accelerator."""
     import socket
 
     os.environ.update(MASTER_ADDR="127.0.0.1", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -108,6 +131,11 @@ def run_variant(args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+
+
+def run_variant(args) -> None:
+    """Child process: one variant, JSON on stdout's last line."""
+    one_rank_env()
     import torch
 
     torch.set_num_threads(args.threads)
@@ -169,14 +197,7 @@ def plain_torch(path: str, b, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
-    ap.add_argument("--groups", type=int, default=4)
-    ap.add_argument("--group-size", type=int, default=8)
-    ap.add_argument("--prompt-len", type=int, default=70)
-    ap.add_argument("--completion-len", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap = batch_arguments(argparse.ArgumentParser())
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "learner_profile.json"))
@@ -196,13 +217,7 @@ def main() -> None:
     best = max(ceiling.values())
     rows = []
     for name in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--variant", name, *sys.argv[1:]]
-        env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-        if p.returncode:
-            print(p.stderr[-3000:], file=sys.stderr)
-            raise SystemExit(f"variant {name!r} failed")
-        res = json.loads(p.stdout.strip().splitlines()[-1])
+        res = run_child(__file__, name)
         timed = res["steps"][1:] or res["steps"]
         med = {k: statistics.median(s[k] for s in timed) for k in timed[0]}
         rows.append({"variant": name, **{f"{k}_s": v for k, v in med.items()}, "peak_rss_gb": res["peak_rss_gb"],

@@ -28,7 +28,7 @@ STATE_FILE = "trainer_state.json"
 _STEP = re.compile(r"step_(\d+)$")
 
 
-_MODEL_FILES = ("config.json", "model.safetensors")  # model.safetensors.index.json stands for a sharded save
+_MODEL_FILES = ("config.json", "model.safetensors")
 
 
 class CheckpointError(storage.StorageError):
@@ -114,8 +114,9 @@ def _check_model_files(folder, step: int) -> None:
     the checkpoint would be split between nodes (model on one, trainer_state.json on another). The partial folder is
     removed; earlier checkpoints are untouched."""
     names = set(storage.listdir(folder))
-    missing = [f for f in _MODEL_FILES if f not in names and not (f == "model.safetensors" and
-                                                                   "model.safetensors.index.json" in names)]
+    # model.safetensors.index.json stands for a sharded save; adapter_model.safetensors for learner.mode lora/qlora
+    missing = [f for f in _MODEL_FILES if f not in names and not (f == "model.safetensors" and (
+        "model.safetensors.index.json" in names or "adapter_model.safetensors" in names))]
     if not missing:
         return
     storage.delete(folder)

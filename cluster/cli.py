@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,7 +70,23 @@ def _parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="copy a checkpoint into a folder that mlx-lm loads")
     x.add_argument("checkpoint")
     x.add_argument("out")
+    g = sub.add_parser("merge", help="write a LoRA/QLoRA checkpoint's merged model (base + adapters) as an HF folder")
+    g.add_argument("checkpoint", help="runs/NAME/checkpoints/step_N of a run with learner.mode = lora or qlora")
+    g.add_argument("-o", "--out", required=True, help="a new folder (an existing one is not overwritten)")
+    g.add_argument("--base", help="the base model folder (default: the one the checkpoint was trained on)")
     return p
+
+
+def _merge_command(args) -> int:
+    from learner.adapters import merge_checkpoint
+
+    try:
+        out = merge_checkpoint(Path(args.checkpoint).expanduser(), Path(args.out).expanduser(), args.base)
+    except (ValueError, OSError) as e:
+        print(f"qgrpo merge: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(out)
+    return 0
 
 
 def _run_config(model: Path) -> dict | None:
@@ -123,11 +140,17 @@ def _eval_command(args) -> int:
         print(f"qgrpo eval: -n {n} is more than the task's {cfg.task.eval_size} held-out prompts; "
               "lower -n or --set task.eval_size=N", file=sys.stderr)
         return EXIT_CONFIG
-    res = evaluate_model(cfg.model.path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
-                         cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
-                         precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
-                         backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout),
-                         train_task=make_task(cfg.task, cfg.run.seed))
+    from learner.adapters import is_adapter_checkpoint, merge_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="qgrpo-eval-") as tmp:
+        path = cfg.model.path  # a LoRA/QLoRA checkpoint holds adapters: its merged model is evaluated
+        if is_adapter_checkpoint(path):
+            path = str(merge_checkpoint(path, Path(tmp) / "merged"))
+        res = evaluate_model(path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
+                             cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
+                             precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
+                             backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout),
+                             train_task=make_task(cfg.task, cfg.run.seed))
     print(json.dumps({"task": cfg.task.name, "backend": cfg.rollout.backend,
                       **{k: v for k, v in res.items() if k != "samples"}}))
     print(f"qgrpo eval: {args.model}: accuracy {res['accuracy']:.1%} on {res['n']} held-out {cfg.task.name} prompts "
@@ -205,12 +228,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "migrate":
         return _migrate_command(args)
+    if args.command == "merge":
+        return _merge_command(args)
     if args.command == "export":
         from cluster.export import export_for_mlx
+        from learner.adapters import is_adapter_checkpoint, merge_checkpoint
 
         try:
-            print(export_for_mlx(args.checkpoint, args.out))
-        except ValueError as e:
+            with tempfile.TemporaryDirectory(prefix="qgrpo-export-") as tmp:
+                src = args.checkpoint  # a LoRA/QLoRA checkpoint: its merged model is exported
+                if is_adapter_checkpoint(src):
+                    src = str(merge_checkpoint(src, Path(tmp) / "merged"))
+                print(export_for_mlx(src, args.out))
+        except (ValueError, FileNotFoundError) as e:
             print(f"qgrpo export: {e}", file=sys.stderr)
             return EXIT_CONFIG
         return 0

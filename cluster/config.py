@@ -130,6 +130,9 @@ class ReferenceConfig:
     resources: dict[str, Any] = field(default_factory=dict)
     node_labels: dict[str, Any] = field(default_factory=dict)  # labels its node must carry (`ray start --labels`)
     threads: int = 0  # 0 = all cores locally (it runs while the generators are idle); on a cluster, its num_cpus
+    # With learner.mode = "lora" | "qlora": score the reference on the learner's own frozen base with the adapters
+    # off (no reference actor, no second copy of the model). The rest of [reference] is then unused.
+    from_learner: bool = False
 
 
 @dataclass
@@ -151,6 +154,25 @@ class AlgoConfig:
 
 
 LR_SCHEDULES = ("constant", "cosine")  # learner.lr_schedule
+LEARNER_MODES = ("full", "lora", "qlora")  # learner.mode
+OPTIMIZERS = ("adamw", "adamw8bit")  # learner.optimizer
+# ZeRO stages each learner.mode supports. A bitsandbytes 4-bit base cannot be partitioned (ZeRO-3 shards parameters,
+# and its packed uint8 weights with their quantization state are not ordinary parameters), and the merged-weight
+# export of lora/qlora reads each wrapped layer whole, which ZeRO-3 would have to gather module by module: both stop
+# at ZeRO-2, which partitions only the (adapter) gradients and optimizer states.
+MODE_ZERO_STAGES = {"full": (0, 1, 2, 3), "lora": (0, 1, 2), "qlora": (0, 1, 2)}
+
+
+@dataclass
+class LoraConfig:
+    """[learner.lora]: the adapters of learner.mode = "lora" | "qlora" (peft)."""
+
+    rank: int = 16  # r of the low-rank update B @ A
+    alpha: float = 32.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (0 keeps the learner's log-probs those of the policy)
+    # Which modules get adapters: "all-linear" (every linear layer but the output head), or module names, e.g.
+    # ["q_proj", "k_proj", "v_proj", "o_proj"]
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
 ATTENTION = ("auto", "eager", "sdpa", "flash_attention_2", "flex_attention")  # learner.attention
 
 
@@ -186,6 +208,15 @@ class LearnerConfig:
     # STRICT_SPREAD (one rank per node). All ranks are placed together or not at all.
     placement_strategy: str = "PACK"
     threads: int = 0  # 0 = all cores locally; on a cluster, the CPUs each rank was given (num_cpus)
+    # "full": every weight trains (bf16 weights, fp32 masters in the optimizer). "lora": a frozen bf16 base plus
+    # trainable adapters ([learner.lora]). "qlora": the frozen base in bitsandbytes NF4 (double quantization, bf16
+    # compute) plus adapters. Generators always receive the merged weights and quantize them as usual.
+    mode: str = "full"
+    lora: LoraConfig = field(default_factory=LoraConfig)  # [learner.lora]: read when mode is lora or qlora
+    optimizer: str = "adamw"  # "adamw" (torch) or "adamw8bit" (bitsandbytes: 8-bit moments, ~4x less state)
+    # Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~1 more forward).
+    # Needs shared_prompt = false: checkpointed layers drop the KV cache the shared-prompt forward passes along.
+    gradient_checkpointing: bool = False
 
 
 @dataclass
@@ -240,6 +271,11 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @property
+    def reference_actor(self) -> bool:
+        """Whether the run has a reference actor: only with a KL term, and not when the learner's base scores it."""
+        return self.algo.kl_coeff > 0 and not self.reference.from_learner
+
 
 class ConfigError(ValueError):
     """All problems of a config, one per line."""
@@ -269,6 +305,11 @@ def _coerce(value: Any, tp: Any, where: str, problems: list[str]) -> Any:
             problems.append(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
             return None
         return value
+    if tp == list[str]:
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            problems.append(f"{where}: expected a list of strings, e.g. [\"q_proj\", \"v_proj\"], got {value!r}")
+            return None
+        return list(value)
     if tp == dict[str, Any]:
         if not isinstance(value, dict):
             problems.append(f"{where}: expected a table, e.g. {{min_terms=2, max_terms=2}}, got {value!r}")
@@ -527,6 +568,29 @@ def validate(cfg: Config) -> list[str]:
     need(le.lr_schedule in LR_SCHEDULES,
          f"learner.lr_schedule: must be one of {', '.join(LR_SCHEDULES)}, got {le.lr_schedule!r}")
     need(le.grad_clip >= 0, f"learner.grad_clip: must be >= 0 (0 = off), got {le.grad_clip}")
+    need(le.mode in LEARNER_MODES, f"learner.mode: must be one of {', '.join(LEARNER_MODES)}, got {le.mode!r}")
+    need(le.optimizer in OPTIMIZERS, f"learner.optimizer: must be one of {', '.join(OPTIMIZERS)}, got {le.optimizer!r}")
+    if le.mode in MODE_ZERO_STAGES:
+        stages = MODE_ZERO_STAGES[le.mode]
+        need(le.zero_stage in stages,
+             f"learner.zero_stage: learner.mode = {le.mode!r} supports ZeRO stages {', '.join(map(str, stages))}, got "
+             f"{le.zero_stage} (ZeRO-3 partitions the weights, which a 4-bit base and the merged export of adapters do "
+             "not allow); set learner.zero_stage = 2")
+    if le.mode != "full":
+        lo = le.lora
+        need(lo.rank >= 1, f"learner.lora.rank: must be >= 1, got {lo.rank}")
+        need(lo.alpha > 0, f"learner.lora.alpha: must be > 0, got {lo.alpha}")
+        need(0 <= lo.dropout < 1, f"learner.lora.dropout: must be in [0, 1), got {lo.dropout}")
+        need(bool(lo.target_modules) and all(lo.target_modules),
+             f"learner.lora.target_modules: must name modules, e.g. [\"all-linear\"] or [\"q_proj\", \"v_proj\"], "
+             f"got {lo.target_modules!r}")
+    need(not (le.gradient_checkpointing and le.shared_prompt),
+         "learner.gradient_checkpointing: needs learner.shared_prompt = false (the shared-prompt forward hands a KV "
+         "cache from its prompt pass to its completion pass, and checkpointed layers drop it); set "
+         "learner.shared_prompt = false, or gradient_checkpointing = false")
+    need(not (cfg.reference.from_learner and le.mode == "full"),
+         "reference.from_learner: needs learner.mode = \"lora\" or \"qlora\" (the reference is the learner's frozen "
+         "base with its adapters off; a full fine-tune has no frozen base); set it to false for a reference actor")
     need(le.micro_batch_per_rank >= 1, f"learner.micro_batch_per_rank: must be >= 1, got {le.micro_batch_per_rank}")
     need(le.num_cpus >= 0, f"learner.num_cpus: must be >= 0, got {le.num_cpus}")
     need(le.threads >= 0, f"learner.threads: must be >= 0, got {le.threads}")

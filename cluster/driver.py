@@ -117,7 +117,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
         state, policy_path = read_state(resume), str(resume)
         aside, evals = set_aside_future(run.local, state["step"], run.root), earlier_evals(run.local, state["step"])
     ro, algo = cfg.rollout, cfg.algo
-    ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision if algo.kl_coeff > 0
+    ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision if cfg.reference_actor
                              else None, state.get("guard"), cfg.reference.backend)
     workers = Workers(cfg, policy_path, model_path, state["policy_version"], ladder.rollout, ladder.reference)
     if resume is not None:  # optimizer moments and step, LR schedule, fp32 master weights, policy version

@@ -71,7 +71,7 @@ def role_requests(cfg) -> list[RoleRequest]:
                            {k: str(v) for k, v in sec.node_labels.items()}, strategy)
 
     out = [req("rollout", ro.num_actors, ro)]
-    if cfg.algo.kl_coeff > 0:  # the reference actor exists only with a KL term
+    if cfg.reference_actor:  # the reference actor exists only with a KL term (and not when the learner scores it)
         out.append(req("reference", 1, ref))
     out.append(req("learner", le.world_size, le, le.placement_strategy))
     return out

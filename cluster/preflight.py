@@ -239,7 +239,7 @@ def cpu_problems(cfg: Config, cpus: int) -> list[str]:
                    f"multiple of it), {bigger}")
     asks = {"rollout.num_cpus": (ro.num_actors * ro.num_cpus, f"rollout {ro.num_actors} x {ro.num_cpus:g}"),
             "learner.num_cpus": (le.world_size * le.num_cpus, f"learner {le.world_size} x {le.num_cpus:g}")}
-    if cfg.algo.kl_coeff > 0:  # the reference actor exists only with a KL term
+    if cfg.reference_actor:  # the reference actor exists only with a KL term (and not when the learner scores it)
         asks["reference.num_cpus"] = (cfg.reference.num_cpus, f"reference {cfg.reference.num_cpus:g}")
     total = sum(v for v, _ in asks.values())
     if total > CPU_OVERSUBSCRIPTION * cpus:

@@ -239,6 +239,8 @@ class Workers:
                  rollout_precision: str | None = None, reference_precision: str | None = None):
         ro, le, ref = cfg.rollout, cfg.learner, cfg.reference
         self.cfg = cfg
+        if le.mode != "full":  # an adapter checkpoint holds no model: every role starts from the base; the learner's
+            policy_path = reference_path  # adapters, and the generators' merged weights, come with load()
         # A builtin model is materialised by each actor on its own node (the driver's cache is not on the others).
         builtin = cfg.model.path.startswith(BUILTIN_MODEL_PREFIX) and not cfg.model.cache_dir
         policy_path = cfg.model.path if builtin and policy_path == reference_path else policy_path
@@ -257,7 +259,7 @@ class Workers:
                                    cores if not ro.threads else 0)
         self.reference_precision = reference_precision or ref.precision
         self.reference_request = requests.get("reference")
-        self.reference = self._reference() if cfg.algo.kl_coeff > 0 else None
+        self.reference = self._reference() if cfg.reference_actor else None
         batch = ro.prompts_per_step * ro.group_size
         l_threads = le.threads or max(0, cores // le.world_size)
         learner_kwargs = dict(
@@ -271,6 +273,8 @@ class Workers:
             loss_agg=cfg.algo.loss_agg, temperature=ro.temperature, updates_per_batch=cfg.algo.updates_per_batch,
             shared_prompt=le.shared_prompt, attention=le.attention,
             seed=cfg.run.seed, guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
+            mode=le.mode, lora=dataclasses.asdict(le.lora), optimizer=le.optimizer,
+            gradient_checkpointing=le.gradient_checkpointing, reference_from_learner=ref.from_learner,
         )
         # A CPU learner is forced to DeepSpeed's CPU accelerator: on a Mac DeepSpeed would otherwise pick its new MPS
         # accelerator by itself, which we have not been able to test. With GPUs DeepSpeed picks CUDA (NCCL).
@@ -362,6 +366,8 @@ class Workers:
     def load(self, ckpt_dir: str, version: int) -> None:
         calls = {a.load.remote(ckpt_dir, version): f"learner rank {r}" for r, a in enumerate(self.learners)}
         gather(calls, self.cfg.faults.learn_timeout_s, "loading the checkpoint", "faults.learn_timeout_s")
+        if self.cfg.learner.mode != "full":  # the generators started from the base: give them the checkpoint's model
+            self.sync_weights()
 
     def placement(self) -> dict:
         """Where each role's actors run: node ids, with each node's custom resources and labels (for the run log)."""

@@ -41,6 +41,8 @@ def split_head(model):
     """(trunk, head, softcap) of a causal LM whose logits are `head(trunk(...).last_hidden_state)`, else None
     (also under ZeRO-3, where the model's own forward runs). Works through a DeepSpeed engine (`.module`)."""
     m = getattr(model, "module", model)
+    if hasattr(m, "get_base_model"):  # a peft model: its transformers model, with the adapters injected in its layers
+        m = m.get_base_model()
     config = getattr(m, "config", None)
     if getattr(config, "model_type", None) not in _HEAD_AFTER_TRUNK:
         return None

@@ -5,6 +5,7 @@ unit test can build it in-process with world_size 1.
 """
 from __future__ import annotations
 
+import json
 import math
 import sys
 import time
@@ -15,6 +16,7 @@ import torch
 
 from core import faults
 from core.scoring import token_logprobs
+from learner.adapters import merged_weights, save_adapters, unwrap
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss, merge_stats
 
@@ -40,11 +42,11 @@ def _safe_checkpoint_engine():
     return WeightsOnlyCheckpointEngine()
 
 
-class GuardedAdamW(torch.optim.AdamW):
-    """AdamW that can refuse a step. DeepSpeed calls it on the fp32 master weights at the accumulation boundary;
-    when `veto` is set, or any gradient on any rank is non-finite, it returns without touching weights or moments, so
-    the bf16 weights DeepSpeed copies back from the masters are bit-identical. The decision is all-reduced, so every
-    rank takes it together. `applied` says whether the last boundary really stepped."""
+class OptimizerGuard:
+    """A mixin for an optimizer that can refuse a step. DeepSpeed calls it on the fp32 master weights at the
+    accumulation boundary; when `veto` is set, or any gradient on any rank is non-finite, it returns without touching
+    weights or moments, so the bf16 weights DeepSpeed copies back from the masters are bit-identical. The decision is
+    all-reduced, so every rank takes it together. `applied` says whether the last boundary really stepped."""
 
     veto: str = ""
     enabled: bool = True
@@ -69,6 +71,21 @@ class GuardedAdamW(torch.optim.AdamW):
             return None
         self.applied, self.reason = True, ""
         return super().step(closure)
+
+
+class GuardedAdamW(OptimizerGuard, torch.optim.AdamW):
+    """torch's AdamW with the guard."""
+
+
+def guarded_optimizer(kind: str, params, **kwargs) -> OptimizerGuard:
+    """learner.optimizer: "adamw" (torch) or "adamw8bit" (bitsandbytes' blockwise 8-bit moments; tensors under 4,096
+    elements keep 32-bit moments, as bitsandbytes does), both with the guard."""
+    if kind == "adamw8bit":
+        import bitsandbytes as bnb
+
+        cls = type("GuardedAdamW8bit", (OptimizerGuard, bnb.optim.AdamW8bit), {})
+        return cls(params, **kwargs)
+    return GuardedAdamW(params, **kwargs)
 
 
 def lr_factor(update: int, warmup_steps: int, schedule: str = "constant", total_updates: int = 0) -> float:
@@ -125,9 +142,17 @@ class Learner:
         guard: bool = True,
         max_mismatch_kl: float = 0.0,
         attention: str = "auto",
+        mode: str = "full",
+        lora: dict | None = None,
+        optimizer: str = "adamw",
+        gradient_checkpointing: bool = False,
+        reference_from_learner: bool = False,
     ):
+        """`mode`, `lora`, `gradient_checkpointing`: learner/adapters.py. `reference_from_learner` (lora/qlora): the
+        reference log-probs of each micro-batch are the learner's own base with its adapters off."""
         import deepspeed
-        from transformers import AutoModelForCausalLM
+
+        from learner.adapters import load_model
 
         _init_distributed(world_size)
         torch.manual_seed(seed)
@@ -140,14 +165,16 @@ class Learner:
         self.updates_per_batch = updates_per_batch
         self.shared_prompt = shared_prompt
         self.model_path = model_path
+        self.mode = mode
+        self.reference_from_learner = reference_from_learner and mode != "full" and loss_cfg.kl_coeff > 0
         self.guard = guard
         self.max_mismatch_kl = max_mismatch_kl  # skip the update when mismatch/kl_mu_old exceeds it (0 = no bound)
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
         if attention == "auto":
             attention = "sdpa" if torch.cuda.is_available() else "eager"
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, attn_implementation=attention)
-        model.config.use_cache = False
+        model = load_model(model_path, mode, lora=lora, attention=attention,
+                           gradient_checkpointing=gradient_checkpointing)
         # Every micro-batch is one DeepSpeed micro-step; the optimizer steps at the accumulation boundary.
         self.grad_accum = math.ceil(sequences_per_rank / micro_batch_per_rank)
         ds_config = {
@@ -161,8 +188,10 @@ class Learner:
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
-        # A torch AdamW: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
-        self.inner_optimizer = GuardedAdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+        # Our own optimizer object: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
+        # Only trainable tensors reach it (the adapters in lora/qlora).
+        self.inner_optimizer = guarded_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad],
+                                                 lr=lr, betas=betas, weight_decay=weight_decay)
         scheduler = GuardedLambdaLR(self.inner_optimizer,
                                     lambda s: lr_factor(s, warmup_steps, lr_schedule, total_updates))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -205,6 +234,8 @@ class Learner:
             checks = torch.zeros(5, dtype=torch.float64)  # sampler, reference, loss non-finite; mismatch sum, tokens
             for i, mb in enumerate(micro):
                 t = time.perf_counter()
+                if self.reference_from_learner:
+                    mb = self._with_base_reference(mb)
                 logp = self._logprobs(mb)
                 # With one update per batch pi_theta == pi_old at this point, so pi_old needs no extra forward.
                 old_logp = logp.detach() if old is None else old[i]
@@ -252,6 +283,12 @@ class Learner:
             "timing": clock,
             "skipped": skipped,
         }
+
+    @torch.no_grad()
+    def _with_base_reference(self, mb: TrainBatch) -> TrainBatch:
+        """The micro-batch with reference log-probs from the frozen base: the learner's own model, adapters off."""
+        with self.engine.module.disable_adapter():
+            return mb.with_ref(self._logprobs(mb))
 
     @staticmethod
     def _checks(mb: TrainBatch, loss: torch.Tensor, stats: dict) -> torch.Tensor:
@@ -302,6 +339,9 @@ class Learner:
         one bucket of full tensors held at once besides the shards), and tensors are full on every rank."""
         import deepspeed
 
+        if self.mode != "full":  # base + adapters merged layer by layer (no ZeRO-3 in these modes: config.py)
+            yield from merged_weights(self.engine.module)
+            return
         params = list(self.engine.module.named_parameters())
         if self.zero_stage != 3:
             for name, p in params:
@@ -316,15 +356,27 @@ class Learner:
         """HF folder (model.safetensors + config + tokenizer) written by rank 0, and DeepSpeed's optimizer state
         under optimizer/ (every rank writes its own shard)."""
         out = Path(out_dir)
-        state = dict(self.named_weights())
+        adapters = self.mode != "full"
+        state = {} if adapters else dict(self.named_weights())
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-            self.engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
+            if adapters:  # peft's folder (the adapters alone) beside the base's config: `qgrpo merge` makes a model
+                save_adapters(self.engine.module, out)
+                config = unwrap(self.engine.module).config.to_dict()
+                config.pop("quantization_config", None)  # the base as model.path holds it (bf16), not as QLoRA loads it
+                (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+            else:
+                self.engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
             _copy_tokenizer(self.model_path, out)
-        self.engine.save_checkpoint(str(out / "optimizer"), tag="state", save_latest=False)
+        # Adapter modes keep the frozen base out of DeepSpeed's state: it is model.path, loaded again on resume.
+        self.engine.save_checkpoint(str(out / "optimizer"), tag="state", save_latest=False,
+                                    exclude_frozen_parameters=adapters)
 
     def load(self, ckpt_dir: str | Path, version: int) -> None:
-        path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "optimizer"), tag="state")
+        # Adapter modes: the checkpoint has the trainable tensors only (the base's NF4 quantization state is
+        # recomputed from model.path); anything else missing would have been refused before (check_same_model).
+        path, _ = self.engine.load_checkpoint(str(Path(ckpt_dir) / "optimizer"), tag="state",
+                                              load_module_strict=self.mode == "full")
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed optimizer state under {ckpt_dir}/optimizer")
         self.version = version

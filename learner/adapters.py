@@ -1,0 +1,161 @@
+"""LoRA and QLoRA for the learner (peft adapters on a frozen base; bitsandbytes NF4 for QLoRA).
+
+The learner's model in each `learner.mode`:
+- "full": the model itself, every weight trainable;
+- "lora": the bf16 base, frozen, with peft LoRA adapters (the only trainable tensors);
+- "qlora": the base loaded by bitsandbytes as NF4 with double quantization and bf16 compute, frozen, plus adapters.
+
+What leaves the learner is always a plain model in the base's own tensor names: `merged_weights` computes
+W + (alpha / r) B A one wrapped layer at a time (against the dequantized NF4 weight for QLoRA), so the generators
+load and re-quantize it like any full-precision update and no second full copy of the model is ever built.
+Checkpoints of the adapter modes are peft folders (adapter_config.json + adapter_model.safetensors, with the base's
+config.json beside them); `merge_checkpoint` writes the merged model folder that `qgrpo merge` and `qgrpo eval` use.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def is_adapter_checkpoint(folder: str | Path) -> bool:
+    """A folder holding LoRA adapters in peft's format and no full model weights."""
+    f = Path(folder)
+    return all((f / n).is_file() for n in ADAPTER_FILES) and not (f / "model.safetensors").is_file() \
+        and not (f / "model.safetensors.index.json").is_file()
+
+
+def quantization_config():
+    """QLoRA's base: NF4 weights, double quantization (the block scales quantized too), bf16 compute."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def _lora_config(rank: int, alpha: float, dropout: float, target_modules: list[str]):
+    from peft import LoraConfig
+
+    targets = "all-linear" if list(target_modules) == ["all-linear"] else list(target_modules)
+    return LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
+                      task_type="CAUSAL_LM")
+
+
+def load_model(model_path: str, mode: str = "full", *, lora: dict | None = None, attention: str = "eager",
+               gradient_checkpointing: bool = False, adapter_path: str | None = None):
+    """The learner's model for `mode` (see the module docstring). `lora`: rank, alpha, dropout, target_modules.
+    `adapter_path`: a peft folder whose adapters are loaded (trainable) instead of new ones."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict = dict(dtype=torch.bfloat16, attn_implementation=attention)
+    if mode == "qlora":
+        kwargs.update(quantization_config=quantization_config(),
+                      device_map={"": "cuda" if torch.cuda.is_available() else "cpu"})
+    model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
+    model.config.use_cache = False
+    if gradient_checkpointing:
+        # Non-reentrant: gradients reach the adapters although the embeddings' output does not require grad.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if mode == "full":
+        return model
+    from peft import PeftModel, get_peft_model
+
+    model.requires_grad_(False)
+    if adapter_path:
+        model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+    else:
+        model = get_peft_model(model, _lora_config(**(lora or {})))
+    # peft keeps adapters in fp32 on a bf16 base; the learner's adapters are bf16 like a full model's weights
+    # (DeepSpeed's bf16 mode keeps their fp32 masters in the optimizer).
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def unwrap(model):
+    """The transformers model under a DeepSpeed engine and/or a peft wrapper (adapters, if any, injected in it)."""
+    m = getattr(model, "module", model)
+    return m.get_base_model() if hasattr(m, "get_base_model") else m
+
+
+def _dense(p: torch.Tensor) -> torch.Tensor:
+    """A weight as a float32 matrix: bitsandbytes 4-bit parameters are dequantized."""
+    if type(p).__name__ == "Params4bit":
+        import bitsandbytes as bnb
+
+        return bnb.functional.dequantize_4bit(p.data, p.quant_state).float()
+    return p.detach().float()
+
+
+@torch.no_grad()
+def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, bf16 tensor) of the model the adapters make, in the base model's own names, one tensor at a time: each
+    wrapped layer's weight is W + scaling * B @ A computed in float32 (W dequantized from NF4 for QLoRA), every other
+    parameter is passed through (dequantized if 4-bit). Tied weights appear once, as in `named_parameters`."""
+    from peft.tuners.lora import LoraLayer
+
+    base = unwrap(model)
+    wrapped = {name: m for name, m in base.named_modules() if isinstance(m, LoraLayer)}
+    for name, p in base.named_parameters():
+        if ".lora_" in name:
+            continue
+        owner, _, leaf = name.rpartition(".")
+        hf_name = name.replace(".base_layer.", ".")
+        layer = wrapped.get(owner[:-len(".base_layer")]) if owner.endswith(".base_layer") else None
+        w = _dense(p)
+        if layer is not None and leaf == "weight":
+            for adapter in layer.active_adapters:
+                if adapter in layer.lora_A and not layer.merged:
+                    a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
+                    w = w + (b @ a) * layer.scaling[adapter]
+        yield hf_name, w.to(torch.bfloat16)
+
+
+def save_adapters(model, out: Path) -> None:
+    """peft's format: adapter_config.json + adapter_model.safetensors in `out`."""
+    m = getattr(model, "module", model)
+    m.save_pretrained(str(out), safe_serialization=True)
+    (Path(out) / "README.md").unlink(missing_ok=True)  # peft's model card template: nothing of ours
+
+
+def merge_checkpoint(ckpt: str | Path, out: str | Path, base_path: str | None = None) -> Path:
+    """Write the merged model of an adapter checkpoint as a full HF folder (bf16 safetensors, config, tokenizer) at
+    `out`, which must not exist. The base is `base_path`, else the one the checkpoint names (its trainer_state.json,
+    else adapter_config.json); a QLoRA checkpoint is merged against the NF4-dequantized base, the model it trained."""
+    from safetensors.torch import save_file
+
+    ckpt, out = Path(ckpt), Path(out)
+    if out.exists():
+        raise FileExistsError(f"{out} exists; choose a new folder (nothing is overwritten)")
+    if not is_adapter_checkpoint(ckpt):
+        raise ValueError(f"{ckpt} is not an adapter checkpoint (it needs {' and '.join(ADAPTER_FILES)}, and no "
+                         "model.safetensors: a full model folder needs no merge)")
+    state = json.loads((ckpt / "trainer_state.json").read_text()) if (ckpt / "trainer_state.json").is_file() else {}
+    mode = state.get("config", {}).get("learner", {}).get("mode", "lora")
+    if base_path is None:
+        base_path = state.get("model_path") or json.loads((ckpt / "adapter_config.json").read_text()).get(
+            "base_model_name_or_path")
+    if not base_path or not (Path(base_path) / "config.json").is_file():
+        raise FileNotFoundError(f"{ckpt}: its base model {base_path!r} is not a model folder here; pass the base "
+                                "folder the adapters were trained on (qgrpo merge CKPT -o OUT --base FOLDER)")
+    model = load_model(base_path, mode, adapter_path=str(ckpt))
+    tmp = out.parent / f".{out.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = {n: t.contiguous() for n, t in merged_weights(model)}
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((Path(base_path) / "config.json").read_text())
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    for f in Path(base_path).iterdir():
+        if f.is_file() and (f.name.startswith("tokenizer") or f.name in (
+                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")):
+            shutil.copy2(f, tmp / f.name)
+    tmp.rename(out)
+    return out
