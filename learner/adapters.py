@@ -58,6 +58,12 @@ def load_model(model_path: str, mode: str = "full", *, lora: dict | None = None,
                       device_map={"": "cuda" if torch.cuda.is_available() else "cpu"})
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.config.use_cache = False
+    for m in model.modules():
+        if hasattr(m, "support_avx512bf16_for_cpu"):
+            # bitsandbytes repacks a 4-bit weight in place into a CPU-only layout at its first forward in eval mode
+            # without gradients (the probe score of every sync), after which dequantize_4bit no longer reads it
+            # right: the merged export was 0.14 nats per token off the learner's own forward. Keep the standard one.
+            m.support_avx512bf16_for_cpu = False
     if gradient_checkpointing:
         # Non-reentrant: gradients reach the adapters although the embeddings' output does not require grad.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -66,16 +72,29 @@ def load_model(model_path: str, mode: str = "full", *, lora: dict | None = None,
     from peft import PeftModel, get_peft_model
 
     model.requires_grad_(False)
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
     if adapter_path:
         model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
     else:
         model = get_peft_model(model, _lora_config(**(lora or {})))
+    if tied and _is_lora(model.get_base_model().get_output_embeddings()):
+        # The merged head would differ from the embeddings it shares its tensor with, and the export (like
+        # named_parameters) names a tied tensor once: the head's update would be lost on the way to the generators.
+        raise ValueError("learner.lora.target_modules: this model's output head is tied to its input embeddings; "
+                         "an adapter on it would untie them. Leave the head out (\"all-linear\" does)")
     # peft keeps adapters in fp32 on a bf16 base; the learner's adapters are bf16 like a full model's weights
     # (DeepSpeed's bf16 mode keeps their fp32 masters in the optimizer).
     for name, p in model.named_parameters():
         if p.requires_grad:
             p.data = p.data.to(torch.bfloat16)
     return model
+
+
+def _is_lora(module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
 
 
 def unwrap(model):
@@ -89,6 +108,9 @@ def _dense(p: torch.Tensor) -> torch.Tensor:
     if type(p).__name__ == "Params4bit":
         import bitsandbytes as bnb
 
+        if getattr(p.quant_state, "packing_format_for_cpu", False):
+            raise RuntimeError("a 4-bit weight is in bitsandbytes' CPU-packed layout, which dequantize_4bit does not "
+                               "read; load the model with learner.adapters.load_model")
         return bnb.functional.dequantize_4bit(p.data, p.quant_state).float()
     return p.detach().float()
 
