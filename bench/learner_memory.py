@@ -114,7 +114,7 @@ def main() -> None:
 
     ap = batch_arguments(argparse.ArgumentParser())
     ap.add_argument("--lora-rank", type=int, default=16)
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=";".join(VARIANTS), help="names separated by ';'")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "learner_memory.json"))
     args = ap.parse_args()
@@ -122,7 +122,7 @@ def main() -> None:
         return run_variant(args)
     load0 = os.getloadavg()[0]
     rows = []
-    for name in args.variants.split(","):
+    for name in args.variants.split(";"):
         res = run_child(__file__, name)
         row = {"variant": name, **res}
         if "steps" in res:

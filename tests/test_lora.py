@@ -318,17 +318,16 @@ def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_m
 @pytest.mark.parametrize("mode", ["lora", "qlora"])
 def test_tiny_config_learns_with_adapters(ray_session, tiny_model_path, tmp_path, mode):
     """configs/tiny.toml in an adapter mode (rank 16 on every linear layer and the output head, the reference from
-    the learner's base, int4 generators fed the merged weights) learns like the full fine-tune does
-    (tests/test_learns.py): the mean reward of the last 10 steps exceeds that of the first 10 by at least 0.3.
-    The head is adapted here because this random-init model's frozen head is what holds it back: with "all-linear"
-    (every linear layer but the head, the usual choice for pretrained models) the reward stayed flat over 150 steps
-    at lr 3e-3 and 1e-2, while the same adapters with the head followed the full fine-tune's loss. Adapters learn
-    slower than the full fine-tune here (150 steps at lr 3e-3: +0.10 lora, +0.25 qlora, against +0.53 in full), hence
-    300 steps."""
+    the learner's base, int4 generators fed the merged weights, the preset's lr 1e-3) learns like the full fine-tune
+    does (tests/test_learns.py): the mean reward of the last 10 steps exceeds that of the first 10 by at least 0.3.
+    The head is adapted because this random-init model's frozen head holds it back: with "all-linear" (every linear
+    layer but the head, the usual choice for pretrained models) the reward stayed flat over 150 steps. A larger lr
+    is worse: at 3e-3 (rank 16 or 64, and in full fine-tuning too) the answers collapse onto the most common sum,
+    where GRPO's groups carry no signal any more (reward ~0.42 for good)."""
     from cluster.cli import main
 
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{tmp_path}'", "run.progress=false", "run.eval=false",
-            "run.tensorboard=false", f"learner.mode={mode}", "reference.from_learner=true", "learner.lr=3e-3",
+            "run.tensorboard=false", f"learner.mode={mode}", "reference.from_learner=true", "learner.lr=1e-3",
             "learner.lora.target_modules=['q_proj','k_proj','v_proj','o_proj','gate_proj','up_proj','down_proj','lm_head']",
             f"run.steps={LEARN_STEPS}", f"run.save_every={LEARN_STEPS}"]
     assert main(["train", str(ROOT / "configs" / "tiny.toml"), *[a for s in sets for a in ("--set", s)]]) == 0
