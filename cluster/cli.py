@@ -11,7 +11,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -140,12 +139,9 @@ def _eval_command(args) -> int:
         print(f"qgrpo eval: -n {n} is more than the task's {cfg.task.eval_size} held-out prompts; "
               "lower -n or --set task.eval_size=N", file=sys.stderr)
         return EXIT_CONFIG
-    from learner.adapters import is_adapter_checkpoint, merge_checkpoint
+    from learner.adapters import as_model_folder
 
-    with tempfile.TemporaryDirectory(prefix="qgrpo-eval-") as tmp:
-        path = cfg.model.path  # a LoRA/QLoRA checkpoint holds adapters: its merged model is evaluated
-        if is_adapter_checkpoint(path):
-            path = str(merge_checkpoint(path, Path(tmp) / "merged"))
+    with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
         res = evaluate_model(path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
                              cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
                              precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
@@ -232,13 +228,10 @@ def main(argv: list[str] | None = None) -> int:
         return _merge_command(args)
     if args.command == "export":
         from cluster.export import export_for_mlx
-        from learner.adapters import is_adapter_checkpoint, merge_checkpoint
+        from learner.adapters import as_model_folder
 
         try:
-            with tempfile.TemporaryDirectory(prefix="qgrpo-export-") as tmp:
-                src = args.checkpoint  # a LoRA/QLoRA checkpoint: its merged model is exported
-                if is_adapter_checkpoint(src):
-                    src = str(merge_checkpoint(src, Path(tmp) / "merged"))
+            with as_model_folder(args.checkpoint) as src:  # a LoRA/QLoRA checkpoint: its merged model is exported
                 print(export_for_mlx(src, args.out))
         except (ValueError, FileNotFoundError) as e:
             print(f"qgrpo export: {e}", file=sys.stderr)

@@ -13,8 +13,10 @@ config.json beside them); `merge_checkpoint` writes the merged model folder that
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
@@ -144,6 +146,17 @@ def save_adapters(model, out: Path) -> None:
     m = getattr(model, "module", model)
     m.save_pretrained(str(out), safe_serialization=True)
     (Path(out) / "README.md").unlink(missing_ok=True)  # peft's model card template: nothing of ours
+
+
+@contextlib.contextmanager
+def as_model_folder(path: str) -> Iterator[str]:
+    """`path` itself, or for an adapter checkpoint its merged model in a temporary folder (removed afterwards): what
+    `qgrpo eval` and `qgrpo export` read."""
+    if not is_adapter_checkpoint(path):
+        yield path
+        return
+    with tempfile.TemporaryDirectory(prefix="qgrpo-merged-") as tmp:
+        yield str(merge_checkpoint(path, Path(tmp) / "merged"))
 
 
 def merge_checkpoint(ckpt: str | Path, out: str | Path, base_path: str | None = None) -> Path:

@@ -308,6 +308,9 @@ def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_m
     assert changed == {n for n in w if n.endswith("proj.weight")}  # every adapted layer moved; nothing else did
     assert "quantization_config" not in json.loads((merged_dir / "config.json").read_text())
 
+    assert main(["export", str(ckpt), str(tmp_path / "mlx")]) == 0  # for mlx-lm: the merged model, not the adapters
+    assert (tmp_path / "mlx" / "model.safetensors").is_file()
+    assert not (tmp_path / "mlx" / "adapter_model.safetensors").exists()
     capsys.readouterr()
     assert main(["eval", str(ckpt), "-n", "8"]) == 0
     res = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
