@@ -55,7 +55,8 @@ class LearnerActor(CollectiveMember):
         self.kwargs["model_path"] = local_model(self.kwargs["model_path"])
         self.learner = Learner(world_size=self.world_size, **self.kwargs)
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
-                "address": ray.util.get_node_ip_address(), "threads": torch_threads()}
+                "address": ray.util.get_node_ip_address(), "threads": torch_threads(),
+                "device": str(self.learner.device)}
 
     def train_step(self, shard: TrainBatch, step: int = 0) -> dict:
         if self.rank == 0 and faults.fires("learner.kill", step):
@@ -81,10 +82,12 @@ class LearnerActor(CollectiveMember):
             pass
         return None
 
-    def collective_host(self, timeout_s: float) -> tuple[str, int, str]:
-        """Rank 0 hosts the weight group's store: (node address, port, device type of the weights)."""
-        addr, port = self._collective().host(timeout_s)
-        return addr, port, next(self.learner.engine.module.parameters()).device.type
+    def collective_host(self, timeout_s: float) -> tuple[str, int]:
+        """Rank 0 hosts the weight group's store: (node address, port)."""
+        return self._collective().host(timeout_s)
+
+    def _tensor_device(self) -> str:
+        return self.learner.device.type
 
     def last_published_update(self) -> WeightUpdate | None:
         """The last weights broadcast by the collective transport, as an object-store update (for new actors)."""

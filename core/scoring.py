@@ -67,7 +67,7 @@ def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature
     for i in range(0, h.shape[0], chunk):
         args = (head, h[i:i + chunk], t[i:i + chunk], temperature, softcap)
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
-    return torch.cat(parts).reshape(shape) if parts else torch.zeros(shape)
+    return torch.cat(parts).reshape(shape) if parts else torch.zeros(shape, device=hidden.device)
 
 
 def _forward_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, temperature: float,

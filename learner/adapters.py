@@ -49,15 +49,18 @@ def _lora_config(rank: int, alpha: float, dropout: float, target_modules: list[s
 
 
 def load_model(model_path: str, mode: str = "full", *, lora: dict | None = None, attention: str = "eager",
-               gradient_checkpointing: bool = False, adapter_path: str | None = None):
+               gradient_checkpointing: bool = False, adapter_path: str | None = None,
+               device: torch.device | str = "cpu"):
     """The learner's model for `mode` (see the module docstring). `lora`: rank, alpha, dropout, target_modules.
-    `adapter_path`: a peft folder whose adapters are loaded (trainable) instead of new ones."""
+    `adapter_path`: a peft folder whose adapters are loaded (trainable) instead of new ones. `device`: the rank's
+    (core/devices.py); QLoRA's base is quantized there by bitsandbytes as it loads, the other modes are moved there
+    by DeepSpeed."""
     from transformers import AutoModelForCausalLM
 
     kwargs: dict = dict(dtype=torch.bfloat16, attn_implementation=attention)
     if mode == "qlora":
         kwargs.update(quantization_config=quantization_config(),
-                      device_map={"": "cuda" if torch.cuda.is_available() else "cpu"})
+                      device_map={"": str(device)})
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.config.use_cache = False
     for m in model.modules():

@@ -39,6 +39,11 @@ class TrainBatch:
             out[f.name] = v[idx] if isinstance(v, torch.Tensor) else v
         return TrainBatch(**out)
 
+    def to(self, device: torch.device | str) -> "TrainBatch":
+        """Every tensor on `device` (the learner's: DeepSpeed moves the model, never the inputs)."""
+        return TrainBatch(**{f.name: (v.to(device) if isinstance(v := getattr(self, f.name), torch.Tensor) else v)
+                             for f in fields(self)})
+
     def shard(self, rank: int, world_size: int) -> "TrainBatch":
         """Rows rank, rank + world_size, ... so ranks get near-equal shares of long and short groups."""
         return self.select(torch.arange(rank, len(self), world_size))

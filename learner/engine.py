@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Iterator
 import torch
 
 from core import faults
+from core.devices import bind, collective_device, current_device, dist_backend
 from core.scoring import token_logprobs
 from learner.adapters import merged_weights, save_adapters, unwrap
 from learner.batch import TrainBatch
@@ -58,7 +60,8 @@ class OptimizerGuard:
         if not self.enabled:
             self.applied = True
             return super().step(closure)
-        bad = torch.tensor([0.0 if self.veto else 1.0])
+        # On the device the process group serves (NCCL: CUDA only), even at world size 1.
+        bad = torch.tensor([0.0 if self.veto else 1.0], device=collective_device())
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and not torch.isfinite(p.grad).all():
@@ -106,15 +109,17 @@ class GuardedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
             super().step(epoch)
 
 
-def _init_distributed(world_size: int) -> None:
+def _init_distributed(device: torch.device) -> None:
+    """The ranks' process group: NCCL when they train on GPUs, gloo on CPUs (from the device, not from whether the
+    node has a GPU: a CPU learner on a GPU node is a gloo learner)."""
     import deepspeed
 
-    if not torch.cuda.is_available():
+    if device.type == "cpu":
         # On CPU DeepSpeed JIT-compiles a shared-memory all-reduce op (~2 min here) that serves only its inference
         # all-reduce; training collectives go through torch.distributed (gloo). Skip the build.
         # (`deepspeed.comm.torch` as an attribute is the torch module, hence sys.modules.)
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    deepspeed.init_distributed(dist_backend=dist_backend(device))
 
 
 class Learner:
@@ -147,14 +152,22 @@ class Learner:
         optimizer: str = "adamw",
         gradient_checkpointing: bool = False,
         reference_from_learner: bool = False,
+        device: torch.device | str | None = None,
     ):
         """`mode`, `lora`, `gradient_checkpointing`: learner/adapters.py. `reference_from_learner` (lora/qlora): the
-        reference log-probs of each micro-batch are the learner's own base with its adapters off."""
+        reference log-probs of each micro-batch are the learner's own base with its adapters off. `device`: where
+        this rank trains (default: the GPU Ray assigned it, else the CPU: core/devices.py); every tensor the learner
+        makes (batch, probe, guard flags) goes there."""
         import deepspeed
 
         from learner.adapters import load_model
 
-        _init_distributed(world_size)
+        self.device = bind(torch.device(device) if device is not None else current_device("learner rank"))
+        if self.device.type == "cpu":
+            # DeepSpeed picks its accelerator by itself (CUDA wherever torch sees a GPU, MPS on a Mac); the CPU rank
+            # of a GPU node must not get CUDA's (the actor sees no GPU, but a learner built in-process may).
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        _init_distributed(self.device)
         torch.manual_seed(seed)
         self.world_size = world_size
         self.zero_stage = zero_stage
@@ -172,9 +185,9 @@ class Learner:
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
         if attention == "auto":
-            attention = "sdpa" if torch.cuda.is_available() else "eager"
+            attention = "sdpa" if self.device.type == "cuda" else "eager"
         model = load_model(model_path, mode, lora=lora, attention=attention,
-                           gradient_checkpointing=gradient_checkpointing)
+                           gradient_checkpointing=gradient_checkpointing, device=self.device)
         # Every micro-batch is one DeepSpeed micro-step; the optimizer steps at the accumulation boundary.
         self.grad_accum = math.ceil(sequences_per_rank / micro_batch_per_rank)
         ds_config = {
@@ -198,6 +211,9 @@ class Learner:
             model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=ds_config
         )
         self.engine.checkpoint_engine = _safe_checkpoint_engine()
+        if torch.device(self.engine.device).type != self.device.type:  # DeepSpeed chose another accelerator
+            raise RuntimeError(f"learner: DeepSpeed placed the model on {self.engine.device}, the rank's device is "
+                               f"{self.device}; unset DS_ACCELERATOR or set it to {self.device.type}")
 
     # ---------------------------------------------------------------- training
 
@@ -218,6 +234,7 @@ class Learner:
         above `max_mismatch_kl`, is skipped on every rank; `skipped` names why ("" when every update was taken)."""
         self.engine.train()
         version_before = self.version
+        batch = batch.to(self.device)  # DeepSpeed moves the model, never the inputs
         micro = self._micro_batches(batch)
         t0 = time.perf_counter()
         old: list[torch.Tensor] | None = None
@@ -294,6 +311,7 @@ class Learner:
     def _checks(mb: TrainBatch, loss: torch.Tensor, stats: dict) -> torch.Tensor:
         m = mb.completion_mask > 0
         ref_bad = mb.ref_logp is not None and not torch.isfinite(mb.ref_logp[m]).all()
+        # Plain host numbers: summed on the host over micro-batches, all-reduced on the group's device (`_veto`).
         return torch.tensor([float(not torch.isfinite(mb.mu_logp[m]).all()), float(ref_bad),
                              float(not torch.isfinite(loss)), float(stats["kl_mu_old_sum"]), float(stats["tokens"])],
                             dtype=torch.float64)
@@ -304,6 +322,7 @@ class Learner:
         if not self.guard:
             return ""
         if torch.distributed.is_initialized():
+            checks = checks.to(collective_device())  # NCCL serves only CUDA tensors
             torch.distributed.all_reduce(checks)
         sampler, reference, loss, kl_sum, tokens = checks.tolist()
         kl = kl_sum / max(tokens, 1.0)
@@ -329,7 +348,7 @@ class Learner:
         ZeRO-3 every rank must call it."""
         was_training = self.engine.module.training
         self.engine.module.eval()
-        lp = token_logprobs(self.engine.module, torch.tensor([token_ids]))[0, 1:].float().tolist()
+        lp = token_logprobs(self.engine.module, torch.tensor([token_ids], device=self.device))[0, 1:].float().tolist()
         self.engine.module.train(was_training)
         return lp
 

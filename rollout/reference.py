@@ -8,21 +8,28 @@ from rollout.backends import REFERENCE_BACKENDS
 from rollout.quant import quantize_model
 
 
-def make_reference_scorer(backend: str, model_path: str, precision: str = "bf16", group_size_quant: int = 64):
+def make_reference_scorer(backend: str, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
+                          device: torch.device | str | None = None):
     if backend == "mlx":
         return MLXReferenceScorer(model_path, precision, group_size_quant)
     if backend == "torch":
-        return ReferenceScorer(model_path, precision, group_size_quant)
+        return ReferenceScorer(model_path, precision, group_size_quant, device=device)
     raise ValueError(f"unknown reference backend {backend!r}; choose one of {', '.join(REFERENCE_BACKENDS)}")
 
 
 class ReferenceScorer:
     """Frozen copy of the initial policy, optionally quantized like the generators (as the original MLX design did)."""
 
-    def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64, micro_batch: int = 64):
+    def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64, micro_batch: int = 64,
+                 device: torch.device | str | None = None):
+        """`device`: where it scores (default: the GPU Ray assigned the reference actor, else the CPU); the model is
+        quantized there, and sequences come in and log-probs go out as CPU tensors."""
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).eval()
+        from core.devices import bind, current_device
+
+        self.device = bind(torch.device(device) if device is not None else current_device("the reference actor"))
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
         self.model = quantize_model(model, precision, group_size_quant).eval()
         self.precision = precision
         self.micro_batch = micro_batch
@@ -33,11 +40,12 @@ class ReferenceScorer:
         """input_ids [B, T] -> log-probs [B, T] (position j: token j), computed in micro-batches. With `prompt_lens`
         (and `group_ids`) only completion positions are scored and each group's prompt is run once."""
         parts = []
+        on = (lambda t: None if t is None else t.to(self.device))
         for i in range(0, input_ids.shape[0], self.micro_batch):
             sl = slice(i, i + self.micro_batch)
-            parts.append(token_logprobs(self.model, input_ids[sl], temperature,
-                                        None if prompt_lens is None else prompt_lens[sl],
-                                        None if group_ids is None else group_ids[sl]))
+            parts.append(token_logprobs(self.model, on(input_ids[sl]), temperature,
+                                        None if prompt_lens is None else on(prompt_lens[sl]),
+                                        None if group_ids is None else on(group_ids[sl])).cpu())
         return torch.cat(parts)
 
 

@@ -40,7 +40,10 @@ class TorchGenerator:
         self.group_size_quant = group_size_quant
         self.policy_version = initial_version
         self.chat_template = chat_template
-        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        from core.devices import bind, current_device
+
+        # The GPU Ray assigned this actor, else the CPU (core/devices.py); never "any GPU the node has".
+        self.device = bind(torch.device(device) if device is not None else current_device(f"rollout actor {generator_id}"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
