@@ -118,7 +118,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
         aside, evals = set_aside_future(run.local, state["step"], run.root), earlier_evals(run.local, state["step"])
     ro, algo = cfg.rollout, cfg.algo
     ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision if cfg.reference_actor
-                             else None, state.get("guard"), cfg.reference.backend)
+                             else None, state.get("guard"), cfg.reference.backend, ro.num_gpus, cfg.reference.num_gpus)
     workers = Workers(cfg, policy_path, model_path, state["policy_version"], ladder.rollout, ladder.reference)
     if resume is not None:  # optimizer moments and step, LR schedule, fp32 master weights, policy version
         workers.load(str(resume), state["policy_version"])

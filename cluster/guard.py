@@ -9,7 +9,7 @@ When nothing is left to step up, `guard.max_skips_at_top` skipped steps in a row
 from __future__ import annotations
 
 from cluster.config import GuardConfig
-from rollout.backends import next_rung
+from rollout.backends import device_of, next_rung
 
 BITS = {"int4": 4, "nf4": 4, "int8": 8, "fp8": 8, "bf16": 16}
 
@@ -20,8 +20,10 @@ class GuardStop(RuntimeError):
 
 class PrecisionLadder:
     def __init__(self, cfg: GuardConfig, backend: str, rollout: str, reference: str | None, state: dict | None = None,
-                 reference_backend: str = "torch"):
+                 reference_backend: str = "torch", rollout_gpus: float = 0.0, reference_gpus: float = 0.0):
+        """`rollout_gpus`/`reference_gpus`: the roles' num_gpus: a rung is taken only if served on their device."""
         self.cfg, self.backend, self.reference_backend = cfg, backend, reference_backend
+        self.devices = device_of(rollout_gpus), device_of(reference_gpus)
         self.rollout, self.reference = rollout, reference  # reference None: no reference actor in this run
         self.skipped_total, self.skips_at_top = 0, 0
         if state:  # a resumed run keeps its rung and counts
@@ -37,8 +39,9 @@ class PrecisionLadder:
             return None, None
         self.skipped_total += 1
         if self.cfg.ladder:
-            up_rollout = next_rung(self.backend, self.rollout)
-            up_reference = next_rung(self.reference_backend, self.reference) if self.reference is not None else None
+            up_rollout = next_rung(self.backend, self.rollout, self.devices[0])
+            up_reference = (next_rung(self.reference_backend, self.reference, self.devices[1])
+                            if self.reference is not None else None)
             moves = [(up_rollout, None), (None, up_reference)]
             if skipped == "reference_logprobs":
                 moves.reverse()

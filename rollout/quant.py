@@ -1,24 +1,48 @@
-"""Weight-only quantization of a HF causal LM's nn.Linear layers for CPU rollouts.
+"""Weight-only quantization of a HF causal LM's nn.Linear layers, on the device its weights are on (CPU or CUDA).
 
-Which library path each precision uses (torch 2.13 CPU, torchao 0.18, bitsandbytes 0.50, all measured here):
+Which library path each (precision, device) uses (torch 2.13, torchao 0.18, bitsandbytes 0.50); ``quant_path`` names
+it, ``serves`` says whether the torch backend serves it (the registry's ``precisions_by_device`` for torch):
 
-- bf16: no-op.
-- int8: torchao ``Int8WeightOnlyConfig`` (per output channel). Storage: int8 ``qdata`` [N, K], fp32 scale and int8
-  zero point per row (~8 bits/weight). Its linear dequantizes the weight to bf16 then runs a bf16 matmul.
-- int4: torchao ``PrototypeInt4WeightOnlyConfig(group_size)`` -> ``Int4OpaqueTensor``: asymmetric int4, two
-  nibbles per byte in uint8 ``qdata`` [N, K/2] plus bf16 (scale, zero) pairs [K/group, N, 2] (~4.5 bits/weight at
-  group 64); matmul by torch's own CPU kernel ``aten._weight_int4pack_mm_for_cpu``. Rejected, measured:
+- bf16, cpu | cuda: no-op.
+- int8, cpu | cuda (``torchao.int8``): torchao ``Int8WeightOnlyConfig`` -> ``Int8Tensor`` (per output channel).
+  Storage: int8 ``qdata`` [N, K], fp32 scale and int8 zero point per row (~8 bits/weight). Its linear casts the int8
+  weight to the activation dtype, runs a plain ``torch.mm`` and scales per row: plain torch ops, no device-specific
+  kernel, so the same path runs on CUDA.
+- int4, cpu (``torchao.int4_opaque_cpu``): torchao ``PrototypeInt4WeightOnlyConfig(group_size)`` ->
+  ``Int4OpaqueTensor``: asymmetric int4, two nibbles per byte in uint8 ``qdata`` [N, K/2] plus bf16 (scale, zero)
+  pairs [K/group, N, 2] (~4.5 bits/weight at group 64); matmul by torch's own CPU kernel
+  ``aten._weight_int4pack_mm_for_cpu``. Its packer asserts a CPU tensor. Rejected on CPU, measured:
   ``Int4WeightOnlyConfig`` PLAIN / PRESHUFFLED ("Requires mslk"), PLAIN_INT32 ("does not support device cpu"),
   TILE_PACKED_TO_4D (needs CUDA); ``IntxWeightOnlyConfig(int4, PerGroup(64))`` runs but keeps each int4 value
   unpacked in an int8 byte (~8.5 bits/weight) and was less accurate (symmetric).
-- nf4: bitsandbytes ``Linear4bit`` (quant_type nf4, blocksize = group_size, no double quantization). On CPUs with
-  AVX512-BF16 bnb repacks the weight at the first no-grad forward to uint8 [N, K/2] + bf16 absmax per block
-  (~4.25 bits/weight); we trigger that repack here so storage and speed don't change after the first rollout.
+- int4, cuda (``torchao.int4_tile_packed_cuda``): torchao ``Int4WeightOnlyConfig(group_size,
+  int4_packing_format=TILE_PACKED_TO_4D)`` -> ``Int4TilePackedTo4dTensor``: asymmetric int4 (tinygemm scale/zero
+  choice) packed for torch's own CUDA kernel ``aten._weight_int4pack_mm`` (tinygemm; in torch itself, no extra kernel
+  library). From the torchao / torch sources: bf16 weights and activations only; compute capability >= 8.0 (the
+  packer raises below that: we raise first, naming the field); group size 32, 64, 128 or 256; the packer pads K to a
+  multiple of 1024 and N to a multiple of 8 (16 on ROCm, where torchao's ``int4_tile_packed_ntile`` must be 16), so
+  any N fits, but storage grows with the K padding: K = 576 packs as 1024 (~8 bits/weight instead of ~4.5), and
+  K <= 256 takes more bytes than bf16. The other int4 formats are no option there: PLAIN / PRESHUFFLED need the
+  mslk kernel library, PLAIN_INT32 runs on XPU / NPU only, and ``Int4OpaqueTensor`` is CPU-only.
+- nf4, cpu (``bnb.nf4_cpu``): bitsandbytes ``Linear4bit`` (quant_type nf4, blocksize = group_size, no double
+  quantization), quantized by ``Params4bit.to("cpu")``. On CPUs with AVX512-BF16 bnb repacks the weight at the first
+  no-grad forward to uint8 [N, K/2] + bf16 absmax per block (~4.25 bits/weight); we trigger that repack here so
+  storage and speed don't change after the first rollout.
+- nf4, cuda (``bnb.nf4_cuda``): the same ``Linear4bit``, quantized by ``Params4bit.to(<the CUDA device>)`` (bnb's
+  CUDA ``quantize_4bit`` kernel): packed uint8 [N*K/2, 1] + fp32 absmax per block (~4.5 bits/weight). The repack and
+  its probe forward are CPU-only (bnb's forward repacks only ``x.device.type == "cpu"``), so none is run.
 
-Layers left in bf16 (counted as ``bf16_linears`` by ``quant_config_summary``):
-- int4 / nf4: layers whose ``in_features`` is not divisible by ``group_size`` (groups run along in_features), and
-  layers whose ``out_features`` is not a multiple of 16 (int4) / 32 (nf4): the CPU packers refuse those shapes.
+Layers left in bf16 (counted as ``bf16_linears`` by ``quant_config_summary``), decided by ``layer_fits``:
+- int4 / nf4, any device: layers whose ``in_features`` is not divisible by ``group_size`` (groups run along
+  in_features; torchao skips such weights itself, bnb's blocks would straddle rows).
+- int4 / nf4 on CPU: layers whose ``out_features`` is not a multiple of 16 (int4) / 32 (nf4): the CPU packers
+  refuse those shapes. On CUDA any out_features fits (the tinygemm packer pads N; bnb's CUDA blocks are flat).
 - all precisions: ``lm_head`` when its weight is tied to the input embedding (quantizing it would break the tie).
+
+Verified here on CPU only (this machine has no GPU): every CPU path, and the device decision (``quant_path``,
+``serves``, ``layer_fits``). NOT run here: the three CUDA paths (int8, int4 tinygemm, nf4); they follow the torchao /
+bitsandbytes sources and are checked by the ``cuda``-marked tests in tests/test_quant_devices.py (log-probs within
+stated bounds of fp32, weights on the GPU), which skip without a GPU. ROCm's ntile 16 is untested as well.
 
 torchao / bitsandbytes are imported inside the functions: importing this module loads neither.
 """
@@ -28,11 +52,51 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rollout.backends import REGISTRY
 from rollout.backends import TORCH_PRECISIONS as PRECISIONS  # declared by the backend registry
 
-# out_features must be a multiple of this, else the layer stays bf16 (measured: the packers raise otherwise).
-_OUT_MULTIPLE = {"int4": 16,  # aten._convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
-                 "nf4": 32}  # bnb's CPU repack (_convert_weight_packed_for_cpu) asserts N % 32 == 0
+# The precisions the torch backend serves on each device: the registry's truth, so the config refuses what this module
+# cannot run (rollout/backends: BackendSpec.precisions_by_device). Every pair served has a path in _PATHS below.
+SERVED: dict[str, tuple[str, ...]] = dict(REGISTRY["torch"].precisions_by_device)
+
+# (precision, device type) -> the library path that quantizes and runs it (see the module docstring).
+_PATHS = {
+    ("bf16", "cpu"): "none", ("bf16", "cuda"): "none",
+    ("int8", "cpu"): "torchao.int8", ("int8", "cuda"): "torchao.int8",
+    ("int4", "cpu"): "torchao.int4_opaque_cpu", ("int4", "cuda"): "torchao.int4_tile_packed_cuda",
+    ("nf4", "cpu"): "bnb.nf4_cpu", ("nf4", "cuda"): "bnb.nf4_cuda",
+}
+# out_features must be a multiple of this on CPU, else the layer stays bf16 (measured: the CPU packers raise otherwise).
+_CPU_OUT_MULTIPLE = {"int4": 16,  # aten._convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
+                     "nf4": 32}  # bnb's CPU repack (_convert_weight_packed_for_cpu) asserts N % 32 == 0
+# torch's tinygemm kernel (aten._weight_int4pack_mm on CUDA) needs Ampere or newer: compute capability >= 8.0.
+_TINYGEMM_MIN_CAPABILITY = (8, 0)
+
+
+def serves(precision: str, device_type: str) -> bool:
+    """Whether `precision` is served on `device_type` ("cpu", "cuda"; a torch.device's .type)."""
+    return precision in SERVED.get(device_type, ())
+
+
+def quant_path(precision: str, device_type: str) -> str:
+    """The library path (a short name, see the module docstring) that quantizes `precision` on `device_type`; raises
+    ValueError naming rollout.precision, the device and what is served there when the pair is not served."""
+    if not serves(precision, device_type):
+        here = SERVED.get(device_type, ())
+        raise ValueError(f"rollout.precision: {precision!r} is not served by the torch backend on {device_type}; "
+                         + (f"choose one of {', '.join(here)}" if here else
+                            f"the torch backend quantizes on {' or '.join(SERVED)} only: move the model there"))
+    return _PATHS[(precision, device_type)]
+
+
+def layer_fits(precision: str, device_type: str, out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether an nn.Linear [out_features, in_features] can be quantized at `precision` on `device_type`; a layer that
+    does not fit stays bf16 (the kernels' shape rules, module docstring)."""
+    if precision in ("int4", "nf4") and in_features % group_size:
+        return False
+    if device_type == "cpu" and out_features % _CPU_OUT_MULTIPLE.get(precision, 1):
+        return False
+    return True
 
 
 def _tied_lm_head(model: nn.Module) -> nn.Module | None:
@@ -49,78 +113,103 @@ def _tied_lm_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _to_quantize(model: nn.Module, precision: str, group_size: int) -> list[tuple[str, nn.Linear]]:
-    """(name, module) of the plain bf16 nn.Linear layers this precision will quantize."""
+def _to_quantize(model: nn.Module, precision: str, group_size: int,
+                 device_type: str = "cpu") -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the plain bf16 nn.Linear layers this precision will quantize on `device_type`."""
     skip = _tied_lm_head(model)
-    chosen = []
-    for name, m in model.named_modules():
-        if type(m) is not nn.Linear or m is skip:
-            continue
-        if precision in ("int4", "nf4") and m.in_features % group_size:
-            continue
-        if m.out_features % _OUT_MULTIPLE.get(precision, 1):
-            continue
-        chosen.append((name, m))
-    return chosen
+    return [(name, m) for name, m in model.named_modules()
+            if type(m) is nn.Linear and m is not skip
+            and layer_fits(precision, device_type, m.out_features, m.in_features, group_size)]
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """The one device the model's weights are on (CPU for a model without parameters)."""
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:  # e.g. a device_map split: each layer's kernel would have to be chosen apart
+        raise ValueError(f"quantize_model: the model's weights are spread over {sorted(map(str, devices))}; "
+                         "move the whole model to one device first")
+    return devices.pop() if devices else torch.device("cpu")
 
 
 def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn.Module:
-    """Quantize the nn.Linear layers of a HF causal LM (bf16 weights, on CPU) in place and return it.
+    """Quantize the nn.Linear layers of a HF causal LM (bf16 weights) in place, on the device its weights are on (CPU
+    or CUDA), and return it.
 
     bf16: no-op. int8: torchao weight-only int8 per output channel. int4: torchao weight-only int4, group-wise along
-    in_features with ``group_size`` (32, 64 or 128; 64 default, like MLX's nn.quantize). nf4: bitsandbytes NF4
-    ``Linear4bit`` with blocks of ``group_size`` weights along in_features.
-    Layers whose in_features is not divisible by group_size stay bf16 (int4, nf4), as do layers whose out_features is
-    not a multiple of 16 (int4) / 32 (nf4), and a tied lm_head (all precisions). Activations stay bf16; ``model(input_ids)`` and
-    ``model.generate`` keep working on CPU. Meant to be called on a fresh copy of a bf16 model:
-    ``quantize_model(copy.deepcopy(bf16_model), precision)``; a model is quantized once.
+    in_features with ``group_size`` (32, 64 or 128; 64 default, like MLX's nn.quantize): the CPU kernel on CPU,
+    torch's tinygemm on CUDA. nf4: bitsandbytes NF4 ``Linear4bit`` with blocks of ``group_size`` weights along
+    in_features. Layers that don't fit the kernel's shapes (``layer_fits``) stay bf16, as does a tied lm_head.
+    Activations stay bf16; ``model(input_ids)`` and ``model.generate`` keep working on the same device. Meant to be
+    called on a fresh copy of a bf16 model: ``quantize_model(copy.deepcopy(bf16_model), precision)``; a model is
+    quantized once.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     previous = getattr(model, "_qgrpo_quant", None)
     if previous is not None and previous[0] != "bf16":
         raise ValueError(f"model is already quantized ({previous[0]}); quantize a deepcopy of the bf16 model")
+    device = _model_device(model)
+    path = quant_path(precision, device.type)  # refuses a device this precision is not served on, before any change
+    if path == "torchao.int4_tile_packed_cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < _TINYGEMM_MIN_CAPABILITY:
+            raise ValueError(f"rollout.precision: int4 on CUDA runs torch's tinygemm kernel, which needs compute "
+                             f"capability >= 8.0 (Ampere or newer); {torch.cuda.get_device_name(device)} is "
+                             f"{cap[0]}.{cap[1]}: choose rollout.precision = \"nf4\" or \"int8\"")
     model._qgrpo_quant = (precision, group_size)
     if precision == "bf16":
         return model
-    layers = _to_quantize(model, precision, group_size)
+    layers = _to_quantize(model, precision, group_size, device.type)
     if precision == "nf4":
-        _quantize_nf4(model, layers, group_size)
+        _quantize_nf4(model, layers, group_size, device)
         return model
 
-    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
     from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
 
     # set_inductor_config=False: we never torch.compile here; don't change global inductor settings.
     if precision == "int8":
         config = Int8WeightOnlyConfig(set_inductor_config=False)
-    else:
+    elif device.type == "cpu":
         config = PrototypeInt4WeightOnlyConfig(group_size=group_size, set_inductor_config=False)
+    else:
+        from torchao.quantization.quantize_.workflows.int4.int4_packing_format import Int4PackingFormat
+
+        config = Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
+                                      int4_tile_packed_ntile=16 if torch.version.hip else 8,  # the kernel's N tile
+                                      set_inductor_config=False)
     chosen = {id(m) for _, m in layers}
-    quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
+    if device.type == "cuda":
+        # torchao's tinygemm packer checks the *current* CUDA device's capability: make it the model's.
+        with torch.cuda.device(device):
+            quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
+    else:
+        quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
     return model
 
 
-def _quantize_nf4(model: nn.Module, layers: list[tuple[str, nn.Linear]], group_size: int) -> None:
+def _quantize_nf4(model: nn.Module, layers: list[tuple[str, nn.Linear]], group_size: int,
+                  device: torch.device) -> None:
     import bitsandbytes as bnb
 
     for name, lin in layers:
         q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
                               compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
                               device="meta")
-        # .to("cpu") of an unquantized Params4bit is bnb's public way to quantize it.
+        # .to(device) of an unquantized Params4bit is bnb's public way to quantize it, on that device's kernels.
         q.weight = bnb.nn.Params4bit(lin.weight.data.contiguous(), requires_grad=False, blocksize=group_size,
-                                     compress_statistics=False, quant_type="nf4", module=q).to("cpu")
+                                     compress_statistics=False, quant_type="nf4", module=q).to(device)
         q.quant_state = q.weight.quant_state
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
-        # Trigger bnb's one-time CPU repack (it happens at the first eval no-grad forward) now, so bytes and speed
-        # are what rollouts will see and the repack isn't paid inside generation.
-        was_training = q.training
-        q.eval()
-        with torch.no_grad():
-            q(torch.zeros(1, lin.in_features, dtype=torch.bfloat16))
-        q.train(was_training)
+        if device.type == "cpu":
+            # Trigger bnb's one-time CPU repack (it happens at the first eval no-grad forward) now, so bytes and speed
+            # are what rollouts will see and the repack isn't paid inside generation. CUDA has no repack.
+            was_training = q.training
+            q.eval()
+            with torch.no_grad():
+                q(torch.zeros(1, lin.in_features, dtype=torch.bfloat16))
+            q.train(was_training)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, q)
 

