@@ -1,7 +1,9 @@
 """The collective weight carrier (`sync.transport = "collective"`): learner rank 0 broadcasts the packed buckets to
 every rollout actor over a torch.distributed process group of their own, separate from the learner ranks' DeepSpeed
 group. Built statelessly (no `init_process_group`): rank 0 hosts a TCPStore on its node, each generation of the group
-gets a PrefixStore, and the group is `ProcessGroupGloo` on CPU or `ProcessGroupNCCL` when the tensors live on CUDA.
+gets a PrefixStore, and the group is `ProcessGroupNCCL` only when every member reports a GPU of its own, else
+`ProcessGroupGloo` (`core.devices.transport_backend`: a CPU rollout actor cannot join NCCL, and NCCL refuses two
+members on one physical GPU, which fractional GPUs allow). Gloo carries CUDA weights through host memory.
 
 One sync: rank 0 broadcasts a manifest (version, probe, the buckets' layout; pickled into a uint8 tensor, its length
 first), then each bucket as one uint8 tensor. Every member must be inside the broadcast at the same time, so the
@@ -18,6 +20,7 @@ from typing import Callable, Iterable
 import torch
 
 from actors.weights import Bucket, WeightUpdate, pack_buckets, put_buckets
+from core.devices import transport_backend
 
 PREFIX = "qgrpo-weights"
 
@@ -123,9 +126,20 @@ def _own_address() -> str:
 
 
 class CollectiveMember:
-    """Mixin for the actors in the group (LearnerActor for rank 0, RolloutActor): the driver's join/leave calls.
-    Rank 0 adds `collective_host(timeout_s) -> (addr, port, device of its weights)`, `publish_weights(bucket_bytes,
-    "collective")` and `last_published_update()`; the others `receive_weights()`."""
+    """Mixin for the actors in the group (LearnerActor for rank 0, RolloutActor): the driver's join/leave calls, and
+    where the member's tensors live (`collective_device_info`, from the device Ray gave it). Rank 0 adds
+    `collective_host(timeout_s) -> (addr, port)`, `publish_weights(bucket_bytes, "collective")` and
+    `last_published_update()`; the others `receive_weights()`."""
+
+    def _tensor_device(self) -> str:
+        """"cuda" or "cpu": where this member's weights live (each actor class says)."""
+        return "cpu"
+
+    def collective_device_info(self) -> dict:
+        from core.devices import physical_gpus
+
+        device = self._tensor_device()
+        return {"device": device, "gpus": physical_gpus() if device == "cuda" else []}
 
     def _collective(self) -> CollectiveTransport:
         if getattr(self, "_carrier", None) is None:
@@ -150,6 +164,7 @@ class CollectiveGroup:
         self.members: list = []
         self.generation = 0
         self.host = None  # learner rank 0, once a sync has published through it
+        self.backend, self.why = "", ""  # the group's backend ("nccl" | "gloo") and why, once formed
 
     def sync(self, learners: list, actors: list, names: list[str], bucket_bytes: int, seconds: float
              ) -> tuple[WeightUpdate, list[dict]]:
@@ -172,8 +187,13 @@ class CollectiveGroup:
             if not any(old is a for a in actors):
                 old.collective_leave.remote()  # best effort: an actor removed or killed may not answer
         self.members, self.generation = [], self.generation + 1
+        members = [host, *actors]
+        infos = {m.collective_device_info.remote(): name for m, name in zip(members, ["learner rank 0", *names])}
+        got = self.wait(infos, deadline - time.monotonic(), "forming the weight group")
+        self.backend, self.why = transport_backend([{**got[r], "name": n} for r, n in infos.items()])
+        device = "cuda" if self.backend == "nccl" else "cpu"
         ref = host.collective_host.remote(timeout_s)
-        addr, port, device = self.wait({ref: "learner rank 0"}, deadline - time.monotonic(), "forming the weight group")[ref]
+        addr, port = self.wait({ref: "learner rank 0"}, deadline - time.monotonic(), "forming the weight group")[ref]
         size = len(actors) + 1
         joins = {host.collective_join.remote(addr, port, self.generation, 0, size, timeout_s, device): "learner rank 0",
                  **{a.collective_join.remote(addr, port, self.generation, i + 1, size, timeout_s, device): name

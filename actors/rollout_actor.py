@@ -72,6 +72,18 @@ class RolloutActor(CollectiveMember):
     def last_load(self) -> dict | None:
         return self.last_ack
 
+    def _tensor_device(self) -> str:
+        device = getattr(self.gen, "device", None)  # torch and vLLM generators; MLX's arrays are not torch's
+        return "cuda" if device is not None and str(device).startswith("cuda") else "cpu"
+
+    def close(self) -> None:
+        """Release the generator's engine and device memory before the actor is killed (the precision ladder
+        starts a replacement on the same GPU, which waits for the memory to be free)."""
+        close = getattr(self.gen, "close", None)
+        if close is not None:
+            close()
+        self.gen = None
+
     def info(self) -> dict:
         import torch
 

@@ -83,7 +83,7 @@ def main() -> None:
             self.send_s = 0.0
 
         def collective_host(self, timeout_s: float):
-            return (*self._collective().host(timeout_s), "cpu")
+            return self._collective().host(timeout_s)
 
         def publish_weights(self, bucket_bytes: int, transport: str = "object_store"):
             with torch.no_grad():

@@ -19,6 +19,7 @@ import torch
 
 from actors.collective import CollectiveGroup
 from actors.common import thread_env
+from core.devices import role_env
 from actors.learner_actor import start_learners
 from actors.reference_actor import ReferenceActor
 from actors.rollout_actor import RolloutActor
@@ -101,7 +102,8 @@ class RolloutPool:
             self.last_update = self.group.last_published(self.cfg.sync.timeout_s)
         self.spawned[slot] += 1
         return RolloutActor.options(**self.request.actor_options(),
-                                    runtime_env={"env_vars": thread_env(self.threads)}).remote(
+                                    runtime_env={"env_vars": {**thread_env(self.threads),
+                                                              **role_env(self.request.gpus)}}).remote(
             ro.backend,
             dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
                  generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
@@ -186,7 +188,11 @@ class RolloutPool:
                                seconds)
 
     def set_precision(self, precision: str) -> None:
-        """Every actor restarts at `precision` with the last published weights (the precision ladder)."""
+        """Every actor restarts at `precision` with the last published weights (the precision ladder). The old ones
+        release their engines first (best effort, within the generation deadline); a new engine on the same GPU
+        also waits at start for the memory to be free (rollout/backends/vllm_backend.py)."""
+        closing = [a.close.remote() for a in self.actors]
+        ray.wait(closing, num_returns=len(closing), timeout=self.cfg.faults.generate_timeout_s)
         for a in self.actors:
             ray.kill(a)
         self.precision = precision
@@ -257,6 +263,10 @@ class Workers:
         self.rollout = RolloutPool(cfg, policy_path, policy_version, rollout_precision or ro.precision,
                                    requests["rollout"], ro.threads or cores // ro.num_actors,
                                    cores if not ro.threads else 0)
+        # Rollout actors on a share of a GPU start alone: vLLM sizes its KV cache from the GPU memory it sees in use
+        # while it profiles, and a learner or reference loading onto the same GPU meanwhile would skew that.
+        shared_gpu = 0 < ro.num_gpus < 1
+        started = self.rollout.wait_started(self.rollout.actors) if shared_gpu else None
         self.reference_precision = reference_precision or ref.precision
         self.reference_request = requests.get("reference")
         self.reference = self._reference() if cfg.reference_actor else None
@@ -278,7 +288,7 @@ class Workers:
         )
         # A CPU learner is forced to DeepSpeed's CPU accelerator: on a Mac DeepSpeed would otherwise pick its new MPS
         # accelerator by itself, which we have not been able to test. With GPUs DeepSpeed picks CUDA (NCCL).
-        learner_env = {**thread_env(l_threads)}
+        learner_env = {**thread_env(l_threads), **role_env(le.num_gpus)}
         if not le.num_gpus:
             learner_env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
         ext_dir = str(Path(os.environ.get("QGRPO_CACHE", Path.home() / ".cache" / "qgrpo")) / "torch_extensions")
@@ -291,7 +301,7 @@ class Workers:
                    for r in range(le.world_size)]
         self.learners, setups = start_learners(le.world_size, learner_kwargs, l_threads, ext_dir, options)
         # Surface construction errors (bad model folder, DeepSpeed failure) here rather than at the first step.
-        started = self.rollout.wait_started(self.rollout.actors)
+        started = started or self.rollout.wait_started(self.rollout.actors)
         self.placed = {"learner": ray.get(setups), "rollout": [{"actor": i["generator_id"], "node_id": i["node_id"]}
                                                                for i in started]}
         if self.reference is not None:
@@ -302,7 +312,8 @@ class Workers:
     def _reference(self):
         threads = self.cfg.reference.threads or self.cores  # 0 on a cluster: the CPUs it was given
         return ReferenceActor.options(**self.reference_request.actor_options(),
-                                      runtime_env={"env_vars": thread_env(threads)}).remote(
+                                      runtime_env={"env_vars": {**thread_env(threads),
+                                                                **role_env(self.reference_request.gpus)}}).remote(
             self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads,
             self.cfg.reference.backend)
 
