@@ -3,11 +3,23 @@
 It builds and runs a `ray job submit` command line (printed first, so it can be run by hand or put in a script):
 - the config is validated here, before anything is uploaded (paths that only the cluster's nodes have are left to
   the job's own check);
+- the dashboard is probed first (`probe`: GET ADDRESS/api/version, 5 s): an address nobody answers at is one line
+  with the usual causes, not the ray CLI's traceback; `ray://` (Ray Client) addresses are refused, the job API is the
+  dashboard's http address;
 - the project folder is uploaded as the job's working directory, without the virtualenv, run directories, caches, git
-  history and benchmark results (`EXCLUDES`);
-- the job runs in a named Python environment: the interpreter running `qgrpo submit` (the same path on every node,
-  as the `ray up` example in cluster/ray_cluster.yaml installs it), or `--python PATH`; it runs the entrypoint, and
-  Ray starts every actor with it (runtime_env `py_executable`);
+  history and benchmark results (`EXCLUDES`). A config, or a file it names (task.path, task.eval_path, a local
+  model.path folder), that is outside that folder or excluded from it would not reach the job: then the job's working
+  directory is a staging copy of the project plus `_submitted/` holding those files, the job gets `--set` overrides
+  pointing the fields there (printed; the user's config file is not rewritten), and the copy is deleted once `ray job
+  submit` returns (with --no-wait too: it returns after the upload). A file the project folder does hold is named by
+  its path in it. Anything larger than `UPLOAD_MAX` (e.g. a big model) is not uploaded: the nodes must have it at the
+  path the config gives, which a note says. Paths that do not exist here are the cluster's and are left as they are;
+- the job runs in a named Python environment, which runs the entrypoint and with which Ray starts every actor
+  (runtime_env `py_executable`). The rule: `--python PATH` is used as given (and printed); without it, the one
+  cluster/ray_cluster.yaml installs on every node (its `file_mounts` target of the project + `.venv/bin/python`, e.g.
+  /home/ubuntu/qgrpo/.venv/bin/python), which must be the interpreter running `qgrpo submit` (submitting from the
+  head's own checkout) or the submission is refused naming both paths: this machine's path rarely exists on the nodes,
+  and guessing would start every actor in the wrong environment. Without that YAML, this interpreter is used;
 - a relative `run.output_dir` would land in Ray's package cache on the head node (the job's working directory),
   where the submitter cannot find it and Ray may delete it: it is made absolute against the folder `qgrpo submit`
   runs in and passed with --set, which is printed; on several nodes it must be shared storage (or a URI);
@@ -17,13 +29,19 @@ It builds and runs a `ray job submit` command line (printed first, so it can be 
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import posixpath
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+import urllib.error
+import urllib.request
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]  # the project folder: what the job runs
@@ -31,6 +49,15 @@ EXCLUDES = [".venv", "venv", "runs", ".cache", ".git", "bench/results", "**/__py
             ".pytest_cache", "*.parquet"]
 # What the cluster's nodes have and this machine may not: checked by the job itself, on the head node.
 _CLUSTER_SIDE = ("model.path: folder", "task.path: file", "task.eval_path: file")
+CLUSTER_YAML = ROOT / "cluster" / "ray_cluster.yaml"  # the `ray up` example: where the nodes have the project
+SUBMITTED = "_submitted"  # in a staged working directory: the config and the files it names from elsewhere
+# Ray refuses a working_dir package of 512 MiB or more (its gRPC message limit): a file or model folder above this is
+# not uploaded (the project tree is a few MiB).
+UPLOAD_MAX = 384 * 2**20
+# The local files a config names: (field, what it is); each is uploaded when the job could not see it otherwise.
+_LOCAL_INPUTS = (("task.path", "file"), ("task.eval_path", "file"), ("model.path", "folder"))
+DASHBOARD_FIX = ("is the cluster up (ray status on the head), is port 8265 reachable (ray dashboard / ssh -L "
+                 "8265:localhost:8265), and is the address http://HOST:8265?")
 
 
 def ray_job_id() -> str | None:
@@ -60,17 +87,117 @@ def use_auth_token() -> bool:
     return maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
-def build(config: str, overrides: list[str], address: str, python: str, wait: bool, env: list[str],
-          submission_id: str | None = None) -> tuple[list[str], dict[str, str], list[str]]:
-    """(the `ray job submit` argv, its environment, lines to tell the user). Raises ValueError with the fix."""
-    from cluster.config import ConfigError, load_config
+def yaml_python(path: Path = CLUSTER_YAML) -> str | None:
+    """The interpreter the `ray up` example installs on every node: the `file_mounts` target of the project (source
+    ".") + .venv/bin/python, as written there (a path on the nodes: nothing is expanded here). None without one."""
+    try:
+        import yaml  # a Ray dependency
+
+        mounts = (yaml.safe_load(path.read_text()) or {}).get("file_mounts") or {}
+    except Exception:  # no example (or an unreadable one) is no reason to refuse a submission: this interpreter then
+        return None
+    for target, source in mounts.items():
+        if str(source).strip().rstrip("/") in (".", ""):
+            return posixpath.join(str(target).rstrip("/"), ".venv", "bin", "python")
+    return None
+
+
+def job_python(python: str | None) -> tuple[str, str]:
+    """(the interpreter the job and its actors run, a line saying so), by the rule in the module docstring.
+    Raises ValueError with the fix when --python is missing and this interpreter is not the cluster's."""
+    if python:
+        return python, f"the job and its actors run {python} (--python)"
+    want = yaml_python()
+    if want is None or os.path.normpath(sys.executable) == os.path.normpath(want):
+        return sys.executable, f"the job and its actors run {sys.executable} (this interpreter; --python to change)"
+    raise ValueError(f"--python not given, and this interpreter {sys.executable} is not the project's Python that "
+                     f"{CLUSTER_YAML.relative_to(ROOT)} installs on the nodes, {want}: pass --python {want} for a "
+                     "cluster started from it, or for another cluster --python with the path of the project's Python "
+                     "on its nodes (`which python` there, in the project's environment)")
+
+
+def probe(address: str, timeout: float = 5.0) -> str | None:
+    """None when the dashboard's job API answers at `address`, else the line that says why not (one line: the ray
+    CLI's own failure is a long traceback). 401/403 is a dashboard with token authentication: reachable, and
+    `ray job submit` sends the token when one is found here."""
+    url = (address if "://" in address else f"http://{address}").rstrip("/") + "/api/version"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout):
+            return None  # 2xx (redirects followed); anything else raises HTTPError
+    except urllib.error.HTTPError as e:
+        if e.code in (401, 403):
+            return None if has_auth_token() else (
+                f"the Ray dashboard at {address} wants an auth token (HTTP {e.code}) and none was found here; set "
+                "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH, or copy the head's ~/.ray/auth_token to ~/.ray/auth_token")
+        reason = f"HTTP {e.code} {e.reason}"
+    except urllib.error.URLError as e:
+        reason = str(e.reason)
+    except TimeoutError:
+        reason = f"no answer within {timeout:g} s"
+    except (OSError, http.client.HTTPException, ValueError) as e:  # a reset, a non-HTTP port, a malformed address
+        reason = f"{type(e).__name__}: {e}"
+    reason = " ".join(reason.split()) or "no reason given"
+    return f"cannot reach the Ray dashboard at {address} ({reason}); {DASHBOARD_FIX}"
+
+
+def _excluded(rel: str) -> bool:
+    """Whether the project-relative POSIX path `rel` is left out of the upload by `EXCLUDES` (gitignore-style, as Ray
+    applies them: a pattern without "/" matches a name at any depth, one with "/" a path from the top)."""
+    parts = rel.split("/")
+    for pattern in EXCLUDES:
+        pattern = pattern.removeprefix("**/")
+        if "/" in pattern:
+            n = pattern.count("/") + 1
+            if len(parts) >= n and fnmatch("/".join(parts[:n]), pattern):
+                return True
+        elif any(fnmatch(part, pattern) for part in parts):
+            return True
+    return False
+
+
+def _in_project(path: Path) -> str | None:
+    """`path` (absolute) relative to the project folder when the upload of that folder holds it, else None."""
+    try:
+        rel = path.relative_to(ROOT).as_posix()
+    except ValueError:
+        return None
+    return None if rel == "." or _excluded(rel) or rel.split("/")[0] == SUBMITTED else rel
+
+
+def _size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _stage(uploads: list[tuple[Path, str]]) -> Path:
+    """A new folder with the project tree less `EXCLUDES` and each (local path, relative destination) of `uploads`."""
+    stage = Path(tempfile.mkdtemp(prefix="qgrpo-submit-"))
+    try:
+        for top, dirs, files in os.walk(ROOT):
+            here = Path(top).relative_to(ROOT)
+            dirs[:] = [d for d in dirs if _in_project(Path(top, d)) is not None and Path(top, d) != stage]
+            for name in files:
+                if _in_project(Path(top, name)) is not None:
+                    (stage / here).mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(Path(top, name), stage / here / name)
+        for src, dest in uploads:
+            (stage / dest).parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if src.is_dir() else shutil.copy2)(src, stage / dest)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return stage
+
+
+def build(config: str, overrides: list[str], address: str, python: str | None, wait: bool, env: list[str],
+          submission_id: str | None = None) -> tuple[list[str], dict[str, str], list[str], Path | None]:
+    """(the `ray job submit` argv, its environment, lines to tell the user, the staging folder to delete once it has
+    run, or None when the job runs the project folder itself). Raises ValueError with the fix."""
+    from cluster.config import BUILTIN_MODEL_PREFIX, ConfigError, load_config
+    from cluster.storage import is_uri
 
     cfg_path = Path(config).expanduser().resolve()
-    try:
-        rel = cfg_path.relative_to(ROOT)
-    except ValueError:
-        raise ValueError(f"config {config} is outside the project folder {ROOT}, which is what the job uploads; "
-                         f"copy it under {ROOT / 'configs'}") from None
     notes, overrides = [], list(overrides)
     try:
         cfg = load_config(cfg_path, overrides)
@@ -80,42 +207,80 @@ def build(config: str, overrides: list[str], address: str, python: str, wait: bo
             raise ValueError(str(ConfigError(here))) from None
         notes += [f"not checked here, the job checks on the cluster: {p}" for p in e.problems]
         cfg = None
-    out = cfg.run.output_dir if cfg else _output_dir(cfg_path, overrides)
-    from cluster.storage import is_uri
-
+    seen = cfg or _unchecked(cfg_path, overrides)
+    python, line = job_python(python)
+    notes.append(line)
+    out = seen.run.output_dir
     if not is_uri(out) and not Path(out).expanduser().is_absolute():
         absolute = str(Path(out).expanduser().resolve())
         overrides.append(f"run.output_dir={json.dumps(absolute)}")
         notes.append(f"run.output_dir {out!r} is relative; the job writes under {absolute} (on a cluster of several "
                      "nodes that must be shared storage, or give an s3:// URI)")
-    python = python or sys.executable
-    runtime_env = {"working_dir": str(ROOT), "excludes": EXCLUDES, "py_executable": python,
-                   "env_vars": dict(kv.split("=", 1) for kv in env)}
-    entry = [python, "-m", "cluster.cli", "train", str(rel), *[a for o in overrides for a in ("--set", o)]]
+    # What the job could not see otherwise goes into _submitted/ (paths as load_config reads them: against the cwd).
+    uploads: list[tuple[Path, str]] = []
+    for field, kind in _LOCAL_INPUTS:
+        section, key = field.split(".")
+        value = getattr(getattr(seen, section), key)
+        if not value or value.startswith(BUILTIN_MODEL_PREFIX) or is_uri(value):
+            continue
+        local = Path(value).expanduser().resolve()
+        if not (local.is_dir() if kind == "folder" else local.is_file()):
+            continue  # the cluster's path: the job checks it
+        rel = _in_project(local)
+        if rel is not None:  # uploaded with the project: the job reads it there (its cwd is the working directory)
+            if Path(value) != Path(rel):
+                overrides.append(f"{field}={json.dumps(rel)}")
+                notes.append(f"{field} {value!r} is the project's {rel!r}: the job reads it there (--set {field}=...)")
+            continue
+        if (size := _size(local)) > UPLOAD_MAX:
+            notes.append(f"{field} {value!r} is a local {kind} of {size / 2**30:.2f} GiB, above the {UPLOAD_MAX >> 20} "
+                         f"MiB uploaded with a job: NOT uploaded; every node must have it at {value!r} (or --set "
+                         f"{field}= its path on the nodes)")
+            continue
+        dest = f"{SUBMITTED}/{field}/{local.name}"
+        uploads.append((local, dest))
+        overrides.append(f"{field}={json.dumps(dest)}")
+        notes.append(f"{field} {value!r} is uploaded with the job: --set {field}={json.dumps(dest)}")
+    cfg_rel = _in_project(cfg_path)
+    if uploads or cfg_rel is None:
+        cfg_rel = f"{SUBMITTED}/{cfg_path.name}"
+        uploads.append((cfg_path, cfg_rel))
+        notes.append(f"the job's working directory is a copy of {ROOT} with {SUBMITTED}/ (the config and the files "
+                     "above), deleted once submitted")
+    env_vars = dict(kv.split("=", 1) for kv in env)
+    entry = [python, "-m", "cluster.cli", "train", cfg_rel, *[a for o in overrides for a in ("--set", o)]]
     ray_cli = shutil.which("ray", path=str(Path(python).parent)) or shutil.which("ray") or "ray"
-    argv = [ray_cli, "job", "submit", "--address", address, "--runtime-env-json", json.dumps(runtime_env),
-            "--submission-id", submission_id or f"qgrpo-{cfg.run.name if cfg else 'run'}-{time.strftime('%Y%m%d-%H%M%S')}",
-            *([] if wait else ["--no-wait"]), "--", *entry]
     job_env = dict(os.environ)
     if "RAY_AUTH_MODE" not in job_env and has_auth_token():
         job_env["RAY_AUTH_MODE"] = "token"
         notes.append("a Ray auth token was found: submitting with RAY_AUTH_MODE=token (Ray 2.60's job client sends the "
                      "token only then)")
-    return argv, job_env, notes
+    # Last: nothing to clean up when anything above raises. The staged tree is filtered already, and Ray's excludes
+    # would drop staged files they match (*.parquet data).
+    stage = _stage(uploads) if uploads else None
+    runtime_env = {"working_dir": str(stage or ROOT), **({} if stage else {"excludes": EXCLUDES}),
+                   "py_executable": python, "env_vars": env_vars}
+    argv = [ray_cli, "job", "submit", "--address", address, "--runtime-env-json", json.dumps(runtime_env),
+            "--submission-id", submission_id or f"qgrpo-{seen.run.name}-{time.strftime('%Y%m%d-%H%M%S')}",
+            *([] if wait else ["--no-wait"]), "--", *entry]
+    return argv, job_env, notes, stage
 
 
-def _output_dir(cfg_path: Path, overrides: list[str]) -> str:
-    """run.output_dir as the config and overrides give it, when the config cannot be fully checked here."""
+def _unchecked(cfg_path: Path, overrides: list[str]):
+    """The config as load_config reads it, without its checks: for a config whose local check failed only on paths
+    the cluster has (its values are still needed here)."""
     import tomllib
 
-    from cluster.config import RunConfig
+    from cluster.config import Config, _build, _set_path
+    from cluster.mlx_grpo import is_mlx_grpo, translate
 
-    out = tomllib.loads(cfg_path.read_text()).get("run", {}).get("output_dir", RunConfig.output_dir)
+    data = tomllib.loads(cfg_path.read_text())
+    if is_mlx_grpo(data):
+        data, _, _, _, overrides = translate(data, overrides)
     for o in overrides:
-        key, _, value = o.partition("=")
-        if key.strip() == "run.output_dir":
-            out = value.strip().strip('"')
-    return out
+        key, _, raw = o.partition("=")
+        _set_path(data, key.strip(), raw.strip(), [])
+    return _build(Config, data, "", [])
 
 
 def submit(args) -> int:
@@ -124,17 +289,30 @@ def submit(args) -> int:
         print("qgrpo submit: which cluster? pass --address http://HEAD:8265 (the dashboard address) or set "
               "RAY_API_SERVER_ADDRESS", file=sys.stderr)
         return 2
+    if address.lower().startswith("ray://"):
+        given = "--address" if args.address else "RAY_API_SERVER_ADDRESS" if os.environ.get(
+            "RAY_API_SERVER_ADDRESS") else "RAY_ADDRESS"
+        print(f"qgrpo submit: {given} {address} is a Ray Client address (ray://), not the job API: use the "
+              "dashboard's http address, e.g. --address http://HEAD:8265", file=sys.stderr)
+        return 2
     bad = [kv for kv in args.env if "=" not in kv]
     if bad:
         print(f"qgrpo submit: --env {bad[0]}: expected KEY=VALUE", file=sys.stderr)
         return 2
     try:
-        argv, env, notes = build(args.config, args.overrides, address, args.python, not args.no_wait, args.env,
-                                 args.submission_id)
+        argv, env, notes, stage = build(args.config, args.overrides, address, args.python, not args.no_wait,
+                                        args.env, args.submission_id)
     except ValueError as e:
         print(f"qgrpo submit: {e}", file=sys.stderr)
         return 2
-    for n in notes:
-        print(f"qgrpo submit: {n}", file=sys.stderr)
-    print(f"qgrpo submit: {shlex.join(argv)}", file=sys.stderr)
-    return subprocess.call(argv, env=env)
+    try:
+        if (problem := probe(address)) is not None:
+            print(f"qgrpo submit: {problem}", file=sys.stderr)
+            return 2
+        for n in notes:
+            print(f"qgrpo submit: {n}", file=sys.stderr)
+        print(f"qgrpo submit: {shlex.join(argv)}", file=sys.stderr)
+        return subprocess.call(argv, env=env)  # returns once Ray has the upload (with --no-wait too)
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)

@@ -66,8 +66,9 @@ def test_submit_runs_the_tiny_config_as_a_ray_job(cluster, tmp_path):
     # Submitted from the project folder (where the config lives); the relative output_dir resolves against it and
     # is passed as an absolute --set, which the command prints.
     out = tmp_path / "runs"
+    # --python: this interpreter is the cluster's here (cluster/ray_cluster.yaml's path is what the default expects)
     r = subprocess.run([sys.executable, "-m", "cluster.cli", "submit", TINY, "--address", cluster.dashboard,
-                        "--submission-id", job, *_sets(Path(os.path.relpath(out, ROOT)))],
+                        "--python", sys.executable, "--submission-id", job, *_sets(Path(os.path.relpath(out, ROOT)))],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "RAY_AUTH_MODE=token" in r.stderr and f"run.output_dir={json.dumps(str(out))}" in r.stderr
