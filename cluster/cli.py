@@ -34,12 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--ray-address", default=None, help="join a running cluster (default: start Ray locally, "
                    "or the one RAY_ADDRESS names, as under `ray job submit`)")
     s = sub.add_parser("submit", help="run a job on a running Ray cluster (through `ray job submit`)")
-    s.add_argument("config", help="TOML preset inside this project folder (the folder is uploaded)")
+    s.add_argument("config", help="TOML config, anywhere: the project folder is uploaded, with the config and the data "
+                   "files it names when they are outside it")
     s.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     s.add_argument("--address", help="the cluster's dashboard address, e.g. http://HEAD:8265 (default: "
                    "RAY_API_SERVER_ADDRESS or RAY_ADDRESS)")
-    s.add_argument("--python", help="the Python of the project's environment on the cluster's nodes (default: this "
-                   "one, at the same path on every node)")
+    s.add_argument("--python", help="the Python of the project's environment on the cluster's nodes (default: the "
+                   "one cluster/ray_cluster.yaml installs; refused when it is not this machine's own)")
     s.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment variable for the "
                    "job and its actors; repeatable")
     s.add_argument("--submission-id", help="the job's id (default qgrpo-NAME-TIME)")
@@ -49,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--rollout-actors", type=int, required=True, metavar="N")
     c = sub.add_parser("check", help="validate a config and print the effective one")
     c.add_argument("config")
+    c.add_argument("--gpus", metavar="N[,N...]", help="check the GPU plan against nodes of these GPU counts, e.g. 1, "
+                   "8 or 4,1,1 (default: this machine's GPUs; not checked on a machine without one)")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint or model folder (greedy)")
     e.add_argument("model", help="a checkpoint (runs/NAME/checkpoints/step_N, or its URI) or any local HF model "
@@ -200,6 +203,40 @@ def _migrate_command(args) -> int:
     return 0
 
 
+def _check_gpu_plan(cfg, gpus: str | None) -> int:
+    """`qgrpo check`: where every GPU-asking actor would sit, on nodes of `gpus` GPUs (else this machine's); exit 2
+    naming the roles and the GPUs when they cannot all be placed at once."""
+    from cluster.placement import gpu_plan, nodes_from_counts, role_requests
+    from core.devices import visible_gpu_count
+
+    requests = role_requests(cfg)
+    if not any(r.gpus for r in requests):
+        return 0
+    if gpus:
+        try:
+            counts = [int(x) for x in gpus.split(",")]
+            if any(c < 0 for c in counts):
+                raise ValueError
+        except ValueError:
+            print(f"qgrpo check: --gpus {gpus}: expected GPU counts per node, e.g. --gpus 1 or --gpus 4,1,1",
+                  file=sys.stderr)
+            return EXIT_CONFIG
+        where = f"--gpus {gpus}"
+    else:
+        n = visible_gpu_count()
+        if not n:
+            print("qgrpo check: GPU plan not checked: this machine has no GPU; `--gpus N` checks it against a node of "
+                  "N GPUs (`--gpus 4,1,1`: several nodes)", file=sys.stderr)
+            return 0
+        counts, where = [n], f"this machine's {n} GPU{'s' * (n != 1)}"
+    lines, problems = gpu_plan(requests, nodes_from_counts(counts))
+    if problems:
+        print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"qgrpo check: GPU plan on {where}:\n" + "\n".join(f"  {line}" for line in lines), file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "eval":
@@ -284,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     if args.command == "check":
         print(to_toml(cfg.to_dict()))
-        return 0
+        return _check_gpu_plan(cfg, args.gpus)
 
     # Valid config: from here on work is expensive.
     from actors.common import quiet_libraries
@@ -304,6 +341,12 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_CONFIG
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     problems = preflight(cfg, model_path, None if address else os.cpu_count() or 1, resuming=resume is not None)
+    if not address:  # this machine: its GPUs must hold every role that asks for one, all at once
+        from cluster.placement import gpu_plan, nodes_from_counts, role_requests
+        from core.devices import visible_gpu_count
+
+        if any(r.gpus for r in role_requests(cfg)):
+            problems += gpu_plan(role_requests(cfg), nodes_from_counts([visible_gpu_count()]))[1]
     if problems:  # what would hang or train on garbage, before Ray starts or anything is written
         print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
         return EXIT_CONFIG
@@ -325,10 +368,11 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=address, include_dashboard=False,
                  num_cpus=None if address else max(CPU_OVERSUBSCRIPTION * (os.cpu_count() or 1), math.ceil(needed)))
     if address or not started:  # a cluster: what its nodes can hold is known once connected, before any actor
-        from cluster.placement import infeasible, role_requests
+        from cluster.placement import gpu_plan, infeasible, nodes_from_ray, role_requests
 
         problems = infeasible(role_requests(cfg), ray.nodes()) + (
             cpu_problems(cfg, int(ray.cluster_resources().get("CPU", 0))) if address else [])
+        problems = problems or gpu_plan(role_requests(cfg), nodes_from_ray(ray.nodes()))[1]
         if problems:
             if started:
                 ray.shutdown()

@@ -540,6 +540,7 @@ def validate(cfg: Config) -> list[str]:
     need(cfg.reference.num_cpus >= 0, f"reference.num_cpus: must be >= 0, got {cfg.reference.num_cpus}")
     for name, sec in (("rollout", ro), ("reference", cfg.reference), ("learner", le)):
         p.extend(placement_problems(name, sec))
+    p.extend(gpu_problems(cfg))
     need(le.attention in ATTENTION, f"learner.attention: must be one of {', '.join(ATTENTION)}, got {le.attention!r}")
     need(le.placement_strategy in STRATEGIES, f"learner.placement_strategy: must be one of {', '.join(STRATEGIES)}, "
          f"got {le.placement_strategy!r}")
@@ -617,3 +618,25 @@ def validate(cfg: Config) -> list[str]:
          f"sync.transport: must be 'object_store' or 'collective', got {cfg.sync.transport!r}")
     return p
 
+
+def gpu_problems(cfg: Config) -> list[str]:
+    """What a config asks of GPUs that cannot work, whatever the cluster: each process uses one device (one GPU, or
+    a share of one), NCCL ranks need a GPU each, MLX has no CUDA. (Whether the roles fit the GPUs there are together:
+    cluster.placement.gpu_plan.)"""
+    p, le, ref = [], cfg.learner, cfg.reference
+    for name, sec, what in (("rollout", cfg.rollout, "a rollout actor runs one engine on one GPU; scale out with "
+                             "rollout.num_actors"),
+                            ("reference", ref, "the reference scores on one GPU"),
+                            ("learner", le, "each DeepSpeed rank trains on one GPU; use learner.world_size = N for N "
+                             "GPUs")):
+        if sec.num_gpus > 1:
+            p.append(f"{name}.num_gpus: {sec.num_gpus:g} GPUs per actor, but {what}; set {name}.num_gpus = 1 (or a "
+                     "share of one GPU, e.g. 0.5)")
+    if 0 < le.num_gpus < 1 and le.world_size > 1:
+        p.append(f"learner.num_gpus: {le.num_gpus:g} of a GPU per rank with learner.world_size = {le.world_size}: two "
+                 "ranks could land on one GPU, which NCCL refuses; give each rank a whole GPU (learner.num_gpus = 1) "
+                 "or train on one rank (learner.world_size = 1)")
+    if cfg.reference_actor and ref.backend == "mlx" and ref.num_gpus > 0:
+        p.append("reference.num_gpus: the mlx reference runs on Apple silicon or the CPU, never on CUDA; set "
+                 "reference.num_gpus = 0, or reference.backend = \"torch\" to score on a GPU")
+    return p

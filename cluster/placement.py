@@ -185,3 +185,138 @@ def placement_problems(section: str, sec) -> list[str]:
         if not isinstance(value, str) or not value:
             p.append(f"{section}.node_labels.{key}: must be a non-empty string (the label's value), got {value!r}")
     return p
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The GPU plan: can every actor that asks for a GPU (or a share of one) get it at once?
+#
+# Ray places a whole-GPU request (num_gpus = 1, 2, ...) on that many free GPUs of one node, and a fractional one
+# (0 < num_gpus < 1) on one GPU that still has that share free; roles that share a GPU this way must add up to at most
+# 1 per GPU. `infeasible` checks each actor alone; a plan whose actors fit one by one but not together would leave Ray
+# waiting for resources that never come (faults.schedule_timeout_s later). `gpu_plan` places them all, exactly (a
+# small search: a job has tens of actors), and says which GPU each lands on, or which roles oversubscribe which GPU.
+
+_EPS = 1e-9
+_SEARCH_LIMIT = 200_000  # placement attempts before giving up the search (then the plan is not refused)
+
+
+@dataclass
+class GPUNode:
+    """A node as the plan sees it: its GPUs, and (for a real cluster) its resources and labels."""
+
+    name: str
+    gpus: int
+    resources: dict[str, float] = field(default_factory=dict)  # empty: any custom resource (a node from --gpus)
+    labels: dict[str, str] = field(default_factory=dict)
+    any_role: bool = False  # a node described by GPU count alone: every role may go there
+
+    def takes(self, r: RoleRequest) -> bool:
+        if self.any_role:
+            return True
+        return (all(self.resources.get(k, 0.0) >= v for k, v in r.bundle().items() if k != "GPU")
+                and all(self.labels.get(k) == v for k, v in r.labels.items()))
+
+
+def nodes_from_counts(counts: list[int]) -> list[GPUNode]:
+    """Nodes given by their GPU counts (`qgrpo check --gpus 8` or `--gpus 4,1,1`): every role may go anywhere."""
+    return [GPUNode(f"node {i}", n, any_role=True) for i, n in enumerate(counts)]
+
+
+def nodes_from_ray(nodes: list[dict]) -> list[GPUNode]:
+    """The alive nodes of `ray.nodes()` (their totals)."""
+    alive = [n for n in nodes if n.get("Alive", n.get("alive"))]
+    return [GPUNode(n.get("NodeManagerAddress") or n.get("NodeID", f"node {i}")[:12], int(n["Resources"].get("GPU", 0)),
+                    dict(n.get("Resources", {})), dict(n.get("Labels", {}))) for i, n in enumerate(alive)]
+
+
+def _actor_names(r: RoleRequest) -> list[str]:
+    if r.role == "learner":
+        return [f"learner rank {i}" for i in range(r.count)]
+    if r.role == "rollout":
+        return [f"rollout actor {i}" for i in range(r.count)]
+    return [r.role if r.count == 1 else f"{r.role} {i}" for i in range(r.count)]
+
+
+def gpu_plan(requests: list[RoleRequest], nodes: list[GPUNode]) -> tuple[list[str], list[str]]:
+    """(plan lines "node GPU i: who (share) + ... = total", problems). Problems name the roles and the GPUs they
+    would oversubscribe and the fields to change; [] when every GPU-asking actor fits at once (or the search gave up,
+    which never refuses a plan)."""
+    demands = [(name, r) for r in requests if r.gpus > 0 for name in _actor_names(r)]
+    if not demands:
+        return [], []
+    problems = [f"{r.role}.num_gpus: {r.gpus:g} is neither a share of one GPU (< 1) nor a whole number; Ray places "
+                f"only those" for r in {id(r): r for _, r in demands}.values() if r.gpus > 1 and r.gpus != int(r.gpus)]
+    if problems:
+        return [], problems
+    free = [[1.0] * n.gpus for n in nodes]
+    held: list[list[list[str]]] = [[[] for _ in range(n.gpus)] for n in nodes]
+    # Whole GPUs first, then the largest shares: the order a person would place them in, and the search's.
+    order = sorted(demands, key=lambda d: -d[1].gpus)
+    budget = [_SEARCH_LIMIT]
+
+    def place(k: int) -> bool:
+        if k == len(order):
+            return True
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise TimeoutError
+        name, r = order[k]
+        tried: set = set()
+        for ni, node in enumerate(nodes):
+            if not node.takes(r):
+                continue
+            if r.gpus >= 1:
+                idle = [g for g in range(node.gpus) if free[ni][g] >= 1.0 - _EPS]
+                if len(idle) < r.gpus:
+                    continue
+                pick = idle[:int(r.gpus)]
+                for g in pick:
+                    free[ni][g] = 0.0
+                    held[ni][g].append(f"{name} (1)")
+                if place(k + 1):
+                    return True
+                for g in pick:
+                    free[ni][g] = 1.0
+                    held[ni][g].pop()
+                continue
+            for g in range(node.gpus):
+                key = (ni if not node.any_role else "any", round(free[ni][g], 6))  # equal GPUs: try one of them
+                if free[ni][g] + _EPS < r.gpus or key in tried:
+                    continue
+                tried.add(key)
+                free[ni][g] -= r.gpus
+                held[ni][g].append(f"{name} ({r.gpus:g})")
+                if place(k + 1):
+                    return True
+                free[ni][g] += r.gpus
+                held[ni][g].pop()
+        return False
+
+    def lines() -> list[str]:
+        out = []
+        for ni, node in enumerate(nodes):
+            for g in range(node.gpus):
+                if held[ni][g]:
+                    out.append(f"{node.name} GPU {g}: {' + '.join(held[ni][g])} = {1.0 - free[ni][g]:.2g} of 1")
+        return out
+
+    try:
+        if place(0):
+            return lines(), []
+    except TimeoutError:
+        return ["(too many actors to check the GPU plan exactly; not checked)"], []
+    total = sum(n.gpus for n in nodes)
+    asked = sum(r.gpus for _, r in demands)
+    whole = [f"{name} ({r.gpus:g})" for name, r in demands]
+    where = ", ".join(f"{n.name}: {n.gpus} GPU{'s' * (n.gpus != 1)}" for n in nodes) or "no GPUs"
+    roles = sorted({r.role for _, r in demands})
+    fields = " / ".join(f"{role}.num_gpus" for role in roles)
+    if asked > total + _EPS:
+        why = f"they ask for {asked:g} GPUs in all and there are {total}"
+    else:
+        why = "the shares cannot be arranged so that each GPU holds at most 1 (a fractional request sits on one GPU)"
+    shared = [f"GPU {g} of {n.name}" for n in nodes for g in range(n.gpus)]
+    problems.append(f"{fields}: the GPU plan oversubscribes {', '.join(shared[:4]) or 'the GPUs'}"
+                    f"{' and more' if len(shared) > 4 else ''} ({where}): {' + '.join(whole)}: {why}; lower {fields} so "
+                    "that the roles sharing a GPU add up to at most 1, fewer actors, or more GPUs")
+    return [], problems

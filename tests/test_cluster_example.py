@@ -5,7 +5,7 @@ from pathlib import Path
 import yaml
 
 from cluster.config import load_config
-from cluster.placement import infeasible, role_requests
+from cluster.placement import gpu_plan, infeasible, nodes_from_ray, role_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,7 +15,8 @@ def _nodes(spec: dict) -> list[dict]:
     out = []
     for name, t in spec["available_node_types"].items():
         count = 1 if name == spec["head_node_type"] else t["max_workers"]
-        out += [{"Alive": True, "Resources": dict(t["resources"]), "Labels": {}}] * count
+        out += [{"Alive": True, "NodeManagerAddress": f"{name}-{i}", "Resources": dict(t["resources"]), "Labels": {}}
+                for i in range(count)]
     return out
 
 
@@ -23,6 +24,10 @@ def test_the_example_config_fits_the_example_cluster():
     spec = yaml.safe_load((ROOT / "cluster" / "ray_cluster.yaml").read_text())
     cfg = load_config(ROOT / "configs" / "cluster.toml")
     assert infeasible(role_requests(cfg), _nodes(spec)) == []
+    # every GPU role at once, on the node types it is pinned to; none on the head, which has no GPU
+    lines, problems = gpu_plan(role_requests(cfg), nodes_from_ray(_nodes(spec)))
+    assert problems == [] and any("reference (1)" in line for line in lines), (lines, problems)
+    assert cfg.reference.num_gpus == 1 and "head_node" not in cfg.reference.resources
     # and would not with one node type missing: the pinning is real
     spec["available_node_types"].pop("rollout")
     (problem,) = infeasible(role_requests(cfg), _nodes(spec))
@@ -33,5 +38,5 @@ def test_nodes_run_ray_from_the_projects_environment():
     spec = yaml.safe_load((ROOT / "cluster" / "ray_cluster.yaml").read_text())
     starts = spec["head_start_ray_commands"] + spec["worker_start_ray_commands"]
     assert all("qgrpo/.venv/bin/ray" in c for c in starts)
-    assert any("make install" in c for c in spec["setup_commands"])
+    assert any("make install-cuda" in c for c in spec["setup_commands"])
     assert "**/.venv" in spec["rsync_exclude"]

@@ -1,0 +1,157 @@
+"""The GPU paths, end to end, on a real CUDA GPU (`cuda` mark; skipped on a machine without one).
+
+In-process first (no Ray needed: the device machine has torch + CUDA and may have nothing else): the learner trains
+on its GPU with the guard on (inputs moved, guard collectives on CUDA under NCCL), QLoRA quantizes its base on the GPU,
+the torch generator quantizes and samples on the GPU at each precision, and the reference scores there. Then, with
+Ray (and vLLM where installed): the tiny job learns on one shared GPU with the torch generator (int8, int4, nf4) and
+with vLLM (int8, fp8); two learner ranks at ZeRO-2 on two GPUs match one. The NCCL weight broadcast between two GPUs
+is tests/test_transport.py::test_nccl_broadcast_between_two_gpus; the quantized layers against a float32 reference
+are in tests/test_quant_devices.py.
+"""
+import importlib.util
+import json
+import math
+
+import pytest
+import torch
+
+from learner.loss import GRPOLossConfig
+from tests.test_learner import _batch, dist_env  # noqa: F401 (dist_env: the one-rank process-group environment)
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("deepspeed") is None,
+                               reason="needs Ray and DeepSpeed")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+# ------------------------------------------------------------------------------------------------ in-process
+
+
+@pytest.fixture(scope="module")
+def cuda_learner(tiny_model_path):
+    from learner.engine import Learner
+
+    return Learner(tiny_model_path, lr=1e-3, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=1.0,
+                   loss_cfg=GRPOLossConfig(kl_coeff=0.0), device="cuda:0")
+
+
+def test_learner_trains_on_its_gpu_with_the_guard_on(cuda_learner):
+    assert cuda_learner.device.type == "cuda" and torch.distributed.get_backend() == "nccl"
+    assert next(cuda_learner.engine.module.parameters()).device.type == "cuda"
+    before = {n: p.detach().clone() for n, p in cuda_learner.engine.module.named_parameters()}
+    out = cuda_learner.train_step(_batch(32))  # a CPU batch, as the driver sends it
+    assert out["skipped"] == "" and math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
+    assert any(not torch.equal(before[n], p) for n, p in cuda_learner.engine.module.named_parameters())
+    lp = cuda_learner.score([1, 5, 7, 9, 2])  # the sync fingerprint's probe
+    assert len(lp) == 4 and all(math.isfinite(x) for x in lp)
+    assert {t.device.type for _, t in cuda_learner.named_weights()} == {"cuda"}
+
+
+def test_guard_skips_a_poisoned_step_on_the_gpu(cuda_learner):
+    batch = _batch(32)
+    batch.mu_logp[batch.completion_mask > 0] = float("nan")
+    before = {n: p.detach().clone() for n, p in cuda_learner.engine.module.named_parameters()}
+    out = cuda_learner.train_step(batch)
+    assert out["skipped"] == "sampler_logprobs"
+    assert all(torch.equal(before[n], p) for n, p in cuda_learner.engine.module.named_parameters())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4"])
+def test_torch_generator_quantizes_and_samples_on_its_gpu(tiny_model_path, precision):
+    from core.records import PromptItem, SamplingParams
+    from rollout.backends.torch_backend import TorchGenerator
+
+    gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False)
+    assert {p.device.type for p in gen.model.parameters()} == {"cuda"}
+    groups = gen.generate([PromptItem("p0", "1+2=", "3"), PromptItem("p1", "2+2=", "4")],
+                          SamplingParams(group_size=4, max_new_tokens=3, temperature=1.0, seed=0))
+    lps = [x for g in groups for c in g.completions for x in c.logprobs]
+    assert len(groups) == 2 and lps and all(math.isfinite(x) and x <= 0 for x in lps)
+    # a sync: the master takes new weights and the quantized copy is rebuilt on the GPU
+    weights = [(n, p.detach().cpu()) for n, p in gen._master.named_parameters()]
+    gen.load_weights(1, weights)
+    assert gen.policy_version == 1 and {p.device.type for p in gen.model.parameters()} == {"cuda"}
+
+
+def test_reference_scores_on_its_gpu_like_the_cpu(tiny_model_path):
+    from rollout.reference import ReferenceScorer
+
+    ids = torch.randint(3, 30, (4, 9), generator=torch.Generator().manual_seed(0))
+    gpu = ReferenceScorer(tiny_model_path, "bf16", device="cuda:0").score(ids)
+    cpu = ReferenceScorer(tiny_model_path, "bf16", device="cpu").score(ids)
+    assert gpu.device.type == "cpu" and torch.isfinite(gpu).all()
+    assert (gpu - cpu).abs().max() < 0.05  # bf16 on two devices (different kernels)
+
+
+def test_qlora_base_is_quantized_on_the_gpu(tiny_model_path):
+    from learner.adapters import load_model
+
+    model = load_model(tiny_model_path, "qlora", lora={"rank": 4, "alpha": 8.0, "dropout": 0.0,
+                                                       "target_modules": ["all-linear"]}, device="cuda:0")
+    four_bit = [p for p in model.parameters() if type(p).__name__ == "Params4bit"]
+    assert four_bit and {p.device.type for p in four_bit} == {"cuda"}
+
+
+# ------------------------------------------------------------------------------------------------ with Ray
+
+
+def _train(tmp_path, tiny_model_path, *overrides):
+    from cluster.cli import main
+
+    rc = main(["train", "configs/tiny.toml", "--set", f"model.path='{tiny_model_path}'",
+               "--set", f"run.output_dir='{tmp_path}'", "--set", "run.progress=false",
+               "--set", "learner.num_gpus=0.5", "--set", "reference.num_gpus=0.2", "--set", "rollout.num_gpus=0.3",
+               *[a for o in overrides for a in ("--set", o)]])
+    assert rc == 0
+    (run_dir,) = tmp_path.iterdir()
+    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "reward/mean" in r]
+
+
+def _learned(rows) -> None:
+    first = sum(r["reward/mean"] for r in rows[:10]) / 10
+    last = sum(r["reward/mean"] for r in rows[-10:]) / 10
+    assert all(math.isfinite(r["loss/total"]) for r in rows)
+    assert last - first >= 0.3, (first, last)
+
+
+@needs_ray
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+def test_tiny_job_learns_on_one_gpu_with_the_torch_generator(tmp_path, tiny_model_path, precision):
+    _learned(_train(tmp_path, tiny_model_path, f"rollout.precision={precision}"))
+
+
+@needs_ray
+@needs_vllm
+@pytest.mark.parametrize("precision", ["int8", "fp8"])
+def test_tiny_job_learns_on_one_gpu_with_vllm(tmp_path, tiny_model_path, precision):
+    _learned(_train(tmp_path, tiny_model_path, "rollout.backend=vllm", f"rollout.precision={precision}"))
+
+
+@needs_ray
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+def test_two_learner_ranks_at_zero2_on_two_gpus(ray_session, tiny_model_path, tmp_path):
+    import ray
+
+    from actors.learner_actor import start_learners
+    from core.devices import role_env
+
+    def ranks(world):
+        kw = dict(model_path=tiny_model_path, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world,
+                  zero_stage=2, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
+        opts = [{"num_gpus": 1, "runtime_env": {"env_vars": role_env(1)}}] * world
+        actors, setups = start_learners(world, kw, 1, str(tmp_path), opts)
+        ray.get(setups)
+        return actors
+
+    batch = _batch(32)
+    one, two = ranks(1), ranks(2)
+    try:
+        (r1,) = ray.get([a.train_step.remote(batch) for a in one])
+        r2 = ray.get([a.train_step.remote(batch.shard(i, 2)) for i, a in enumerate(two)])
+        assert r2[0]["grad_norm"] == pytest.approx(r1["grad_norm"], rel=0.02)
+        assert sum(r["loss"] for r in r2) == pytest.approx(r1["loss"], rel=1e-2, abs=1e-4)
+    finally:
+        for a in one + two:
+            ray.kill(a)
