@@ -89,6 +89,7 @@ class RolloutActor(CollectiveMember):
 
         return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
                 "precision": self.gen.precision, "memory_bytes": self.gen.memory_bytes(),
+                "device": self._tensor_device(),
                 "node_id": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads()}
 
     def set_threads(self, threads: int) -> None:

@@ -317,6 +317,7 @@ def gpu_plan(requests: list[RoleRequest], nodes: list[GPUNode]) -> tuple[list[st
         why = "the shares cannot be arranged so that each GPU holds at most 1 (a fractional request sits on one GPU)"
     shared = [f"GPU {g} of {n.name}" for n in nodes for g in range(n.gpus)]
     problems.append(f"{fields}: the GPU plan oversubscribes {', '.join(shared[:4]) or 'the GPUs'}"
-                    f"{' and more' if len(shared) > 4 else ''} ({where}): {' + '.join(whole)}: {why}; lower {fields} so "
+                    f"{' and more' if len(shared) > 4 else ''} ({where}): {' + '.join(whole)}: {why}; "
+                    f"lower {fields} so "
                     "that the roles sharing a GPU add up to at most 1, fewer actors, or more GPUs")
     return [], problems

@@ -44,7 +44,8 @@ def device_from_ids(gpu_ids: list, cuda_available: bool, role: str = "this role"
         return torch.device("cpu")
     if not cuda_available:
         raise DeviceError(f"{role} was assigned GPU(s) {', '.join(map(str, gpu_ids))} but this torch cannot use CUDA "
-                          f"(torch {torch.__version__}, CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r});"
+                          f"(torch {torch.__version__}, "
+                          f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r});"
                           " install the CUDA build on that node (`make install-cuda`), or set the role's num_gpus = 0")
     return torch.device("cuda", 0)
 

@@ -58,45 +58,8 @@ def test_roles_get_their_environment(monkeypatch, tiny_model_path):
 
 
 # ------------------------------------------------------------------------------------------------ the learner
-
-
-@pytest.fixture(scope="module")
-def cpu_learner(tiny_model_path):
-    import os
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29631", RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-                      LOCAL_WORLD_SIZE="1")
-    from learner.engine import Learner
-
-    return Learner(tiny_model_path, lr=1e-3, micro_batch_per_rank=8, sequences_per_rank=8)
-
-
-def test_learner_device_and_backend_come_from_the_role(cpu_learner):
-    assert cpu_learner.device == torch.device("cpu")
-    assert torch.distributed.get_backend() == "gloo"  # a CPU learner is a gloo learner, whatever the node has
-    assert devices.dist_backend(torch.device("cuda", 0)) == "nccl"
-
-
-def test_guard_collectives_get_tensors_of_the_groups_device(cpu_learner, monkeypatch):
-    """NCCL serves only CUDA tensors: the guard's flags and statistics are all-reduced on the device the process
-    group serves (`collective_device`), asked at every collective."""
-    from learner import engine
-
-    asked, got = [], []
-
-    def where():
-        asked.append(1)
-        return torch.device("cpu")
-
-    monkeypatch.setattr(engine, "collective_device", where)
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: got.append(t.device.type))
-    cpu_learner.guard = True
-    assert cpu_learner._veto(torch.zeros(5, dtype=torch.float64)) == ""
-    opt = cpu_learner.inner_optimizer
-    opt.veto, opt.enabled = "test", True
-    opt.step()  # vetoed: decided on the all-reduced flag, weights untouched
-    opt.veto = ""
-    assert got == ["cpu", "cpu"] and len(asked) == 2
+# (The learner's own device tests build a DeepSpeed engine in-process: tests/test_learner.py, which owns the one
+# process group a test process has.)
 
 
 def test_collective_device_is_cuda_under_nccl(monkeypatch):
@@ -106,26 +69,6 @@ def test_collective_device_is_cuda_under_nccl(monkeypatch):
     monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     assert devices.collective_device() == torch.device("cuda", 0)
-
-
-def test_learner_moves_the_batch_to_its_device(cpu_learner, monkeypatch):
-    """DeepSpeed moves the model, never the inputs: train_step does, before the first forward."""
-    from learner.batch import TrainBatch
-
-    moved = []
-    original = TrainBatch.to
-
-    def spy(self, device):
-        moved.append(torch.device(device))
-        return original(self, device)
-
-    monkeypatch.setattr(TrainBatch, "to", spy)
-    B, T = 8, 6
-    batch = TrainBatch(input_ids=torch.randint(1, 10, (B, T)), completion_mask=torch.ones(B, T).tril(),
-                       mu_logp=-torch.rand(B, T), advantages=torch.randn(B), policy_versions=torch.zeros(B, dtype=torch.long),
-                       total_sequences=B, total_tokens=float(torch.ones(B, T).tril().sum()), max_new_tokens=T)
-    out = cpu_learner.train_step(batch)
-    assert moved == [cpu_learner.device] and out["loss"] == out["loss"]
 
 
 def test_train_batch_to_moves_every_tensor():

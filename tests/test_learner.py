@@ -6,6 +6,7 @@ import socket
 import pytest
 import torch
 
+from core.devices import dist_backend
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig
 
@@ -178,3 +179,68 @@ def test_guard_off_takes_the_step(tiny_model_path):
     batch = _batch(32)
     out = learner.train_step(replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask))
     assert out["skipped"] == "" and learner.version == 1
+
+
+# ---------------------------------------------------------------- the device (core/devices.py)
+
+
+@pytest.fixture(scope="module")
+def cpu_learner(tiny_model_path):
+    return _learner(tiny_model_path, micro=8)
+
+
+def test_process_group_backend_follows_the_learners_device(monkeypatch):
+    """A CPU learner on a node whose torch sees GPUs is a gloo learner; a GPU learner an NCCL one."""
+    import deepspeed
+
+    from learner import engine
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node
+    asked = []
+    monkeypatch.setattr(deepspeed, "init_distributed", lambda dist_backend: asked.append(dist_backend))
+    engine._init_distributed(torch.device("cpu"))
+    engine._init_distributed(torch.device("cuda", 0))
+    assert asked == ["gloo", "nccl"] and dist_backend(torch.device("cuda", 0)) == "nccl"
+
+
+def test_guard_collectives_get_tensors_of_the_groups_device(cpu_learner, monkeypatch):
+    """NCCL serves only CUDA tensors: the guard's flags and statistics are all-reduced on the device the process
+    group serves (`collective_device`), asked at every collective."""
+    from learner import engine
+
+    asked, got = [], []
+
+    def where():
+        asked.append(1)
+        return torch.device("cpu")
+
+    monkeypatch.setattr(engine, "collective_device", where)
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: got.append(t.device.type))
+    cpu_learner.guard = True
+    assert cpu_learner._veto(torch.zeros(5, dtype=torch.float64)) == ""
+    opt = cpu_learner.inner_optimizer
+    opt.veto, opt.enabled = "test", True
+    opt.step()  # vetoed: decided on the all-reduced flag, weights untouched
+    opt.veto = ""
+    assert got == ["cpu", "cpu"] and len(asked) == 2
+
+
+def test_learner_moves_the_batch_to_its_device(cpu_learner, monkeypatch):
+    """DeepSpeed moves the model, never the inputs: train_step does, before the first forward."""
+    from learner.batch import TrainBatch
+
+    moved = []
+    original = TrainBatch.to
+
+    def spy(self, device):
+        moved.append(torch.device(device))
+        return original(self, device)
+
+    monkeypatch.setattr(TrainBatch, "to", spy)
+    B, T = 8, 6
+    batch = TrainBatch(input_ids=torch.randint(1, 10, (B, T)), completion_mask=torch.ones(B, T).tril(),
+                       mu_logp=-torch.rand(B, T), advantages=torch.randn(B),
+                       policy_versions=torch.zeros(B, dtype=torch.long),
+                       total_sequences=B, total_tokens=float(torch.ones(B, T).tril().sum()), max_new_tokens=T)
+    out = cpu_learner.train_step(batch)
+    assert moved == [cpu_learner.device] and out["loss"] == out["loss"]

@@ -73,7 +73,8 @@ class VLLMOptions:
         elif 0 < num_gpus < 1 and self.gpu_memory_utilization > num_gpus:
             out.append(f"{where}.gpu_memory_utilization: {self.gpu_memory_utilization} of the GPU's memory, but each "
                        f"rollout actor holds rollout.num_gpus = {num_gpus:g} of its GPU, which other roles share: they "
-                       f"would run out of memory; set it to at most {num_gpus:g} (e.g. {self.memory_share(num_gpus):.2f}),"
+                       f"would run out of memory; set it to at most {num_gpus:g} "
+                       f"(e.g. {self.memory_share(num_gpus):.2f}),"
                        " or 0 to derive it")
         if self.tensor_parallel_size != 1:
             # Inside a Ray actor vLLM would fall back to its multiprocessing executor: every sync would then copy the

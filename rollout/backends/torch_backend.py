@@ -43,7 +43,8 @@ class TorchGenerator:
         from core.devices import bind, current_device
 
         # The GPU Ray assigned this actor, else the CPU (core/devices.py); never "any GPU the node has".
-        self.device = bind(torch.device(device) if device is not None else current_device(f"rollout actor {generator_id}"))
+        self.device = bind(torch.device(device) if device is not None
+                           else current_device(f"rollout actor {generator_id}"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
