@@ -240,14 +240,10 @@ def _actor_names(r: RoleRequest) -> list[str]:
 def gpu_plan(requests: list[RoleRequest], nodes: list[GPUNode]) -> tuple[list[str], list[str]]:
     """(plan lines "node GPU i: who (share) + ... = total", problems). Problems name the roles and the GPUs they
     would oversubscribe and the fields to change; [] when every GPU-asking actor fits at once (or the search gave up,
-    which never refuses a plan)."""
+    which never refuses a plan). num_gpus above 1 is whole (cluster.config.gpu_problems refuses more than 1)."""
     demands = [(name, r) for r in requests if r.gpus > 0 for name in _actor_names(r)]
     if not demands:
         return [], []
-    problems = [f"{r.role}.num_gpus: {r.gpus:g} is neither a share of one GPU (< 1) nor a whole number; Ray places "
-                f"only those" for r in {id(r): r for _, r in demands}.values() if r.gpus > 1 and r.gpus != int(r.gpus)]
-    if problems:
-        return [], problems
     free = [[1.0] * n.gpus for n in nodes]
     held: list[list[list[str]]] = [[[] for _ in range(n.gpus)] for n in nodes]
     # Whole GPUs first, then the largest shares: the order a person would place them in, and the search's.
@@ -305,19 +301,21 @@ def gpu_plan(requests: list[RoleRequest], nodes: list[GPUNode]) -> tuple[list[st
             return lines(), []
     except TimeoutError:
         return ["(too many actors to check the GPU plan exactly; not checked)"], []
+    return [], [_oversubscribed(demands, nodes)]
+
+
+def _oversubscribed(demands: list[tuple[str, RoleRequest]], nodes: list[GPUNode]) -> str:
+    """The one problem of a plan that does not fit: the fields, the GPUs, every GPU-asking actor, and why."""
     total = sum(n.gpus for n in nodes)
     asked = sum(r.gpus for _, r in demands)
     whole = [f"{name} ({r.gpus:g})" for name, r in demands]
     where = ", ".join(f"{n.name}: {n.gpus} GPU{'s' * (n.gpus != 1)}" for n in nodes) or "no GPUs"
-    roles = sorted({r.role for _, r in demands})
-    fields = " / ".join(f"{role}.num_gpus" for role in roles)
+    fields = " / ".join(f"{role}.num_gpus" for role in sorted({r.role for _, r in demands}))
     if asked > total + _EPS:
         why = f"they ask for {asked:g} GPUs in all and there are {total}"
     else:
         why = "the shares cannot be arranged so that each GPU holds at most 1 (a fractional request sits on one GPU)"
     shared = [f"GPU {g} of {n.name}" for n in nodes for g in range(n.gpus)]
-    problems.append(f"{fields}: the GPU plan oversubscribes {', '.join(shared[:4]) or 'the GPUs'}"
-                    f"{' and more' if len(shared) > 4 else ''} ({where}): {' + '.join(whole)}: {why}; "
-                    f"lower {fields} so "
-                    "that the roles sharing a GPU add up to at most 1, fewer actors, or more GPUs")
-    return [], problems
+    return (f"{fields}: the GPU plan oversubscribes {', '.join(shared[:4]) or 'the GPUs'}"
+            f"{' and more' if len(shared) > 4 else ''} ({where}): {' + '.join(whole)}: {why}; lower {fields} so that "
+            "the roles sharing a GPU add up to at most 1, fewer actors, or more GPUs")
