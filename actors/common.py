@@ -18,7 +18,7 @@ def local_model(path: str, skip: tuple[str, ...] = ()) -> str:
     """The model folder `path` on this actor's node: a builtin model built here (cached; the driver's cache is not on
     other nodes), a checkpoint given as a URI downloaded here (cached, without the top-level entries in `skip`), a
     folder as given (it must be on every node: shared storage or copied)."""
-    from cluster.storage import is_uri, localize
+    from core.storage import is_uri, localize
     from rollout.models import resolve_model_path
 
     return localize(path, skip=skip) if is_uri(path) else resolve_model_path(path)

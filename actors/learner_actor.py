@@ -15,7 +15,7 @@ import ray
 from actors.collective import CollectiveMember
 from actors.common import apply_threads, local_model, resolve_threads
 from actors.weights import ObjectStoreTransport, WeightUpdate
-from cluster.storage import localize, staged
+from core.storage import localize, staged
 from core import faults
 from learner.batch import TrainBatch
 from rollout.backends.common import probe_ids

@@ -36,7 +36,7 @@ def main() -> None:
 
     import torch
 
-    from cluster.config import load_config
+    from cluster.config.schema import load_config
     from rollout.models import resolve_model_path
     from core.records import SamplingParams
     from rollout.tasks import make_task

@@ -39,7 +39,7 @@ def main(spec: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from cluster.config import load_config
+    from cluster.config.schema import load_config
     from rollout.backends.common import format_prompt
     from rollout.rewards import REWARD_FUNCTIONS
     from rollout.tasks import make_task

@@ -63,7 +63,7 @@ def main() -> None:
     from actors.common import thread_env
     from actors.rollout_actor import RolloutActor
     from actors.weights import ObjectStoreTransport
-    from cluster.workers import gather
+    from cluster.run.workers import gather
     from rollout.models import resolve_model_path
 
     @ray.remote

@@ -129,7 +129,7 @@ def lenient_correct(completion: str, reference: str) -> float:
 
 
 # The answer a correctness reward reads from a completion (None: no answer), and a completion it reads as a given
-# answer. Answer statistics and the majority baseline (cluster/baselines.py) go through these, so they see answers
+# answer. Answer statistics and the majority baseline (rollout/answer_stats.py) go through these, so they see answers
 # exactly as the reward does.
 ANSWER_READERS: dict[str, Callable[[str], str | None]] = {
     "correct": extract_integer,

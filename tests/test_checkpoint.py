@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from cluster.checkpoint import STATE_FILE, clean_stray, complete_checkpoints, save_checkpoint
-from cluster.resume import earlier_evals, find_checkpoint, set_aside_future
+from cluster.rundir.checkpoint import STATE_FILE, clean_stray, complete_checkpoints, save_checkpoint
+from cluster.rundir.resume import earlier_evals, find_checkpoint, set_aside_future
 
 
 def _writer(tag: str):

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import yaml
 
-from cluster.config import load_config
-from cluster.placement import gpu_plan, infeasible, nodes_from_ray, role_requests
+from cluster.config.schema import load_config
+from cluster.config.plan import gpu_plan, infeasible, nodes_from_ray, role_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import ConfigError, load_config
+from cluster.config.schema import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -110,8 +110,8 @@ def test_backend_combinations_are_checked_against_the_registry(overrides, fragme
 def test_backend_table_round_trips_and_unavailable_backend_is_named(monkeypatch):
     import tomllib
 
-    from cluster.config import config_from_dict
-    from cluster.runlog import to_toml
+    from cluster.config.schema import config_from_dict
+    from cluster.rundir.runlog import to_toml
     from rollout.backends import REGISTRY
 
     cfg = load_config(TINY, ["rollout.backend=vllm", "rollout.precision=int8", "rollout.vllm.max_model_len=256"])

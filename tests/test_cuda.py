@@ -117,7 +117,7 @@ def test_qlora_learner_trains_its_adapters_on_the_gpu(cuda_learner, tiny_model_p
 
 
 def _train(tmp_path, tiny_model_path, *overrides):
-    from cluster.cli import main
+    from cluster.cli.app import main
 
     rc = main(["train", "configs/tiny.toml", "--set", f"model.path='{tiny_model_path}'",
                "--set", f"run.output_dir='{tmp_path}'", "--set", "run.progress=false",

@@ -36,9 +36,9 @@ def test_roles_get_their_environment(monkeypatch, tiny_model_path):
     """Every actor the workers start carries role_env of its num_gpus (captured at Ray's `.options`)."""
     import actors.reference_actor
     import actors.rollout_actor
-    from cluster.config import load_config
-    from cluster.placement import RoleRequest
-    from cluster.workers import RolloutPool
+    from cluster.config.schema import load_config
+    from cluster.config.plan import RoleRequest
+    from cluster.run.workers import RolloutPool
 
     seen = []
 
@@ -50,7 +50,7 @@ def test_roles_get_their_environment(monkeypatch, tiny_model_path):
             return object()
 
     monkeypatch.setattr(actors.rollout_actor.RolloutActor, "options", lambda **kw: Capture(**kw), raising=False)
-    monkeypatch.setattr("cluster.workers.RolloutActor", actors.rollout_actor.RolloutActor)
+    monkeypatch.setattr("cluster.run.workers.RolloutActor", actors.rollout_actor.RolloutActor)
     cfg = load_config(None, [f"model.path='{tiny_model_path}'"])
     RolloutPool(cfg, tiny_model_path, 0, "bf16", RoleRequest("rollout", 1, 1.0, 0.0), threads=1)
     RolloutPool(cfg, tiny_model_path, 0, "bf16", RoleRequest("rollout", 1, 1.0, 0.5), threads=1)

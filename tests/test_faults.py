@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.cli import main
+from cluster.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -235,13 +235,13 @@ def test_values_that_would_hang_or_train_on_garbage_exit_2_before_ray_starts(tin
     """Each is refused with the field named, before Ray starts, any actor exists or a run directory is written."""
     import ray
 
-    import cluster.driver
+    import cluster.run.driver
 
     def never(*a, **k):
         raise AssertionError("Ray or the driver was started for an invalid run")
 
     monkeypatch.setattr(ray, "init", never)
-    monkeypatch.setattr(cluster.driver, "train", never)
+    monkeypatch.setattr(cluster.run.driver, "train", never)
     (tmp_path / "a-file").write_text("not a folder")
     out = tmp_path / "runs"
     extra = [setting.format(tmp=tmp_path)] + (["algo.update_every=2"] if field == "run.save_every" else [])

@@ -1,4 +1,4 @@
-"""The GPU plan (cluster.placement.gpu_plan): every actor that asks for a GPU or a share of one is placed at once, as
+"""The GPU plan (cluster.config.plan.gpu_plan): every actor that asks for a GPU or a share of one is placed at once, as
 Ray would, or the config is refused naming the roles and the GPUs; `qgrpo check --gpus` and the presets."""
 import subprocess
 import sys
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
-from cluster.placement import GPUNode, RoleRequest, gpu_plan, nodes_from_counts, nodes_from_ray, role_requests
+from cluster.config.schema import load_config
+from cluster.config.plan import GPUNode, RoleRequest, gpu_plan, nodes_from_counts, nodes_from_ray, role_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 

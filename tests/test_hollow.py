@@ -1,5 +1,5 @@
 """Held-out accuracy beside trivial baselines: the majority baseline (scored on the train split's most common answer by
-the run's own metric), the diversity of the answers, and the warnings when a gain is hollow (cluster/baselines.py),
+the run's own metric), the diversity of the answers, and the warnings when a gain is hollow (rollout/answer_stats.py),
 in the summary of `qgrpo train`, in `qgrpo eval` and in `qgrpo report`; then one tiny run on a skewed dataset."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.baselines import (
+from rollout.answer_stats import (
     diversity,
     eval_answer_stats,
     hollow_warnings,
@@ -17,10 +17,10 @@ from cluster.baselines import (
     step_answer_metrics,
     verdict_lines,
 )
-from cluster.cli import main, summary
-from cluster.config import load_config
-from cluster.evaluate import score_eval
-from cluster.report import report
+from cluster.cli.app import main, summary
+from cluster.config.schema import load_config
+from rollout.evaluate import score_eval
+from cluster.report.build import report
 from core.records import Completion, GroupRollout, PromptItem
 from rollout.rewards import ANSWER_READERS, REWARD_FUNCTIONS, completion_with_answer
 from rollout.tasks import make_task
@@ -196,14 +196,14 @@ def test_report_says_it(tmp_path, texts, warned):
 @pytest.mark.parametrize("texts, warned", [(COLLAPSED, True), (DIVERSE, False)])
 def test_eval_command_says_it(tiny_model_path, skewed_file, monkeypatch, capsys, texts, warned):
     """`qgrpo eval` with the generator replaced by canned answers: the baseline comes from the real train split."""
-    import cluster.evaluate
+    import rollout.evaluate
 
     def canned(model_path, task, n, max_new_tokens, metric, train_task=None, **_):
         res = score_eval(groups_answering([task.item(i) for i in range(n)], texts), metric)
         return {**res, "baseline": (b := majority_baseline(train_task, [task.item(i) for i in range(n)], metric)),
                 "warnings": hollow_warnings(res, b)}
 
-    monkeypatch.setattr(cluster.evaluate, "evaluate_model", canned)
+    monkeypatch.setattr(rollout.evaluate, "evaluate_model", canned)
     assert main(["eval", tiny_model_path, "--config", TINY, *sum((["--set", o] for o in skewed_overrides(skewed_file)),
                                                                 [])]) == 0
     out = capsys.readouterr()

@@ -13,7 +13,7 @@ import torch
 from test_learner import _batch, _group_batch, dist_env  # noqa: F401  (dist_env: the gloo rank, autouse)
 from test_sync import ITEMS, SAMPLING, _mean_gap
 
-from cluster.config import ConfigError, load_config
+from cluster.config.schema import ConfigError, load_config
 from learner.loss import GRPOLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,7 +272,7 @@ def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_m
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from cluster.cli import main
+    from cluster.cli.app import main
 
     out = tmp_path / "runs"
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", "run.progress=false", "run.eval=false",
@@ -327,7 +327,7 @@ def test_tiny_config_learns_with_adapters(ray_session, tiny_model_path, tmp_path
     layer but the head, the usual choice for pretrained models) the reward stayed flat over 150 steps. A larger lr
     is worse: at 3e-3 (rank 16 or 64, and in full fine-tuning too) the answers collapse onto the most common sum,
     where GRPO's groups carry no signal any more (reward ~0.42 for good)."""
-    from cluster.cli import main
+    from cluster.cli.app import main
 
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{tmp_path}'", "run.progress=false", "run.eval=false",
             "run.tensorboard=false", f"learner.mode={mode}", "reference.from_learner=true", "learner.lr=1e-3",

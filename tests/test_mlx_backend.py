@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.cli import main
+from cluster.cli.app import main
 from core.records import PromptItem, SamplingParams
 from core.scoring import token_logprobs
 from rollout import models
@@ -213,7 +213,7 @@ def test_mlx_runs_on_openblas_when_the_system_has_it():
 
 
 def test_config_accepts_mlx_and_names_what_it_does_not_serve():
-    from cluster.config import Config, validate
+    from cluster.config.schema import Config, validate
 
     cfg = Config()
     cfg.model.path = "builtin:tiny-digits"

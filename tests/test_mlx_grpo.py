@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.cli import main
-from cluster.config import ConfigError, load_config
-from cluster.mlx_grpo import translate
+from cluster.cli.app import main
+from cluster.config.schema import ConfigError, load_config
+from cluster.config.mlx_grpo import translate
 from learner.engine import lr_factor
 
 # MLX-GRPO's own configs/nanochat_d32.toml, with a model that exists here

@@ -9,7 +9,7 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 
-from cluster.export import export_for_mlx, safetensors_header  # noqa: E402
+from cluster.cli.export import export_for_mlx, safetensors_header  # noqa: E402
 from rollout.backends.common import mlx_config as _mlx_config  # noqa: E402
 from rollout import models  # noqa: E402
 from rollout.models import BUILTIN_MODELS, BUILTIN_VERSIONS, builtin_cache_dir, resolve_model_path  # noqa: E402

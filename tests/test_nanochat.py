@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cluster.cli import main
-from cluster.config import ConfigError, load_config
+from cluster.cli.app import main
+from cluster.config.schema import ConfigError, load_config
 from core.records import PromptItem, SamplingParams
 from core.scoring import token_logprobs
 from rollout import nanochat

@@ -12,9 +12,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.cli import main
-from cluster.overlap import RolloutSource
-from cluster.workers import RunFailed
+from cluster.cli.app import main
+from cluster.run.overlap import RolloutSource
+from cluster.run.workers import RunFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -3,8 +3,9 @@ resource before any actor starts; one a busy cluster only delays waits to its de
 import pytest
 import ray
 
-from cluster.config import load_config
-from cluster.placement import RoleRequest, infeasible, role_requests, wait_scheduled
+from cluster.config.schema import load_config
+from cluster.config.plan import RoleRequest, infeasible, role_requests
+from cluster.run.placement import wait_scheduled
 
 
 def _node(cpus: float, **resources) -> dict:

@@ -1,4 +1,4 @@
-"""cluster/preflight.py: the checks between a valid config and starting Ray, on the real tiny model and tokenizer."""
+"""cluster/config/preflight.py: the checks between a valid config and starting Ray, on the real tiny model and tokenizer."""
 from __future__ import annotations
 
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config import load_config
-from cluster.preflight import TRAIN_SAMPLE, model_context, preflight, sample_items
+from cluster.config.schema import load_config
+from cluster.config.preflight import TRAIN_SAMPLE, model_context, preflight, sample_items
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -1,4 +1,4 @@
-"""cluster.report: plots and summary of a run directory, from synthetic runs (no Ray, no model)."""
+"""cluster.report.build: plots and summary of a run directory, from synthetic runs (no Ray, no model)."""
 from __future__ import annotations
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.report import report
-from cluster.run_data import moving_average
+from cluster.report.build import report
+from cluster.report.run_data import moving_average
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PNGS = ("reward.png", "accuracy.png", "kl.png", "mismatch.png", "time.png")
@@ -85,7 +85,7 @@ def make_run(run_dir: Path, full: bool = True) -> list[dict]:
     if full:
         lines.append({"time": t0 + 10 + 3.0 * STEPS + 6, "event": "eval", "step": STEPS, "accuracy": ACC_AFTER,
                       "lenient_accuracy": LENIENT_AFTER, "n": 64, "split": "eval"})
-    # json.dumps writes NaN / -Infinity literals, as cluster.runlog does
+    # json.dumps writes NaN / -Infinity literals, as cluster.rundir.runlog does
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     if full:
         (run_dir / "config.toml").write_text(CONFIG)

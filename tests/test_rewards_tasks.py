@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.config import RewardsConfig, RewardSpec
+from cluster.config.schema import RewardsConfig, RewardSpec
 from rollout.rewards import REWARD_FUNCTIONS, RewardError, WeightedRewards, correct, exact, extract_integer
 from rollout.tasks import DigitSum, PromptSampler
 

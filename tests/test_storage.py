@@ -1,4 +1,4 @@
-"""Run directories and checkpoints on a URI (cluster/storage.py). The URIs here are file:// ones on a local folder:
+"""Run directories and checkpoints on a URI (core/storage.py). The URIs here are file:// ones on a local folder:
 they go through the same pyarrow calls as s3:// or gs:// (FileSystem.from_uri, get_file_info, copy_files, streams);
 what they cannot show is an object store's latency, consistency and credentials. The local folder behind a file://
 URI is read directly to check what landed there.
@@ -15,11 +15,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster import storage
-from cluster.checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, read_state, save_checkpoint
-from cluster.cli import main
-from cluster.config import ConfigError, load_config
-from cluster.resume import find_checkpoint
+from core import storage
+from cluster.rundir.checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, read_state, save_checkpoint
+from cluster.cli.app import main
+from cluster.config.schema import ConfigError, load_config
+from cluster.rundir.resume import find_checkpoint
 from tests.test_faults import TINY, _args, _metrics, _run_dir, _steps, faults  # noqa: F401 (faults: a fixture)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import cluster.submit as sub
+import cluster.cli.submit as sub
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -145,7 +145,7 @@ def test_config_outside_the_project_is_uploaded_with_its_data(dashboard, tmp_pat
     assert wd != ROOT and "excludes" not in call["runtime_env"]  # a staged copy, filtered already
     files = call["files"]
     # the project tree without what EXCLUDES leaves out, plus _submitted/
-    assert {"cluster/submit.py", "cluster/cli.py", "configs/tiny.toml", "pyproject.toml"} <= set(files)
+    assert {"cluster/cli/submit.py", "cluster/cli/app.py", "configs/tiny.toml", "pyproject.toml"} <= set(files)
     assert not any(f.split("/")[0] in (".venv", ".git", "runs", ".cache") or "__pycache__" in f for f in files)
     assert files["_submitted/mine.toml"] == before
     assert files["_submitted/task.path/train.jsonl"] == train.read_bytes()

@@ -8,7 +8,7 @@ import torch
 from actors.learner_actor import start_learners
 from actors.rollout_actor import RolloutActor
 from actors.weights import ObjectStoreTransport
-from cluster.workers import StageTimeout, gather
+from cluster.run.workers import StageTimeout, gather
 from learner.batch import build_train_batch
 from learner.loss import GRPOLossConfig
 from rollout.advantages import group_advantages

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from cluster.config import ConfigError, TaskConfig, load_config
+from cluster.config.schema import ConfigError, TaskConfig, load_config
 from rollout.datasets import MAX_REPORTED, DatasetError
 from rollout.rewards import (REWARD_FUNCTIONS, answer_correct, answer_format, answers_match, extract_answer,
                              last_number, lenient_correct)
@@ -141,7 +141,7 @@ def test_example_from_the_eval_split_is_refused():
     pytest.importorskip("reasoning_gym")
     import dataclasses
 
-    from cluster.config import Example
+    from cluster.config.schema import Example
 
     cfg = rg_cfg(eval_size=20)
     question = make_task(cfg, 0, "eval").item(5).meta["entry"]["question"]

@@ -17,7 +17,7 @@ from actors.collective import CollectiveGroup, CollectiveMember
 from actors.learner_actor import start_learners
 from actors.rollout_actor import RolloutActor
 from actors.weights import ObjectStoreTransport
-from cluster.workers import RunFailed, gather
+from cluster.run.workers import RunFailed, gather
 from core.records import PromptItem, SamplingParams
 from learner.batch import build_train_batch
 from learner.loss import GRPOLossConfig
@@ -154,7 +154,7 @@ def test_member_dying_mid_broadcast_fails_the_sync(job):
 
 
 def test_transport_is_validated():
-    from cluster.config import Config, validate
+    from cluster.config.schema import Config, validate
 
     cfg = Config()
     cfg.sync.transport = "nccl"
@@ -166,7 +166,7 @@ def test_transport_is_validated():
 def test_train_end_to_end_with_the_collective_transport(ray_session, tiny_model_path, tmp_path, monkeypatch):
     """A 3-step job with sync.transport=collective, one of its two rollout actors killed at step 2: the replacement
     loads the published version from learner rank 0 before it serves, and the next sync forms the group again."""
-    from cluster.cli import main
+    from cluster.cli.app import main
 
     monkeypatch.setenv("QGRPO_FAULTS", "rollout.kill@2")
     (tmp_path / "fault-state").mkdir()

@@ -78,7 +78,7 @@ def test_fingerprint_catches_bf16_reloaded_into_the_int8_engine(generators, tiny
 def test_tiny_config_learns_with_vllm_rollouts(ray_session, tiny_model_path, tmp_path):
     """configs/tiny.toml with `rollout.backend = "vllm"` at int8 (W8A8): the same bar as the torch learning test,
     mean reward of the last 10 steps at least 0.3 above the first 10."""
-    from cluster.cli import main
+    from cluster.cli.app import main
 
     rc = main(["train", "configs/tiny.toml", "--set", f"model.path='{tiny_model_path}'", "--set",
                f"run.output_dir='{tmp_path}'", "--set", "run.progress=false", "--set", "rollout.backend=vllm",

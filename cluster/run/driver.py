@@ -14,17 +14,17 @@ from pathlib import Path
 
 import torch
 
-from cluster.baselines import hollow_warnings, majority_baseline, step_answer_metrics
-from cluster.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
-from cluster.config import Config
-from cluster.control import wanted_rollout_actors
-from cluster.evaluate import accuracy_reward, eval_items, greedy, score_eval
-from cluster.guard import GuardStop, PrecisionLadder
-from cluster.overlap import RolloutSource
-from cluster.resume import earlier_evals, set_aside_future
-from cluster.rollout_log import RolloutWriter
-from cluster.runlog import RunLog
-from cluster.storage import RunDir, StorageError
+from rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
+from cluster.rundir.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
+from cluster.config.schema import Config
+from cluster.run.control import wanted_rollout_actors
+from rollout.evaluate import accuracy_reward, eval_items, greedy, score_eval
+from cluster.run.ladder import GuardStop, PrecisionLadder
+from cluster.run.overlap import RolloutSource
+from cluster.rundir.resume import earlier_evals, set_aside_future
+from cluster.rundir.rollout_log import RolloutWriter
+from cluster.rundir.runlog import RunLog
+from core.storage import RunDir, StorageError
 from learner.batch import TrainBatch, build_train_batch
 from learner.loss import finalize_stats, merge_stats
 from rollout.advantages import group_advantages
@@ -105,11 +105,11 @@ def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], b
 
 def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None) -> dict:
     """Run the job; returns the last step's metrics, the held-out evaluations by step, the majority baseline
-    (cluster/baselines.py) and the final checkpoint.
+    (rollout/answer_stats.py) and the final checkpoint.
     `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
-    `run_dir`: a folder, or a RunDir whose logs are staged locally and mirrored to a URI (cluster/storage.py).
-    Raises RunFailed (cluster/workers.py) with what happened and how to resume when a fault ends the run."""
-    from cluster.workers import RunFailed, Workers
+    `run_dir`: a folder, or a RunDir whose logs are staged locally and mirrored to a URI (core/storage.py).
+    Raises RunFailed (cluster/run/workers.py) with what happened and how to resume when a fault ends the run."""
+    from cluster.run.workers import RunFailed, Workers
 
     run = RunDir.of(run_dir)  # logs go to run.local; checkpoints to run.root (the same folder, or a URI)
     state, policy_path, evals, aside = {"step": 0, "policy_version": 0, "cursor": 0}, model_path, {}, None

@@ -2,7 +2,7 @@
 
 `preflight(cfg, model_path, cpus)` runs after `load_config` (the values are valid) and `check_task` (the task can be
 built), once the model folder is resolved, and before Ray starts or the run directory is created. Each problem is one
-line, "section.field: what is wrong (the numbers); the fix", like the messages of `cluster.config.validate`:
+line, "section.field: what is wrong (the numbers); the fix", like the messages of `cluster.config.schema.validate`:
 
 1. run.output_dir can be created: its nearest existing ancestor is a folder this user may write into.
 2. Context length: the longest prompt, formatted exactly as the generators format it (`format_prompt`: chat template,
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cluster.config import Config
+    from cluster.config.schema import Config
     from core.records import PromptItem
 
 # Prompts looked at per split: the first TRAIN_SAMPLE train items, and the first EVAL_SAMPLE eval items when the run
@@ -57,7 +57,7 @@ def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = F
 
 def output_dir_problems(output_dir: str) -> list[str]:
     """run.output_dir must be creatable: the nearest existing ancestor is a writable folder. Creates nothing."""
-    from cluster.storage import is_uri
+    from core.storage import is_uri
 
     if is_uri(output_dir):  # its scheme is checked with the config; the first write, before Ray starts, does the rest
         return []

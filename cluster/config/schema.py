@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from cluster.placement import STRATEGIES, placement_problems
+from cluster.config.plan import STRATEGIES, placement_problems
 from rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions  # backends, their precisions and options
 
 BUILTIN_MODEL_PREFIX = "builtin:"
@@ -147,7 +147,7 @@ class AlgoConfig:
     is_cap: float = 2.0  # C in min(pi_old/mu, C)
     update_every: int = 1  # generators get new weights every N learner steps (1 = on-policy up to quantization)
     updates_per_batch: int = 1  # optimizer updates on each batch (>1 makes the clip matter)
-    # One-step-off-policy: step k+1's rollouts are generated while the learner trains on step k (cluster/overlap.py).
+    # One-step-off-policy: step k+1's rollouts are generated while the learner trains on step k (cluster/run/overlap.py).
     # They are one update stale at update_every = 1, corrected by the importance weights (is_mode); staleness is
     # recorded per rollout. Pays off when generators and learner have their own devices or nodes.
     overlap: bool = False
@@ -372,9 +372,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base:
                 notes: list[str] | None = None) -> Config:
     """Read a TOML preset, apply `section.key=value` overrides, build and validate. Raises ConfigError.
     Without a path, `base` (an effective config saved by a run, e.g. a checkpoint's) is the starting point.
-    An MLX-GRPO file (cluster/mlx_grpo.py) is translated first: its `key=value` overrides apply before the
+    An MLX-GRPO file (cluster/config/mlx_grpo.py) is translated first: its `key=value` overrides apply before the
     translation, ours after; how each key mapped is appended to `notes`."""
-    from cluster.mlx_grpo import is_mlx_grpo, name_origin, translate
+    from cluster.config.mlx_grpo import is_mlx_grpo, name_origin, translate
 
     problems: list[str] = []
     origin: dict[str, str] = {}
@@ -422,7 +422,7 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def validate(cfg: Config) -> list[str]:
-    from cluster.storage import uri_problem
+    from core.storage import uri_problem
     from rollout.datasets import FORMATS as FILE_FORMATS
     from rollout.rewards import REWARD_FUNCTIONS
     from rollout.tasks import RG_PREFIX, RG_SEED_STRIDE, TASKS, rg_config_problems
@@ -622,7 +622,7 @@ def validate(cfg: Config) -> list[str]:
 def gpu_problems(cfg: Config) -> list[str]:
     """What a config asks of GPUs that cannot work, whatever the cluster: each process uses one device (one GPU, or
     a share of one), NCCL ranks need a GPU each, MLX has no CUDA. (Whether the roles fit the GPUs there are together:
-    cluster.placement.gpu_plan.)"""
+    cluster.config.plan.gpu_plan.)"""
     p, le, ref = [], cfg.learner, cfg.reference
     for name, sec, what in (("rollout", cfg.rollout, "a rollout actor runs one engine on one GPU; scale out with "
                              "rollout.num_actors"),

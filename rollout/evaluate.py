@@ -1,5 +1,5 @@
 """Held-out accuracy: greedy completions of the task's eval split, scored by a correctness reward, with how diverse
-the answers were (cluster/baselines.py).
+the answers were (rollout/answer_stats.py).
 
 During training the rollout actors answer (at their own precision, recorded with the result); `qgrpo eval` builds a
 generator in-process for any checkpoint or model folder.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from cluster.baselines import eval_answer_stats, hollow_warnings, majority_baseline
+from rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
 from core.records import GroupRollout, PromptItem, SamplingParams
 from rollout.rewards import REWARD_FUNCTIONS
 
@@ -46,7 +46,7 @@ def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: s
                    options: dict | None = None, train_task=None) -> dict:
     """In-process evaluation of a checkpoint or model folder (used by `qgrpo eval`), on any registered backend.
     With `train_task` (the train split) the result also holds the majority baseline and the warnings
-    (cluster/baselines.py)."""
+    (rollout/answer_stats.py)."""
     from rollout.backends import make_generator
 
     gen = make_generator(backend, model_path=model_path, precision=precision, generator_id=f"eval-{backend}-{precision}",

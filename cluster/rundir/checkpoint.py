@@ -6,7 +6,7 @@ swaps the new folder in (the old one is set aside first and removed after). A ki
 earlier checkpoint loadable; `clean_stray` (run before each save and on resume) removes half-written folders and
 puts back a set-aside one whose replacement never landed.
 
-On a URI (cluster/storage.py) there is no rename: the learner ranks upload their parts into step_NNNNNN/ itself, and
+On a URI (core/storage.py) there is no rename: the learner ranks upload their parts into step_NNNNNN/ itself, and
 trainer_state.json, which the driver writes last, is what makes it complete; a folder without it is an interrupted
 save, ignored and then removed by `clean_stray`. Either way the driver first checks that the model files are where
 it looks: a local run_dir that the learner's node does not share is refused before anything is marked complete.
@@ -21,7 +21,7 @@ import signal
 from pathlib import Path
 from typing import Any, Callable
 
-from cluster import storage
+from core import storage
 from core import faults
 
 STATE_FILE = "trainer_state.json"

@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from cluster import storage
+from core import storage
 
 CONTROL_FILE = "control.json"
 

@@ -11,8 +11,8 @@ import re
 import time
 from pathlib import Path
 
-from cluster import storage
-from cluster.checkpoint import STATE_FILE, clean_stray, complete_checkpoints
+from core import storage
+from cluster.rundir.checkpoint import STATE_FILE, clean_stray, complete_checkpoints
 
 _ROLLOUT_FILE = re.compile(r"steps_(\d+)-(\d+)\.parquet$")
 
@@ -36,7 +36,7 @@ def find_checkpoint(target):
 
 def set_aside_future(run_dir: Path, step: int, root=None) -> Path | str | None:
     """Move everything the run wrote after `step` under RUN_DIR/abandoned/; returns that folder (None if nothing).
-    `root`: where the run's checkpoints are when `run_dir` is a URI run's staging copy (cluster/storage.py)."""
+    `root`: where the run's checkpoints are when `run_dir` is a URI run's staging copy (core/storage.py)."""
     aside = run_dir / "abandoned" / f"after_step_{step:06d}-{time.strftime('%Y%m%d-%H%M%S')}"
     moved = False
 

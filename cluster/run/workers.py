@@ -24,8 +24,9 @@ from actors.learner_actor import start_learners
 from actors.reference_actor import ReferenceActor
 from actors.rollout_actor import RolloutActor
 from actors.weights import WeightUpdate
-from cluster.config import BUILTIN_MODEL_PREFIX, Config
-from cluster.placement import RoleRequest, infeasible, learner_group, role_requests, wait_scheduled
+from cluster.config.schema import BUILTIN_MODEL_PREFIX, Config
+from cluster.config.plan import RoleRequest, infeasible, role_requests
+from cluster.run.placement import learner_group, wait_scheduled
 from learner.batch import TrainBatch
 from learner.loss import GRPOLossConfig
 from rollout.backends import backend_options

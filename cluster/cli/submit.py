@@ -44,7 +44,7 @@ import urllib.request
 from fnmatch import fnmatch
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]  # the project folder: what the job runs
+ROOT = Path(__file__).resolve().parents[2]  # the project folder: what the job runs
 EXCLUDES = [".venv", "venv", "runs", ".cache", ".git", "bench/results", "**/__pycache__", "*.egg-info",
             ".pytest_cache", "*.parquet"]
 # What the cluster's nodes have and this machine may not: checked by the job itself, on the head node.
@@ -194,8 +194,8 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
           submission_id: str | None = None) -> tuple[list[str], dict[str, str], list[str], Path | None]:
     """(the `ray job submit` argv, its environment, lines to tell the user, the staging folder to delete once it has
     run, or None when the job runs the project folder itself). Raises ValueError with the fix."""
-    from cluster.config import BUILTIN_MODEL_PREFIX, ConfigError, load_config
-    from cluster.storage import is_uri
+    from cluster.config.schema import BUILTIN_MODEL_PREFIX, ConfigError, load_config
+    from core.storage import is_uri
 
     cfg_path = Path(config).expanduser().resolve()
     notes, overrides = [], list(overrides)
@@ -271,8 +271,8 @@ def _unchecked(cfg_path: Path, overrides: list[str]):
     the cluster has (its values are still needed here)."""
     import tomllib
 
-    from cluster.config import Config, _build, _set_path
-    from cluster.mlx_grpo import is_mlx_grpo, translate
+    from cluster.config.schema import Config, _build, _set_path
+    from cluster.config.mlx_grpo import is_mlx_grpo, translate
 
     data = tomllib.loads(cfg_path.read_text())
     if is_mlx_grpo(data):

@@ -1,5 +1,5 @@
-"""Where each role runs: what one actor of a role asks Ray for, whether the cluster can ever give it, and waiting
-(with a visible message and a deadline) while a busy cluster cannot give it yet.
+"""Where each role runs: what one actor of a role asks Ray for, and whether the cluster can ever give it (the Ray
+side, creating the learner's placement group and waiting for busy resources, is cluster/run/placement.py).
 
 Every role (rollout, reference, learner) asks per actor for CPUs, GPUs, memory, custom resources (nodes started with
 `ray start --resources '{"rollout_node": 8}'`) and node labels (`ray start --labels pool=spot`). Learner ranks are
@@ -8,15 +8,12 @@ STRICT_PACK/STRICT_SPREAD), so a half-started learner never holds resources whil
 
 A request no node of the cluster can ever satisfy is refused before any actor starts, naming the role and the resource
 (`infeasible`); Ray itself would wait forever. What only a busy cluster delays waits up to
-`faults.schedule_timeout_s`, saying so every WAIT_MESSAGE_S seconds.
+`faults.schedule_timeout_s` (cluster/run/placement.py).
 """
 from __future__ import annotations
 
-import sys
-import time
 from dataclasses import dataclass, field
 
-WAIT_MESSAGE_S = 30.0
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 _GB = 2**30
 
@@ -128,45 +125,6 @@ def _fix(r: RoleRequest) -> str:
     return f"lower it in {keys}, or add a node that has it (ray start --resources / --labels)"
 
 
-def learner_group(r: RoleRequest):
-    """The learner ranks' placement group (created, not yet waited for)."""
-    from ray.util.placement_group import placement_group
-
-    return placement_group([r.bundle() or {"CPU": 0.001}] * r.count, strategy=r.strategy or "PACK",
-                           bundle_label_selector=[dict(r.labels)] * r.count if r.labels else None)
-
-
-def wait_scheduled(pending: dict, seconds: float, what: str, message_every: float = WAIT_MESSAGE_S) -> None:
-    """{ref: name} -> wait until every ref is ready or `seconds` pass; says every `message_every` what it waits for.
-    Raises TimeoutError naming the roles still waiting and the setting to raise."""
-    import ray
-
-    refs, t0 = list(pending), time.monotonic()
-    deadline, said = t0 + seconds, t0
-    while refs:
-        _, refs = ray.wait(refs, num_returns=len(refs), timeout=min(message_every, max(deadline - time.monotonic(), 0)))
-        if not refs:
-            return
-        now = time.monotonic()
-        names = ", ".join(sorted({pending[r] for r in refs}))
-        if now >= deadline:
-            raise TimeoutError(f"{what}: {names} could not be placed within {seconds:.0f} s (faults.schedule_timeout_s):"
-                               " the cluster has the resources but they stay busy; free them, add nodes, or raise "
-                               "faults.schedule_timeout_s")
-        if now - said >= message_every * 0.9:
-            print(f"qgrpo: waiting {now - t0:.0f} s for the cluster to free resources for {names} "
-                  f"(giving up in {deadline - now:.0f} s, faults.schedule_timeout_s)", file=sys.stderr)
-            said = now
-
-
-def assigned_threads() -> int:
-    """Threads for an actor from the CPUs Ray gave it (at least one)."""
-    import ray
-
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-    return max(1, int(cpus))
-
-
 def placement_problems(section: str, sec) -> list[str]:
     """Config rules for the resource fields every role has: GPUs, memory, custom resources, node labels."""
     p = []
@@ -240,7 +198,7 @@ def _actor_names(r: RoleRequest) -> list[str]:
 def gpu_plan(requests: list[RoleRequest], nodes: list[GPUNode]) -> tuple[list[str], list[str]]:
     """(plan lines "node GPU i: who (share) + ... = total", problems). Problems name the roles and the GPUs they
     would oversubscribe and the fields to change; [] when every GPU-asking actor fits at once (or the search gave up,
-    which never refuses a plan). num_gpus above 1 is whole (cluster.config.gpu_problems refuses more than 1)."""
+    which never refuses a plan). num_gpus above 1 is whole (cluster.config.schema.gpu_problems refuses more than 1)."""
     demands = [(name, r) for r in requests if r.gpus > 0 for name in _actor_names(r)]
     if not demands:
         return [], []

@@ -1,0 +1,1 @@
+"""The `qgrpo` command: its subcommands (app), `qgrpo submit` to a Ray cluster (submit) and `qgrpo export` (export)."""

@@ -1,0 +1,5 @@
+import sys
+
+from cluster.cli.app import main
+
+sys.exit(main())
