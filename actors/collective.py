@@ -19,8 +19,8 @@ from typing import Callable, Iterable
 
 import torch
 
-from actors.weights import Bucket, WeightUpdate, pack_buckets, put_buckets
-from core.devices import transport_backend
+from qgrpo.actors.weights import Bucket, WeightUpdate, pack_buckets, put_buckets
+from qgrpo.core.devices import transport_backend
 
 PREFIX = "qgrpo-weights"
 
@@ -136,7 +136,7 @@ class CollectiveMember:
         return "cpu"
 
     def collective_device_info(self) -> dict:
-        from core.devices import physical_gpus
+        from qgrpo.core.devices import physical_gpus
 
         device = self._tensor_device()
         return {"device": device, "gpus": physical_gpus() if device == "cuda" else []}

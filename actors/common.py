@@ -8,7 +8,7 @@ def thread_env(threads: int) -> dict[str, str]:
     """Environment for an actor process. PASSIVE: idle OpenMP threads sleep instead of spinning, which otherwise
     slows the other actors on a shared machine by up to 10x. Fault-injection drills (core/faults.py) pass through.
     `threads` 0: decided inside the actor from the CPUs Ray gives it (`resolve_threads`)."""
-    from core import faults
+    from qgrpo.core import faults
 
     counts = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
     return {**counts, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", **faults.env()}
@@ -18,8 +18,8 @@ def local_model(path: str, skip: tuple[str, ...] = ()) -> str:
     """The model folder `path` on this actor's node: a builtin model built here (cached; the driver's cache is not on
     other nodes), a checkpoint given as a URI downloaded here (cached, without the top-level entries in `skip`), a
     folder as given (it must be on every node: shared storage or copied)."""
-    from core.storage import is_uri, localize
-    from rollout.models import resolve_model_path
+    from qgrpo.core.storage import is_uri, localize
+    from qgrpo.rollout.models import resolve_model_path
 
     return localize(path, skip=skip) if is_uri(path) else resolve_model_path(path)
 

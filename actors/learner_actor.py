@@ -12,13 +12,13 @@ import time
 
 import ray
 
-from actors.collective import CollectiveMember
-from actors.common import apply_threads, local_model, resolve_threads
-from actors.weights import ObjectStoreTransport, WeightUpdate
-from core.storage import localize, staged
-from core import faults
-from learner.batch import TrainBatch
-from rollout.backends.common import probe_ids
+from qgrpo.actors.collective import CollectiveMember
+from qgrpo.actors.common import apply_threads, local_model, resolve_threads
+from qgrpo.actors.weights import ObjectStoreTransport, WeightUpdate
+from qgrpo.core.storage import localize, staged
+from qgrpo.core import faults
+from qgrpo.learner.batch import TrainBatch
+from qgrpo.rollout.backends.common import probe_ids
 
 
 @ray.remote
@@ -48,7 +48,7 @@ class LearnerActor(CollectiveMember):
             # DeepSpeed JIT-builds ops into this cache, which the project controls (not ~/.cache).
             TORCH_EXTENSIONS_DIR=self.extensions_dir,
         )
-        from learner.engine import Learner
+        from qgrpo.learner.engine import Learner
 
         # A builtin model is built on this node; a checkpoint given as a URI is read from this node's copy of it
         # (optimizer state included, for load()).

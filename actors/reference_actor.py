@@ -4,8 +4,8 @@ from __future__ import annotations
 import ray
 import torch
 
-from actors.common import apply_threads, local_model, resolve_threads
-from rollout.reference import make_reference_scorer
+from qgrpo.actors.common import apply_threads, local_model, resolve_threads
+from qgrpo.rollout.reference import make_reference_scorer
 
 
 @ray.remote

@@ -8,13 +8,13 @@ import time
 
 import ray
 
-from actors.collective import CollectiveMember
-from actors.common import apply_threads, local_model, resolve_threads
-from actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
-from rollout.backends import make_generator
-from rollout.backends.common import check_fingerprint
-from core import faults
-from core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
+from qgrpo.actors.collective import CollectiveMember
+from qgrpo.actors.common import apply_threads, local_model, resolve_threads
+from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
+from qgrpo.rollout.backends import make_generator
+from qgrpo.rollout.backends.common import check_fingerprint
+from qgrpo.core import faults
+from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 
 
 @ray.remote

@@ -60,7 +60,7 @@ def mean(xs: list[float]) -> float:
 
 def eval_bf16(checkpoint: Path, log: Path) -> dict:
     """The final checkpoint on a bf16 generator: the trained policy itself, whatever precision sampled its rollouts."""
-    out = subprocess.run([sys.executable, "-m", "cluster.cli", "eval", str(checkpoint), "--precision", "bf16"],
+    out = subprocess.run([sys.executable, "-m", "qgrpo", "eval", str(checkpoint), "--precision", "bf16"],
                          cwd=ROOT, env=side_env(), capture_output=True, text=True)
     log.write_text(out.stdout + out.stderr)
     if out.returncode != 0:
@@ -76,7 +76,7 @@ def one_run(args, seed: int, precision: str) -> dict:
         sets = {"run.seed": seed, "rollout.precision": precision, "run.output_dir": tmp, "run.name": name,
                 "run.progress": False, **({"run.steps": args.steps} if args.steps else {}),
                 **({"run.eval": False} if args.no_eval else {})}
-        cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG),
+        cmd = [sys.executable, "-m", "qgrpo", "train", str(CONFIG),
                *[x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")]]
         print(f"[{datetime.datetime.now():%H:%M}] {name}: {' '.join(cmd[2:])}", flush=True)
         rc, sampler, seconds = run_side(cmd, side_env(), logs / f"{name}.log", args.timeout_s)

@@ -36,11 +36,11 @@ def main() -> None:
 
     import torch
 
-    from cluster.config.schema import load_config
-    from rollout.models import resolve_model_path
-    from core.records import SamplingParams
-    from rollout.tasks import make_task
-    from rollout.backends.torch_backend import TorchGenerator
+    from qgrpo.cluster.config.schema import load_config
+    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.core.records import SamplingParams
+    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     torch.set_num_threads(args.threads)
     if args.config:

@@ -75,8 +75,8 @@ def run_variant(args) -> None:
     import torch
     from transformers import AutoConfig
 
-    from learner.engine import Learner
-    from rollout.models import resolve_model_path
+    from qgrpo.learner.engine import Learner
+    from qgrpo.rollout.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     spec = VARIANTS[args.variant]

@@ -45,7 +45,7 @@ def batch(args, vocab: int):
     """A GRPO batch: `groups` prompts x `group_size` completions, completion lengths spread over 75-100% of max."""
     import torch
 
-    from learner.batch import TrainBatch
+    from qgrpo.learner.batch import TrainBatch
 
     G, N, P, C = args.group_size, args.groups, args.prompt_len, args.completion_len
     g = torch.Generator().manual_seed(0)
@@ -140,14 +140,14 @@ def run_variant(args) -> None:
 
     torch.set_num_threads(args.threads)
     v = VARIANTS[args.variant]
-    import core.scoring as scoring
+    import qgrpo.core.scoring as scoring
 
     if v.get("chunked", True) is False:
         scoring._HEAD_AFTER_TRUNK = set()
     from transformers import AutoConfig
 
-    from learner.engine import Learner
-    from rollout.models import resolve_model_path
+    from qgrpo.learner.engine import Learner
+    from qgrpo.rollout.models import resolve_model_path
 
     path = resolve_model_path(args.model)
     cfg = AutoConfig.from_pretrained(path)
@@ -171,8 +171,8 @@ def plain_torch(path: str, b, steps: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from core.scoring import token_logprobs
-    from learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss
+    from qgrpo.core.scoring import token_logprobs
+    from qgrpo.learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
     model.config.use_cache = False
@@ -207,7 +207,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from rollout.models import resolve_model_path
+    from qgrpo.rollout.models import resolve_model_path
 
     cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
     _, lens = batch(args, cfg.vocab_size)

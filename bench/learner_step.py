@@ -35,8 +35,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from rollout.models import resolve_model_path
-    from core.scoring import token_logprobs
+    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.core.scoring import token_logprobs
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.bfloat16)

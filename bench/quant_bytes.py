@@ -21,7 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout.quant import PRECISIONS, linear_weight_bytes, quant_config_summary, quantize_model  # noqa: E402
+from qgrpo.rollout.quant import PRECISIONS, linear_weight_bytes, quant_config_summary, quantize_model  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "quant_bytes.json"
 BATCH, SEQ, REPEATS = 8, 64, 3

@@ -46,7 +46,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from actors.common import thread_env  # noqa: E402  (imports nothing but os: safe before torch)
+from qgrpo.actors.common import thread_env  # noqa: E402  (imports nothing but os: safe before torch)
 
 STEP_S = 20.0  # one step of the default job, as measured in the README (seed 0, `qgrpo report`: ~20 s per step)
 GROUP, NEW_TOKENS = 8, 64
@@ -82,10 +82,10 @@ def main() -> None:
     import vllm
     from safetensors.torch import load_file
 
-    from core.records import PromptItem, SamplingParams
-    from rollout.backends import make_generator
-    from rollout.backends.common import probe_ids
-    from rollout.models import resolve_model_path
+    from qgrpo.core.records import PromptItem, SamplingParams
+    from qgrpo.rollout.backends import make_generator
+    from qgrpo.rollout.backends.common import probe_ids
+    from qgrpo.rollout.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path("builtin:smollm2-135m-instruct", args.cache_dir)
@@ -143,7 +143,7 @@ def main() -> None:
         gc.collect()
 
     # mlx: 32 x 64 only, the quantized variants timed once (module doc); a small warm-up (MLX compiles nothing).
-    from rollout.backends.mlx_backend import blas_status, import_mlx
+    from qgrpo.rollout.backends.mlx_backend import blas_status, import_mlx
 
     mx = import_mlx()  # puts the system OpenBLAS under MLX (if there is one) before mlx.core loads
     mlx_repeats = {"bf16": args.repeats, "int8": MLX_QUANT_REPEATS, "int4": MLX_QUANT_REPEATS}
@@ -163,8 +163,8 @@ def main() -> None:
     from vllm import SamplingParams as VSamplingParams
     from vllm.inputs import TokensPrompt
 
-    from rollout.backends.common import format_prompt
-    from rollout.backends.vllm_backend import write_int8_folder
+    from qgrpo.rollout.backends.common import format_prompt
+    from qgrpo.rollout.backends.vllm_backend import write_int8_folder
 
     for precision in ("bf16", "int8"):
         gen = make_generator("vllm", model_path=path, precision=precision, generator_id=f"vllm-{precision}",

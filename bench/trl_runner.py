@@ -39,10 +39,10 @@ def main(spec: dict) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from cluster.config.schema import load_config
-    from rollout.backends.common import format_prompt
-    from rollout.rewards import REWARD_FUNCTIONS
-    from rollout.tasks import make_task
+    from qgrpo.cluster.config.schema import load_config
+    from qgrpo.rollout.backends.common import format_prompt
+    from qgrpo.rollout.rewards import REWARD_FUNCTIONS
+    from qgrpo.rollout.tasks import make_task
 
     cfg = load_config(spec["config"], spec["overrides"])
     ro = cfg.rollout

@@ -218,7 +218,7 @@ def stop_tree(proc: subprocess.Popen, sampler: MemorySampler) -> None:
 
 
 def side_env(threads: int = 0) -> dict:
-    from actors.common import thread_env
+    from qgrpo.actors.common import thread_env
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
     env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
@@ -230,7 +230,7 @@ def side_env(threads: int = 0) -> dict:
 
 def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
     with tempfile.TemporaryDirectory(prefix="vs_trl-ours-") as tmp:
-        cmd = [sys.executable, "-m", "cluster.cli", "train", str(CONFIG), "--set", f"run.output_dir={json.dumps(tmp)}",
+        cmd = [sys.executable, "-m", "qgrpo", "train", str(CONFIG), "--set", f"run.output_dir={json.dumps(tmp)}",
                "--set", f"model.path={json.dumps(model_path)}", *[x for o in overrides for x in ("--set", o)]]
         rc, sampler, seconds = run_side(cmd, side_env(), args.log_dir / f"ours_round{n}.log", args.timeout_s)
         lines = [json.loads(x) for m in Path(tmp).glob("*/metrics.jsonl") for x in m.read_text().splitlines()]
@@ -348,7 +348,7 @@ def main() -> None:
     started, t_start, load_start = datetime.datetime.now().isoformat(timespec="seconds"), time.time(), os.getloadavg()
     trl_set = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (s.split("=", 1) for s in args.trl_set)}
 
-    from rollout.models import resolve_model_path
+    from qgrpo.rollout.models import resolve_model_path
 
     model_path = resolve_model_path("builtin:smollm2-135m-instruct", args.cache_dir)
     # Both sides read bench/vs_trl.toml with these overrides (TRL's side for its prompts, rewards and sizes).

@@ -59,12 +59,12 @@ def main() -> None:
     import ray
     import torch
 
-    from actors.collective import CollectiveGroup, CollectiveMember
-    from actors.common import thread_env
-    from actors.rollout_actor import RolloutActor
-    from actors.weights import ObjectStoreTransport
-    from cluster.run.workers import gather
-    from rollout.models import resolve_model_path
+    from qgrpo.actors.collective import CollectiveGroup, CollectiveMember
+    from qgrpo.actors.common import thread_env
+    from qgrpo.actors.rollout_actor import RolloutActor
+    from qgrpo.actors.weights import ObjectStoreTransport
+    from qgrpo.cluster.run.workers import gather
+    from qgrpo.rollout.models import resolve_model_path
 
     @ray.remote
     class Sender(CollectiveMember):
@@ -73,8 +73,8 @@ def main() -> None:
         def __init__(self, path: str):
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            from core.scoring import token_logprobs
-            from rollout.backends.common import probe_ids
+            from qgrpo.core.scoring import token_logprobs
+            from qgrpo.rollout.backends.common import probe_ids
 
             torch.set_num_threads(1)
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from core.records import GroupRollout
+from qgrpo.core.records import GroupRollout
 
 
 @dataclass

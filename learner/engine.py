@@ -15,12 +15,12 @@ from typing import Iterator
 
 import torch
 
-from core import faults
-from core.devices import bind, collective_device, current_device, dist_backend
-from core.scoring import token_logprobs
-from learner.adapters import merged_weights, save_adapters, unwrap
-from learner.batch import TrainBatch
-from learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss, merge_stats
+from qgrpo.core import faults
+from qgrpo.core.devices import bind, collective_device, current_device, dist_backend
+from qgrpo.core.scoring import token_logprobs
+from qgrpo.learner.adapters import merged_weights, save_adapters, unwrap
+from qgrpo.learner.batch import TrainBatch
+from qgrpo.learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss, merge_stats
 
 # DeepSpeed's ZeRO optimizer states hold these plain-data objects besides tensors; nothing else is unpickled.
 _SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -160,7 +160,7 @@ class Learner:
         makes (batch, probe, guard flags) goes there."""
         import deepspeed
 
-        from learner.adapters import load_model
+        from qgrpo.learner.adapters import load_model
 
         self.device = bind(torch.device(device) if device is not None else current_device("learner rank"))
         if self.device.type == "cpu":

@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Sequence
 
-from core.records import GroupRollout, PromptItem
-from rollout.rewards import ANSWER_READERS, REWARD_FUNCTIONS, answer_key, completion_with_answer
+from qgrpo.core.records import GroupRollout, PromptItem
+from qgrpo.rollout.rewards import ANSWER_READERS, REWARD_FUNCTIONS, answer_key, completion_with_answer
 
 MAJORITY_SAMPLE = 2_000  # train items whose references are counted for the majority answer
 BEAT_MARGIN = 0.02  # held-out accuracy <= majority baseline + 2 points: no better than the baseline

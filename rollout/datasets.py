@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-from core.records import PromptItem
+from qgrpo.core.records import PromptItem
 
 FORMATS = ("jsonl", "parquet")
 MAX_REPORTED = 20  # malformed rows listed one by one; the rest are counted

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
-from core.records import GroupRollout, PromptItem, SamplingParams
-from rollout.rewards import REWARD_FUNCTIONS
+from qgrpo.rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
+from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.rollout.rewards import REWARD_FUNCTIONS
 
 ACCURACY_REWARDS = ("answer_correct", "correct", "exact")  # first one configured is the accuracy metric
 
@@ -47,7 +47,7 @@ def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: s
     """In-process evaluation of a checkpoint or model folder (used by `qgrpo eval`), on any registered backend.
     With `train_task` (the train split) the result also holds the majority baseline and the warnings
     (rollout/answer_stats.py)."""
-    from rollout.backends import make_generator
+    from qgrpo.rollout.backends import make_generator
 
     gen = make_generator(backend, model_path=model_path, precision=precision, generator_id=f"eval-{backend}-{precision}",
                          chat_template=chat_template, **(options or {}))

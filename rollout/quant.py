@@ -52,8 +52,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.backends import REGISTRY
-from rollout.backends import TORCH_PRECISIONS as PRECISIONS  # declared by the backend registry
+from qgrpo.rollout.backends import REGISTRY
+from qgrpo.rollout.backends import TORCH_PRECISIONS as PRECISIONS  # declared by the backend registry
 
 # The precisions the torch backend serves on each device: the registry's truth, so the config refuses what this module
 # cannot run (rollout/backends: BackendSpec.precisions_by_device). Every pair served has a path in _PATHS below.

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from core.scoring import token_logprobs
-from rollout.backends import REFERENCE_BACKENDS
-from rollout.quant import quantize_model
+from qgrpo.core.scoring import token_logprobs
+from qgrpo.rollout.backends import REFERENCE_BACKENDS
+from qgrpo.rollout.quant import quantize_model
 
 
 def make_reference_scorer(backend: str, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
@@ -26,7 +26,7 @@ class ReferenceScorer:
         quantized there, and sequences come in and log-probs go out as CPU tensors."""
         from transformers import AutoModelForCausalLM
 
-        from core.devices import bind, current_device
+        from qgrpo.core.devices import bind, current_device
 
         self.device = bind(torch.device(device) if device is not None else current_device("the reference actor"))
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
@@ -56,7 +56,7 @@ class MLXReferenceScorer:
     token and completion run on top of it; positions before a row's prompt end are 0, as in the torch scorer."""
 
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64, micro_batch: int = 64):
-        from rollout.backends.mlx_backend import MLXModel
+        from qgrpo.rollout.backends.mlx_backend import MLXModel
 
         self.net = MLXModel(model_path, precision, group_size_quant)
         self.precision = precision
@@ -66,7 +66,7 @@ class MLXReferenceScorer:
               group_ids: torch.Tensor | None = None) -> torch.Tensor:
         import numpy as np
 
-        from rollout.backends.mlx_backend import import_mlx
+        from qgrpo.rollout.backends.mlx_backend import import_mlx
 
         mx = import_mlx()
         ids = input_ids.cpu().long()
@@ -85,7 +85,7 @@ class MLXReferenceScorer:
         import numpy as np
         from mlx_lm.models.cache import BatchKVCache
 
-        from rollout.backends.mlx_backend import import_mlx, picked_logprobs, take_rows
+        from qgrpo.rollout.backends.mlx_backend import import_mlx, picked_logprobs, take_rows
 
         mx = import_mlx()
         B, T = ids.shape

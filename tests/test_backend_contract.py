@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from core.records import PromptItem, SamplingParams
-from core.scoring import token_logprobs
-from rollout.backends import REGISTRY, make_generator
-from rollout.backends.common import WeightMismatchError, check_fingerprint, probe_ids
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.core.scoring import token_logprobs
+from qgrpo.rollout.backends import REGISTRY, make_generator
+from qgrpo.rollout.backends.common import WeightMismatchError, check_fingerprint, probe_ids
 
 # Different prompt lengths, so padding and positions are exercised; the tiny model has no chat template.
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]

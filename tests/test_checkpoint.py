@@ -6,8 +6,8 @@ import pickle
 
 import pytest
 
-from cluster.rundir.checkpoint import STATE_FILE, clean_stray, complete_checkpoints, save_checkpoint
-from cluster.rundir.resume import earlier_evals, find_checkpoint, set_aside_future
+from qgrpo.cluster.rundir.checkpoint import STATE_FILE, clean_stray, complete_checkpoints, save_checkpoint
+from qgrpo.cluster.rundir.resume import earlier_evals, find_checkpoint, set_aside_future
 
 
 def _writer(tag: str):
@@ -86,7 +86,7 @@ def test_optimizer_state_loads_without_unpickling_code(tmp_path, monkeypatch):
     """DeepSpeed's own loader would run this file's payload; the learner's loader refuses it."""
     import torch
 
-    from learner.engine import _safe_checkpoint_engine
+    from qgrpo.learner.engine import _safe_checkpoint_engine
 
     monkeypatch.chdir(tmp_path)
     bad = tmp_path / "mp_rank_00_model_states.pt"

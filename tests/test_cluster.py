@@ -44,7 +44,7 @@ def _sets(out: Path, *extra: str) -> list[str]:
 
 
 def _train(cluster, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cluster.cli", "train", TINY, "--ray-address", cluster.address,
+    return subprocess.run([sys.executable, "-m", "qgrpo", "train", TINY, "--ray-address", cluster.address,
                            *_sets(out, *extra)], cwd=ROOT, env=cluster.client_env(), capture_output=True, text=True,
                           timeout=900)
 
@@ -67,7 +67,7 @@ def test_submit_runs_the_tiny_config_as_a_ray_job(cluster, tmp_path):
     # is passed as an absolute --set, which the command prints.
     out = tmp_path / "runs"
     # --python: this interpreter is the cluster's here (cluster/ray_cluster.yaml's path is what the default expects)
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "submit", TINY, "--address", cluster.dashboard,
+    r = subprocess.run([sys.executable, "-m", "qgrpo", "submit", TINY, "--address", cluster.dashboard,
                         "--python", sys.executable, "--submission-id", job, *_sets(Path(os.path.relpath(out, ROOT)))],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config.schema import ConfigError, load_config
+from qgrpo.cluster.config.schema import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -16,7 +16,7 @@ USER_MODEL = {"nanochat_d20.toml": "builtin:tiny-nanochat-d20", "nanochat_d32.to
 
 
 def test_presets_are_valid():
-    from rollout.tasks import check_task
+    from qgrpo.rollout.tasks import check_task
 
     for preset in sorted((ROOT / "configs").glob("*.toml")):
         cfg = load_config(preset, [f"model.path='{USER_MODEL[preset.name]}'"] if preset.name in USER_MODEL else [])
@@ -72,7 +72,7 @@ def test_all_problems_reported_at_once_by_cli(tmp_path):
     used = [(o, f) for o, f in BAD
             if not o.startswith(("model.path", "learner.lr='", "rollout.backend", "reference.backend"))]
     args = [f"--set={o}" for o, _ in used] + [f"--set=run.output_dir='{out}'"]
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "train", str(TINY), *args],
+    proc = subprocess.run([sys.executable, "-m", "qgrpo", "train", str(TINY), *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     for _, fragment in used:
@@ -110,9 +110,9 @@ def test_backend_combinations_are_checked_against_the_registry(overrides, fragme
 def test_backend_table_round_trips_and_unavailable_backend_is_named(monkeypatch):
     import tomllib
 
-    from cluster.config.schema import config_from_dict
-    from cluster.rundir.runlog import to_toml
-    from rollout.backends import REGISTRY
+    from qgrpo.cluster.config.schema import config_from_dict
+    from qgrpo.cluster.rundir.runlog import to_toml
+    from qgrpo.rollout.backends import REGISTRY
 
     cfg = load_config(TINY, ["rollout.backend=vllm", "rollout.precision=int8", "rollout.vllm.max_model_len=256"])
     again = config_from_dict(tomllib.loads(to_toml(cfg.to_dict())))  # the saved effective config loads as it was

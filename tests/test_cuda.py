@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from learner.loss import GRPOLossConfig
+from qgrpo.learner.loss import GRPOLossConfig
 from tests.test_learner import _batch, dist_env  # noqa: F401 (dist_env: the one-rank process-group environment)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -30,7 +30,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 @pytest.fixture(scope="module")
 def cuda_learner(tiny_model_path):
-    from learner.engine import Learner
+    from qgrpo.learner.engine import Learner
 
     if torch.distributed.is_initialized() and torch.distributed.get_backend() != "nccl":
         pytest.skip("an earlier test of this process made a gloo group; run these alone: pytest -m cuda")
@@ -61,8 +61,8 @@ def test_guard_skips_a_poisoned_step_on_the_gpu(cuda_learner):
 
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4"])
 def test_torch_generator_quantizes_and_samples_on_its_gpu(tiny_model_path, precision):
-    from core.records import PromptItem, SamplingParams
-    from rollout.backends.torch_backend import TorchGenerator
+    from qgrpo.core.records import PromptItem, SamplingParams
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False)
     assert {p.device.type for p in gen.model.parameters()} == {"cuda"}
@@ -77,7 +77,7 @@ def test_torch_generator_quantizes_and_samples_on_its_gpu(tiny_model_path, preci
 
 
 def test_reference_scores_on_its_gpu_like_the_cpu(tiny_model_path):
-    from rollout.reference import ReferenceScorer
+    from qgrpo.rollout.reference import ReferenceScorer
 
     ids = torch.randint(3, 30, (4, 9), generator=torch.Generator().manual_seed(0))
     gpu = ReferenceScorer(tiny_model_path, "bf16", device="cuda:0").score(ids)
@@ -87,7 +87,7 @@ def test_reference_scores_on_its_gpu_like_the_cpu(tiny_model_path):
 
 
 def test_qlora_base_is_quantized_on_the_gpu(tiny_model_path):
-    from learner.adapters import load_model
+    from qgrpo.learner.adapters import load_model
 
     model = load_model(tiny_model_path, "qlora", lora={"rank": 4, "alpha": 8.0, "dropout": 0.0,
                                                        "target_modules": ["all-linear"]}, device="cuda:0")
@@ -98,7 +98,7 @@ def test_qlora_base_is_quantized_on_the_gpu(tiny_model_path):
 def test_qlora_learner_trains_its_adapters_on_the_gpu(cuda_learner, tiny_model_path):
     """QLoRA on the rank's GPU: a step moves the adapters, leaves the NF4 base bit-identical, and the merged export
     is finite (cuda_learner: the process group is already up)."""
-    from learner.engine import Learner
+    from qgrpo.learner.engine import Learner
 
     learner = Learner(tiny_model_path, lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
                       loss_cfg=GRPOLossConfig(kl_coeff=0.0), mode="qlora", device="cuda:0",
@@ -117,7 +117,7 @@ def test_qlora_learner_trains_its_adapters_on_the_gpu(cuda_learner, tiny_model_p
 
 
 def _train(tmp_path, tiny_model_path, *overrides):
-    from cluster.cli.app import main
+    from qgrpo.cluster.cli.app import main
 
     rc = main(["train", "configs/tiny.toml", "--set", f"model.path='{tiny_model_path}'",
                "--set", f"run.output_dir='{tmp_path}'", "--set", "run.progress=false",
@@ -154,8 +154,8 @@ def test_tiny_job_learns_on_one_gpu_with_vllm(tmp_path, tiny_model_path, precisi
 def test_two_learner_ranks_at_zero2_on_two_gpus(ray_session, tiny_model_path, tmp_path):
     import ray
 
-    from actors.learner_actor import start_learners
-    from core.devices import role_env
+    from qgrpo.actors.learner_actor import start_learners
+    from qgrpo.core.devices import role_env
 
     def ranks(world):
         kw = dict(model_path=tiny_model_path, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world,

@@ -3,8 +3,8 @@ checked here; the GPU paths themselves are in tests/test_cuda.py (`cuda` mark)."
 import pytest
 import torch
 
-from core import devices
-from core.devices import (DeviceError, device_from_ids, role_env, transport_backend, wait_for_gpu_memory)
+from qgrpo.core import devices
+from qgrpo.core.devices import (DeviceError, device_from_ids, role_env, transport_backend, wait_for_gpu_memory)
 
 
 # ------------------------------------------------------------------------------------------------ the role's device
@@ -34,11 +34,11 @@ def test_outside_ray_an_empty_visible_list_means_cpu(monkeypatch):
 
 def test_roles_get_their_environment(monkeypatch, tiny_model_path):
     """Every actor the workers start carries role_env of its num_gpus (captured at Ray's `.options`)."""
-    import actors.reference_actor
-    import actors.rollout_actor
-    from cluster.config.schema import load_config
-    from cluster.config.plan import RoleRequest
-    from cluster.run.workers import RolloutPool
+    import qgrpo.actors.reference_actor
+    import qgrpo.actors.rollout_actor
+    from qgrpo.cluster.config.schema import load_config
+    from qgrpo.cluster.config.plan import RoleRequest
+    from qgrpo.cluster.run.workers import RolloutPool
 
     seen = []
 
@@ -49,8 +49,8 @@ def test_roles_get_their_environment(monkeypatch, tiny_model_path):
         def remote(self, *a, **k):
             return object()
 
-    monkeypatch.setattr(actors.rollout_actor.RolloutActor, "options", lambda **kw: Capture(**kw), raising=False)
-    monkeypatch.setattr("cluster.run.workers.RolloutActor", actors.rollout_actor.RolloutActor)
+    monkeypatch.setattr(qgrpo.actors.rollout_actor.RolloutActor, "options", lambda **kw: Capture(**kw), raising=False)
+    monkeypatch.setattr("qgrpo.cluster.run.workers.RolloutActor", qgrpo.actors.rollout_actor.RolloutActor)
     cfg = load_config(None, [f"model.path='{tiny_model_path}'"])
     RolloutPool(cfg, tiny_model_path, 0, "bf16", RoleRequest("rollout", 1, 1.0, 0.0), threads=1)
     RolloutPool(cfg, tiny_model_path, 0, "bf16", RoleRequest("rollout", 1, 1.0, 0.5), threads=1)
@@ -72,7 +72,7 @@ def test_collective_device_is_cuda_under_nccl(monkeypatch):
 
 
 def test_train_batch_to_moves_every_tensor():
-    from learner.batch import TrainBatch
+    from qgrpo.learner.batch import TrainBatch
 
     b = TrainBatch(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.zeros(2, 3), torch.zeros(2),
                    torch.zeros(2, dtype=torch.long), prompt_lens=torch.ones(2, dtype=torch.long), total_sequences=2)
@@ -83,7 +83,7 @@ def test_train_batch_to_moves_every_tensor():
 
 
 def test_reference_scorer_scores_on_its_device(tiny_model_path):
-    from rollout.reference import ReferenceScorer
+    from qgrpo.rollout.reference import ReferenceScorer
 
     ref = ReferenceScorer(tiny_model_path, "bf16", device="cpu")
     assert next(ref.model.parameters()).device == ref.device == torch.device("cpu")
@@ -95,7 +95,7 @@ def test_reference_scorer_scores_on_its_device(tiny_model_path):
 
 
 def test_vllm_memory_share_follows_the_gpu_share():
-    from rollout.backends import VLLMOptions
+    from qgrpo.rollout.backends import VLLMOptions
 
     o = VLLMOptions()
     assert o.memory_share(1) == pytest.approx(0.9) and o.memory_share(0.3) == pytest.approx(0.27)
@@ -138,7 +138,7 @@ def test_nccl_only_when_every_member_has_a_gpu_of_its_own():
 
 def test_the_group_is_formed_on_the_chosen_backend():
     """The driver asks every member where its tensors live and joins them all on the backend that serves that."""
-    from actors.collective import CollectiveGroup
+    from qgrpo.actors.collective import CollectiveGroup
 
     class Ref:
         def __init__(self, value):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.cli.app import main
-from cluster.config.schema import load_config
+from qgrpo.cluster.cli.app import main
+from qgrpo.cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from cluster.cli.app import main
+from qgrpo.cluster.cli.app import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -205,14 +205,14 @@ def test_kill_during_checkpoint_write_then_resume(tiny_model_path, tmp_path):
     env = {**os.environ, "QGRPO_FAULTS": "save.kill@4", "QGRPO_FAULTS_STATE": str(tmp_path),
            "PYTHONWARNINGS": "ignore"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "cluster.cli", *_args(tiny_model_path, out, "run.steps=5", "run.save_every=2")]
+    cmd = [sys.executable, "-m", "qgrpo", *_args(tiny_model_path, out, "run.steps=5", "run.save_every=2")]
     proc = _run_own_group(cmd, env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     run_dir = _run_dir(out)
     ckpts = run_dir / "checkpoints"
     assert (ckpts / ".step_000004.tmp" / "model.safetensors").is_file()  # killed mid-write
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002"]
-    proc = _run_own_group([sys.executable, "-m", "cluster.cli", "train", "--resume", str(run_dir)],
+    proc = _run_own_group([sys.executable, "-m", "qgrpo", "train", "--resume", str(run_dir)],
                           {**env, "QGRPO_FAULTS": ""})
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from" in proc.stderr and "step_000002" in proc.stderr
@@ -235,13 +235,13 @@ def test_values_that_would_hang_or_train_on_garbage_exit_2_before_ray_starts(tin
     """Each is refused with the field named, before Ray starts, any actor exists or a run directory is written."""
     import ray
 
-    import cluster.run.driver
+    import qgrpo.cluster.run.driver
 
     def never(*a, **k):
         raise AssertionError("Ray or the driver was started for an invalid run")
 
     monkeypatch.setattr(ray, "init", never)
-    monkeypatch.setattr(cluster.run.driver, "train", never)
+    monkeypatch.setattr(qgrpo.cluster.run.driver, "train", never)
     (tmp_path / "a-file").write_text("not a folder")
     out = tmp_path / "runs"
     extra = [setting.format(tmp=tmp_path)] + (["algo.update_every=2"] if field == "run.save_every" else [])

@@ -3,10 +3,10 @@ distribution it sampled from (compared with an independent full forward of the s
 import pytest
 import torch
 
-from core.records import PromptItem, SamplingParams
-from core.scoring import token_logprobs
-from rollout.backends.common import WeightMismatchError
-from rollout.backends.torch_backend import TorchGenerator
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.core.scoring import token_logprobs
+from qgrpo.rollout.backends.common import WeightMismatchError
+from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
 # Different prompt lengths, so left padding (mask and positions) is exercised.
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]

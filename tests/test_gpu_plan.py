@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config.schema import load_config
-from cluster.config.plan import GPUNode, RoleRequest, gpu_plan, nodes_from_counts, nodes_from_ray, role_requests
+from qgrpo.cluster.config.schema import load_config
+from qgrpo.cluster.config.plan import GPUNode, RoleRequest, gpu_plan, nodes_from_counts, nodes_from_ray, role_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,14 +71,14 @@ def test_no_gpu_asked_no_plan():
 
 @pytest.mark.parametrize("preset,gpus", [("gpu_single.toml", "1"), ("gpu_node.toml", "8"), ("cluster.toml", "4,1,1")])
 def test_gpu_presets_pass_qgrpo_check(preset, gpus):
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "check", f"configs/{preset}", "--gpus", gpus],
+    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", f"configs/{preset}", "--gpus", gpus],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"GPU plan on --gpus {gpus}:" in proc.stderr
 
 
 def test_check_refuses_an_oversubscribed_gpu_plan():
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "check", "configs/gpu_single.toml", "--gpus", "1",
+    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml", "--gpus", "1",
                            "--set", "rollout.num_gpus=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert "the GPU plan oversubscribes GPU 0 of node 0" in proc.stderr
@@ -87,7 +87,7 @@ def test_check_refuses_an_oversubscribed_gpu_plan():
 
 
 def test_check_without_gpus_here_says_it_did_not_check():
-    proc = subprocess.run([sys.executable, "-m", "cluster.cli", "check", "configs/gpu_single.toml"],
+    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0 and "GPU plan not checked: this machine has no GPU" in proc.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.answer_stats import (
+from qgrpo.rollout.answer_stats import (
     diversity,
     eval_answer_stats,
     hollow_warnings,
@@ -17,13 +17,13 @@ from rollout.answer_stats import (
     step_answer_metrics,
     verdict_lines,
 )
-from cluster.cli.app import main, summary
-from cluster.config.schema import load_config
-from rollout.evaluate import score_eval
-from cluster.report.build import report
-from core.records import Completion, GroupRollout, PromptItem
-from rollout.rewards import ANSWER_READERS, REWARD_FUNCTIONS, completion_with_answer
-from rollout.tasks import make_task
+from qgrpo.cluster.cli.app import main, summary
+from qgrpo.cluster.config.schema import load_config
+from qgrpo.rollout.evaluate import score_eval
+from qgrpo.cluster.report.build import report
+from qgrpo.core.records import Completion, GroupRollout, PromptItem
+from qgrpo.rollout.rewards import ANSWER_READERS, REWARD_FUNCTIONS, completion_with_answer
+from qgrpo.rollout.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")
@@ -196,14 +196,14 @@ def test_report_says_it(tmp_path, texts, warned):
 @pytest.mark.parametrize("texts, warned", [(COLLAPSED, True), (DIVERSE, False)])
 def test_eval_command_says_it(tiny_model_path, skewed_file, monkeypatch, capsys, texts, warned):
     """`qgrpo eval` with the generator replaced by canned answers: the baseline comes from the real train split."""
-    import rollout.evaluate
+    import qgrpo.rollout.evaluate
 
     def canned(model_path, task, n, max_new_tokens, metric, train_task=None, **_):
         res = score_eval(groups_answering([task.item(i) for i in range(n)], texts), metric)
         return {**res, "baseline": (b := majority_baseline(train_task, [task.item(i) for i in range(n)], metric)),
                 "warnings": hollow_warnings(res, b)}
 
-    monkeypatch.setattr(rollout.evaluate, "evaluate_model", canned)
+    monkeypatch.setattr(qgrpo.rollout.evaluate, "evaluate_model", canned)
     assert main(["eval", tiny_model_path, "--config", TINY, *sum((["--set", o] for o in skewed_overrides(skewed_file)),
                                                                 [])]) == 0
     out = capsys.readouterr()

@@ -9,7 +9,8 @@ HEAVY = ("ray", "deepspeed", "vllm", "mlx", "transformers", "torchao", "bitsandb
 
 SCRIPT = f"""
 import sys
-import learner.loss, rollout.advantages, learner, rollout, actors, cluster, core, rollout.backends
+import qgrpo, qgrpo.learner.loss, qgrpo.rollout.advantages, qgrpo.rollout.backends
+import qgrpo.cluster.config, qgrpo.cluster.run, qgrpo.cluster.rundir, qgrpo.cluster.report, qgrpo.cluster.cli
 heavy = [m for m in sys.modules if m.split(".")[0] in {HEAVY!r}]
 print(",".join(sorted(heavy)))
 """

@@ -6,9 +6,9 @@ import socket
 import pytest
 import torch
 
-from core.devices import dist_backend
-from learner.batch import TrainBatch
-from learner.loss import GRPOLossConfig
+from qgrpo.core.devices import dist_backend
+from qgrpo.learner.batch import TrainBatch
+from qgrpo.learner.loss import GRPOLossConfig
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -46,7 +46,7 @@ def _batch(vocab: int, B: int = 16, P: int = 4, L: int = 5) -> TrainBatch:
 
 
 def _learner(path, micro, zero_stage=0, lr=1e-3):
-    from learner.engine import Learner
+    from qgrpo.learner.engine import Learner
 
     return Learner(path, lr=lr, micro_batch_per_rank=micro, sequences_per_rank=16, zero_stage=zero_stage,
                    grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
@@ -77,7 +77,7 @@ def test_zero_stages_train_and_export(tiny_model_path, zero_stage):
 
 
 def test_several_updates_per_batch_make_the_clip_act(tiny_model_path):
-    from learner.engine import Learner
+    from qgrpo.learner.engine import Learner
 
     learner = Learner(tiny_model_path, lr=5e-2, micro_batch_per_rank=8, sequences_per_rank=16, updates_per_batch=3,
                       grad_clip=0.0, loss_cfg=GRPOLossConfig(clip_low=0.05, clip_high=0.05, kl_coeff=0.0))
@@ -101,7 +101,7 @@ def _group_batch(vocab: int, groups: int = 4, G: int = 4, P: int = 6, L: int = 5
 def test_shared_prompt_learner_matches_full_forward(tiny_model_path, zero_stage):
     """Through the DeepSpeed engine (bf16), the shared-prompt forward gives the full forward's loss, gradient norm and
     update: a wrong cache hand-off or position would change all three."""
-    from learner.engine import Learner
+    from qgrpo.learner.engine import Learner
 
     batch = _group_batch(32)
     outs, weights = [], []
@@ -193,7 +193,7 @@ def test_process_group_backend_follows_the_learners_device(monkeypatch):
     """A CPU learner on a node whose torch sees GPUs is a gloo learner; a GPU learner an NCCL one."""
     import deepspeed
 
-    from learner import engine
+    from qgrpo.learner import engine
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU node
     asked = []
@@ -206,7 +206,7 @@ def test_process_group_backend_follows_the_learners_device(monkeypatch):
 def test_guard_collectives_get_tensors_of_the_groups_device(cpu_learner, monkeypatch):
     """NCCL serves only CUDA tensors: the guard's flags and statistics are all-reduced on the device the process
     group serves (`collective_device`), asked at every collective."""
-    from learner import engine
+    from qgrpo.learner import engine
 
     asked, got = [], []
 
@@ -227,7 +227,7 @@ def test_guard_collectives_get_tensors_of_the_groups_device(cpu_learner, monkeyp
 
 def test_learner_moves_the_batch_to_its_device(cpu_learner, monkeypatch):
     """DeepSpeed moves the model, never the inputs: train_step does, before the first forward."""
-    from learner.batch import TrainBatch
+    from qgrpo.learner.batch import TrainBatch
 
     moved = []
     original = TrainBatch.to

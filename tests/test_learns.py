@@ -6,8 +6,8 @@ import math
 import time
 from pathlib import Path
 
-from cluster.cli.app import main
-from cluster.config.schema import load_config
+from qgrpo.cluster.cli.app import main
+from qgrpo.cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

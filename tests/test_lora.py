@@ -13,8 +13,8 @@ import torch
 from test_learner import _batch, _group_batch, dist_env  # noqa: F401  (dist_env: the gloo rank, autouse)
 from test_sync import ITEMS, SAMPLING, _mean_gap
 
-from cluster.config.schema import ConfigError, load_config
-from learner.loss import GRPOLossConfig
+from qgrpo.cluster.config.schema import ConfigError, load_config
+from qgrpo.learner.loss import GRPOLossConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
@@ -22,7 +22,7 @@ LEARN_STEPS = 300  # as tests/test_learns.py
 
 
 def _learner(path, mode, lr=1e-2, **kw):
-    from learner.engine import Learner
+    from qgrpo.learner.engine import Learner
 
     kw.setdefault("loss_cfg", GRPOLossConfig(kl_coeff=0.0))
     return Learner(path, lr=lr, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0, mode=mode,
@@ -30,7 +30,7 @@ def _learner(path, mode, lr=1e-2, **kw):
 
 
 def _base(learner):
-    from learner.adapters import unwrap
+    from qgrpo.learner.adapters import unwrap
 
     return unwrap(learner.engine.module)
 
@@ -96,7 +96,7 @@ def test_merged_weights_are_the_base_plus_the_scaled_update(tiny_model_path):
 def test_reference_from_the_disabled_adapters_equals_the_reference_scorer(tiny_model_path):
     """reference.from_learner: the learner's base with its adapters off scores like the reference actor's scorer on
     the same model (bf16 both); with the adapters on (after training) the log-probs are far from it."""
-    from rollout.reference import make_reference_scorer
+    from qgrpo.rollout.reference import make_reference_scorer
 
     learner = _learner(tiny_model_path, "lora", loss_cfg=GRPOLossConfig(kl_coeff=0.05), reference_from_learner=True)
     batch = _group_batch(32)
@@ -148,8 +148,8 @@ def test_a_sync_after_qlora_training_matches_a_full_precision_merge(tiny_model_p
     the adapters, within the precision's bound; the base without the adapters is further away than that."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rollout.backends import make_generator
-    from rollout.backends.common import probe_ids
+    from qgrpo.rollout.backends import make_generator
+    from qgrpo.rollout.backends.common import probe_ids
 
     learner = _learner(tiny_model_path, "qlora", lr=3e-2)
     for _ in range(3):
@@ -219,7 +219,7 @@ def test_an_adapter_on_a_tied_output_head_is_refused(tmp_path):
     the generators. Refused with the field to change; "all-linear" leaves the head out and loads."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from learner.adapters import load_model
+    from qgrpo.learner.adapters import load_model
 
     LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                  num_attention_heads=1, tie_word_embeddings=True)).save_pretrained(tmp_path)
@@ -272,7 +272,7 @@ def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_m
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from cluster.cli.app import main
+    from qgrpo.cluster.cli.app import main
 
     out = tmp_path / "runs"
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", "run.progress=false", "run.eval=false",
@@ -327,7 +327,7 @@ def test_tiny_config_learns_with_adapters(ray_session, tiny_model_path, tmp_path
     layer but the head, the usual choice for pretrained models) the reward stayed flat over 150 steps. A larger lr
     is worse: at 3e-3 (rank 16 or 64, and in full fine-tuning too) the answers collapse onto the most common sum,
     where GRPO's groups carry no signal any more (reward ~0.42 for good)."""
-    from cluster.cli.app import main
+    from qgrpo.cluster.cli.app import main
 
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{tmp_path}'", "run.progress=false", "run.eval=false",
             "run.tensorboard=false", f"learner.mode={mode}", "reference.from_learner=true", "learner.lr=1e-3",

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from learner.loss import (
+from qgrpo.learner.loss import (
     AGGREGATIONS,
     GRPOLossConfig,
     aggregation_weights,

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.cli.app import main
-from core.records import PromptItem, SamplingParams
-from core.scoring import token_logprobs
-from rollout import models
-from rollout.backends import make_generator
+from qgrpo.cluster.cli.app import main
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.core.scoring import token_logprobs
+from qgrpo.rollout import models
+from qgrpo.rollout.backends import make_generator
 
 pytestmark = pytest.mark.skipif(sys.platform not in ("linux", "darwin"), reason="MLX runs on Linux and macOS")
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_logprobs_equal_torch_on_the_same_fp32_weights(gens, fp32_torch, peaked_
     import numpy as np
     from mlx_lm.utils import load_model
 
-    from rollout.backends.mlx_backend import import_mlx
+    from qgrpo.rollout.backends.mlx_backend import import_mlx
 
     mx = import_mlx()
     gen, ids = gens["bf16"], _long_ids()
@@ -160,7 +160,7 @@ def test_mlx_reference_equals_the_torch_reference(peaked_folder, fp32_torch, gen
     full precision vs a float32 torch forward: within 1e-4; vs the torch bf16 reference (bf16 arithmetic on this
     peaked model): at most 0.3 and 0.05 on average (measured 0.12 and ~0.02). int4 MLX vs int4 torch are different quantizers (MLX affine with biases, torchao symmetric),
     so they agree only loosely: mean within 0.3 nats per token (measured ~0.08)."""
-    from rollout.reference import make_reference_scorer
+    from qgrpo.rollout.reference import make_reference_scorer
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 32, (6, 40), generator=g)
@@ -193,7 +193,7 @@ def test_mlx_reference_equals_the_torch_reference(peaked_folder, fp32_torch, gen
 def test_mlx_runs_on_openblas_when_the_system_has_it():
     """In a fresh process (MLX must not be loaded before the backend puts the BLAS under it): the backend reports
     OpenBLAS where the system has it, and one line tells the user what to install where it does not."""
-    from rollout.backends.mlx_backend import OPENBLAS_PATHS
+    from qgrpo.rollout.backends.mlx_backend import OPENBLAS_PATHS
 
     code = ("import sys; sys.path.insert(0, {root!r}); from rollout.backends import mlx_backend as m; {patch}"
             "m.import_mlx(); print('BLAS', m.blas_status())")
@@ -213,7 +213,7 @@ def test_mlx_runs_on_openblas_when_the_system_has_it():
 
 
 def test_config_accepts_mlx_and_names_what_it_does_not_serve():
-    from cluster.config.schema import Config, validate
+    from qgrpo.cluster.config.schema import Config, validate
 
     cfg = Config()
     cfg.model.path = "builtin:tiny-digits"

@@ -9,10 +9,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 
-from cluster.cli.export import export_for_mlx, safetensors_header  # noqa: E402
-from rollout.backends.common import mlx_config as _mlx_config  # noqa: E402
-from rollout import models  # noqa: E402
-from rollout.models import BUILTIN_MODELS, BUILTIN_VERSIONS, builtin_cache_dir, resolve_model_path  # noqa: E402
+from qgrpo.cluster.cli.export import export_for_mlx, safetensors_header  # noqa: E402
+from qgrpo.rollout.backends.common import mlx_config as _mlx_config  # noqa: E402
+from qgrpo.rollout import models  # noqa: E402
+from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_VERSIONS, builtin_cache_dir, resolve_model_path  # noqa: E402
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -175,7 +175,7 @@ def test_mlx_config_rope_scaling_and_tie_inference():
 def test_mlx_lm_loads_the_export_and_matches_torch(tmp_path):
     import numpy as np
 
-    from rollout.backends.mlx_backend import import_mlx
+    from qgrpo.rollout.backends.mlx_backend import import_mlx
 
     mx = import_mlx()  # before mlx_lm: OpenBLAS under MLX where the system has it
     from mlx_lm import load
@@ -289,7 +289,7 @@ def test_smollm2_exports_for_mlx(smollm2_path, tmp_path):
 def test_smollm2_export_matches_torch_in_mlx(smollm2_path, tmp_path):
     import numpy as np
 
-    from rollout.backends.mlx_backend import import_mlx
+    from qgrpo.rollout.backends.mlx_backend import import_mlx
 
     mx = import_mlx()  # before mlx_lm: OpenBLAS under MLX where the system has it
     from mlx_lm import load

@@ -5,9 +5,9 @@ import pytest
 import ray
 import torch
 
-from actors.learner_actor import start_learners
-from actors.weights import ObjectStoreTransport
-from learner.loss import GRPOLossConfig
+from qgrpo.actors.learner_actor import start_learners
+from qgrpo.actors.weights import ObjectStoreTransport
+from qgrpo.learner.loss import GRPOLossConfig
 from tests.test_learner import _batch
 
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cluster.cli.app import main
-from cluster.config.schema import ConfigError, load_config
-from core.records import PromptItem, SamplingParams
-from core.scoring import token_logprobs
-from rollout import nanochat
-from rollout.backends import make_generator
-from rollout.models import resolve_model_path
+from qgrpo.cluster.cli.app import main
+from qgrpo.cluster.config.schema import ConfigError, load_config
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.core.scoring import token_logprobs
+from qgrpo.rollout import nanochat
+from qgrpo.rollout.backends import make_generator
+from qgrpo.rollout.models import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ["tiny-nanochat-d20", "tiny-nanochat-d32"]

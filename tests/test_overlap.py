@@ -12,9 +12,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from cluster.cli.app import main
-from cluster.run.overlap import RolloutSource
-from cluster.run.workers import RunFailed
+from qgrpo.cluster.cli.app import main
+from qgrpo.cluster.run.overlap import RolloutSource
+from qgrpo.cluster.run.workers import RunFailed
 
 ROOT = Path(__file__).resolve().parents[1]
 

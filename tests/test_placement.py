@@ -3,9 +3,9 @@ resource before any actor starts; one a busy cluster only delays waits to its de
 import pytest
 import ray
 
-from cluster.config.schema import load_config
-from cluster.config.plan import RoleRequest, infeasible, role_requests
-from cluster.run.placement import wait_scheduled
+from qgrpo.cluster.config.schema import load_config
+from qgrpo.cluster.config.plan import RoleRequest, infeasible, role_requests
+from qgrpo.cluster.run.placement import wait_scheduled
 
 
 def _node(cpus: float, **resources) -> dict:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from cluster.config.schema import load_config
-from cluster.config.preflight import TRAIN_SAMPLE, model_context, preflight, sample_items
+from qgrpo.cluster.config.schema import load_config
+from qgrpo.cluster.config.preflight import TRAIN_SAMPLE, model_context, preflight, sample_items
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -35,7 +35,7 @@ def test_tiny_preset_is_clean(tiny_model_path, tmp_path, monkeypatch):
 
 def test_smollm2_preset_is_clean_when_the_model_is_cached(tmp_path, monkeypatch):
     """The default job with its real model, if a cache already holds it (the conversion takes ~45 s: not done here)."""
-    from rollout.models import builtin_cache_dir
+    from qgrpo.rollout.models import builtin_cache_dir
 
     folder = builtin_cache_dir("smollm2-135m-instruct", os.environ.get("QGRPO_TEST_CACHE", ""))
     if not (folder / "config.json").is_file():

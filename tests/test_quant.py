@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from rollout.quant import PRECISIONS, linear_weight_bytes, quant_config_summary, quantize_model
+from qgrpo.rollout.quant import PRECISIONS, linear_weight_bytes, quant_config_summary, quantize_model
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 from test_quant import LOGPROB_BOUNDS, tiny_model, token_logprobs
 
-import rollout.quant as quant
-from rollout.backends import REGISTRY, device_of, next_rung
-from rollout.quant import SERVED, layer_fits, quant_config_summary, quant_path, quantize_model, serves
+import qgrpo.rollout.quant as quant
+from qgrpo.rollout.backends import REGISTRY, device_of, next_rung
+from qgrpo.rollout.quant import SERVED, layer_fits, quant_config_summary, quant_path, quantize_model, serves
 
 ALL = ("bf16", "int8", "int4", "nf4")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -93,7 +93,7 @@ def test_vllm_fp8_is_refused_on_cpu_and_served_on_any_gpu_share():
 
 
 def test_backend_spec_refuses_an_unknown_device_key():
-    from rollout.backends import BackendSpec
+    from qgrpo.rollout.backends import BackendSpec
 
     with pytest.raises(ValueError, match="precisions_by_device keys must be among"):
         BackendSpec("x", "m:C", {"gpu": ("bf16",)}, "typo'd device")

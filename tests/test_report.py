@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.report.build import report
-from cluster.report.run_data import moving_average
+from qgrpo.cluster.report.build import report
+from qgrpo.cluster.report.run_data import moving_average
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 ALL_PNGS = ("reward.png", "accuracy.png", "kl.png", "mismatch.png", "time.png")

@@ -1,8 +1,8 @@
 import pytest
 
-from cluster.config.schema import RewardsConfig, RewardSpec
-from rollout.rewards import REWARD_FUNCTIONS, RewardError, WeightedRewards, correct, exact, extract_integer
-from rollout.tasks import DigitSum, PromptSampler
+from qgrpo.cluster.config.schema import RewardsConfig, RewardSpec
+from qgrpo.rollout.rewards import REWARD_FUNCTIONS, RewardError, WeightedRewards, correct, exact, extract_integer
+from qgrpo.rollout.tasks import DigitSum, PromptSampler
 
 
 def test_digit_sum_is_deterministic_and_split():

@@ -41,7 +41,7 @@ def _wait(proc, run_dir_of, until, what: str, timeout: float = 600):
 
 
 def _scale(run_dir: Path, n: int) -> None:
-    r = subprocess.run([sys.executable, "-m", "cluster.cli", "scale", str(run_dir), "--rollout-actors", str(n)],
+    r = subprocess.run([sys.executable, "-m", "qgrpo", "scale", str(run_dir), "--rollout-actors", str(n)],
                        cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "next step boundary" in r.stderr, r.stderr
 
@@ -52,7 +52,7 @@ def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path
             "run.eval=false", "run.tensorboard=false", f"rollout.prompts_per_step={PROMPTS}",
             f"rollout.group_size={GROUP}", "run.rollouts_flush_every=1", "guard.enabled=false"]
     log = (tmp_path / "stderr.txt").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "train", "configs/tiny.toml",
+    proc = subprocess.Popen([sys.executable, "-m", "qgrpo", "train", "configs/tiny.toml",
                              *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stderr=log, stdout=log)
     run_dir_of = lambda: next((p for p in out.iterdir() if p.is_dir()), None) if out.is_dir() else None  # noqa: E731
     steps = lambda recs: [m["step"] for m in recs if "reward/mean" in m]  # noqa: E731

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from core.scoring import token_logprobs
+from qgrpo.core.scoring import token_logprobs
 
 
 def _model(seed: int = 0):
@@ -97,7 +97,7 @@ def _nanochat(seed: int = 0):
 @pytest.mark.parametrize("shared", [False, True])
 def test_chunked_head_equals_full_logits(make, shared, monkeypatch):
     """Chunks of 7 positions (so chunks cut across rows) give the full-logits values and the same gradients."""
-    import core.scoring as scoring
+    import qgrpo.core.scoring as scoring
 
     ids, mask, plens, gids = _groups()
     adv = torch.linspace(-1, 1, ids.shape[0])[:, None]
@@ -123,7 +123,7 @@ def test_no_full_vocabulary_logits_tensor(monkeypatch):
     one chunk at a time. Fails if the head is run over all positions at once."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    import core.scoring as scoring
+    import qgrpo.core.scoring as scoring
 
     class Largest(TorchDispatchMode):
         numel = 0

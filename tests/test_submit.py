@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-import cluster.cli.submit as sub
+import qgrpo.cluster.cli.submit as sub
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -5,15 +5,15 @@ import pytest
 import ray
 import torch
 
-from actors.learner_actor import start_learners
-from actors.rollout_actor import RolloutActor
-from actors.weights import ObjectStoreTransport
-from cluster.run.workers import StageTimeout, gather
-from learner.batch import build_train_batch
-from learner.loss import GRPOLossConfig
-from rollout.advantages import group_advantages
-from core.records import PromptItem, SamplingParams
-from core.scoring import token_logprobs
+from qgrpo.actors.learner_actor import start_learners
+from qgrpo.actors.rollout_actor import RolloutActor
+from qgrpo.actors.weights import ObjectStoreTransport
+from qgrpo.cluster.run.workers import StageTimeout, gather
+from qgrpo.learner.batch import build_train_batch
+from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.rollout.advantages import group_advantages
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.core.scoring import token_logprobs
 
 KINDS = (("torch", "bf16"), ("torch", "int8"), ("torch", "int4"), ("vllm", "bf16"), ("vllm", "int8"))
 ITEMS = [PromptItem(f"p{i}", f"{i % 5}+{(3 * i) % 5}=", str(i % 5 + (3 * i) % 5)) for i in range(8)]
@@ -90,7 +90,7 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
     # Sync the original weights back (as version 2, fingerprinted like any update): the original greedy outputs return.
     from safetensors.torch import load_file
 
-    from rollout.backends.common import probe_ids
+    from qgrpo.rollout.backends.common import probe_ids
 
     original = load_file(f"{tiny_model_path}/model.safetensors")
     restore = ObjectStoreTransport(1 << 12).publish(2, original.items())

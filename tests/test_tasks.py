@@ -3,11 +3,11 @@ import json
 
 import pytest
 
-from cluster.config.schema import ConfigError, TaskConfig, load_config
-from rollout.datasets import MAX_REPORTED, DatasetError
-from rollout.rewards import (REWARD_FUNCTIONS, answer_correct, answer_format, answers_match, extract_answer,
+from qgrpo.cluster.config.schema import ConfigError, TaskConfig, load_config
+from qgrpo.rollout.datasets import MAX_REPORTED, DatasetError
+from qgrpo.rollout.rewards import (REWARD_FUNCTIONS, answer_correct, answer_format, answers_match, extract_answer,
                              last_number, lenient_correct)
-from rollout.tasks import RG_SEED_STRIDE, PromptSampler, check_task, make_task
+from qgrpo.rollout.tasks import RG_SEED_STRIDE, PromptSampler, check_task, make_task
 
 EASY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 INSTRUCTION = TaskConfig().instruction
@@ -141,7 +141,7 @@ def test_example_from_the_eval_split_is_refused():
     pytest.importorskip("reasoning_gym")
     import dataclasses
 
-    from cluster.config.schema import Example
+    from qgrpo.cluster.config.schema import Example
 
     cfg = rg_cfg(eval_size=20)
     question = make_task(cfg, 0, "eval").item(5).meta["entry"]["question"]
@@ -155,8 +155,8 @@ def test_examples_in_the_prompt_tokens(tiny_model_path):
     """The generator renders history turns before the question: as chat turns, or as plain text without a template."""
     from transformers import AutoTokenizer
 
-    from core.records import PromptItem
-    from rollout.backends.common import format_prompt
+    from qgrpo.core.records import PromptItem
+    from qgrpo.rollout.backends.common import format_prompt
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     item = PromptItem("p", "2+2=", "4", history=(("user", "1+1="), ("assistant", "2")))

@@ -13,15 +13,15 @@ import pytest
 import ray
 import torch
 
-from actors.collective import CollectiveGroup, CollectiveMember
-from actors.learner_actor import start_learners
-from actors.rollout_actor import RolloutActor
-from actors.weights import ObjectStoreTransport
-from cluster.run.workers import RunFailed, gather
-from core.records import PromptItem, SamplingParams
-from learner.batch import build_train_batch
-from learner.loss import GRPOLossConfig
-from rollout.advantages import group_advantages
+from qgrpo.actors.collective import CollectiveGroup, CollectiveMember
+from qgrpo.actors.learner_actor import start_learners
+from qgrpo.actors.rollout_actor import RolloutActor
+from qgrpo.actors.weights import ObjectStoreTransport
+from qgrpo.cluster.run.workers import RunFailed, gather
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.learner.batch import build_train_batch
+from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.rollout.advantages import group_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 ITEMS = [PromptItem(f"p{i}", f"{i % 5}+{(3 * i) % 5}=", str(i % 5 + (3 * i) % 5)) for i in range(8)]
@@ -72,7 +72,7 @@ def job(ray_session, tiny_model_path, tmp_path_factory):
 
 def test_actors_import_this_worktree(job):
     learner, actors = job
-    here = ray.get(actors["bf16"].__ray_call__.remote(lambda self: __import__("actors.collective").collective.__file__))
+    here = ray.get(actors["bf16"].__ray_call__.remote(lambda self: __import__("qgrpo.actors.collective").actors.collective.__file__))
     assert Path(here).resolve().parent.parent == ROOT
 
 
@@ -154,7 +154,7 @@ def test_member_dying_mid_broadcast_fails_the_sync(job):
 
 
 def test_transport_is_validated():
-    from cluster.config.schema import Config, validate
+    from qgrpo.cluster.config.schema import Config, validate
 
     cfg = Config()
     cfg.sync.transport = "nccl"
@@ -166,7 +166,7 @@ def test_transport_is_validated():
 def test_train_end_to_end_with_the_collective_transport(ray_session, tiny_model_path, tmp_path, monkeypatch):
     """A 3-step job with sync.transport=collective, one of its two rollout actors killed at step 2: the replacement
     loads the published version from learner rank 0 before it serves, and the next sync forms the group again."""
-    from cluster.cli.app import main
+    from qgrpo.cluster.cli.app import main
 
     monkeypatch.setenv("QGRPO_FAULTS", "rollout.kill@2")
     (tmp_path / "fault-state").mkdir()
@@ -190,7 +190,7 @@ def test_train_end_to_end_with_the_collective_transport(ray_session, tiny_model_
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_nccl_broadcast_between_two_gpus(ray_session):
     """The NCCL side of the same code: one bucket of bf16 weights from a GPU to a GPU, bit for bit."""
-    from actors.weights import unpack_buckets
+    from qgrpo.actors.weights import unpack_buckets
 
     @ray.remote(num_gpus=1)
     class Member(CollectiveMember):

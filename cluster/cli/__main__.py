@@ -1,5 +1,5 @@
 import sys
 
-from cluster.cli.app import main
+from qgrpo.cluster.cli.app import main
 
 sys.exit(main())

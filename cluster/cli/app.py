@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from core import storage
-from cluster.config.schema import ConfigError, load_config
+from qgrpo.core import storage
+from qgrpo.cluster.config.schema import ConfigError, load_config
 
 EXIT_CONFIG = 2
 EXIT_FAILED = 1
@@ -80,7 +80,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _merge_command(args) -> int:
-    from learner.adapters import merge_checkpoint
+    from qgrpo.learner.adapters import merge_checkpoint
 
     try:
         out = merge_checkpoint(Path(args.checkpoint).expanduser(), Path(args.out).expanduser(), args.base)
@@ -93,7 +93,7 @@ def _merge_command(args) -> int:
 
 def _run_config(model: Path) -> dict | None:
     """The effective config a qgrpo checkpoint was trained with (its trainer_state.json); None for other folders."""
-    from cluster.rundir.checkpoint import STATE_FILE, read_state
+    from qgrpo.cluster.rundir.checkpoint import STATE_FILE, read_state
 
     if not (model / STATE_FILE).is_file():
         return None
@@ -132,17 +132,17 @@ def _eval_command(args) -> int:
     except ConfigError as e:
         print(f"qgrpo eval: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    from rollout.answer_stats import verdict_lines
-    from rollout.evaluate import accuracy_reward, evaluate_model
-    from rollout.backends import backend_options
-    from rollout.tasks import make_task
+    from qgrpo.rollout.answer_stats import verdict_lines
+    from qgrpo.rollout.evaluate import accuracy_reward, evaluate_model
+    from qgrpo.rollout.backends import backend_options
+    from qgrpo.rollout.tasks import make_task
 
     n = args.n or cfg.task.eval_size
     if n > cfg.task.eval_size and cfg.task.name != "digit_sum":
         print(f"qgrpo eval: -n {n} is more than the task's {cfg.task.eval_size} held-out prompts; "
               "lower -n or --set task.eval_size=N", file=sys.stderr)
         return EXIT_CONFIG
-    from learner.adapters import as_model_folder
+    from qgrpo.learner.adapters import as_model_folder
 
     with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
         res = evaluate_model(path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
@@ -164,9 +164,9 @@ def _migrate_command(args) -> int:
     mapping as a comment above. Validated as ours before anything is written."""
     import tomllib
 
-    from cluster.config.schema import _set_path
-    from cluster.config.mlx_grpo import is_mlx_grpo, translate
-    from cluster.rundir.runlog import to_toml
+    from qgrpo.cluster.config.schema import _set_path
+    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, translate
+    from qgrpo.cluster.rundir.runlog import to_toml
 
     out = Path(args.out) if args.out else None
     try:
@@ -206,8 +206,8 @@ def _migrate_command(args) -> int:
 def _check_gpu_plan(cfg, gpus: str | None) -> int:
     """`qgrpo check`: where every GPU-asking actor would sit, on nodes of `gpus` GPUs (else this machine's); exit 2
     naming the roles and the GPUs when they cannot all be placed at once."""
-    from cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
-    from core.devices import visible_gpu_count
+    from qgrpo.cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
+    from qgrpo.core.devices import visible_gpu_count
 
     requests = role_requests(cfg)
     if not any(r.gpus for r in requests):
@@ -242,11 +242,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _eval_command(args)
     if args.command == "submit":
-        from cluster.cli.submit import submit
+        from qgrpo.cluster.cli.submit import submit
 
         return submit(args)
     if args.command == "scale":
-        from cluster.run.control import request_rollout_actors
+        from qgrpo.cluster.run.control import request_rollout_actors
 
         try:
             path = request_rollout_actors(storage.absolute(args.run_dir), args.rollout_actors)
@@ -264,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "merge":
         return _merge_command(args)
     if args.command == "export":
-        from cluster.cli.export import export_for_mlx
-        from learner.adapters import as_model_folder
+        from qgrpo.cluster.cli.export import export_for_mlx
+        from qgrpo.learner.adapters import as_model_folder
 
         try:
             with as_model_folder(args.checkpoint) as src:  # a LoRA/QLoRA checkpoint: its merged model is exported
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     resume = None
     if getattr(args, "resume", None):
-        from cluster.rundir.resume import find_checkpoint
+        from qgrpo.cluster.rundir.resume import find_checkpoint
 
         try:
             resume = find_checkpoint(storage.absolute(args.resume))
@@ -304,11 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    from cluster.rundir.runlog import to_toml
-    from rollout.tasks import check_task
+    from qgrpo.cluster.rundir.runlog import to_toml
+    from qgrpo.rollout.tasks import check_task
 
     problems = check_task(cfg.task, cfg.run.seed)  # reads user datasets fully: malformed rows fail here, not mid-run
-    from cluster.cli.submit import ray_job_id
+    from qgrpo.cluster.cli.submit import ray_job_id
 
     out = cfg.run.output_dir
     if ray_job_id() and resume is None and not storage.is_uri(out) and not Path(out).expanduser().is_absolute():
@@ -324,15 +324,15 @@ def main(argv: list[str] | None = None) -> int:
         return _check_gpu_plan(cfg, args.gpus)
 
     # Valid config: from here on work is expensive.
-    from actors.common import quiet_libraries
+    from qgrpo.actors.common import quiet_libraries
 
     quiet_libraries()
-    from cluster.config.preflight import CPU_OVERSUBSCRIPTION, cpu_problems, preflight
-    from rollout.models import resolve_model_path
+    from qgrpo.cluster.config.preflight import CPU_OVERSUBSCRIPTION, cpu_problems, preflight
+    from qgrpo.rollout.models import resolve_model_path
 
     model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     if resume is not None:
-        from cluster.rundir.checkpoint import check_same_model
+        from qgrpo.cluster.rundir.checkpoint import check_same_model
 
         try:
             check_same_model(resume, model_path)
@@ -342,8 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
     problems = preflight(cfg, model_path, None if address else os.cpu_count() or 1, resuming=resume is not None)
     if not address:  # this machine: its GPUs must hold every role that asks for one, all at once
-        from cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
-        from core.devices import visible_gpu_count
+        from qgrpo.cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
+        from qgrpo.core.devices import visible_gpu_count
 
         if any(r.gpus for r in role_requests(cfg)):
             problems += gpu_plan(role_requests(cfg), nodes_from_counts([visible_gpu_count()]))[1]
@@ -352,12 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     import ray
 
-    from cluster.run.driver import train
-    from cluster.run.workers import RunFailed
+    from qgrpo.cluster.run.driver import train
+    from qgrpo.cluster.run.workers import RunFailed
 
     started = not ray.is_initialized()
     if started and address:
-        from cluster.cli.submit import use_auth_token
+        from qgrpo.cluster.cli.submit import use_auth_token
 
         use_auth_token()
     if started:
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=address, include_dashboard=False,
                  num_cpus=None if address else max(CPU_OVERSUBSCRIPTION * (os.cpu_count() or 1), math.ceil(needed)))
     if address or not started:  # a cluster: what its nodes can hold is known once connected, before any actor
-        from cluster.config.plan import gpu_plan, infeasible, nodes_from_ray, role_requests
+        from qgrpo.cluster.config.plan import gpu_plan, infeasible, nodes_from_ray, role_requests
 
         problems = infeasible(role_requests(cfg), ray.nodes()) + (
             cpu_problems(cfg, int(ray.cluster_resources().get("CPU", 0))) if address else [])
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 def _report_command(run_dir: str) -> str:
     """`qgrpo report`; a URI run's logs are read from this machine's cache of them and the report is uploaded to
     RUN_DIR/report next to them."""
-    from cluster.report.build import report
+    from qgrpo.cluster.report.build import report
 
     if not storage.is_uri(run_dir):
         return str(report(run_dir))
@@ -428,7 +428,7 @@ def _report_command(run_dir: str) -> str:
 
 
 def summary(result: dict, run_dir, seconds: float) -> str:
-    from rollout.answer_stats import verdict_lines
+    from qgrpo.rollout.answer_stats import verdict_lines
 
     m, evals = result["last"], result["evals"]
     lines = [f"qgrpo: done in {seconds / 60:.1f} min, {m.get('step')} steps; "

@@ -12,9 +12,9 @@ import struct
 import tempfile
 from pathlib import Path
 
-from rollout import nanochat
-from rollout.backends.common import mlx_config
-from rollout.models import add_top_level_rope_theta
+from qgrpo.rollout import nanochat
+from qgrpo.rollout.backends.common import mlx_config
+from qgrpo.rollout.models import add_top_level_rope_theta
 
 # What an mlx-lm folder needs: the config, the weights, the tokenizer, the generation defaults. Everything else in a
 # checkpoint (optimizer/, trainer_state.json, pickles, run files) is left behind.

@@ -7,7 +7,8 @@ It builds and runs a `ray job submit` command line (printed first, so it can be 
   with the usual causes, not the ray CLI's traceback; `ray://` (Ray Client) addresses are refused, the job API is the
   dashboard's http address;
 - the project folder is uploaded as the job's working directory, without the virtualenv, run directories, caches, git
-  history and benchmark results (`EXCLUDES`). A config, or a file it names (task.path, task.eval_path, a local
+  history and benchmark results (`EXCLUDES`); its packages go up once more as the job's `py_modules`, which is how
+  the job and its actors import the submitted code as `qgrpo` (`_package`). A config, or a file it names (task.path, task.eval_path, a local
   model.path folder), that is outside that folder or excluded from it would not reach the job: then the job's working
   directory is a staging copy of the project plus `_submitted/` holding those files, the job gets `--set` overrides
   pointing the fields there (printed; the user's config file is not rewritten), and the copy is deleted once `ray job
@@ -50,6 +51,8 @@ EXCLUDES = [".venv", "venv", "runs", ".cache", ".git", "bench/results", "**/__py
 # What the cluster's nodes have and this machine may not: checked by the job itself, on the head node.
 _CLUSTER_SIDE = ("model.path: folder", "task.path: file", "task.eval_path: file")
 CLUSTER_YAML = ROOT / "cluster" / "ray_cluster.yaml"  # the `ray up` example: where the nodes have the project
+# What `import qgrpo` is made of (pyproject.toml maps the project root to the package).
+PACKAGE_PARTS = ("__init__.py", "__main__.py", "actors", "cluster", "core", "learner", "rollout")
 SUBMITTED = "_submitted"  # in a staged working directory: the config and the files it names from elsewhere
 # Ray refuses a working_dir package of 512 MiB or more (its gRPC message limit): a file or model folder above this is
 # not uploaded (the project tree is a few MiB).
@@ -170,6 +173,17 @@ def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
+def _package() -> Path:
+    """`qgrpo` as links to this project's packages, in a temporary folder: uploaded as the job's `py_modules`, so that
+    the job and every actor import the submitted code under its package name (the working directory is the project
+    folder, which Python cannot import as `qgrpo`; an install on the nodes would be an older copy)."""
+    package = Path(tempfile.mkdtemp(prefix="qgrpo-submit-")) / "qgrpo"
+    package.mkdir()
+    for part in PACKAGE_PARTS:
+        (package / part).symlink_to(ROOT / part)
+    return package
+
+
 def _stage(uploads: list[tuple[Path, str]]) -> Path:
     """A new folder with the project tree less `EXCLUDES` and each (local path, relative destination) of `uploads`."""
     stage = Path(tempfile.mkdtemp(prefix="qgrpo-submit-"))
@@ -194,8 +208,8 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
           submission_id: str | None = None) -> tuple[list[str], dict[str, str], list[str], Path | None]:
     """(the `ray job submit` argv, its environment, lines to tell the user, the staging folder to delete once it has
     run, or None when the job runs the project folder itself). Raises ValueError with the fix."""
-    from cluster.config.schema import BUILTIN_MODEL_PREFIX, ConfigError, load_config
-    from core.storage import is_uri
+    from qgrpo.cluster.config.schema import BUILTIN_MODEL_PREFIX, ConfigError, load_config
+    from qgrpo.core.storage import is_uri
 
     cfg_path = Path(config).expanduser().resolve()
     notes, overrides = [], list(overrides)
@@ -248,7 +262,7 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
         notes.append(f"the job's working directory is a copy of {ROOT} with {SUBMITTED}/ (the config and the files "
                      "above), deleted once submitted")
     env_vars = dict(kv.split("=", 1) for kv in env)
-    entry = [python, "-m", "cluster.cli", "train", cfg_rel, *[a for o in overrides for a in ("--set", o)]]
+    entry = [python, "-m", "qgrpo", "train", cfg_rel, *[a for o in overrides for a in ("--set", o)]]
     ray_cli = shutil.which("ray", path=str(Path(python).parent)) or shutil.which("ray") or "ray"
     job_env = dict(os.environ)
     if "RAY_AUTH_MODE" not in job_env and has_auth_token():
@@ -258,12 +272,13 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
     # Last: nothing to clean up when anything above raises. The staged tree is filtered already, and Ray's excludes
     # would drop staged files they match (*.parquet data).
     stage = _stage(uploads) if uploads else None
+    package = _package()
     runtime_env = {"working_dir": str(stage or ROOT), **({} if stage else {"excludes": EXCLUDES}),
-                   "py_executable": python, "env_vars": env_vars}
+                   "py_modules": [str(package)], "py_executable": python, "env_vars": env_vars}
     argv = [ray_cli, "job", "submit", "--address", address, "--runtime-env-json", json.dumps(runtime_env),
             "--submission-id", submission_id or f"qgrpo-{seen.run.name}-{time.strftime('%Y%m%d-%H%M%S')}",
             *([] if wait else ["--no-wait"]), "--", *entry]
-    return argv, job_env, notes, stage
+    return argv, job_env, notes, [d for d in (stage, package.parent) if d is not None]
 
 
 def _unchecked(cfg_path: Path, overrides: list[str]):
@@ -271,8 +286,8 @@ def _unchecked(cfg_path: Path, overrides: list[str]):
     the cluster has (its values are still needed here)."""
     import tomllib
 
-    from cluster.config.schema import Config, _build, _set_path
-    from cluster.config.mlx_grpo import is_mlx_grpo, translate
+    from qgrpo.cluster.config.schema import Config, _build, _set_path
+    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, translate
 
     data = tomllib.loads(cfg_path.read_text())
     if is_mlx_grpo(data):
@@ -300,7 +315,7 @@ def submit(args) -> int:
         print(f"qgrpo submit: --env {bad[0]}: expected KEY=VALUE", file=sys.stderr)
         return 2
     try:
-        argv, env, notes, stage = build(args.config, args.overrides, address, args.python, not args.no_wait,
+        argv, env, notes, temporary = build(args.config, args.overrides, address, args.python, not args.no_wait,
                                         args.env, args.submission_id)
     except ValueError as e:
         print(f"qgrpo submit: {e}", file=sys.stderr)
@@ -314,5 +329,5 @@ def submit(args) -> int:
         print(f"qgrpo submit: {shlex.join(argv)}", file=sys.stderr)
         return subprocess.call(argv, env=env)  # returns once Ray has the upload (with --no-wait too)
     finally:
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
+        for folder in temporary:
+            shutil.rmtree(folder, ignore_errors=True)

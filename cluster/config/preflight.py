@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from cluster.config.schema import Config
-    from core.records import PromptItem
+    from qgrpo.cluster.config.schema import Config
+    from qgrpo.core.records import PromptItem
 
 # Prompts looked at per split: the first TRAIN_SAMPLE train items, and the first EVAL_SAMPLE eval items when the run
 # evaluates (all of them for eval_size <= EVAL_SAMPLE, as in the presets). Items of one task come from one generator or
@@ -57,7 +57,7 @@ def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = F
 
 def output_dir_problems(output_dir: str) -> list[str]:
     """run.output_dir must be creatable: the nearest existing ancestor is a writable folder. Creates nothing."""
-    from core.storage import is_uri
+    from qgrpo.core.storage import is_uri
 
     if is_uri(output_dir):  # its scheme is checked with the config; the first write, before Ray starts, does the rest
         return []
@@ -103,7 +103,7 @@ def _length(task: Any) -> int | None:
 def sample_items(cfg: Config) -> list[PromptItem]:
     """The prompts the checks look at: the first TRAIN_SAMPLE train items, the first EVAL_SAMPLE eval items when
     run.eval is on, and for jsonl/parquet tasks also the LONGEST_ROWS longest rows of each split. Deterministic."""
-    from rollout.tasks import make_task
+    from qgrpo.rollout.tasks import make_task
 
     splits = [("train", TRAIN_SAMPLE)]
     if cfg.run.eval and cfg.task.eval_size > 0:
@@ -126,7 +126,7 @@ def _quote(text: str) -> str:
 
 def prompt_problems(cfg: Config, model_path: str) -> list[str]:
     """Checks 2 (context length) and 3 (unknown tokens) on the sampled prompts, formatted as the generators do."""
-    from rollout.backends.common import format_prompt
+    from qgrpo.rollout.backends.common import format_prompt
 
     try:
         items = sample_items(cfg)

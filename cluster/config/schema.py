@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, get_type_hints
 
-from cluster.config.plan import STRATEGIES, placement_problems
-from rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions  # backends, their precisions and options
+from qgrpo.cluster.config.plan import STRATEGIES, placement_problems
+from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions  # backends, their precisions and options
 
 BUILTIN_MODEL_PREFIX = "builtin:"
 
@@ -374,7 +374,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), base:
     Without a path, `base` (an effective config saved by a run, e.g. a checkpoint's) is the starting point.
     An MLX-GRPO file (cluster/config/mlx_grpo.py) is translated first: its `key=value` overrides apply before the
     translation, ours after; how each key mapped is appended to `notes`."""
-    from cluster.config.mlx_grpo import is_mlx_grpo, name_origin, translate
+    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, name_origin, translate
 
     problems: list[str] = []
     origin: dict[str, str] = {}
@@ -422,10 +422,10 @@ def config_from_dict(data: dict[str, Any]) -> Config:
 
 
 def validate(cfg: Config) -> list[str]:
-    from core.storage import uri_problem
-    from rollout.datasets import FORMATS as FILE_FORMATS
-    from rollout.rewards import REWARD_FUNCTIONS
-    from rollout.tasks import RG_PREFIX, RG_SEED_STRIDE, TASKS, rg_config_problems
+    from qgrpo.core.storage import uri_problem
+    from qgrpo.rollout.datasets import FORMATS as FILE_FORMATS
+    from qgrpo.rollout.rewards import REWARD_FUNCTIONS
+    from qgrpo.rollout.tasks import RG_PREFIX, RG_SEED_STRIDE, TASKS, rg_config_problems
 
     p: list[str] = []
 
@@ -456,7 +456,7 @@ def validate(cfg: Config) -> list[str]:
         p.append("model.path: missing; set a local HF model folder or a builtin model: "
                  "builtin:tiny-digits, builtin:smollm2-135m-instruct")
     elif m.path.startswith(BUILTIN_MODEL_PREFIX):
-        from rollout.models import BUILTIN_MODELS
+        from qgrpo.rollout.models import BUILTIN_MODELS
 
         name = m.path[len(BUILTIN_MODEL_PREFIX):]
         need(name in BUILTIN_MODELS,

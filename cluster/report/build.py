@@ -1,7 +1,7 @@
 """A static report of one run directory: PNG plots and a Markdown summary, built from metrics.jsonl, config.toml
 and rollouts/*.parquet. Nothing here needs Ray, torch or a display.
 
-    from cluster.report.build import report
+    from qgrpo.cluster.report.build import report
     out = report("runs/tiny-20260101-120000")    # -> runs/.../report/{summary.md, reward.png, ...}
 
 Whatever is missing from the run (no eval events, no KL because there is no reference, no rollouts, a crashed run
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rollout.answer_stats import describe_answers, describe_baseline, hollow_warnings
-from cluster.report.plots import (
+from qgrpo.rollout.answer_stats import describe_answers, describe_baseline, hollow_warnings
+from qgrpo.cluster.report.plots import (
     plot_accuracy,
     plot_kl,
     plot_mismatch,
@@ -22,7 +22,7 @@ from cluster.report.plots import (
     plot_time,
     stage_times,
 )
-from cluster.report.run_data import (
+from qgrpo.cluster.report.run_data import (
     HEAD_TAIL,
     MAX_TEXT,
     MISMATCH_RATIO_KEYS,

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cluster.report.run_data import (
+from qgrpo.cluster.report.run_data import (
     DPI,
     FIGSIZE,
     STAGES,

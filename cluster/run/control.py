@@ -12,7 +12,7 @@ import os
 import time
 from pathlib import Path
 
-from core import storage
+from qgrpo.core import storage
 
 CONTROL_FILE = "control.json"
 

@@ -14,23 +14,23 @@ from pathlib import Path
 
 import torch
 
-from rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
-from cluster.rundir.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
-from cluster.config.schema import Config
-from cluster.run.control import wanted_rollout_actors
-from rollout.evaluate import accuracy_reward, eval_items, greedy, score_eval
-from cluster.run.ladder import GuardStop, PrecisionLadder
-from cluster.run.overlap import RolloutSource
-from cluster.rundir.resume import earlier_evals, set_aside_future
-from cluster.rundir.rollout_log import RolloutWriter
-from cluster.rundir.runlog import RunLog
-from core.storage import RunDir, StorageError
-from learner.batch import TrainBatch, build_train_batch
-from learner.loss import finalize_stats, merge_stats
-from rollout.advantages import group_advantages
-from core.records import GenerationStats, GroupRollout
-from rollout.rewards import WeightedRewards
-from rollout.tasks import PromptSampler, make_task
+from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
+from qgrpo.cluster.rundir.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
+from qgrpo.cluster.config.schema import Config
+from qgrpo.cluster.run.control import wanted_rollout_actors
+from qgrpo.rollout.evaluate import accuracy_reward, eval_items, greedy, score_eval
+from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
+from qgrpo.cluster.run.overlap import RolloutSource
+from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
+from qgrpo.cluster.rundir.rollout_log import RolloutWriter
+from qgrpo.cluster.rundir.runlog import RunLog
+from qgrpo.core.storage import RunDir, StorageError
+from qgrpo.learner.batch import TrainBatch, build_train_batch
+from qgrpo.learner.loss import finalize_stats, merge_stats
+from qgrpo.rollout.advantages import group_advantages
+from qgrpo.core.records import GenerationStats, GroupRollout
+from qgrpo.rollout.rewards import WeightedRewards
+from qgrpo.rollout.tasks import PromptSampler, make_task
 
 PAD_ID = 0  # right padding is never attended to (causal attention), so any valid id will do
 
@@ -109,7 +109,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
     `run_dir`: a folder, or a RunDir whose logs are staged locally and mirrored to a URI (core/storage.py).
     Raises RunFailed (cluster/run/workers.py) with what happened and how to resume when a fault ends the run."""
-    from cluster.run.workers import RunFailed, Workers
+    from qgrpo.cluster.run.workers import RunFailed, Workers
 
     run = RunDir.of(run_dir)  # logs go to run.local; checkpoints to run.root (the same folder, or a URI)
     state, policy_path, evals, aside = {"step": 0, "policy_version": 0, "cursor": 0}, model_path, {}, None

@@ -8,8 +8,8 @@ When nothing is left to step up, `guard.max_skips_at_top` skipped steps in a row
 """
 from __future__ import annotations
 
-from cluster.config.schema import GuardConfig
-from rollout.backends import device_of, next_rung
+from qgrpo.cluster.config.schema import GuardConfig
+from qgrpo.rollout.backends import device_of, next_rung
 
 BITS = {"int4": 4, "nf4": 4, "int8": 8, "fp8": 8, "bf16": 16}
 

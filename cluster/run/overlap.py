@@ -15,7 +15,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
-from core.records import GenerationStats, GroupRollout, SamplingParams
+from qgrpo.core.records import GenerationStats, GroupRollout, SamplingParams
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import time
 
-from cluster.config.plan import RoleRequest
+from qgrpo.cluster.config.plan import RoleRequest
 
 WAIT_MESSAGE_S = 30.0
 

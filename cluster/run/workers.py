@@ -17,20 +17,20 @@ from pathlib import Path
 import ray
 import torch
 
-from actors.collective import CollectiveGroup
-from actors.common import thread_env
-from core.devices import role_env
-from actors.learner_actor import start_learners
-from actors.reference_actor import ReferenceActor
-from actors.rollout_actor import RolloutActor
-from actors.weights import WeightUpdate
-from cluster.config.schema import BUILTIN_MODEL_PREFIX, Config
-from cluster.config.plan import RoleRequest, infeasible, role_requests
-from cluster.run.placement import learner_group, wait_scheduled
-from learner.batch import TrainBatch
-from learner.loss import GRPOLossConfig
-from rollout.backends import backend_options
-from core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
+from qgrpo.actors.collective import CollectiveGroup
+from qgrpo.actors.common import thread_env
+from qgrpo.core.devices import role_env
+from qgrpo.actors.learner_actor import start_learners
+from qgrpo.actors.reference_actor import ReferenceActor
+from qgrpo.actors.rollout_actor import RolloutActor
+from qgrpo.actors.weights import WeightUpdate
+from qgrpo.cluster.config.schema import BUILTIN_MODEL_PREFIX, Config
+from qgrpo.cluster.config.plan import RoleRequest, infeasible, role_requests
+from qgrpo.cluster.run.placement import learner_group, wait_scheduled
+from qgrpo.learner.batch import TrainBatch
+from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.rollout.backends import backend_options
+from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 
 
 def _split(items: list, n: int) -> list[list]:

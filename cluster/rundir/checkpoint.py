@@ -21,8 +21,8 @@ import signal
 from pathlib import Path
 from typing import Any, Callable
 
-from core import storage
-from core import faults
+from qgrpo.core import storage
+from qgrpo.core import faults
 
 STATE_FILE = "trainer_state.json"
 _STEP = re.compile(r"step_(\d+)$")

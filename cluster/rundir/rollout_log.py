@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.records import GroupRollout
+from qgrpo.core.records import GroupRollout
 
 SCHEMA_FIELDS = ("step", "prompt_id", "prompt", "reference", "completion", "reward", "advantage", "finish_reason",
                  "num_tokens", "mean_logprob", "policy_version", "staleness", "precision", "generator_id")

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from core.records import GroupRollout, PromptItem, SamplingParams
+    from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 
 
 class Generator(Protocol):
@@ -57,7 +57,7 @@ class VLLMOptions:
 
     def memory_share(self, num_gpus: float) -> float:
         """vLLM's gpu_memory_utilization for an actor holding `num_gpus` (a share of one GPU when < 1)."""
-        from core.devices import allocator_fraction
+        from qgrpo.core.devices import allocator_fraction
 
         return self.gpu_memory_utilization or allocator_fraction(min(num_gpus, 1.0))
 
@@ -169,12 +169,12 @@ REGISTRY: dict[str, BackendSpec] = {
     for spec in (
         BackendSpec(
             # CPU and CUDA alike, each through its own library path (rollout/quant.py: quant_path)
-            "torch", "rollout.backends.torch_backend:TorchGenerator",
+            "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator",
             {"cpu": ("bf16", "int8", "int4", "nf4"), "cuda": ("bf16", "int8", "int4", "nf4")},
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
         ),
         BackendSpec(
-            "vllm", "rollout.backends.vllm_backend:VLLMGenerator",
+            "vllm", "qgrpo.rollout.backends.vllm_backend:VLLMGenerator",
             {"cpu": ("bf16", "int8"), "cuda": ("bf16", "int8", "fp8")},  # vLLM's fp8 kernels are CUDA-only
             "one vLLM engine per actor; int8 = W8A8 (compressed-tensors), fp8 = vLLM's online fp8 (CUDA)",
             requires="vllm", systems=("linux",), options=VLLMOptions,
@@ -183,7 +183,7 @@ REGISTRY: dict[str, BackendSpec] = {
         ),
         BackendSpec(
             # "cpu" covers Metal on a Mac (no CUDA GPU share); no CUDA build of MLX is installed or tested here
-            "mlx", "rollout.backends.mlx_backend:MLXGenerator", {"cpu": ("bf16", "int8", "int4")},
+            "mlx", "qgrpo.rollout.backends.mlx_backend:MLXGenerator", {"cpu": ("bf16", "int8", "int4")},
             "mlx-lm models on MLX: Metal on Apple silicon, the MLX CPU build on Linux; nn.quantize int8/int4 "
             "(group 64); bf16 = unquantized, computed in fp32 on CPU",
             requires="mlx_lm", systems=("darwin", "linux"),

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
-from core.records import Completion, GroupRollout, PromptItem
+from qgrpo.core.records import Completion, GroupRollout, PromptItem
 
 if TYPE_CHECKING:
     import torch

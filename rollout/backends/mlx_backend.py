@@ -28,9 +28,9 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from core.records import GroupRollout, PromptItem, SamplingParams
-from rollout import nanochat
-from rollout.backends.common import (build_group, check_stream, format_prompt, hf_tensor_shapes, mlx_config,
+from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.rollout import nanochat
+from qgrpo.rollout.backends.common import (build_group, check_stream, format_prompt, hf_tensor_shapes, mlx_config,
                                      stop_token_ids)
 
 if TYPE_CHECKING:

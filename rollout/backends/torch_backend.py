@@ -12,10 +12,10 @@ from typing import Iterable
 
 import torch
 
-from core.records import GroupRollout, PromptItem, SamplingParams
-from core.scoring import token_logprobs
-from rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
-from rollout.quant import linear_weight_bytes, quantize_model
+from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.core.scoring import token_logprobs
+from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
+from qgrpo.rollout.quant import linear_weight_bytes, quantize_model
 
 
 def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -40,7 +40,7 @@ class TorchGenerator:
         self.group_size_quant = group_size_quant
         self.policy_version = initial_version
         self.chat_template = chat_template
-        from core.devices import bind, current_device
+        from qgrpo.core.devices import bind, current_device
 
         # The GPU Ray assigned this actor, else the CPU (core/devices.py); never "any GPU the node has".
         self.device = bind(torch.device(device) if device is not None

@@ -30,9 +30,9 @@ from typing import Iterable
 
 import torch
 
-from core.records import GroupRollout, PromptItem, SamplingParams
-from rollout.backends.common import build_group, check_stream, format_prompt, hf_tensor_shapes, stop_token_ids
-from rollout.quant import int8_per_channel
+from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, hf_tensor_shapes, stop_token_ids
+from qgrpo.rollout.quant import int8_per_channel
 
 # vLLM's name for online per-tensor fp8 (weights quantized by the engine as it loads or reloads bf16 tensors).
 VLLM_FP8 = "fp8_per_tensor"
@@ -135,8 +135,8 @@ class VLLMGenerator:
                  memory_wait_s: float = 120.0):
         """`device`/`gpu_share`: where the engine runs and the share of that GPU the actor holds (default: what Ray
         assigned, core/devices.py). `memory_wait_s`: how long a CUDA engine waits for its share of memory to be free."""
-        from core.devices import current_device, gpu_share as assigned_share, wait_for_gpu_memory
-        from rollout.backends import REGISTRY, VLLMOptions
+        from qgrpo.core.devices import current_device, gpu_share as assigned_share, wait_for_gpu_memory
+        from qgrpo.rollout.backends import REGISTRY, VLLMOptions
 
         if precision not in REGISTRY["vllm"].precisions:
             raise ValueError(f"vllm backend: precision {precision!r} not in {REGISTRY['vllm'].precisions}")
