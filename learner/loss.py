@@ -177,6 +177,18 @@ def mismatch_stats(old_logp: Tensor, mu_logp: Tensor, mask: Tensor) -> dict[str,
     }
 
 
+def _check_shapes(logp: Tensor, advantages: Tensor, **named: Tensor | None) -> None:
+    """Every [B, T] input has logp's shape and advantages is [B]; None (no reference) is skipped."""
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
+    shape = logp.shape
+    for name, t in named.items():
+        if t is not None and t.shape != shape:
+            raise ValueError(f"{name} must have the shape of logp {tuple(shape)}, got {tuple(t.shape)}")
+    if advantages.shape != shape[:1]:
+        raise ValueError(f"advantages must be [B] = [{shape[0]}] (one per sequence), got {tuple(advantages.shape)}")
+
+
 def grpo_loss(
     logp: Tensor,
     old_logp: Tensor,
@@ -208,18 +220,8 @@ def grpo_loss(
       in "mask" mode; always 0 in "none"), and log_ratio_sum, log_ratio_max, log_ratio_min, kl_mu_old_sum from
       mismatch_stats.
     """
-    if logp.dim() != 2:
-        raise ValueError(f"logp must be 2-D [B, T], got shape {tuple(logp.shape)}")
-    shape = logp.shape
-    named = {"old_logp": old_logp, "mu_logp": mu_logp, "mask": mask, "weights": weights}
-    if ref_logp is not None:
-        named["ref_logp"] = ref_logp
-    for name, t in named.items():
-        if t.shape != shape:
-            raise ValueError(f"{name} must have the shape of logp {tuple(shape)}, got {tuple(t.shape)}")
-    if advantages.shape != shape[:1]:
-        raise ValueError(f"advantages must be [B] = [{shape[0]}] (one per sequence), got {tuple(advantages.shape)}")
-
+    _check_shapes(logp, advantages, old_logp=old_logp, mu_logp=mu_logp, mask=mask, weights=weights,
+                  ref_logp=ref_logp)
     m = mask != 0
     # Zero every masked position before use: padding may hold -inf/NaN, and 0 * inf would be NaN even under a
     # zero weight. torch.where passes no gradient to the masked entries of logp.
