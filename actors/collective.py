@@ -21,6 +21,7 @@ import torch
 
 from qgrpo.actors.weights import Bucket, WeightUpdate, pack_buckets, put_buckets
 from qgrpo.core.devices import transport_backend
+from qgrpo.core.records import SyncAck
 
 PREFIX = "qgrpo-weights"
 
@@ -104,7 +105,8 @@ class CollectiveTransport:
         # Pickle from learner rank 0 of this job, over the job's own group: the same trust as Ray's own arguments.
         update, layout = pickle.loads(self._broadcast(torch.empty(int(n), dtype=torch.uint8)).numpy().tobytes())
         t0 = time.perf_counter()
-        buckets = [Bucket(names, shapes, dtypes, offsets, self._broadcast(torch.empty(nbytes, dtype=torch.uint8)).numpy())
+        buckets = [Bucket(names, shapes, dtypes, offsets,
+                          self._broadcast(torch.empty(nbytes, dtype=torch.uint8)).numpy())
                    for names, shapes, dtypes, offsets, nbytes in layout]
         return update, buckets, time.perf_counter() - t0
 
@@ -167,7 +169,7 @@ class CollectiveGroup:
         self.backend, self.why = "", ""  # the group's backend ("nccl" | "gloo") and why, once formed
 
     def sync(self, learners: list, actors: list, names: list[str], bucket_bytes: int, seconds: float
-             ) -> tuple[WeightUpdate, list[dict]]:
+             ) -> tuple[WeightUpdate, list[SyncAck]]:
         deadline = time.monotonic() + seconds
         try:
             if len(actors) != len(self.members) or any(a is not m for a, m in zip(actors, self.members)):

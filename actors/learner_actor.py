@@ -15,18 +15,20 @@ import ray
 from qgrpo.actors.collective import CollectiveMember
 from qgrpo.actors.common import apply_threads, local_model, resolve_threads
 from qgrpo.actors.weights import ObjectStoreTransport, WeightUpdate
-from qgrpo.core.storage import localize, staged
 from qgrpo.core import faults
+from qgrpo.core.records import TrainStepResult
+from qgrpo.core.storage import localize, staged
 from qgrpo.learner.batch import TrainBatch
+from qgrpo.learner.settings import LearnerSettings
 from qgrpo.rollout.backends.common import probe_ids
 
 
 @ray.remote
 class LearnerActor(CollectiveMember):
-    def __init__(self, rank: int, world_size: int, learner_kwargs: dict, threads: int, extensions_dir: str):
+    def __init__(self, rank: int, model_path: str, settings: LearnerSettings, threads: int, extensions_dir: str):
         """`threads` 0: as many as the CPUs Ray gave this rank."""
         apply_threads(resolve_threads(threads))
-        self.rank, self.world_size, self.kwargs, self.extensions_dir = rank, world_size, learner_kwargs, extensions_dir
+        self.rank, self.model_path, self.settings, self.extensions_dir = rank, model_path, settings, extensions_dir
         self._probe: list[int] | None = None
         self.learner = None
 
@@ -41,7 +43,7 @@ class LearnerActor(CollectiveMember):
         """Join the process group at rank 0's address and build the DeepSpeed engine; returns where this rank runs."""
         os.environ.update(
             MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-            WORLD_SIZE=str(self.world_size),
+            WORLD_SIZE=str(self.settings.world_size),
             # Each rank is its own process group member with only its own devices visible (Ray sets
             # CUDA_VISIBLE_DEVICES per actor), wherever the ranks sit: device 0 of this process.
             LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -52,13 +54,12 @@ class LearnerActor(CollectiveMember):
 
         # A builtin model is built on this node; a checkpoint given as a URI is read from this node's copy of it
         # (optimizer state included, for load()).
-        self.kwargs["model_path"] = local_model(self.kwargs["model_path"])
-        self.learner = Learner(world_size=self.world_size, **self.kwargs)
+        self.learner = Learner(local_model(self.model_path), self.settings)
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
                 "address": ray.util.get_node_ip_address(), "threads": torch_threads(),
                 "device": str(self.learner.device)}
 
-    def train_step(self, shard: TrainBatch, step: int = 0) -> dict:
+    def train_step(self, shard: TrainBatch, step: int = 0) -> TrainStepResult:
         if self.rank == 0 and faults.fires("learner.kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         return self.learner.train_step(shard, step)
@@ -119,12 +120,12 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def start_learners(world_size: int, learner_kwargs: dict, threads: int, extensions_dir: str,
+def start_learners(model_path: str, settings: LearnerSettings, threads: int, extensions_dir: str,
                    options: list[dict] | None = None) -> tuple[list, list]:
-    """Create the rank actors (`options[r]`: Ray options of rank r, e.g. its placement-group bundle), then have them
-    rendezvous at rank 0's node. Returns (actors, refs of their `setup` calls): the caller waits for those refs with
-    its own deadline (DeepSpeed set-up, and scheduling when the cluster is busy)."""
+    """Create the `settings.world_size` rank actors (`options[r]`: Ray options of rank r, e.g. its placement-group
+    bundle), then have them rendezvous at rank 0's node. Returns (actors, refs of their `setup` calls): the caller
+    waits for those refs with its own deadline (DeepSpeed set-up, and scheduling when the cluster is busy)."""
     actors = [LearnerActor.options(**(options[r] if options else {})).remote(
-        r, world_size, learner_kwargs, threads, extensions_dir) for r in range(world_size)]
+        r, model_path, settings, threads, extensions_dir) for r in range(settings.world_size)]
     addr, port = ray.get(actors[0].rendezvous.remote())
     return actors, [a.setup.remote(addr, port) for a in actors]

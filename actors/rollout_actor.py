@@ -14,7 +14,7 @@ from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unp
 from qgrpo.rollout.backends import make_generator
 from qgrpo.rollout.backends.common import check_fingerprint
 from qgrpo.core import faults
-from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
+from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
 
 
 @ray.remote
@@ -42,18 +42,18 @@ class RolloutActor(CollectiveMember):
         n = sum(len(c.token_ids) for g in groups for c in g.completions)
         return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version)
 
-    def load_weights(self, update: WeightUpdate) -> dict:
+    def load_weights(self, update: WeightUpdate) -> SyncAck:
         """Load one versioned update from the object store (see `_load`)."""
         t0 = time.perf_counter()
         buckets = ObjectStoreTransport.fetch(update)
         return self._load(update, buckets, time.perf_counter() - t0)
 
-    def receive_weights(self) -> dict:
+    def receive_weights(self) -> SyncAck:
         """Receive one update from learner rank 0's broadcast (sync.transport = "collective"; see `_load`)."""
         update, buckets, seconds = self._collective().receive()
         return self._load(update, buckets, seconds)
 
-    def _load(self, update: WeightUpdate, buckets: list[Bucket], receive_seconds: float) -> dict:
+    def _load(self, update: WeightUpdate, buckets: list[Bucket], receive_seconds: float) -> SyncAck:
         """Load the received buckets, then prove it: the generator's log-probs on the update's probe sequence must
         match the learner's within the precision's tolerance (WeightFingerprintError otherwise)."""
         t0 = time.perf_counter()
@@ -61,15 +61,14 @@ class RolloutActor(CollectiveMember):
         t1 = time.perf_counter()
         fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
                                self.gen.score(update.probe_ids), update.probe_logprobs)
-        # `seconds`: loading, re-quantization included (`requantize_seconds` where the backend times it apart)
-        self.last_ack = {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
-                         "seconds": t1 - t0, "receive_seconds": receive_seconds,
-                         "requantize_seconds": getattr(self.gen, "requantize_seconds", float("nan")),
-                         "verify_seconds": time.perf_counter() - t1, "fingerprint_gap": fp["gap"],
-                         "fingerprint_corr": fp["corr"]}
+        self.last_ack = SyncAck(self.gen.generator_id, self.gen.policy_version, seconds=t1 - t0,
+                                receive_seconds=receive_seconds,
+                                requantize_seconds=getattr(self.gen, "requantize_seconds", float("nan")),
+                                verify_seconds=time.perf_counter() - t1, fingerprint_gap=fp["gap"],
+                                fingerprint_corr=fp["corr"])
         return self.last_ack
 
-    def last_load(self) -> dict | None:
+    def last_load(self) -> SyncAck | None:
         return self.last_ack
 
     def _tensor_device(self) -> str:

@@ -4,7 +4,7 @@ Shape comments use B = sequences in a batch, T = padded sequence length, G = gro
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass(frozen=True)
@@ -16,7 +16,8 @@ class PromptItem:
     prompt: str
     reference: str
     meta: dict | None = None  # JSON-safe extras for verifiers and logs, e.g. {"split": "eval", "index": 3}
-    history: tuple[tuple[str, str], ...] = ()  # e.g. (("user", "Calculate 4 - 1."), ("assistant", "<answer>3</answer>"))
+    # e.g. (("user", "Calculate 4 - 1."), ("assistant", "<answer>3</answer>"))
+    history: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -57,3 +58,70 @@ class GenerationStats:
     seconds: float
     new_tokens: int
     policy_version: int
+
+
+@dataclass
+class TrainStepResult:
+    """One learner rank's result of one `Learner.train_step` (one step's shard of the batch). The driver adds the
+    ranks' `stats` and `loss` together; the scalars of rank 0 stand for the step (every rank holds the same ones)."""
+
+    stats: dict[str, float]  # loss statistics SUMMED over this rank's tokens of every pass (and _max/_min), keys of
+    #                          learner/loss.py; learner.loss.finalize_stats turns the ranks' sum into means
+    loss: float  # this rank's share of the global loss, averaged over the passes run (ranks add up to the batch's)
+    grad_norm: float  # global gradient norm (over ranks, before clipping) of the last pass; NaN when none was computed
+    lr: float  # the learning rate after this step (the schedule moves only with updates really taken)
+    policy_version: int  # optimizer updates applied so far, this step's included: the version a sync would publish
+    version_before: int  # the policy version the batch was trained from (the rollouts' staleness is counted from it)
+    staleness: float  # mean over this rank's rows of version_before - the version that sampled the row, in updates
+    timing: dict[str, float]  # seconds per phase, summed over micro-batches and passes: "forward", "backward",
+    #                           "optimizer"
+    skipped: str = ""  # why the guard skipped the update ("" = every update taken): "sampler_logprobs",
+    #                    "reference_logprobs", "loss", "mismatch" or "grad_norm"
+
+
+@dataclass
+class SyncAck:
+    """A rollout actor's answer to one weight sync: the version it now holds, what loading it cost, and how close its
+    log-probs on the probe sequence came to the learner's (the check already passed, or the load raised)."""
+
+    generator_id: str
+    version: int  # the policy version the generator holds after loading
+    seconds: float  # loading the weights into the generator, re-quantization included
+    receive_seconds: float  # fetching the buckets from the object store, or receiving the broadcast
+    requantize_seconds: float  # the re-quantization part of `seconds` where the backend times it apart, else NaN
+    verify_seconds: float  # scoring the probe sequence for the fingerprint check
+    fingerprint_gap: float  # mean |log mu - log pi| over the probe's tokens, nats per token
+    fingerprint_corr: float  # correlation of the generator's and the learner's probe log-probs
+
+
+@dataclass
+class WeightSync:
+    """One whole sync as the driver logs it (`sync/<field>` in the metrics, `version` aside): the learner's export
+    and every rollout actor's load, the slowest and worst actor standing for all."""
+
+    version: int  # the policy version every rollout actor now holds
+    nbytes: int  # bytes of bf16 weights sent
+    buckets: int  # buckets they travelled in
+    seconds: float  # the whole sync, export and every load, as the driver waited for it
+    export_seconds: float  # learner rank 0's gather, fingerprint and hand-out
+    receive_seconds_max: float  # SyncAck.receive_seconds of the slowest actor
+    requantize_seconds_max: float  # SyncAck.requantize_seconds of the slowest actor (NaN where none times it)
+    verify_seconds_max: float  # SyncAck.verify_seconds of the slowest actor
+    load_seconds_max: float  # SyncAck.seconds of the slowest actor
+    fingerprint_gap_max: float  # the largest SyncAck.fingerprint_gap, nats per token
+    fingerprint_corr_min: float  # the smallest SyncAck.fingerprint_corr
+
+    @classmethod
+    def of(cls, version: int, nbytes: int, buckets: int, seconds: float, export_seconds: float,
+           acks: list[SyncAck]) -> "WeightSync":
+        return cls(version, nbytes, buckets, seconds, export_seconds,
+                   receive_seconds_max=max(a.receive_seconds for a in acks),
+                   requantize_seconds_max=max(a.requantize_seconds for a in acks),
+                   verify_seconds_max=max(a.verify_seconds for a in acks),
+                   load_seconds_max=max(a.seconds for a in acks),
+                   fingerprint_gap_max=max(a.fingerprint_gap for a in acks),
+                   fingerprint_corr_min=min(a.fingerprint_corr for a in acks))
+
+    def metrics(self) -> dict[str, float]:
+        """{"sync/nbytes": ..., ...}: every field but the version, which the step's metrics carry already."""
+        return {f"sync/{k}": v for k, v in asdict(self).items() if k != "version"}

@@ -17,10 +17,12 @@ import torch
 
 from qgrpo.core import faults
 from qgrpo.core.devices import bind, collective_device, current_device, dist_backend
+from qgrpo.core.records import TrainStepResult
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.adapters import merged_weights, save_adapters, unwrap
 from qgrpo.learner.batch import TrainBatch
-from qgrpo.learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss, merge_stats
+from qgrpo.learner.loss import aggregation_weights, grpo_loss, merge_stats
+from qgrpo.learner.settings import LearnerSettings
 
 # DeepSpeed's ZeRO optimizer states hold these plain-data objects besides tensors; nothing else is unpickled.
 _SAFE_GLOBALS = ("deepspeed.runtime.fp16.loss_scaler.LossScaler", "deepspeed.runtime.zero.config.ZeroStageEnum",
@@ -123,92 +125,46 @@ def _init_distributed(device: torch.device) -> None:
 
 
 class Learner:
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        world_size: int = 1,
-        zero_stage: int = 0,
-        lr: float = 1e-6,
-        weight_decay: float = 0.0,
-        betas: tuple[float, float] = (0.9, 0.999),
-        grad_clip: float = 1.0,
-        warmup_steps: int = 0,
-        lr_schedule: str = "constant",
-        total_updates: int = 0,
-        micro_batch_per_rank: int = 64,
-        sequences_per_rank: int = 64,
-        loss_cfg: GRPOLossConfig = GRPOLossConfig(),
-        loss_agg: str = "token_mean",
-        temperature: float = 1.0,
-        updates_per_batch: int = 1,
-        shared_prompt: bool = True,
-        seed: int = 0,
-        guard: bool = True,
-        max_mismatch_kl: float = 0.0,
-        attention: str = "auto",
-        mode: str = "full",
-        lora: dict | None = None,
-        optimizer: str = "adamw",
-        gradient_checkpointing: bool = False,
-        reference_from_learner: bool = False,
-        device: torch.device | str | None = None,
-    ):
-        """`mode`, `lora`, `gradient_checkpointing`: learner/adapters.py. `reference_from_learner` (lora/qlora): the
-        reference log-probs of each micro-batch are the learner's own base with its adapters off. `device`: where
-        this rank trains (default: the GPU Ray assigned it, else the CPU: core/devices.py); every tensor the learner
-        makes (batch, probe, guard flags) goes there."""
+    def __init__(self, model_path: str, settings: LearnerSettings | None = None,
+                 device: torch.device | str | None = None):
+        """`settings`: learner/settings.py (one record, filled from the run's config by the cluster layer; None: its
+        defaults).
+        `device`: where this rank trains (default: the GPU Ray assigned it, else the CPU: core/devices.py); every
+        tensor the learner makes (batch, probe, guard flags) goes there."""
         import deepspeed
 
         from qgrpo.learner.adapters import load_model
 
+        s = settings if settings is not None else LearnerSettings()
         self.device = bind(torch.device(device) if device is not None else current_device("learner rank"))
         if self.device.type == "cpu":
             # DeepSpeed picks its accelerator by itself (CUDA wherever torch sees a GPU, MPS on a Mac); the CPU rank
             # of a GPU node must not get CUDA's (the actor sees no GPU, but a learner built in-process may).
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _init_distributed(self.device)
-        torch.manual_seed(seed)
-        self.world_size = world_size
-        self.zero_stage = zero_stage
-        self.micro_batch = micro_batch_per_rank
-        self.loss_cfg = loss_cfg
-        self.loss_agg = loss_agg
-        self.temperature = temperature
-        self.updates_per_batch = updates_per_batch
-        self.shared_prompt = shared_prompt
-        self.model_path = model_path
-        self.mode = mode
-        self.reference_from_learner = reference_from_learner and mode != "full" and loss_cfg.kl_coeff > 0
-        self.guard = guard
-        self.max_mismatch_kl = max_mismatch_kl  # skip the update when mismatch/kl_mu_old exceeds it (0 = no bound)
+        torch.manual_seed(s.seed)
+        self.model_path, self.settings = model_path, s
+        # What train_step reads, as attributes a test (or a later step) may adjust on a built learner.
+        self.world_size, self.zero_stage, self.micro_batch, self.mode = (s.world_size, s.zero_stage,
+                                                                          s.micro_batch_per_rank, s.mode)
+        self.loss_cfg, self.loss_agg, self.temperature = s.loss_cfg, s.loss_agg, s.temperature
+        self.updates_per_batch, self.shared_prompt = s.updates_per_batch, s.shared_prompt
+        self.reference_from_learner = s.reference_from_learner and s.mode != "full" and s.loss_cfg.kl_coeff > 0
+        self.guard = s.guard
+        self.max_mismatch_kl = s.max_mismatch_kl  # skip the update when mismatch/kl_mu_old exceeds it (0 = no bound)
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
-        if attention == "auto":
-            attention = "sdpa" if self.device.type == "cuda" else "eager"
-        model = load_model(model_path, mode, lora=lora, attention=attention,
-                           gradient_checkpointing=gradient_checkpointing, device=self.device)
-        # Every micro-batch is one DeepSpeed micro-step; the optimizer steps at the accumulation boundary.
-        self.grad_accum = math.ceil(sequences_per_rank / micro_batch_per_rank)
-        ds_config = {
-            "train_micro_batch_size_per_gpu": micro_batch_per_rank,
-            "gradient_accumulation_steps": self.grad_accum,
-            "train_batch_size": micro_batch_per_rank * self.grad_accum * world_size,
-            "bf16": {"enabled": True},  # bf16 weights and activations, fp32 master weights in the optimizer
-            "zero_optimization": {"stage": zero_stage},
-            "zero_allow_untested_optimizer": True,  # GuardedAdamW: torch's AdamW plus a veto (ZeRO checks the type)
-            "gradient_clipping": grad_clip,
-            "steps_per_print": 10**9,
-            "wall_clock_breakdown": False,
-        }
+        attention = s.attention if s.attention != "auto" else ("sdpa" if self.device.type == "cuda" else "eager")
+        model = load_model(model_path, s.mode, lora=s.lora, attention=attention,
+                           gradient_checkpointing=s.gradient_checkpointing, device=self.device)
         # Our own optimizer object: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
         # Only trainable tensors reach it (the adapters in lora/qlora).
-        self.inner_optimizer = guarded_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad],
-                                                 lr=lr, betas=betas, weight_decay=weight_decay)
+        self.inner_optimizer = guarded_optimizer(s.optimizer, [p for p in model.parameters() if p.requires_grad],
+                                                 lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
         scheduler = GuardedLambdaLR(self.inner_optimizer,
-                                    lambda s: lr_factor(s, warmup_steps, lr_schedule, total_updates))
+                                    lambda u: lr_factor(u, s.warmup_steps, s.lr_schedule, s.total_updates))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=ds_config
+            model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=s.deepspeed_config()
         )
         self.engine.checkpoint_engine = _safe_checkpoint_engine()
         if torch.device(self.engine.device).type != self.device.type:  # DeepSpeed chose another accelerator
@@ -227,16 +183,15 @@ class Learner:
         n = len(batch)
         return [batch.select(slice(i, i + self.micro_batch)) for i in range(0, n, self.micro_batch)]
 
-    def train_step(self, batch: TrainBatch, step: int = 0) -> dict:
-        """One batch (this rank's shard) -> `updates_per_batch` optimizer updates. Returns summed statistics (to be
-        added across ranks by the caller, then turned into means by learner.loss.finalize_stats) and scalars.
+    def train_step(self, batch: TrainBatch, step: int = 0) -> TrainStepResult:
+        """One batch (this rank's shard) -> `updates_per_batch` optimizer updates. The statistics are sums, to be
+        added across ranks by the caller, then turned into means by learner.loss.finalize_stats.
         With the guard on, an update whose inputs, loss or gradients are not finite, or whose sampler mismatch is
         above `max_mismatch_kl`, is skipped on every rank; `skipped` names why ("" when every update was taken)."""
         self.engine.train()
         version_before = self.version
         batch = batch.to(self.device)  # DeepSpeed moves the model, never the inputs
         micro = self._micro_batches(batch)
-        t0 = time.perf_counter()
         old: list[torch.Tensor] | None = None
         if self.updates_per_batch > 1:
             # pi_old = the BF16 policy as the batch arrives, before any update on it.
@@ -288,18 +243,12 @@ class Learner:
                 skipped = self.inner_optimizer.reason
                 break
             self.version += 1
-        return {
-            "stats": {k: float(v) for k, v in stats_acc.items()},  # sums (and _max/_min) over tokens of all passes
-            "loss": loss_total / (update + 1),
-            "grad_norm": grad_norms[-1],
-            "lr": self.scheduler.get_last_lr()[0],
-            "policy_version": self.version,
-            "staleness": float((version_before - batch.policy_versions).float().mean()),
-            "version_before": version_before,  # the policy the batch was trained from (staleness per rollout)
-            "learn_seconds": time.perf_counter() - t0,
-            "timing": clock,
-            "skipped": skipped,
-        }
+        return TrainStepResult(
+            stats={k: float(v) for k, v in stats_acc.items()}, loss=loss_total / (update + 1),
+            grad_norm=grad_norms[-1], lr=self.scheduler.get_last_lr()[0], policy_version=self.version,
+            version_before=version_before,
+            staleness=float((version_before - batch.policy_versions).float().mean()), timing=clock, skipped=skipped,
+        )
 
     @torch.no_grad()
     def _with_base_reference(self, mb: TrainBatch) -> TrainBatch:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.settings import LearnerSettings
 from tests.test_learner import _batch, dist_env  # noqa: F401 (dist_env: the one-rank process-group environment)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -34,8 +35,9 @@ def cuda_learner(tiny_model_path):
 
     if torch.distributed.is_initialized() and torch.distributed.get_backend() != "nccl":
         pytest.skip("an earlier test of this process made a gloo group; run these alone: pytest -m cuda")
-    return Learner(tiny_model_path, lr=1e-3, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=1.0,
-                   loss_cfg=GRPOLossConfig(kl_coeff=0.0), device="cuda:0")
+    return Learner(tiny_model_path, LearnerSettings(lr=1e-3, micro_batch_per_rank=8, sequences_per_rank=16,
+                                                    grad_clip=1.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0)),
+                   device="cuda:0")
 
 
 def test_learner_trains_on_its_gpu_with_the_guard_on(cuda_learner):
@@ -43,7 +45,7 @@ def test_learner_trains_on_its_gpu_with_the_guard_on(cuda_learner):
     assert next(cuda_learner.engine.module.parameters()).device.type == "cuda"
     before = {n: p.detach().clone() for n, p in cuda_learner.engine.module.named_parameters()}
     out = cuda_learner.train_step(_batch(32))  # a CPU batch, as the driver sends it
-    assert out["skipped"] == "" and math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])
+    assert out.skipped == "" and math.isfinite(out.loss) and math.isfinite(out.grad_norm)
     assert any(not torch.equal(before[n], p) for n, p in cuda_learner.engine.module.named_parameters())
     lp = cuda_learner.score([1, 5, 7, 9, 2])  # the sync fingerprint's probe
     assert len(lp) == 4 and all(math.isfinite(x) for x in lp)
@@ -55,7 +57,7 @@ def test_guard_skips_a_poisoned_step_on_the_gpu(cuda_learner):
     batch.mu_logp[batch.completion_mask > 0] = float("nan")
     before = {n: p.detach().clone() for n, p in cuda_learner.engine.module.named_parameters()}
     out = cuda_learner.train_step(batch)
-    assert out["skipped"] == "sampler_logprobs"
+    assert out.skipped == "sampler_logprobs"
     assert all(torch.equal(before[n], p) for n, p in cuda_learner.engine.module.named_parameters())
 
 
@@ -100,14 +102,15 @@ def test_qlora_learner_trains_its_adapters_on_the_gpu(cuda_learner, tiny_model_p
     is finite (cuda_learner: the process group is already up)."""
     from qgrpo.learner.engine import Learner
 
-    learner = Learner(tiny_model_path, lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
-                      loss_cfg=GRPOLossConfig(kl_coeff=0.0), mode="qlora", device="cuda:0",
-                      lora={"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"]})
+    learner = Learner(tiny_model_path, LearnerSettings(
+        lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0),
+        mode="qlora", lora={"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"]}),
+        device="cuda:0")
     params = dict(learner.engine.module.named_parameters())
     frozen = {n: p.detach().clone() for n, p in params.items() if not p.requires_grad}
     trained = {n: p.detach().clone() for n, p in params.items() if p.requires_grad}
     out = learner.train_step(_batch(32))
-    assert out["skipped"] == "" and math.isfinite(out["loss"])
+    assert out.skipped == "" and math.isfinite(out.loss)
     assert all(torch.equal(frozen[n], params[n]) for n in frozen)
     assert any(not torch.equal(trained[n], params[n]) for n in trained)
     assert all(torch.isfinite(t.float()).all() for _, t in learner.named_weights())
@@ -158,10 +161,10 @@ def test_two_learner_ranks_at_zero2_on_two_gpus(ray_session, tiny_model_path, tm
     from qgrpo.core.devices import role_env
 
     def ranks(world):
-        kw = dict(model_path=tiny_model_path, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world,
-                  zero_stage=2, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
+        settings = LearnerSettings(world_size=world, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world,
+                                   zero_stage=2, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
         opts = [{"num_gpus": 1, "runtime_env": {"env_vars": role_env(1)}}] * world
-        actors, setups = start_learners(world, kw, 1, str(tmp_path), opts)
+        actors, setups = start_learners(tiny_model_path, settings, 1, str(tmp_path), opts)
         ray.get(setups)
         return actors
 
@@ -170,8 +173,8 @@ def test_two_learner_ranks_at_zero2_on_two_gpus(ray_session, tiny_model_path, tm
     try:
         (r1,) = ray.get([a.train_step.remote(batch) for a in one])
         r2 = ray.get([a.train_step.remote(batch.shard(i, 2)) for i, a in enumerate(two)])
-        assert r2[0]["grad_norm"] == pytest.approx(r1["grad_norm"], rel=0.02)
-        assert sum(r["loss"] for r in r2) == pytest.approx(r1["loss"], rel=1e-2, abs=1e-4)
+        assert r2[0].grad_norm == pytest.approx(r1.grad_norm, rel=0.02)
+        assert sum(r.loss for r in r2) == pytest.approx(r1.loss, rel=1e-2, abs=1e-4)
     finally:
         for a in one + two:
             ray.kill(a)

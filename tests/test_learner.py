@@ -9,6 +9,7 @@ import torch
 from qgrpo.core.devices import dist_backend
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.settings import LearnerSettings
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,19 +49,19 @@ def _batch(vocab: int, B: int = 16, P: int = 4, L: int = 5) -> TrainBatch:
 def _learner(path, micro, zero_stage=0, lr=1e-3):
     from qgrpo.learner.engine import Learner
 
-    return Learner(path, lr=lr, micro_batch_per_rank=micro, sequences_per_rank=16, zero_stage=zero_stage,
-                   grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
+    return Learner(path, LearnerSettings(lr=lr, micro_batch_per_rank=micro, sequences_per_rank=16,
+                                         zero_stage=zero_stage, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0)))
 
 
 def test_micro_batch_accumulation_matches_one_batch(tiny_model_path):
     batch = _batch(32)
     one = _learner(tiny_model_path, micro=16).train_step(batch)
     four = _learner(tiny_model_path, micro=4).train_step(batch)
-    assert one["stats"]["tokens"] == four["stats"]["tokens"] == batch.total_tokens
-    assert four["loss"] == pytest.approx(one["loss"], rel=1e-2, abs=1e-4)
+    assert one.stats["tokens"] == four.stats["tokens"] == batch.total_tokens
+    assert four.loss == pytest.approx(one.loss, rel=1e-2, abs=1e-4)
     # Wrong accumulation (e.g. dividing by the number of micro-batches twice) would change the norm by 4x.
-    assert four["grad_norm"] == pytest.approx(one["grad_norm"], rel=0.02)
-    assert one["grad_norm"] > 0 and one["policy_version"] == four["policy_version"] == 1
+    assert four.grad_norm == pytest.approx(one.grad_norm, rel=0.02)
+    assert one.grad_norm > 0 and one.policy_version == four.policy_version == 1
 
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
@@ -69,7 +70,7 @@ def test_zero_stages_train_and_export(tiny_model_path, zero_stage):
     learner = _learner(tiny_model_path, micro=8, zero_stage=zero_stage, lr=1e-2)
     before = {n: t.clone() for n, t in learner.named_weights()}
     out = learner.train_step(_batch(32))
-    assert out["grad_norm"] > 0
+    assert out.grad_norm > 0
     after = dict(learner.named_weights())
     assert set(after) == set(before)
     assert all(t.dtype == torch.bfloat16 and t.numel() > 0 for t in after.values())
@@ -79,11 +80,12 @@ def test_zero_stages_train_and_export(tiny_model_path, zero_stage):
 def test_several_updates_per_batch_make_the_clip_act(tiny_model_path):
     from qgrpo.learner.engine import Learner
 
-    learner = Learner(tiny_model_path, lr=5e-2, micro_batch_per_rank=8, sequences_per_rank=16, updates_per_batch=3,
-                      grad_clip=0.0, loss_cfg=GRPOLossConfig(clip_low=0.05, clip_high=0.05, kl_coeff=0.0))
+    learner = Learner(tiny_model_path, LearnerSettings(
+        lr=5e-2, micro_batch_per_rank=8, sequences_per_rank=16, updates_per_batch=3, grad_clip=0.0,
+        loss_cfg=GRPOLossConfig(clip_low=0.05, clip_high=0.05, kl_coeff=0.0)))
     out = learner.train_step(_batch(32))
-    assert out["policy_version"] == 3
-    s = out["stats"]
+    assert out.policy_version == 3
+    s = out.stats
     assert s["tokens"] == 3 * _batch(32).total_tokens  # statistics cover every pass
     assert s["clipped_low"] + s["clipped_high"] > 0, "pi_theta moved away from pi_old after the first update"
 
@@ -106,14 +108,15 @@ def test_shared_prompt_learner_matches_full_forward(tiny_model_path, zero_stage)
     batch = _group_batch(32)
     outs, weights = [], []
     for shared in (False, True):
-        learner = Learner(tiny_model_path, lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
-                          zero_stage=zero_stage, loss_cfg=GRPOLossConfig(kl_coeff=0.0), shared_prompt=shared)
+        learner = Learner(tiny_model_path, LearnerSettings(
+            lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0, zero_stage=zero_stage,
+            loss_cfg=GRPOLossConfig(kl_coeff=0.0), shared_prompt=shared))
         outs.append(learner.train_step(batch))
         weights.append({n: t.float() for n, t in learner.named_weights()})
     full, shared = outs
-    assert shared["stats"]["tokens"] == full["stats"]["tokens"] == batch.total_tokens
-    assert shared["loss"] == pytest.approx(full["loss"], rel=2e-2, abs=1e-3)
-    assert shared["grad_norm"] == pytest.approx(full["grad_norm"], rel=2e-2) and full["grad_norm"] > 0
+    assert shared.stats["tokens"] == full.stats["tokens"] == batch.total_tokens
+    assert shared.loss == pytest.approx(full.loss, rel=2e-2, abs=1e-3)
+    assert shared.grad_norm == pytest.approx(full.grad_norm, rel=2e-2) and full.grad_norm > 0
     diff = torch.cat([(weights[0][n] - weights[1][n]).abs().flatten() for n in weights[0]])
     # One Adam step of lr 1e-2 moves every weight by ~1e-2 in the direction of its gradient's sign. A weight whose
     # gradient is ~0 may flip sign between the two forwards (bf16 rounding) and differ by 2e-2; a wrong cache hand-off
@@ -147,9 +150,9 @@ def test_guard_skips_the_update_and_leaves_every_bit_unchanged(tiny_model_path, 
     batch = _batch(32)
     batch = replace(batch, ref_logp=-2.0 * batch.completion_mask)
     clean = learner.train_step(batch)  # one real step first (no bound yet): the moments exist
-    assert clean["skipped"] == ""
+    assert clean.skipped == ""
     # The bound: well above this batch's own mismatch, far below the poisoned one's.
-    learner.max_mismatch_kl = 2 * clean["stats"]["kl_mu_old_sum"] / clean["stats"]["tokens"] + 0.5
+    learner.max_mismatch_kl = 2 * clean.stats["kl_mu_old_sum"] / clean.stats["tokens"] + 0.5
     before, version = _snapshot(learner), learner.version
     if poison == "sampler_logprobs":
         mu = batch.mu_logp.clone()
@@ -162,10 +165,10 @@ def test_guard_skips_the_update_and_leaves_every_bit_unchanged(tiny_model_path, 
     else:  # a sampler 6 nats less sure of every token than the policy: per-token KL(mu || pi_old) grows ~ e^6
         bad = replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask)
     out = learner.train_step(bad)
-    assert out["skipped"] == poison and out["policy_version"] == version
+    assert out.skipped == poison and out.policy_version == version
     after = _snapshot(learner)
     assert _same(before[0], after[0]) and _same(before[1], after[1]) and before[2] == after[2]
-    assert learner.train_step(batch)["skipped"] == ""
+    assert learner.train_step(batch).skipped == ""
     assert learner.version == version + 1
     assert not _same(before[0], _snapshot(learner)[0])
 
@@ -178,7 +181,7 @@ def test_guard_off_takes_the_step(tiny_model_path):
     learner.guard, learner.max_mismatch_kl = False, 0.01
     batch = _batch(32)
     out = learner.train_step(replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask))
-    assert out["skipped"] == "" and learner.version == 1
+    assert out.skipped == "" and learner.version == 1
 
 
 # ---------------------------------------------------------------- the device (core/devices.py)
@@ -243,4 +246,4 @@ def test_learner_moves_the_batch_to_its_device(cpu_learner, monkeypatch):
                        policy_versions=torch.zeros(B, dtype=torch.long),
                        total_sequences=B, total_tokens=float(torch.ones(B, T).tril().sum()), max_new_tokens=T)
     out = cpu_learner.train_step(batch)
-    assert moved == [cpu_learner.device] and out["loss"] == out["loss"]
+    assert moved == [cpu_learner.device] and out.loss == out.loss

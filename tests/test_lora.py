@@ -15,6 +15,7 @@ from test_sync import ITEMS, SAMPLING, _mean_gap
 
 from qgrpo.cluster.config.schema import ConfigError, load_config
 from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.settings import LearnerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
@@ -25,8 +26,8 @@ def _learner(path, mode, lr=1e-2, **kw):
     from qgrpo.learner.engine import Learner
 
     kw.setdefault("loss_cfg", GRPOLossConfig(kl_coeff=0.0))
-    return Learner(path, lr=lr, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0, mode=mode,
-                   lora=LORA, **kw)
+    return Learner(path, LearnerSettings(lr=lr, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
+                                         mode=mode, lora=LORA, **kw))
 
 
 def _base(learner):
@@ -58,7 +59,7 @@ def test_qlora_trains_the_adapters_and_leaves_the_base_bit_identical(tiny_model_
     assert adapters and all(p.requires_grad == ("lora_" in n) for n, p in base.named_parameters())
     for _ in range(2):
         out = learner.train_step(_batch(32))
-        assert out["skipped"] == "" and out["grad_norm"] > 0
+        assert out.skipped == "" and out.grad_norm > 0
     after = dict(base.named_parameters())
     # lora_B starts at zero and lora_A gets gradients only once B is non-zero: two steps move both.
     assert all(not torch.equal(adapters[n], after[n]) for n in adapters)
@@ -102,7 +103,7 @@ def test_reference_from_the_disabled_adapters_equals_the_reference_scorer(tiny_m
     batch = _group_batch(32)
     for _ in range(2):
         out = learner.train_step(batch)
-    assert out["stats"]["kl_sum"] > 0  # the policy has left the reference, and the KL term sees it
+    assert out.stats["kl_sum"] > 0  # the policy has left the reference, and the KL term sees it
     scorer = make_reference_scorer("torch", tiny_model_path, "bf16", 64)
     expected = scorer.score(batch.input_ids, 1.0, batch.prompt_lens, batch.group_ids)
     learner.engine.module.eval()
@@ -188,8 +189,8 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(tiny_model_
     (plain, n_plain, w_plain), (ckpt, n_ckpt, w_ckpt) = results[False], results[True]
     steps = 2 if mode == "lora" else 1
     assert n_plain == 2 * steps and n_ckpt == 4 * steps  # 2 micro-batches of 8 per step
-    assert ckpt["loss"] == pytest.approx(plain["loss"], rel=1e-6)
-    assert ckpt["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
+    assert ckpt.loss == pytest.approx(plain.loss, rel=1e-6)
+    assert ckpt.grad_norm == pytest.approx(plain.grad_norm, rel=1e-4)
     assert all(torch.equal(w_plain[n], w_ckpt[n]) for n in w_plain)
 
 
@@ -199,7 +200,7 @@ def test_adamw8bit_keeps_8bit_moments_trains_and_obeys_the_guard(tiny_model_path
     learner = _learner(tiny_model_path, "full", lr=1e-2, optimizer="adamw8bit")
     before = {n: t.clone() for n, t in learner.named_weights()}
     batch = _batch(32)
-    assert learner.train_step(batch)["skipped"] == ""
+    assert learner.train_step(batch).skipped == ""
     # bitsandbytes keeps tensors under 4,096 elements (norms here) in 32 bits, by design; every larger one is 8-bit.
     large = [s for p, s in learner.inner_optimizer.state.items() if p.numel() >= 4096]
     assert large and all(s["state1"].dtype == s["state2"].dtype == torch.uint8 for s in large)
@@ -209,7 +210,7 @@ def test_adamw8bit_keeps_8bit_moments_trains_and_obeys_the_guard(tiny_model_path
     learner.max_mismatch_kl = 1.0
     snap = _snapshot(learner)
     out = learner.train_step(replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask))
-    assert out["skipped"] == "mismatch"
+    assert out.skipped == "mismatch"
     again = _snapshot(learner)
     assert _same(snap[0], again[0]) and _same(snap[1], again[1]) and snap[2] == again[2]
 

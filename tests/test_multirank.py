@@ -8,13 +8,14 @@ import torch
 from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.weights import ObjectStoreTransport
 from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.settings import LearnerSettings
 from tests.test_learner import _batch
 
 
 def _ranks(path, world, zero_stage, ext):
-    kw = dict(model_path=path, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world, zero_stage=zero_stage,
-              grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
-    actors, setups = start_learners(world, kw, 1, ext)
+    settings = LearnerSettings(world_size=world, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world,
+                               zero_stage=zero_stage, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
+    actors, setups = start_learners(path, settings, 1, ext)
     ray.get(setups)
     return actors
 
@@ -27,9 +28,9 @@ def test_two_ranks_match_one(ray_session, tiny_model_path, tmp_path, zero_stage)
     try:
         (r1,) = ray.get([a.train_step.remote(batch) for a in one])
         r2 = ray.get([a.train_step.remote(batch.shard(i, 2)) for i, a in enumerate(two)])
-        assert sum(r["stats"]["tokens"] for r in r2) == r1["stats"]["tokens"] == batch.total_tokens
-        assert sum(r["loss"] for r in r2) == pytest.approx(r1["loss"], rel=1e-2, abs=1e-4)
-        assert r2[0]["grad_norm"] == pytest.approx(r1["grad_norm"], rel=0.02)
+        assert sum(r.stats["tokens"] for r in r2) == r1.stats["tokens"] == batch.total_tokens
+        assert sum(r.loss for r in r2) == pytest.approx(r1.loss, rel=1e-2, abs=1e-4)
+        assert r2[0].grad_norm == pytest.approx(r1.grad_norm, rel=0.02)
         updates = ray.get([a.publish_weights.remote(1 << 20) for a in two])
         assert updates[1] is None and updates[0].version == 1
         full = dict(ObjectStoreTransport.receive(updates[0]))

@@ -11,6 +11,7 @@ from qgrpo.actors.weights import ObjectStoreTransport
 from qgrpo.cluster.run.workers import StageTimeout, gather
 from qgrpo.learner.batch import build_train_batch
 from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.settings import LearnerSettings
 from qgrpo.rollout.advantages import group_advantages
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
@@ -43,8 +44,8 @@ def actors(ray_session, tiny_model_path, tmp_path_factory):
     rollouts = {(b, p): RolloutActor.remote(b, dict(model_path=tiny_model_path, precision=p, generator_id=f"{b}-{p}"), 1)
                 for b, p in KINDS}
     (learner,), setups = start_learners(
-        1, dict(model_path=tiny_model_path, lr=5e-2, micro_batch_per_rank=16, sequences_per_rank=32,
-                loss_cfg=GRPOLossConfig()),
+        tiny_model_path, LearnerSettings(lr=5e-2, micro_batch_per_rank=16, sequences_per_rank=32,
+                                         loss_cfg=GRPOLossConfig()),
         1, str(tmp_path_factory.mktemp("ext")))
     ray.get(setups)
     yield rollouts, learner
@@ -65,12 +66,12 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
     for g, a in zip(groups, group_advantages(rewards).tolist()):
         g.advantages = a
     metrics = ray.get(learner.train_step.remote(build_train_batch(groups, 0, SAMPLING.max_new_tokens)))
-    assert metrics["policy_version"] == 1 and metrics["grad_norm"] > 0
+    assert metrics.policy_version == 1 and metrics.grad_norm > 0
     update = ray.get(learner.publish_weights.remote(1 << 12))  # small buckets: several objects
     assert update.version == 1 and len(update.buckets) > 1
     acks = wait_all([a.load_weights.remote(update) for a in rollouts.values()], 60, "sync")
-    assert [a["version"] for a in acks] == [1] * len(KINDS)
-    assert all(a["fingerprint_gap"] < BOUND[p] for a, (_, p) in zip(acks, rollouts)), acks
+    assert [a.version for a in acks] == [1] * len(KINDS)
+    assert all(a.fingerprint_gap < BOUND[p] for a, (_, p) in zip(acks, rollouts)), acks
     assert all(ray.get(a.info.remote())["version"] == 1 for a in rollouts.values())
 
     new_model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -97,7 +98,7 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
     restore.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
     with torch.no_grad():
         restore.probe_logprobs = token_logprobs(old_model.to(torch.bfloat16), torch.tensor([restore.probe_ids]))[0, 1:].tolist()
-    assert [a["version"] for a in wait_all([a.load_weights.remote(restore) for a in rollouts.values()], 60, "restore")] \
+    assert [a.version for a in wait_all([a.load_weights.remote(restore) for a in rollouts.values()], 60, "restore")] \
         == [2] * len(KINDS)
     for k, a in rollouts.items():
         assert _tokens(ray.get(a.generate.remote(ITEMS, GREEDY))[0]) == greedy_before[k], k

@@ -21,6 +21,7 @@ from qgrpo.cluster.run.workers import RunFailed, gather
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.learner.batch import build_train_batch
 from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.settings import LearnerSettings
 from qgrpo.rollout.advantages import group_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,8 +33,9 @@ BOUND = {"bf16": 0.02, "int8": 0.05}  # fingerprint gaps, as in tests/test_sync.
 
 
 def _learner(model_path: str, ext_dir: str):
-    (learner,), setups = start_learners(1, dict(model_path=model_path, lr=5e-2, micro_batch_per_rank=16,
-                                                sequences_per_rank=32, loss_cfg=GRPOLossConfig()), 1, ext_dir)
+    (learner,), setups = start_learners(model_path, LearnerSettings(lr=5e-2, micro_batch_per_rank=16,
+                                                                    sequences_per_rank=32, loss_cfg=GRPOLossConfig()),
+                                        1, ext_dir)
     ray.get(setups)
     return learner
 
@@ -52,7 +54,7 @@ def _train_step(learner, rollout) -> int:
     rewards = torch.tensor([[float(c.token_ids[0] % 2) for c in g.completions] for g in groups])
     for g, a in zip(groups, group_advantages(rewards).tolist()):
         g.advantages = a
-    return ray.get(learner.train_step.remote(build_train_batch(groups, 0, SAMPLING.max_new_tokens)))["policy_version"]
+    return ray.get(learner.train_step.remote(build_train_batch(groups, 0, SAMPLING.max_new_tokens))).policy_version
 
 
 def _master_weights(actor) -> dict[str, torch.Tensor]:
@@ -83,8 +85,8 @@ def test_collective_sync_delivers_what_the_object_store_delivers(job, tiny_model
     group = CollectiveGroup(_wait)
     update, acks = group.sync([learner], list(actors.values()), list(actors), BUCKET, DEADLINE)
     assert update.version == 1 and update.num_buckets > 1 and update.buckets == []
-    assert [a["version"] for a in acks] == [1, 1]
-    assert all(a["fingerprint_gap"] < BOUND[p] for a, p in zip(acks, actors)), acks
+    assert [a.version for a in acks] == [1, 1]
+    assert all(a.fingerprint_gap < BOUND[p] for a, p in zip(acks, actors)), acks
     assert all(ray.get(a.info.remote())["version"] == 1 for a in actors.values())
     after = ray.get(actors["int8"].generate.remote(ITEMS, SAMPLING))[0]
     assert {g.policy_version for g in after} == {1}
@@ -113,18 +115,18 @@ def test_group_forms_again_after_a_kill_and_an_add(job, tiny_model_path):
 
     ray.kill(actors.pop("int8"))  # a lost member: the next sync forms a group of the survivors
     update, acks = group.sync([learner], [actors["bf16"]], ["bf16"], BUCKET, DEADLINE)
-    assert group.generation == first + 1 and [a["version"] for a in acks] == [published] == [update.version]
+    assert group.generation == first + 1 and [a.version for a in acks] == [published] == [update.version]
 
     assert _train_step(learner, actors["bf16"]) == published + 1  # the learner moves past what was published
     added = _rollout(tiny_model_path, "int8", "torch-int8.1", group.last_published(DEADLINE))
     actors["int8"] = added  # the fixture kills it
     groups, stats = ray.get(added.generate.remote(ITEMS, SAMPLING))
     assert {g.policy_version for g in groups} == {published} and stats.policy_version == published
-    assert ray.get(added.last_load.remote())["fingerprint_gap"] < BOUND["int8"]
+    assert ray.get(added.last_load.remote()).fingerprint_gap < BOUND["int8"]
 
     update, acks = group.sync([learner], [actors["bf16"], added], ["bf16", "int8.1"], BUCKET, DEADLINE)
     assert group.generation == first + 2
-    assert update.version == published + 1 and [a["version"] for a in acks] == [published + 1] * 2
+    assert update.version == published + 1 and [a.version for a in acks] == [published + 1] * 2
 
 
 @ray.remote
@@ -150,7 +152,7 @@ def test_member_dying_mid_broadcast_fails_the_sync(job):
     assert group.members == []  # forgotten: the next sync forms a new group
     # The survivors' broken broadcasts end at the group timeout; then a new group of them works.
     update, acks = group.sync([learner], [actors["bf16"]], ["bf16"], BUCKET, DEADLINE)
-    assert [a["version"] for a in acks] == [update.version]
+    assert [a.version for a in acks] == [update.version]
 
 
 def test_transport_is_validated():

@@ -14,29 +14,29 @@ from pathlib import Path
 
 import torch
 
-from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
-from qgrpo.cluster.rundir.checkpoint import checkpoint_dir, complete_checkpoints, read_state, save_checkpoint
 from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.control import wanted_rollout_actors
-from qgrpo.rollout.evaluate import accuracy_reward, eval_items, greedy, score_eval
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
-from qgrpo.cluster.run.overlap import RolloutSource
+from qgrpo.cluster.run.overlap import RolloutSource, StepRollouts
+from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, complete_checkpoints, save_checkpoint
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
 from qgrpo.cluster.rundir.rollout_log import RolloutWriter
 from qgrpo.cluster.rundir.runlog import RunLog
+from qgrpo.core.records import GenerationStats, GroupRollout, TrainStepResult, WeightSync
 from qgrpo.core.storage import RunDir, StorageError
 from qgrpo.learner.batch import TrainBatch, build_train_batch
 from qgrpo.learner.loss import finalize_stats, merge_stats
 from qgrpo.rollout.advantages import group_advantages
-from qgrpo.core.records import GenerationStats, GroupRollout
+from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
+from qgrpo.rollout.evaluate import accuracy_reward, eval_items, greedy, score_eval
 from qgrpo.rollout.rewards import WeightedRewards
 from qgrpo.rollout.tasks import PromptSampler, make_task
 
 PAD_ID = 0  # right padding is never attended to (causal attention), so any valid id will do
 
 
-def score_groups(groups: list[GroupRollout], rewards: WeightedRewards, scale: str) -> dict[str, float]:
-    """Fill rewards and group-normalised advantages in place; return reward metrics."""
+def score_groups(groups: list[GroupRollout], rewards: WeightedRewards) -> dict[str, float]:
+    """Fill each group's rewards in place; return reward metrics."""
     parts: dict[str, list[float]] = {}
     for g in groups:
         g.rewards = []
@@ -45,9 +45,6 @@ def score_groups(groups: list[GroupRollout], rewards: WeightedRewards, scale: st
             g.rewards.append(total)
             for k, v in per_fn.items():
                 parts.setdefault(k, []).append(v)
-    adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32), scale=scale)
-    for g, a in zip(groups, adv.tolist()):
-        g.advantages = a
     flat = [r for g in groups for r in g.rewards]
     mixed = sum(1 for g in groups if max(g.rewards) > min(g.rewards))
     return {
@@ -55,6 +52,13 @@ def score_groups(groups: list[GroupRollout], rewards: WeightedRewards, scale: st
         "reward/groups_with_signal": mixed / len(groups), "reward/errors": rewards.errors,
         **{f"reward/{k}": statistics.fmean(v) for k, v in parts.items()},
     }
+
+
+def set_advantages(groups: list[GroupRollout], scale: str) -> None:
+    """Each group's advantages from its rewards, in place: relative to the group (rollout/advantages.py)."""
+    adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32), scale=scale)  # [groups, G]
+    for g, a in zip(groups, adv.tolist()):
+        g.advantages = a
 
 
 class StageClock:
@@ -71,35 +75,36 @@ class StageClock:
 
 
 def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], batch: TrainBatch,
-                 results: list[dict], sync: dict | None, clock: StageClock) -> dict:
+                 results: list[TrainStepResult], sync: WeightSync | None, clock: StageClock) -> dict:
     """Everything but the rewards: loss statistics summed over ranks, mismatch, versions, throughput, timings."""
     stats: dict = {}
     for r in results:
-        stats = merge_stats(stats, r["stats"])
+        stats = merge_stats(stats, r.stats)
     loss_stats = finalize_stats(stats)
+    first = results[0]  # the scalars every rank holds alike
     new_tokens = sum(s.new_tokens for s in gen_stats)
     completions = [c for g in groups for c in g.completions]
     m = {
-        "policy_version": results[0]["policy_version"],
+        "policy_version": first.policy_version,
         "rollout/policy_versions": sorted({s.policy_version for s in gen_stats}),
         "rollout/actors": len({s.generator_id for s in gen_stats}),
-        "rollout/staleness": results[0]["staleness"],
+        "rollout/staleness": first.staleness,
         "rollout/completion_len": new_tokens / len(completions),
         "rollout/stop_frac": sum(c.finish_reason == "stop" for c in completions) / len(completions),
-        "loss/total": sum(r["loss"] for r in results),
+        "loss/total": sum(r.loss for r in results),
         "loss/kl": loss_stats.pop("kl"),
-        "loss/grad_norm": results[0]["grad_norm"],
-        "loss/lr": results[0]["lr"],
+        "loss/grad_norm": first.grad_norm,
+        "loss/lr": first.lr,
         **{(k if k.startswith("mismatch/") else f"loss/{k}"): v for k, v in loss_stats.items()},
         # the generators' own time (they run side by side; with algo.overlap, while the learner trains)
         "perf/gen_tokens_per_s": new_tokens / max(max(s.seconds for s in gen_stats), 1e-9),
         "perf/learn_tokens_per_s": batch.total_tokens / max(clock.seconds["learn"], 1e-9),
-        **{f"time/learn_{k}": v for k, v in results[0].get("timing", {}).items()},  # rank 0's split
+        **{f"time/learn_{k}": v for k, v in first.timing.items()},  # rank 0's split
         **{f"time/{k}": v for k, v in clock.seconds.items()},
         "time/step": clock.last - clock.start,
     }
     if sync:
-        m.update({f"sync/{k}": v for k, v in sync.items() if k != "version"})
+        m.update(sync.metrics())
     return m
 
 
@@ -109,114 +114,174 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
     `run_dir`: a folder, or a RunDir whose logs are staged locally and mirrored to a URI (core/storage.py).
     Raises RunFailed (cluster/run/workers.py) with what happened and how to resume when a fault ends the run."""
-    from qgrpo.cluster.run.workers import RunFailed, Workers
+    from qgrpo.cluster.run.workers import RunFailed
 
-    run = RunDir.of(run_dir)  # logs go to run.local; checkpoints to run.root (the same folder, or a URI)
-    state, policy_path, evals, aside = {"step": 0, "policy_version": 0, "cursor": 0}, model_path, {}, None
-    if resume is not None:  # continue as one run: what the abandoned run wrote after the checkpoint is set aside
-        state, policy_path = read_state(resume), str(resume)
-        aside, evals = set_aside_future(run.local, state["step"], run.root), earlier_evals(run.local, state["step"])
-    ro, algo = cfg.rollout, cfg.algo
-    ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision if cfg.reference_actor
-                             else None, state.get("guard"), cfg.reference.backend, ro.num_gpus, cfg.reference.num_gpus)
-    workers = Workers(cfg, policy_path, model_path, state["policy_version"], ladder.rollout, ladder.reference)
-    if resume is not None:  # optimizer moments and step, LR schedule, fp32 master weights, policy version
-        workers.load(str(resume), state["policy_version"])
-        if ladder.rollout != ro.precision:
-            print(f"qgrpo: the precision guard had moved the generators to {ladder.rollout}; they resume there "
-                  f"(the config says rollout.precision = {ro.precision!r})", file=sys.stderr)
-    sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=state["cursor"])
-    rewards = WeightedRewards.from_config(cfg.rewards)
-    metric = accuracy_reward([s.name for s in cfg.rewards.functions])
-    log = RunLog(run.local, cfg.run.steps, state["step"], cfg.run.progress, cfg.run.tensorboard,
-                 cfg.run.wandb_project, cfg.to_dict())
-    samples = RolloutWriter(run.local, cfg.run.rollouts_flush_every)
-    log.write({"event": "resume" if resume else "start", "step": state["step"], "generators": workers.rollout_info(),
-               "placement": workers.placement(), "resumed_from": str(resume) if resume else None,
-               "set_aside": str(aside) if aside else None, **ladder.state()})
-    eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
-    source = RolloutSource(workers, sampler, ro, cfg.run.seed, algo.overlap)  # one step ahead with algo.overlap
-    # What always giving the train split's most common answer scores on the held-out prompts (no step: not a scalar)
-    baseline = majority_baseline(sampler.task, eval_items(eval_task, cfg.task.eval_size), metric) if eval_task else None
-    if baseline:
-        log.write({"event": "baseline", **baseline})
-    published = state.get("published_version", state["policy_version"])
-
-    def evaluate(step: int) -> None:
-        tokens = cfg.run.eval_max_new_tokens or ro.max_new_tokens
-        groups, _ = workers.generate(eval_items(eval_task, cfg.task.eval_size), greedy(tokens))
-        evals[step] = score_eval(groups, metric)
-        log.write({"event": "eval", "step": step, "split": "eval", **evals[step]})
-        for warning in hollow_warnings(evals[step], baseline) if step else []:  # step 0 is the base model
-            log.write({"event": "warning", "step": step, "message": warning})
-
-    m: dict = {}
-    step = state["step"]
+    run = TrainingRun(cfg, run_dir, model_path, resume)  # the actors started (and resumed), the logs open
+    workers, m, step = run.workers, {}, run.state.step
     try:
-        if eval_task and step == 0:
-            evaluate(0)
-        for step in range(state["step"], cfg.run.steps):
-            want = wanted_rollout_actors(run.root)  # `qgrpo scale`: applied between steps, nothing in flight
-            if want and want != len(workers.rollout.actors):
-                log.write({"step": step, **workers.rollout.resize(want)})
+        if run.eval_task and step == 0:
+            run.evaluate(0)
+        for step in range(run.state.step, cfg.run.steps):
+            run.scale(step)
             clock = StageClock()
-            rollouts = source.take(step, cfg.run.steps)
-            groups, gen_stats = rollouts.groups, rollouts.stats
+            rollouts = run.source.take(step, cfg.run.steps)  # sample prompts, generate (with overlap: one step ahead)
             clock.lap("generate")
-            reward_metrics = score_groups(groups, rewards, algo.advantage_scale)
-            batch = build_train_batch(groups, PAD_ID, ro.max_new_tokens)
+            reward_metrics = score_groups(rollouts.groups, run.rewards)
+            set_advantages(rollouts.groups, cfg.algo.advantage_scale)
+            clock.lap("rewards")
+            batch = build_train_batch(rollouts.groups, PAD_ID, cfg.rollout.max_new_tokens)
+            clock.lap("pack")
             if workers.reference is not None:
                 batch = batch.with_ref(workers.reference_logprobs(batch))
             clock.lap("reference")
-            results = workers.train(batch, step + 1)
+            results = workers.learn(batch, step + 1)
             clock.lap("learn")
-            source.settle()  # the next step's rollouts (algo.overlap) are done: the generators are free to sync
+            run.source.settle()  # the next step's rollouts (algo.overlap) are done: the generators are free to sync
             clock.lap("rollout_wait")
-            skipped, last = results[0]["skipped"], step + 1 == cfg.run.steps
-            # The last step always syncs when evaluation follows, so the held-out score is of the final policy.
-            due = (step + 1) % algo.update_every == 0 or (last and eval_task)
-            sync = workers.sync_weights() if due and results[0]["policy_version"] != published else None
-            published = sync["version"] if sync else published
-            up_rollout, up_reference = ladder.after_step(skipped, step + 1)  # a skipped step moves up the ladder
-            if up_rollout:
-                workers.rollout.set_precision(up_rollout)
-            if up_reference:
-                workers.set_reference_precision(up_reference)
+            sync = run.sync(step + 1, results[0])
+            climbed = run.climb(step + 1, results[0].skipped)
             clock.lap("sync")
-
-            m = {"step": step + 1, **reward_metrics, **step_answer_metrics(groups, metric),
-                 **step_metrics(groups, gen_stats, batch, results, sync, clock), **ladder.metrics(skipped)}
-            if f"reward/{metric}" in m:
-                m["train/accuracy"] = m[f"reward/{metric}"]
-            for event in workers.events() + ([{"event": "ladder", "reason": skipped, **ladder.state()}]
-                                             if up_rollout or up_reference else []):
-                log.write({"step": step + 1, **event})
-            samples.add(step + 1, groups, results[0]["version_before"])
-            if (step + 1) % cfg.run.log_every == 0 or last or skipped:
-                log.write(m)
-            log.progress(m)
-            if eval_task and (last or (cfg.run.eval_every and (step + 1) % cfg.run.eval_every == 0)):
-                evaluate(step + 1)
-            if last or (cfg.run.save_every and (step + 1) % cfg.run.save_every == 0):
-                samples.flush()  # samples up to a checkpoint are on disk with it
-                run.sync()  # and, for a URI run, on the URI before the checkpoint is marked complete
-                state = {"step": step + 1, "policy_version": m["policy_version"], "cursor": rollouts.cursor,
-                         "published_version": published, "model_path": model_path, "guard": ladder.state(),
-                         "rollout_precision": ladder.rollout, "config": cfg.to_dict()}
-                path = save_checkpoint(run.root, step + 1, workers.save, state, cfg.run.keep_last)
-                log.write({"event": "checkpoint", "step": step + 1, "path": str(path)})
+            metrics = step_metrics(rollouts.groups, rollouts.stats, batch, results, sync, clock)
+            m = run.log_step(step + 1, rollouts, reward_metrics, metrics, results[0], climbed)
+            run.evaluate_if_due(step + 1)
+            run.checkpoint_if_due(step + 1, results[0], rollouts.cursor)
     except (RunFailed, GuardStop, StorageError) as e:  # StorageError: the URI, or a run_dir the nodes do not share
-        samples.flush()  # the steps done since the last checkpoint: a resume sets them aside with the rest
-        done = complete_checkpoints(run.root)
-        how = (f"continue from its last complete checkpoint (step_{done[-1][0]:06d}) with: qgrpo train --resume "
-               f"{run.root}"
-               if done else "no checkpoint was written yet (run.save_every); start it again")
-        log.write({"event": "failed", "step": step + 1, "error": str(e)})
-        raise RunFailed(f"{e}\n  the run stopped at step {step + 1}; {how}") from None
+        raise run.failed(e, step + 1) from None
     finally:
-        source.close()
-        samples.close()
-        log.close()
-        workers.shutdown()
-        run.close(failing=sys.exc_info()[0] is not None)  # a URI run: the logs reach it on failure too
-    return {"last": m, "evals": evals, "baseline": baseline, "checkpoint": str(checkpoint_dir(run.root, cfg.run.steps))}
+        run.close(failing=sys.exc_info()[0] is not None)
+    return {"last": m, "evals": run.evals, "baseline": run.baseline,
+            "checkpoint": str(checkpoint_dir(run.dir.root, cfg.run.steps))}
+
+
+class TrainingRun:
+    """One run's parts around the loop: the workers, the prompts and rewards, the logs, the precision ladder, the
+    held-out evaluation and the checkpoints. Steps here are 1-based (`done`: the steps finished, this one included)."""
+
+    def __init__(self, cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None):
+        from qgrpo.cluster.run.workers import Workers
+
+        self.cfg, self.model_path = cfg, model_path
+        self.dir = RunDir.of(run_dir)  # logs go to dir.local; checkpoints to dir.root (the same folder, or a URI)
+        self.state, policy_path, self.evals, aside = CheckpointState(0, 0, model_path=model_path), model_path, {}, None
+        if resume is not None:  # continue as one run: what the abandoned run wrote after the checkpoint is set aside
+            self.state, policy_path = CheckpointState.read(resume), str(resume)
+            aside = set_aside_future(self.dir.local, self.state.step, self.dir.root)
+            self.evals = earlier_evals(self.dir.local, self.state.step)
+        ro = cfg.rollout
+        self.ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision
+                                      if cfg.reference_actor else None, self.state.guard, cfg.reference.backend,
+                                      ro.num_gpus, cfg.reference.num_gpus)
+        self.workers = Workers(cfg, policy_path, model_path, self.state.policy_version, self.ladder.rollout,
+                               self.ladder.reference)
+        if resume is not None:  # optimizer moments and step, LR schedule, fp32 master weights, policy version
+            self.workers.load(str(resume), self.state.policy_version)
+            if self.ladder.rollout != ro.precision:
+                print(f"qgrpo: the precision guard had moved the generators to {self.ladder.rollout}; they resume "
+                      f"there (the config says rollout.precision = {ro.precision!r})", file=sys.stderr)
+        sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=self.state.cursor)
+        self.rewards = WeightedRewards.from_config(cfg.rewards)
+        self.metric = accuracy_reward([s.name for s in cfg.rewards.functions])
+        self.log = RunLog(self.dir.local, cfg.run.steps, self.state.step, cfg.run.progress, cfg.run.tensorboard,
+                          cfg.run.wandb_project, cfg.to_dict())
+        self.samples = RolloutWriter(self.dir.local, cfg.run.rollouts_flush_every)
+        self.log.write({"event": "resume" if resume else "start", "step": self.state.step,
+                        "generators": self.workers.rollout_info(), "placement": self.workers.placement(),
+                        "resumed_from": str(resume) if resume else None, "set_aside": str(aside) if aside else None,
+                        **self.ladder.state()})
+        self.eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
+        self.source = RolloutSource(self.workers, sampler, ro, cfg.run.seed, cfg.algo.overlap)
+        # What always giving the train split's most common answer scores on the held-out prompts (no step: not a
+        # scalar)
+        self.baseline = majority_baseline(sampler.task, eval_items(self.eval_task, cfg.task.eval_size),
+                                          self.metric) if self.eval_task else None
+        if self.baseline:
+            self.log.write({"event": "baseline", **self.baseline})
+        self.published = self.state.published_version  # the policy version the rollout actors hold
+
+    def scale(self, done: int) -> None:
+        """`qgrpo scale`: applied between steps, when nothing is in flight."""
+        want = wanted_rollout_actors(self.dir.root)
+        if want and want != len(self.workers.rollout.actors):
+            self.log.write({"step": done, **self.workers.rollout.resize(want)})
+
+    def _last(self, done: int) -> bool:
+        return done == self.cfg.run.steps
+
+    def sync(self, done: int, result: TrainStepResult) -> WeightSync | None:
+        """Publish the policy to the rollout actors every algo.update_every steps, if it changed. The last step
+        always syncs when evaluation follows, so the held-out score is of the final policy."""
+        due = done % self.cfg.algo.update_every == 0 or (self._last(done) and self.eval_task)
+        sync = self.workers.sync_weights() if due and result.policy_version != self.published else None
+        self.published = sync.version if sync else self.published
+        return sync
+
+    def climb(self, done: int, skipped: str) -> bool:
+        """A step the guard skipped moves the generators (or the reference) up the precision ladder; True if so."""
+        up_rollout, up_reference = self.ladder.after_step(skipped, done)
+        if up_rollout:
+            self.workers.rollout.set_precision(up_rollout)
+        if up_reference:
+            self.workers.set_reference_precision(up_reference)
+        return bool(up_rollout or up_reference)
+
+    def log_step(self, done: int, rollouts: StepRollouts, reward_metrics: dict, metrics: dict,
+                 result: TrainStepResult, climbed: bool) -> dict:
+        """The step's metrics (returned), the workers' events, and its rollouts for RUN_DIR/rollouts."""
+        m = {"step": done, **reward_metrics, **step_answer_metrics(rollouts.groups, self.metric), **metrics,
+             **self.ladder.metrics(result.skipped)}
+        if f"reward/{self.metric}" in m:
+            m["train/accuracy"] = m[f"reward/{self.metric}"]
+        for event in self.workers.events() + ([{"event": "ladder", "reason": result.skipped, **self.ladder.state()}]
+                                              if climbed else []):
+            self.log.write({"step": done, **event})
+        self.samples.add(done, rollouts.groups, result.version_before)
+        if done % self.cfg.run.log_every == 0 or self._last(done) or result.skipped:
+            self.log.write(m)
+        self.log.progress(m)
+        return m
+
+    def evaluate(self, done: int) -> None:
+        """Held-out accuracy of the policy the rollout actors hold (greedy, task.eval_size prompts)."""
+        tokens = self.cfg.run.eval_max_new_tokens or self.cfg.rollout.max_new_tokens
+        groups, _ = self.workers.generate(eval_items(self.eval_task, self.cfg.task.eval_size), greedy(tokens))
+        self.evals[done] = score_eval(groups, self.metric)
+        self.log.write({"event": "eval", "step": done, "split": "eval", **self.evals[done]})
+        for warning in hollow_warnings(self.evals[done], self.baseline) if done else []:  # step 0: the base model
+            self.log.write({"event": "warning", "step": done, "message": warning})
+
+    def evaluate_if_due(self, done: int) -> None:
+        every = self.cfg.run.eval_every
+        if self.eval_task and (self._last(done) or (every and done % every == 0)):
+            self.evaluate(done)
+
+    def checkpoint_if_due(self, done: int, result: TrainStepResult, cursor: int) -> None:
+        """Every run.save_every steps and at the end; `cursor`: the sampler's after this step's prompts."""
+        every = self.cfg.run.save_every
+        if not (self._last(done) or (every and done % every == 0)):
+            return
+        self.samples.flush()  # samples up to a checkpoint are on disk with it
+        self.dir.sync()  # and, for a URI run, on the URI before the checkpoint is marked complete
+        self.state = CheckpointState(
+            step=done, policy_version=result.policy_version, cursor=cursor, published_version=self.published,
+            model_path=self.model_path, guard=self.ladder.state(), rollout_precision=self.ladder.rollout,
+            config=self.cfg.to_dict())
+        path = save_checkpoint(self.dir.root, done, self.workers.save, self.state.to_dict(), self.cfg.run.keep_last)
+        self.log.write({"event": "checkpoint", "step": done, "path": str(path)})
+
+    def failed(self, err: BaseException, step: int) -> Exception:
+        """The error to end the run with: what happened, at which step (1-based), and how to resume (logged first)."""
+        from qgrpo.cluster.run.workers import RunFailed
+
+        self.samples.flush()  # the steps done since the last checkpoint: a resume sets them aside with the rest
+        ckpts = complete_checkpoints(self.dir.root)
+        how = (f"continue from its last complete checkpoint (step_{ckpts[-1][0]:06d}) with: qgrpo train --resume "
+               f"{self.dir.root}" if ckpts else "no checkpoint was written yet (run.save_every); start it again")
+        self.log.write({"event": "failed", "step": step, "error": str(err)})
+        return RunFailed(f"{err}\n  the run stopped at step {step}; {how}")
+
+    def close(self, failing: bool) -> None:
+        self.source.close()
+        self.samples.close()
+        self.log.close()
+        self.workers.shutdown()
+        self.dir.close(failing=failing)  # a URI run: the logs reach it on failure too

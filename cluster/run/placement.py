@@ -33,9 +33,9 @@ def wait_scheduled(pending: dict, seconds: float, what: str, message_every: floa
         now = time.monotonic()
         names = ", ".join(sorted({pending[r] for r in refs}))
         if now >= deadline:
-            raise TimeoutError(f"{what}: {names} could not be placed within {seconds:.0f} s (faults.schedule_timeout_s):"
-                               " the cluster has the resources but they stay busy; free them, add nodes, or raise "
-                               "faults.schedule_timeout_s")
+            raise TimeoutError(f"{what}: {names} could not be placed within {seconds:.0f} s "
+                               "(faults.schedule_timeout_s): the cluster has the resources but they stay busy; free "
+                               "them, add nodes, or raise faults.schedule_timeout_s")
         if now - said >= message_every * 0.9:
             print(f"qgrpo: waiting {now - t0:.0f} s for the cluster to free resources for {names} "
                   f"(giving up in {deadline - now:.0f} s, faults.schedule_timeout_s)", file=sys.stderr)

@@ -12,25 +12,24 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from pathlib import Path
 
 import ray
 import torch
 
 from qgrpo.actors.collective import CollectiveGroup
 from qgrpo.actors.common import thread_env
-from qgrpo.core.devices import role_env
-from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.reference_actor import ReferenceActor
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
-from qgrpo.cluster.config.schema import BUILTIN_MODEL_PREFIX, Config
 from qgrpo.cluster.config.plan import RoleRequest, infeasible, role_requests
-from qgrpo.cluster.run.placement import learner_group, wait_scheduled
+from qgrpo.cluster.config.schema import BUILTIN_MODEL_PREFIX, Config
+from qgrpo.cluster.run.learners import start_learner_ranks
+from qgrpo.cluster.run.placement import wait_scheduled
+from qgrpo.core.devices import role_env
+from qgrpo.core.records import (GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck, TrainStepResult,
+                                WeightSync)
 from qgrpo.learner.batch import TrainBatch
-from qgrpo.learner.loss import GRPOLossConfig
 from qgrpo.rollout.backends import backend_options
-from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 
 
 def _split(items: list, n: int) -> list[list]:
@@ -160,7 +159,7 @@ class RolloutPool:
         groups = [g for gs, _ in results for g in gs]
         return groups, [s for _, s in results]
 
-    def load(self, update: WeightUpdate, seconds: float) -> list[dict]:
+    def load(self, update: WeightUpdate, seconds: float) -> list[SyncAck]:
         """Every actor loads `update` within `seconds`; an actor lost meanwhile is replaced (and loads it)."""
         self.last_update = update
         pending = {a.load_weights.remote(update): i for i, a in enumerate(self.actors)}
@@ -181,7 +180,8 @@ class RolloutPool:
                                 f"({_cause(e)})") from None
         return acks
 
-    def load_collective(self, learners: list, bucket_bytes: int, seconds: float) -> tuple[WeightUpdate, list[dict]]:
+    def load_collective(self, learners: list, bucket_bytes: int, seconds: float
+                        ) -> tuple[WeightUpdate, list[SyncAck]]:
         """Learner rank 0 broadcasts to every actor (the group formed again first if the actors changed). An actor
         lost meanwhile fails the sync (RunFailed, within `seconds`): a broadcast cannot go on without a member."""
         self.last_update = None  # rank 0 keeps the published buckets; `_spawn` fetches them for a new actor
@@ -271,36 +271,7 @@ class Workers:
         self.reference_precision = reference_precision or ref.precision
         self.reference_request = requests.get("reference")
         self.reference = self._reference() if cfg.reference_actor else None
-        batch = ro.prompts_per_step * ro.group_size
-        l_threads = le.threads or max(0, cores // le.world_size)
-        learner_kwargs = dict(
-            model_path=policy_path, zero_stage=le.zero_stage, lr=le.lr, weight_decay=le.weight_decay,
-            betas=(le.beta1, le.beta2), grad_clip=le.grad_clip, warmup_steps=le.warmup_steps,
-            lr_schedule=le.lr_schedule, total_updates=cfg.run.steps * cfg.algo.updates_per_batch,
-            micro_batch_per_rank=le.micro_batch_per_rank, sequences_per_rank=-(-batch // le.world_size),
-            loss_cfg=GRPOLossConfig(clip_low=cfg.algo.clip_low, clip_high=cfg.algo.clip_high,
-                                    kl_coeff=cfg.algo.kl_coeff, kl_estimator=cfg.algo.kl_estimator,
-                                    is_mode=cfg.algo.is_mode, is_cap=cfg.algo.is_cap),
-            loss_agg=cfg.algo.loss_agg, temperature=ro.temperature, updates_per_batch=cfg.algo.updates_per_batch,
-            shared_prompt=le.shared_prompt, attention=le.attention,
-            seed=cfg.run.seed, guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
-            mode=le.mode, lora=dataclasses.asdict(le.lora), optimizer=le.optimizer,
-            gradient_checkpointing=le.gradient_checkpointing, reference_from_learner=ref.from_learner,
-        )
-        # A CPU learner is forced to DeepSpeed's CPU accelerator: on a Mac DeepSpeed would otherwise pick its new MPS
-        # accelerator by itself, which we have not been able to test. With GPUs DeepSpeed picks CUDA (NCCL).
-        learner_env = {**thread_env(l_threads), **role_env(le.num_gpus)}
-        if not le.num_gpus:
-            learner_env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
-        ext_dir = str(Path(os.environ.get("QGRPO_CACHE", Path.home() / ".cache" / "qgrpo")) / "torch_extensions")
-        # The ranks are gang-scheduled: one placement group, one bundle per rank, all placed or none.
-        learn = requests["learner"]
-        self.learner_group = learner_group(learn)
-        wait_scheduled({self.learner_group.ready(): f"the learner ({learn.count} x {learn.describe()})"},
-                       cfg.faults.schedule_timeout_s, "placing the learner ranks")
-        options = [{**learn.actor_options(self.learner_group, r), "runtime_env": {"env_vars": learner_env}}
-                   for r in range(le.world_size)]
-        self.learners, setups = start_learners(le.world_size, learner_kwargs, l_threads, ext_dir, options)
+        self.learner_group, self.learners, setups = start_learner_ranks(cfg, policy_path, requests["learner"], cores)
         # Surface construction errors (bad model folder, DeepSpeed failure) here rather than at the first step.
         started = started or self.rollout.wait_started(self.rollout.actors)
         self.placed = {"learner": ray.get(setups), "rollout": [{"actor": i["generator_id"], "node_id": i["node_id"]}
@@ -336,13 +307,14 @@ class Workers:
         return gather({ref: "the reference actor"}, self.cfg.faults.reference_timeout_s, "reference scoring",
                       "faults.reference_timeout_s")[ref]
 
-    def train(self, batch: TrainBatch, step: int = 0) -> list[dict]:
+    def learn(self, batch: TrainBatch, step: int = 0) -> list[TrainStepResult]:
+        """One learner step: every rank trains on its shard of `batch`; results in rank order."""
         n = len(self.learners)
         calls = {a.train_step.remote(batch.shard(r, n), step): f"learner rank {r}" for r, a in enumerate(self.learners)}
         out = gather(calls, self.cfg.faults.learn_timeout_s, f"learner step {step}", "faults.learn_timeout_s")
         return [out[ref] for ref in calls]
 
-    def sync_weights(self) -> dict:
+    def sync_weights(self) -> WeightSync:
         """One versioned transfer from learner rank 0 to every rollout actor; export and load share one deadline."""
         budget, t0 = self.cfg.sync.timeout_s, time.monotonic()
         bucket_bytes = int(self.cfg.sync.bucket_mb * 2**20)
@@ -353,16 +325,11 @@ class Workers:
             out = gather(calls, budget, "weight export", "sync.timeout_s")
             update = out[next(iter(calls))]
             acks = self.rollout.load(update, budget - (time.monotonic() - t0))
-        bad = [a for a in acks if a["version"] != update.version]
+        bad = [f"{a.generator_id}: {a.version}" for a in acks if a.version != update.version]
         if bad:
             raise RunFailed(f"rollout actors report versions {bad} after syncing version {update.version}")
-        return {"version": update.version, "nbytes": update.nbytes, "buckets": update.num_buckets,
-                "seconds": time.monotonic() - t0, "export_seconds": update.export_seconds,
-                **{f"{k}_seconds_max": max(a.get(f"{k}_seconds", float("nan")) for a in acks)
-                   for k in ("receive", "requantize", "verify")},
-                "load_seconds_max": max(a["seconds"] for a in acks),
-                "fingerprint_gap_max": max(a["fingerprint_gap"] for a in acks),
-                "fingerprint_corr_min": min(a["fingerprint_corr"] for a in acks)}
+        return WeightSync.of(update.version, update.nbytes, update.num_buckets, time.monotonic() - t0,
+                             update.export_seconds, acks)
 
     def events(self) -> list[dict]:
         out, self.rollout.events = self.rollout.events, []

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import signal
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -130,8 +131,9 @@ def _check_model_files(folder, step: int) -> None:
 
 def save_checkpoint(run_dir, step: int, write_model: Callable[[str], None], state: dict[str, Any],
                     keep_last: int):
-    """Write checkpoint `step` (write_model fills the folder it is given; trainer_state.json comes last), then keep
-    the newest `keep_last` up to this step (a resumed run has already set its abandoned future aside)."""
+    """Write checkpoint `step` (write_model fills the folder it is given; trainer_state.json, `state` as JSON, comes
+    last: the driver's is CheckpointState.to_dict()), then keep the newest `keep_last` up to this step (a resumed run
+    has already set its abandoned future aside)."""
     final = checkpoint_dir(run_dir, step)
     clean_stray(storage.parent(final))
     (_save_uri if storage.is_uri(final) else _save_local)(final, step, write_model, json.dumps(state, indent=2))
@@ -174,7 +176,40 @@ def _save_local(final: Path, step: int, write_model: Callable[[str], None], stat
         _fsync_dir(final.parent)
 
 
+@dataclass
+class CheckpointState:
+    """What the driver saves as trainer_state.json, and reads back to resume: the keys on disk are these field names
+    (older run directories lack the later ones, which `from_dict` fills in)."""
+
+    step: int  # learner steps done (the checkpoint is checkpoints/step_NNNNNN of this step)
+    policy_version: int  # optimizer updates applied: the learner's version after `step`
+    cursor: int = 0  # the prompt sampler's cursor after the prompts of `step` (a resume draws on from there)
+    published_version: int | None = None  # the version the rollout actors held at the save (None: policy_version)
+    model_path: str = ""  # the run's initial model (the reference), as resolved when the run started
+    guard: dict[str, Any] | None = None  # the precision ladder's state (PrecisionLadder.state()); None: at its start
+    rollout_precision: str = ""  # the generators' precision at the save (guard["rollout_precision"] with a guard)
+    config: dict[str, Any] = field(default_factory=dict)  # the run's whole config as a dict (`qgrpo eval` reads it)
+
+    def __post_init__(self):
+        if self.published_version is None:
+            self.published_version = self.policy_version
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CheckpointState":
+        """The state of trainer_state.json as read; keys it does not know (none so far) are left out."""
+        known = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        return cls(**known)
+
+    @classmethod
+    def read(cls, ckpt) -> "CheckpointState":
+        return cls.from_dict(read_state(ckpt))
+
+
 def read_state(ckpt) -> dict[str, Any]:
+    """trainer_state.json of checkpoint `ckpt` (a folder or URI) as JSON; CheckpointState.read gives it typed."""
     f = storage.join(ckpt, STATE_FILE)
     if not storage.is_file(f):
         raise FileNotFoundError(f"{ckpt} is not a qgrpo checkpoint (no {STATE_FILE}); pass a run directory or "

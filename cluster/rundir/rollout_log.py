@@ -26,8 +26,8 @@ class RolloutWriter:
         for g in groups:
             for c, r, a in zip(g.completions, g.rewards, g.advantages, strict=True):
                 row = (step, g.item.prompt_id, g.item.prompt, g.item.reference, c.text, r, a, c.finish_reason,
-                       len(c.token_ids), sum(c.logprobs) / max(len(c.logprobs), 1), g.policy_version, trained_from - g.policy_version, g.precision,
-                       g.generator_id)
+                       len(c.token_ids), sum(c.logprobs) / max(len(c.logprobs), 1), g.policy_version,
+                       trained_from - g.policy_version, g.precision, g.generator_id)
                 for k, v in zip(SCHEMA_FIELDS, row):
                     self.rows[k].append(v)
         self.first_step = step if self.first_step is None else self.first_step

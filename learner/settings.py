@@ -1,0 +1,63 @@
+"""What one learner rank is built with: a plain record, filled from the run's config in one place
+(cluster/run/learners.py) and pickled to every rank's actor. The learner layer knows nothing of the config."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from qgrpo.learner.loss import GRPOLossConfig
+
+
+@dataclass
+class LearnerSettings:
+    # The DeepSpeed job
+    world_size: int = 1  # ranks in the learner's process group
+    zero_stage: int = 0  # DeepSpeed ZeRO stage 0-3
+    micro_batch_per_rank: int = 64  # sequences per forward/backward on one rank (one DeepSpeed micro-step)
+    sequences_per_rank: int = 64  # sequences of one step's batch per rank; gradients accumulate over its micro-batches
+    seed: int = 0  # torch's seed on every rank (adapter initialisation)
+    # The optimizer and its schedule
+    optimizer: str = "adamw"  # "adamw" (torch) or "adamw8bit" (bitsandbytes), both with the guard
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0  # max global gradient norm (0 = off)
+    warmup_steps: int = 0  # optimizer updates of the linear warm-up
+    lr_schedule: str = "constant"  # "constant" or "cosine" (engine.lr_factor)
+    total_updates: int = 0  # optimizer updates of the whole run: where the cosine schedule reaches 0
+    # The GRPO update
+    loss_cfg: GRPOLossConfig = field(default_factory=GRPOLossConfig)
+    loss_agg: str = "token_mean"  # token_mean | seq_mean | constant (learner.loss.aggregation_weights)
+    temperature: float = 1.0  # log-probs are those of softmax(logits / temperature), as the generators sample
+    updates_per_batch: int = 1  # optimizer updates on each batch (pi_old is the policy as the batch arrives)
+    shared_prompt: bool = True  # each distinct prompt of a micro-batch runs once, its KV cache shared
+    # The precision guard
+    guard: bool = True  # skip an update whose inputs, loss or gradients are not finite
+    max_mismatch_kl: float = 0.0  # ... or whose mismatch/kl_mu_old is above this (0 = no bound)
+    # The model (learner/adapters.py)
+    mode: str = "full"  # "full" | "lora" | "qlora"
+    lora: dict | None = None  # rank, alpha, dropout, target_modules: the adapters of lora/qlora
+    attention: str = "auto"  # transformers' attn_implementation; "auto": sdpa on CUDA, eager elsewhere
+    gradient_checkpointing: bool = False
+    # lora/qlora with a KL term: the reference log-probs are the learner's own base with its adapters off
+    reference_from_learner: bool = False
+
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per optimizer update on each rank."""
+        return math.ceil(self.sequences_per_rank / self.micro_batch_per_rank)
+
+    def deepspeed_config(self) -> dict:
+        """DeepSpeed's config: every micro-batch is one micro-step, the optimizer steps at the accumulation
+        boundary. The optimizer and scheduler are the learner's own objects, not named here."""
+        return {
+            "train_micro_batch_size_per_gpu": self.micro_batch_per_rank,
+            "gradient_accumulation_steps": self.grad_accum,
+            "train_batch_size": self.micro_batch_per_rank * self.grad_accum * self.world_size,
+            "bf16": {"enabled": True},  # bf16 weights and activations, fp32 master weights in the optimizer
+            "zero_optimization": {"stage": self.zero_stage},
+            "zero_allow_untested_optimizer": True,  # GuardedAdamW: torch's AdamW plus a veto (ZeRO checks the type)
+            "gradient_clipping": self.grad_clip,
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }

@@ -1,0 +1,69 @@
+"""The typed records on the way back from the actors, and what the learner is built with: they pickle (Ray carries
+them), the sync's metrics keep their names, trainer_state.json keeps its keys (old run directories resume), and the
+learner's settings come from the config sections they name."""
+import json
+import math
+import pickle
+
+from qgrpo.cluster.config.schema import load_config
+from qgrpo.cluster.run.learners import learner_settings
+from qgrpo.cluster.rundir.checkpoint import STATE_FILE, CheckpointState, read_state, save_checkpoint
+from qgrpo.core.records import SyncAck, TrainStepResult, WeightSync
+from qgrpo.learner.settings import LearnerSettings
+
+
+def _ack(gap: float, seconds: float = 0.5) -> SyncAck:
+    return SyncAck("torch-0", 3, seconds=seconds, receive_seconds=0.1, requantize_seconds=0.2, verify_seconds=0.05,
+                   fingerprint_gap=gap, fingerprint_corr=1.0 - gap)
+
+
+def test_records_pickle():
+    result = TrainStepResult(stats={"tokens": 12.0}, loss=0.5, grad_norm=1.5, lr=1e-6, policy_version=3,
+                             version_before=2, staleness=0.0, timing={"forward": 0.1, "backward": 0.2,
+                                                                      "optimizer": 0.01}, skipped="mismatch")
+    for record in (result, _ack(0.01), LearnerSettings(world_size=2, lora={"rank": 4}),
+                   CheckpointState(step=1, policy_version=1)):
+        assert pickle.loads(pickle.dumps(record)) == record
+
+
+def test_weight_sync_metrics_keep_their_names():
+    sync = WeightSync.of(3, nbytes=1024, buckets=2, seconds=1.0, export_seconds=0.25,
+                         acks=[_ack(0.01, seconds=0.5), _ack(0.03, seconds=0.7)])
+    assert sync.version == 3 and sync.load_seconds_max == 0.7
+    assert sync.fingerprint_gap_max == 0.03 and math.isclose(sync.fingerprint_corr_min, 0.97)
+    assert list(sync.metrics()) == [
+        "sync/nbytes", "sync/buckets", "sync/seconds", "sync/export_seconds", "sync/receive_seconds_max",
+        "sync/requantize_seconds_max", "sync/verify_seconds_max", "sync/load_seconds_max",
+        "sync/fingerprint_gap_max", "sync/fingerprint_corr_min"]
+
+
+def _writer(out: str) -> None:
+    for name, text in (("model.safetensors", "w"), ("config.json", "{}")):
+        with open(f"{out}/{name}", "w") as f:
+            f.write(text)
+
+
+def test_checkpoint_state_keeps_its_keys_and_reads_old_run_directories(tmp_path):
+    state = CheckpointState(step=4, policy_version=3, cursor=64, published_version=2, model_path="/m",
+                            guard={"rollout_precision": "int8"}, rollout_precision="int8", config={"run": {}})
+    path = save_checkpoint(tmp_path, 4, _writer, state.to_dict(), keep_last=1)
+    on_disk = json.loads((path / STATE_FILE).read_text())
+    assert list(on_disk) == ["step", "policy_version", "cursor", "published_version", "model_path", "guard",
+                             "rollout_precision", "config"]
+    assert CheckpointState.read(path) == state and read_state(path) == on_disk
+    # An older trainer_state.json, before published_version and the guard were saved: it resumes as it did.
+    old = CheckpointState.from_dict({"step": 2, "policy_version": 2, "cursor": 32, "model_path": "/m",
+                                     "config": {"run": {}}})
+    assert (old.published_version, old.guard, old.cursor) == (2, None, 32)
+
+
+def test_learner_settings_come_from_the_config_sections():
+    cfg = load_config(None, ["model.path='builtin:tiny-digits'", "learner.world_size=2", "learner.lr=3e-5",
+                             "learner.beta2=0.99", "rollout.prompts_per_step=6", "rollout.group_size=3",
+                             "algo.clip_high=0.28", "algo.updates_per_batch=2", "run.steps=7", "guard.enabled=false",
+                             "learner.mode=lora", "learner.lora.rank=4"])
+    s = learner_settings(cfg)
+    assert (s.world_size, s.lr, s.betas, s.sequences_per_rank) == (2, 3e-5, (0.9, 0.99), 9)  # 18 sequences over 2
+    assert s.loss_cfg.clip_high == 0.28 and s.updates_per_batch == 2 and s.total_updates == 14
+    assert s.guard is False and s.mode == "lora" and s.lora["rank"] == 4
+    assert s.deepspeed_config()["gradient_accumulation_steps"] == math.ceil(9 / s.micro_batch_per_rank)
