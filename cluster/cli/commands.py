@@ -1,0 +1,233 @@
+"""The `qgrpo` subcommands other than `train`: check, eval, merge, export, migrate, report, scale and submit. Each
+takes the parsed arguments and returns the exit status; the heavy imports happen inside, once a command runs."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from qgrpo.cluster.cli.train import EXIT_CONFIG, Refused, checked_config
+from qgrpo.cluster.config.schema import ConfigError, load_config
+from qgrpo.core import storage
+
+
+def check_command(args) -> int:
+    """`qgrpo check`: the config as `qgrpo train` would check it (without the model), printed in full, then the GPU
+    plan."""
+    from qgrpo.cluster.rundir.runlog import to_toml
+
+    try:
+        cfg = checked_config(args)
+    except Refused as e:
+        print(f"qgrpo: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(to_toml(cfg.to_dict()))
+    return _check_gpu_plan(cfg, args.gpus)
+
+
+def _check_gpu_plan(cfg, gpus: str | None) -> int:
+    """`qgrpo check`: where every GPU-asking actor would sit, on nodes of `gpus` GPUs (else this machine's); exit 2
+    naming the roles and the GPUs when they cannot all be placed at once."""
+    from qgrpo.cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
+    from qgrpo.core.devices import visible_gpu_count
+
+    requests = role_requests(cfg)
+    if not any(r.gpus for r in requests):
+        return 0
+    if gpus:
+        try:
+            counts = [int(x) for x in gpus.split(",")]
+            if any(c < 0 for c in counts):
+                raise ValueError
+        except ValueError:
+            print(f"qgrpo check: --gpus {gpus}: expected GPU counts per node, e.g. --gpus 1 or --gpus 4,1,1",
+                  file=sys.stderr)
+            return EXIT_CONFIG
+        where = f"--gpus {gpus}"
+    else:
+        n = visible_gpu_count()
+        if not n:
+            print("qgrpo check: GPU plan not checked: this machine has no GPU; `--gpus N` checks it against a node of "
+                  "N GPUs (`--gpus 4,1,1`: several nodes)", file=sys.stderr)
+            return 0
+        counts, where = [n], f"this machine's {n} GPU{'s' * (n != 1)}"
+    lines, problems = gpu_plan(requests, nodes_from_counts(counts))
+    if problems:
+        print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"qgrpo check: GPU plan on {where}:\n" + "\n".join(f"  {line}" for line in lines), file=sys.stderr)
+    return 0
+
+
+def eval_command(args) -> int:
+    try:  # a URI checkpoint is evaluated from this machine's copy of it (without the optimizer state)
+        model = Path(storage.localize(args.model, skip=("optimizer",)) if storage.is_uri(args.model) else args.model)
+    except OSError as e:
+        print(f"qgrpo eval: {args.model}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    model = model.expanduser()
+    overrides = [f"model.path={json.dumps(str(model))}", *args.overrides]
+    if args.task:
+        overrides.append(f"task.name={json.dumps(args.task)}")
+    if args.precision:
+        overrides.append(f"rollout.precision={json.dumps(args.precision)}")
+    if args.backend:
+        overrides.append(f"rollout.backend={json.dumps(args.backend)}")
+    try:
+        # A checkpoint is evaluated as its run was (task settings, worked examples, rewards, generation length)
+        # unless --config says otherwise; its task settings are dropped when --task names another task.
+        base = None if args.config else _run_config(model)
+        if base is not None:
+            if args.task and args.task != base.get("task", {}).get("name"):
+                base.pop("task", None)
+            base.get("run", {}).pop("wandb_project", None)  # evaluation logs nothing to W&B
+            print(f"qgrpo eval: task, rewards and generation length from the run config in {model}/trainer_state.json"
+                  " (--config PRESET to use another)", file=sys.stderr)
+        cfg = load_config(args.config, overrides, base=base)
+    except ConfigError as e:
+        print(f"qgrpo eval: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    from qgrpo.rollout.answer_stats import verdict_lines
+    from qgrpo.rollout.backends import backend_options
+    from qgrpo.rollout.evaluate import accuracy_reward, evaluate_model
+    from qgrpo.rollout.tasks import make_task
+
+    n = args.n or cfg.task.eval_size
+    if n > cfg.task.eval_size and cfg.task.name != "digit_sum":
+        print(f"qgrpo eval: -n {n} is more than the task's {cfg.task.eval_size} held-out prompts; "
+              "lower -n or --set task.eval_size=N", file=sys.stderr)
+        return EXIT_CONFIG
+    from qgrpo.learner.adapters import as_model_folder
+
+    with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
+        res = evaluate_model(path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
+                             cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
+                             precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
+                             backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout),
+                             train_task=make_task(cfg.task, cfg.run.seed))
+    print(json.dumps({"task": cfg.task.name, "backend": cfg.rollout.backend,
+                      **{k: v for k, v in res.items() if k != "samples"}}))
+    print(f"qgrpo eval: {args.model}: accuracy {res['accuracy']:.1%} on {res['n']} held-out {cfg.task.name} prompts "
+          f"({res['metric']}, greedy, {cfg.rollout.backend} {res['precision']})", file=sys.stderr)
+    for line in verdict_lines(res, res["baseline"]):
+        print(f"qgrpo eval: {line}", file=sys.stderr)
+    return 0
+
+
+def _run_config(model: Path) -> dict | None:
+    """The effective config a qgrpo checkpoint was trained with (its trainer_state.json); None for other folders."""
+    from qgrpo.cluster.rundir.checkpoint import STATE_FILE, read_state
+
+    if not (model / STATE_FILE).is_file():
+        return None
+    try:
+        return read_state(model)["config"]
+    except (OSError, ValueError, KeyError) as e:
+        raise ConfigError([f"{model / STATE_FILE}: unreadable ({type(e).__name__}: {e}); pass --config PRESET to say "
+                           "which task and rewards to evaluate with"]) from None
+
+
+def merge_command(args) -> int:
+    from qgrpo.learner.adapters import merge_checkpoint
+
+    try:
+        out = merge_checkpoint(Path(args.checkpoint).expanduser(), Path(args.out).expanduser(), args.base)
+    except (ValueError, OSError) as e:
+        print(f"qgrpo merge: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(out)
+    return 0
+
+
+def migrate_command(args) -> int:
+    """An MLX-GRPO config -> our TOML: only the fields the translation set (the rest are our defaults), each key's
+    mapping as a comment above. Validated as ours before anything is written."""
+    import tomllib
+
+    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, translate
+    from qgrpo.cluster.config.schema import _set_path
+    from qgrpo.cluster.rundir.runlog import to_toml
+
+    out = Path(args.out) if args.out else None
+    try:
+        data = tomllib.loads(Path(args.config).read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        print(f"qgrpo migrate: {args.config}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    if not is_mlx_grpo(data):
+        print(f"qgrpo migrate: {args.config} has no MLX-GRPO keys (it may already be one of ours: `qgrpo check` it)",
+              file=sys.stderr)
+        return EXIT_CONFIG
+    ours, lines, _, problems, rest = translate(data, args.overrides)
+    for item in rest:  # our own section.key=value overrides land in the file too
+        key, _, raw = item.partition("=")
+        _set_path(ours, key.strip(), raw.strip(), problems)
+    text = to_toml(ours)
+    try:
+        if problems:
+            raise ConfigError(problems)
+        load_config(None, [], base=tomllib.loads(text))  # what we write loads as our config
+    except ConfigError as e:
+        print(f"qgrpo migrate: {args.config}: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    header = [f"# Written by `qgrpo migrate {args.config}` from an MLX-GRPO config; how each key maps:"]
+    header += [f"#   {line}" for line in lines]
+    header += ["# Fields not listed here take our defaults (`qgrpo check` shows all).", ""]
+    if out is None:
+        print("\n".join(header) + text)
+        return 0
+    if out.exists():
+        print(f"qgrpo migrate: {out} exists; not overwritten (give another -o)", file=sys.stderr)
+        return EXIT_CONFIG
+    out.write_text("\n".join(header) + text)
+    print(f"qgrpo migrate: wrote {out}; run it with `qgrpo train {out}`", file=sys.stderr)
+    return 0
+
+
+def _report(run_dir: str) -> str:
+    """`qgrpo report`; a URI run's logs are read from this machine's cache of them and the report is uploaded to
+    RUN_DIR/report next to them."""
+    from qgrpo.cluster.report.build import report
+
+    if not storage.is_uri(run_dir):
+        return str(report(run_dir))
+    out = report(storage.localize(run_dir, skip=("checkpoints", "abandoned", "report")))
+    storage.upload(out, storage.join(run_dir, "report"))
+    return f"{storage.join(run_dir, 'report')} (also in {out})"
+
+
+def report_command(args) -> int:
+    print(_report(args.run_dir))
+    return 0
+
+
+def scale_command(args) -> int:
+    from qgrpo.cluster.run.control import request_rollout_actors
+
+    try:
+        path = request_rollout_actors(storage.absolute(args.run_dir), args.rollout_actors)
+    except ValueError as e:
+        print(f"qgrpo scale: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    print(f"qgrpo scale: asked for {args.rollout_actors} rollout actors ({path}); the run applies it at its next "
+          "step boundary and logs a `scale` event in metrics.jsonl", file=sys.stderr)
+    return 0
+
+
+def export_command(args) -> int:
+    from qgrpo.cluster.cli.export import export_for_mlx
+    from qgrpo.learner.adapters import as_model_folder
+
+    try:
+        with as_model_folder(args.checkpoint) as src:  # a LoRA/QLoRA checkpoint: its merged model is exported
+            print(export_for_mlx(src, args.out))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"qgrpo export: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    return 0
+
+
+def submit_command(args) -> int:
+    from qgrpo.cluster.cli.submit import submit
+
+    return submit(args)
