@@ -13,7 +13,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from qgrpo.rollout.answer_stats import describe_answers, describe_baseline, hollow_warnings
 from qgrpo.cluster.report.plots import (
     plot_accuracy,
     plot_kl,
@@ -38,12 +37,13 @@ from qgrpo.cluster.report.run_data import (
     fmt_duration,
     last_event,
     last_finite,
-    load_config,
     load_metrics,
     load_rollouts,
     nanmean,
+    read_run_config,
     reward_functions,
 )
+from qgrpo.rollout.answer_stats import describe_answers, describe_baseline, hollow_warnings
 
 
 def _fence(text: str) -> str:
@@ -72,27 +72,27 @@ def _baseline_lines(before: dict, after: dict, baseline: dict | None) -> list[st
     return lines + ([f"  - held-out answers at step {after['step']}: {answers}"] if answers else [])
 
 
-def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollouts: Rollouts | None,
-             missing: list[str]) -> str:
-    c = data.config
-    name = _cfg(c, "run", "name") or run_dir.name
-    md = [f"# Run report: {name}", "", f"Run directory: `{run_dir}`", ""]
-    points, baseline = eval_points(data), last_event(data, "baseline")
+def _warnings(points: dict[str, list[dict]], baseline: dict | None) -> list[str]:
     final = points["eval"][-1] if points.get("eval") else None
     warnings = hollow_warnings(final, baseline) if final and final["step"] > 0 else []  # step 0: the base model
-    if warnings:
-        md += ["## Warnings", "", f"Held-out evaluation at step {final['step']}:", ""]
-        md += [f"- **Warning:** {w.removeprefix('warning: ')}" for w in warnings] + [""]
+    if not warnings:
+        return []
+    md = ["## Warnings", "", f"Held-out evaluation at step {final['step']}:", ""]
+    return md + [f"- **Warning:** {w.removeprefix('warning: ')}" for w in warnings] + [""]
 
-    md += ["## Settings", "", "| setting | value |", "|---|---|"]
+
+def _settings(c: dict) -> list[str]:
+    md = ["## Settings", "", "| setting | value |", "|---|---|"]
     for sec, key in SETTINGS:
         v = _cfg(c, sec, key)
         md.append(f"| {sec}.{key} | {'n/a' if v is None else (f'{v:g}' if isinstance(v, float) else v)} |")
-    md.append("")
+    return md + [""]
 
-    md += ["## Progress", ""]
+
+def _progress(data: RunData) -> list[str]:
+    md = ["## Progress", ""]
     if data.steps:
-        total = _cfg(c, "run", "steps")
+        total = _cfg(data.config, "run", "steps")
         last = data.steps[-1]["step"]
         md.append(f"- Steps done: {last}" + (f" of {total}" if isinstance(total, int) else "")
                   + f" ({len(data.steps)} logged step lines)")
@@ -106,85 +106,109 @@ def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollout
     ckpts = [e for e in data.events if e.get("event") == "checkpoint"]
     if ckpts:
         md.append(f"- Checkpoints: {len(ckpts)}, last at step {ckpts[-1].get('step')}: `{ckpts[-1].get('path')}`")
-    md.append("")
+    return md + [""]
 
-    if data.has("reward/mean"):
-        k = HEAD_TAIL
-        md += ["## Reward", "",
-               f"| reward | first {k} steps | last {k} steps | change |", "|---|---|---|---|"]
-        for key in ["reward/mean"] + reward_functions(data):
-            y = data.y(key)
-            a, b = nanmean(y[:k]), nanmean(y[-k:])
-            md.append(f"| {key.split('/', 1)[1]} | {fmt(a)} | {fmt(b)} | {_signed(b - a)} |")
-        if len(data.steps) < 2 * k:
-            md.append(f"\n(Only {len(data.steps)} steps: the first and last {k} overlap.)")
-        if data.has("answers/top_share"):
-            d, t = data.y("answers/distinct"), data.y("answers/top_share")
-            md.append(f"\nAnswers of the training completions (all of a step's): {fmt(nanmean(d[:k]), 1)} -> "
-                      f"{fmt(nanmean(d[-k:]), 1)} distinct, the most common {fmt(nanmean(t[:k]))} -> "
-                      f"{fmt(nanmean(t[-k:]))} of them (first vs last {k} steps).")
-        md.append("")
 
-    if points:
-        md += ["## Held-out accuracy", ""]
-        for split, pts in sorted(points.items(), key=lambda kv: kv[0] != "eval"):
-            before, after = pts[0], pts[-1]
-            n = before.get("n")
-            md.append(f"- {split}" + (f" (n = {n})" if n is not None else "") + ":"
-                      f" accuracy {fmt(before.get('accuracy'))} at step {before['step']}"
-                      f" -> {fmt(after.get('accuracy'))} at step {after['step']}"
-                      + (f"; lenient {fmt(before.get('lenient_accuracy'))} -> {fmt(after.get('lenient_accuracy'))}"
-                         if any(_num(p.get("lenient_accuracy")) == _num(p.get("lenient_accuracy")) for p in pts)
-                         else ""))
-            if before is after:
-                md.append("  (a single eval: no before/after pair)")
-            if split == "eval":
-                md += _baseline_lines(before, after, baseline)
-        md.append("")
+def _reward(data: RunData) -> list[str]:
+    if not data.has("reward/mean"):
+        return []
+    k = HEAD_TAIL
+    md = ["## Reward", "", f"| reward | first {k} steps | last {k} steps | change |", "|---|---|---|---|"]
+    for key in ["reward/mean"] + reward_functions(data):
+        y = data.y(key)
+        a, b = nanmean(y[:k]), nanmean(y[-k:])
+        md.append(f"| {key.split('/', 1)[1]} | {fmt(a)} | {fmt(b)} | {_signed(b - a)} |")
+    if len(data.steps) < 2 * k:
+        md.append(f"\n(Only {len(data.steps)} steps: the first and last {k} overlap.)")
+    if data.has("answers/top_share"):
+        d, t = data.y("answers/distinct"), data.y("answers/top_share")
+        md.append(f"\nAnswers of the training completions (all of a step's): {fmt(nanmean(d[:k]), 1)} -> "
+                  f"{fmt(nanmean(d[-k:]), 1)} distinct, the most common {fmt(nanmean(t[:k]))} -> "
+                  f"{fmt(nanmean(t[-k:]))} of them (first vs last {k} steps).")
+    return md + [""]
 
+
+def _accuracy(points: dict[str, list[dict]], baseline: dict | None) -> list[str]:
+    if not points:
+        return []
+    md = ["## Held-out accuracy", ""]
+    for split, pts in sorted(points.items(), key=lambda kv: kv[0] != "eval"):
+        before, after = pts[0], pts[-1]
+        n = before.get("n")
+        md.append(f"- {split}" + (f" (n = {n})" if n is not None else "") + ":"
+                  f" accuracy {fmt(before.get('accuracy'))} at step {before['step']}"
+                  f" -> {fmt(after.get('accuracy'))} at step {after['step']}"
+                  + (f"; lenient {fmt(before.get('lenient_accuracy'))} -> {fmt(after.get('lenient_accuracy'))}"
+                     if any(_num(p.get("lenient_accuracy")) == _num(p.get("lenient_accuracy")) for p in pts)
+                     else ""))
+        if before is after:
+            md.append("  (a single eval: no before/after pair)")
+        if split == "eval":
+            md += _baseline_lines(before, after, baseline)
+    return md + [""]
+
+
+def _mismatch(data: RunData) -> list[str]:
     mism = [k for k in ("mismatch/kl_mu_old", "mismatch/log_ratio_mean", "mismatch/log_ratio_max",
                         "mismatch/log_ratio_min") if data.has(k)]
-    if mism:
-        precision = _cfg(c, "rollout", "precision", "quantized")
-        md += [f"## Final mismatch ({precision} sampler mu vs BF16 policy pi_old)", "",
-               f"| metric | last step | mean of last {HEAD_TAIL} |", "|---|---|---|"]
-        for k in mism:
-            y = data.y(k)
-            md.append(f"| {k} | {fmt(last_finite(y), 4)} | {fmt(nanmean(y[-HEAD_TAIL:]), 4)} |")
-        md.append("")
+    if not mism:
+        return []
+    precision = _cfg(data.config, "rollout", "precision", "quantized")
+    md = [f"## Final mismatch ({precision} sampler mu vs BF16 policy pi_old)", "",
+          f"| metric | last step | mean of last {HEAD_TAIL} |", "|---|---|---|"]
+    for k in mism:
+        y = data.y(k)
+        md.append(f"| {k} | {fmt(last_finite(y), 4)} | {fmt(nanmean(y[-HEAD_TAIL:]), 4)} |")
+    return md + [""]
 
+
+def _step_time(data: RunData) -> list[str]:
     parts = stage_times(data)
-    if parts:
-        means = {s: float(v.mean()) for s, v in parts.items()}
-        total = sum(means.values())
-        md += ["## Step time by stage", "", "| stage | mean s/step | share |", "|---|---|---|"]
-        for s, m in means.items():
-            md.append(f"| {s} | {m:.3f} | {100 * m / total:.1f}% |" if total > 0 else f"| {s} | {m:.3f} | n/a |")
-        md.append(f"| total | {total:.3f} | 100% |")
-        if data.has("perf/gen_tokens_per_s"):
-            md.append(f"\nGeneration throughput: {fmt(nanmean(data.y('perf/gen_tokens_per_s')), 1)} tokens/s "
-                      "(mean over steps).")
-        md.append("")
+    if not parts:
+        return []
+    means = {s: float(v.mean()) for s, v in parts.items()}
+    total = sum(means.values())
+    md = ["## Step time by stage", "", "| stage | mean s/step | share |", "|---|---|---|"]
+    for s, m in means.items():
+        md.append(f"| {s} | {m:.3f} | {100 * m / total:.1f}% |" if total > 0 else f"| {s} | {m:.3f} | n/a |")
+    md.append(f"| total | {total:.3f} | 100% |")
+    if data.has("perf/gen_tokens_per_s"):
+        md.append(f"\nGeneration throughput: {fmt(nanmean(data.y('perf/gen_tokens_per_s')), 1)} tokens/s "
+                  "(mean over steps).")
+    return md + [""]
 
+
+def _samples(rollouts: Rollouts | None) -> list[str]:
+    if rollouts is None:
+        return []
+    md = ["## Sample completions", "", f"Rollout rows: {rollouts.rows} (steps {rollouts.first_step}"
+          f"-{rollouts.last_step}). Shown: the best, a middle and the worst completion by reward.", ""]
+    for label, step, rows in (("First", rollouts.first_step, rollouts.first),
+                              ("Last", rollouts.last_step, rollouts.last)):
+        if not rows:
+            continue
+        md += [f"### {label} logged step ({step})", ""]
+        for r in rows:
+            meta = ", ".join(f"{k} {fmt(r.get(k))}" for k in ("reward", "advantage") if k in r)
+            extra = ", ".join(f"{k} {r[k]}" for k in ("precision", "policy_version", "generator_id") if k in r)
+            md += [f"- prompt `{r.get('prompt_id', '?')}`: {meta}" + (f" ({extra})" if extra else ""), "",
+                   "Prompt:", "", _fence(_short(r.get("prompt"))), "", "Completion:", "",
+                   _fence(_short(r.get("completion"))), ""]
+    return md
+
+
+def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollouts: Rollouts | None,
+             missing: list[str]) -> str:
+    """summary.md: a section only where the run has its data; what is missing is listed at the end."""
+    name = _cfg(data.config, "run", "name") or run_dir.name
+    md = [f"# Run report: {name}", "", f"Run directory: `{run_dir}`", ""]
+    points, baseline = eval_points(data), last_event(data, "baseline")
+    md += _warnings(points, baseline) + _settings(data.config) + _progress(data) + _reward(data)
+    md += _accuracy(points, baseline) + _mismatch(data) + _step_time(data)
     if plots:
         md += ["## Plots", ""]
         md += [f"![{title}]({fname})\n" for fname, title in plots]
-
-    if rollouts is not None:
-        md += ["## Sample completions", "", f"Rollout rows: {rollouts.rows} (steps {rollouts.first_step}"
-               f"-{rollouts.last_step}). Shown: the best, a middle and the worst completion by reward.", ""]
-        for label, step, rows in (("First", rollouts.first_step, rollouts.first),
-                                  ("Last", rollouts.last_step, rollouts.last)):
-            if not rows:
-                continue
-            md += [f"### {label} logged step ({step})", ""]
-            for r in rows:
-                meta = ", ".join(f"{k} {fmt(r.get(k))}" for k in ("reward", "advantage") if k in r)
-                extra = ", ".join(f"{k} {r[k]}" for k in ("precision", "policy_version", "generator_id") if k in r)
-                md += [f"- prompt `{r.get('prompt_id', '?')}`: {meta}" + (f" ({extra})" if extra else ""), "",
-                       "Prompt:", "", _fence(_short(r.get("prompt"))), "", "Completion:", "",
-                       _fence(_short(r.get("completion"))), ""]
-
+    md += _samples(rollouts)
     notes = missing + data.notes
     if notes:
         md += ["## Missing or skipped", ""] + [f"- {n}" for n in notes] + [""]
@@ -205,7 +229,7 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
 
     data = RunData()
     load_metrics(run_dir / "metrics.jsonl", data)
-    load_config(run_dir / "config.toml", data)
+    read_run_config(run_dir / "config.toml", data)
     rollouts = load_rollouts(run_dir, data.notes)
 
     plan = [

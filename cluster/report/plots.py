@@ -163,7 +163,9 @@ def stage_times(data: RunData) -> dict[str, np.ndarray]:
 def plot_time(data: RunData, path: Path) -> None:
     fig, (ax,) = _figure()
     x, parts = data.x(), stage_times(data)
-    colors = {"generate": "C0", "reference": "C2", "learn": "C3", "sync": "C1", "other": "0.6"}
+    # Every stage the driver may lap (STAGES) needs a colour; the first four keep theirs from older reports.
+    colors = {"generate": "C0", "reference": "C2", "learn": "C3", "sync": "C1", "rewards": "C4", "pack": "C5",
+              "rollout_wait": "C7", "other": "0.6"}
     ax.stackplot(x, *parts.values(), labels=list(parts), colors=[colors[k] for k in parts], alpha=0.85,
                  step="mid" if len(x) < 40 else None)
     ax.set_xlabel("step")

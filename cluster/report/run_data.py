@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-STAGES = ("generate", "reference", "learn", "sync")  # StageClock laps of the driver, in order
+STAGES = ("generate", "rewards", "pack", "reference", "learn", "rollout_wait", "sync")  # the driver's laps, in order
 REWARD_STATS = {"mean", "std", "groups_with_signal", "errors", "min", "max"}  # reward/* keys that are not functions
 MISMATCH_RATIO_KEYS = ("mismatch/log_ratio_max", "mismatch/log_ratio_mean", "mismatch/log_ratio_min")
 SMOOTH = 10  # moving-average window, in logged steps (longer runs: 1% of the steps, see _window)
@@ -84,7 +84,8 @@ def load_metrics(path: Path, data: RunData) -> None:
     data.steps = [by_step[k] for k in sorted(by_step)]
 
 
-def load_config(path: Path, data: RunData) -> None:
+def read_run_config(path: Path, data: RunData) -> None:
+    """The run's config.toml as plain TOML, unchecked: a report reads whatever a run wrote, old configs too."""
     if not path.is_file():
         data.notes.append("no config.toml: run settings unknown")
         return
@@ -230,8 +231,6 @@ def eval_points(data: RunData) -> dict[str, list[dict]]:
         if e.get("event") == "eval" and isinstance(e.get("step"), (int, float)):
             out.setdefault(str(e.get("split") or "eval"), {})[int(e["step"])] = e
     return {split: [pts[k] for k in sorted(pts)] for split, pts in out.items()}
-
-
 
 
 def last_event(data: RunData, name: str) -> dict | None:
