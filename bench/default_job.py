@@ -12,7 +12,8 @@ Per run, from the run's own metrics.jsonl and run log:
   slowest rollout actor; the whole sync as the driver saw it). The driver's laps cover the whole step: "ref" includes
   reward scoring and building the batch, and algo.overlap's wait for the next step's rollouts is its own lap;
 - **memory per actor**: peak RSS and PSS of the learner, rollout and reference actors, Ray's own processes and the
-  driver, and of their sum (bench/vs_trl.py's sampler: the process tree of the run, RSS every 0.5 s, PSS every 3 s).
+  driver, and of their sum (bench/sides.py's sampler, as in bench/vs_trl.py: the process tree of the run, RSS every
+  0.5 s, PSS every 3 s).
 
 Runs go one at a time (seed-major: s0 int8, s0 bf16, s1 int8, ...), so a slow spell of the machine falls on both
 precisions of a seed. Each finished run is kept in bench/results/default_job/<name>.json and `--resume` skips it, so a
@@ -36,13 +37,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from vs_trl import GB, run_side, side_env, versions  # noqa: E402  (same sampler and environment as the TRL bench)
+from sides import GB, run_side, side_env, versions  # noqa: E402  (same sampler and environment as the TRL bench)
 
 CONFIG = ROOT / "configs" / "smollm2_arith.toml"
 WARMUP_STEPS = 1
@@ -142,7 +142,8 @@ def table(result: dict) -> str:
             out.append(f"{r['name']:<10} {f(100 * ev[0]['accuracy'])+'%':>6} {f(100 * ev[-1]['accuracy'])+'%':>8} "
                        f"{f(100 * r['eval_final_bf16']['accuracy'])+'%':>9} {f(r['acc_gain_points']):>9} "
                        f"{f(r['process_s'] / 60):>9} {f(r['acc_gain_points_per_min'], 2):>8} "
-                       f"{(f(100 * maj) + '%') if maj is not None else '-':>9} {ev[-1].get('answers_distinct') or '-':>9} "
+                       f"{(f(100 * maj) + '%') if maj is not None else '-':>9} "
+                       f"{ev[-1].get('answers_distinct') or '-':>9} "
                        f"{f(r['train_reward_first5'], 3):>11} {f(r['train_reward_last5'], 3):>10}")
         for prec, acc in result.get("by_precision", {}).items():
             out.append(f"  {prec}: end accuracy mean {f(100 * acc['end'])}% (bf16 eval {f(100 * acc['end_bf16'])}%) "

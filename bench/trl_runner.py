@@ -31,6 +31,36 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _reward(name: str):
+    """Our reward function `name` as TRL calls one: on the last message of each completion, against its reference."""
+    from qgrpo.rollout.rewards import REWARD_FUNCTIONS
+
+    fn = REWARD_FUNCTIONS[name]
+
+    def score(prompts, completions, reference, **_):
+        return [fn(c[-1]["content"], ref) for c, ref in zip(completions, reference)]
+    score.__name__ = name  # TRL logs rewards/<name>
+    return score
+
+
+def _grpo_config(cfg, spec: dict) -> dict:
+    """GRPOConfig's fields for our config (the module doc says which match ours), then the --trl-set ones."""
+    ro = cfg.rollout
+    grpo = dict(
+        output_dir=spec["tmp_dir"], use_cpu=True, bf16=True, seed=cfg.run.seed, max_steps=cfg.run.steps,
+        per_device_train_batch_size=ro.prompts_per_step * ro.group_size, gradient_accumulation_steps=1,
+        num_generations=ro.group_size, max_completion_length=ro.max_new_tokens, temperature=ro.temperature,
+        top_p=ro.top_p, top_k=ro.top_k, learning_rate=cfg.learner.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=cfg.learner.weight_decay, adam_beta1=cfg.learner.beta1,
+        adam_beta2=cfg.learner.beta2, max_grad_norm=cfg.learner.grad_clip, beta=0.0, epsilon=cfg.algo.clip_low,
+        epsilon_high=cfg.algo.clip_high, loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False,
+        shuffle_dataset=False, gradient_checkpointing=False, logging_steps=1, save_strategy="no",
+        eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
+        reward_weights=[s.weight for s in cfg.rewards.functions])
+    grpo.update(spec["trl_set"])
+    return grpo
+
+
 def main(spec: dict) -> None:
     import torch
 
@@ -41,7 +71,6 @@ def main(spec: dict) -> None:
 
     from qgrpo.cluster.config.schema import load_config
     from qgrpo.rollout.backends.common import format_prompt
-    from qgrpo.rollout.rewards import REWARD_FUNCTIONS
     from qgrpo.rollout.tasks import make_task
 
     cfg = load_config(spec["config"], spec["overrides"])
@@ -55,26 +84,7 @@ def main(spec: dict) -> None:
                        for it in items],
             "reference": [it.reference for it in items]}
 
-    def reward(name):
-        fn = REWARD_FUNCTIONS[name]
-
-        def score(prompts, completions, reference, **_):
-            return [fn(c[-1]["content"], ref) for c, ref in zip(completions, reference)]
-        score.__name__ = name  # TRL logs rewards/<name>
-        return score
-
-    grpo = dict(
-        output_dir=spec["tmp_dir"], use_cpu=True, bf16=True, seed=cfg.run.seed, max_steps=steps,
-        per_device_train_batch_size=per_step * ro.group_size, gradient_accumulation_steps=1,
-        num_generations=ro.group_size, max_completion_length=ro.max_new_tokens, temperature=ro.temperature,
-        top_p=ro.top_p, top_k=ro.top_k, learning_rate=cfg.learner.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=cfg.learner.weight_decay, adam_beta1=cfg.learner.beta1,
-        adam_beta2=cfg.learner.beta2, max_grad_norm=cfg.learner.grad_clip, beta=0.0, epsilon=cfg.algo.clip_low,
-        epsilon_high=cfg.algo.clip_high, loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False,
-        shuffle_dataset=False, gradient_checkpointing=False, logging_steps=1, save_strategy="no",
-        eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-        reward_weights=[s.weight for s in cfg.rewards.functions])
-    grpo.update(spec["trl_set"])
+    grpo = _grpo_config(cfg, spec)
 
     class Timed(GRPOTrainer):
         """Times every generation and checks the prompt ids TRL built against ours."""
@@ -106,7 +116,7 @@ def main(spec: dict) -> None:
               "logs": [], "grpo_config": {k: v for k, v in grpo.items() if k != "output_dir"}}
     t0 = time.time()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, spec.get("dtype", "bfloat16")))
-    trainer = Timed(model=model, reward_funcs=[reward(s.name) for s in cfg.rewards.functions],
+    trainer = Timed(model=model, reward_funcs=[_reward(s.name) for s in cfg.rewards.functions],
                     args=GRPOConfig(**grpo), train_dataset=Dataset.from_dict(rows), processing_class=tokenizer,
                     callbacks=[Clock()])
     record["setup_s"] = time.time() - t0

@@ -17,7 +17,8 @@ alternating, median reported. Columns (seconds):
 
 The share of a step uses --step-s (default: the README's default-job figure, "seed 0, ~20 s per step").
 
-    .venv/bin/python bench/weight_transport.py [--cache-dir DIR] [--repeats N] [--step-s S] [--bucket-mb MB] [--out PATH]
+    .venv/bin/python bench/weight_transport.py [--cache-dir DIR] [--repeats N] [--step-s S] [--bucket-mb MB] \\
+        [--out PATH]
     .venv/bin/python bench/weight_transport.py --model builtin:tiny-digits --repeats 1 --out /tmp/x.json  # smoke test
 
 Prints a table and writes bench/results/weight_transport.json.
@@ -42,29 +43,26 @@ CONFIGS = [(1, "bf16"), (1, "int8"), (2, "bf16"), (2, "int8")]  # (rollout actor
 TRANSPORTS = ("object_store", "collective")
 
 
-def main() -> None:
+def _parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cache-dir", default="", help="builtin models' cache (default: $QGRPO_CACHE or ~/.cache/qgrpo)")
-    ap.add_argument("--model", default="builtin:smollm2-135m-instruct", help="another model only to smoke-test this script")
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                    help="another model only to smoke-test this script")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--step-s", type=float, default=STEP_S, help=f"seconds per default-job step ({STEP_SOURCE})")
     ap.add_argument("--bucket-mb", type=float, default=64.0, help="sync.bucket_mb (the default)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="sync.timeout_s (the default)")
     ap.add_argument("--out", default="")
-    args = ap.parse_args()
-    out = Path(args.out or ROOT / "bench" / "results" / "weight_transport.json")
-    args.out, started, t_start = str(out), datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
-    load_start = os.getloadavg()[0]
+    return ap.parse_args()
 
+
+def _sender_class():
+    """The Ray actor class of the sender (built here: Ray and torch are imported only once the bench runs)."""
     import ray
     import torch
 
-    from qgrpo.actors.collective import CollectiveGroup, CollectiveMember
-    from qgrpo.actors.common import thread_env
-    from qgrpo.actors.rollout_actor import RolloutActor
+    from qgrpo.actors.collective import CollectiveMember
     from qgrpo.actors.weights import ObjectStoreTransport
-    from qgrpo.cluster.run.workers import gather
-    from qgrpo.rollout.models import resolve_model_path
 
     @ray.remote
     class Sender(CollectiveMember):
@@ -101,62 +99,95 @@ def main() -> None:
         def last_send_seconds(self) -> float:
             return self.send_s
 
+    return Sender
+
+
+def _wait(calls, seconds, stage):
+    from qgrpo.cluster.run.workers import gather
+
+    return gather(calls, seconds, stage, "--timeout-s")
+
+
+def _configuration(args, sender, path: str, n: int, precision: str, bucket_bytes: int) -> tuple[list[dict], int]:
+    """The rows of one configuration (n rollout actors at `precision`), one per transport, and the bytes a sync
+    moves."""
+    import ray
+
+    from qgrpo.actors.collective import CollectiveGroup
+    from qgrpo.actors.rollout_actor import RolloutActor
+
+    actors = [RolloutActor.remote("torch", dict(model_path=path, precision=precision,
+                                                generator_id=f"torch-{precision}-{i}"), 1) for i in range(n)]
+    names = [f"torch-{precision}-{i}" for i in range(n)]
+    ray.get([sender.last_send_seconds.remote(), *[a.info.remote() for a in actors]])  # start-up not timed
+    group = CollectiveGroup(_wait)
+
+    def sync(transport: str) -> dict:
+        t0 = time.perf_counter()
+        if transport == "collective":
+            update, acks = group.sync([sender], actors, names, bucket_bytes, args.timeout_s)
+        else:
+            ref = sender.publish_weights.remote(bucket_bytes)
+            update = _wait({ref: "sender"}, args.timeout_s, "publish")[ref]
+            refs = {a.load_weights.remote(update): name for a, name in zip(actors, names)}
+            acks = list(_wait(refs, args.timeout_s, "load").values())
+        total = time.perf_counter() - t0
+        return {"send": ray.get(sender.last_send_seconds.remote()), "nbytes": update.nbytes,
+                "receive": max(a.receive_seconds for a in acks), "load": max(a.seconds for a in acks),
+                "total": total, "fingerprint_gap_max": max(a.fingerprint_gap for a in acks)}
+
+    first = {t: sync(t) for t in TRANSPORTS}  # warm-up; collective forms its group here
+    samples = {t: [] for t in TRANSPORTS}
+    for _ in range(args.repeats):
+        for t in TRANSPORTS:
+            samples[t].append(sync(t))
+    rows, nbytes = [], 0
+    for t in TRANSPORTS:
+        nbytes = samples[t][0]["nbytes"]
+        med = {k: statistics.median(s[k] for s in samples[t]) for k in ("send", "receive", "load", "total")}
+        rows.append({"actors": n, "precision": precision, "transport": t, **{k: round(v, 3) for k, v in med.items()},
+                     "pct_of_step": round(100 * med["total"] / args.step_s, 2),
+                     "totals": [round(s["total"], 3) for s in samples[t]],
+                     "first_sync_total": round(first[t]["total"], 3),
+                     "fingerprint_gap_max": max(s["fingerprint_gap_max"] for s in samples[t])})
+    for a in actors:
+        ray.kill(a)
+    return rows, nbytes
+
+
+def main() -> None:
+    args = _parse()
+    out = Path(args.out or ROOT / "bench" / "results" / "weight_transport.json")
+    args.out, started, t_start = str(out), datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
+    load_start = os.getloadavg()[0]
+
+    import ray
+    import torch
+
+    from qgrpo.actors.common import thread_env
+    from qgrpo.rollout.models import resolve_model_path
+
     path = resolve_model_path(args.model, args.cache_dir)
     bucket_bytes = int(args.bucket_mb * 2**20)
     env = {"env_vars": {**thread_env(1), "PYTHONPATH": str(ROOT)}}
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=env)
     rows, nbytes = [], 0
     try:
-        sender = Sender.remote(path)
-
-        def wait(calls, seconds, stage):
-            return gather(calls, seconds, stage, "--timeout-s")
-
+        sender = _sender_class().remote(path)
         for n, precision in CONFIGS:
-            actors = [RolloutActor.remote("torch", dict(model_path=path, precision=precision,
-                                                        generator_id=f"torch-{precision}-{i}"), 1) for i in range(n)]
-            names = [f"torch-{precision}-{i}" for i in range(n)]
-            ray.get([sender.last_send_seconds.remote(), *[a.info.remote() for a in actors]])  # start-up not timed
-            group = CollectiveGroup(wait)
-
-            def sync(transport: str) -> dict:
-                t0 = time.perf_counter()
-                if transport == "collective":
-                    update, acks = group.sync([sender], actors, names, bucket_bytes, args.timeout_s)
-                else:
-                    ref = sender.publish_weights.remote(bucket_bytes)
-                    update = wait({ref: "sender"}, args.timeout_s, "publish")[ref]
-                    refs = {a.load_weights.remote(update): name for a, name in zip(actors, names)}
-                    acks = list(wait(refs, args.timeout_s, "load").values())
-                total = time.perf_counter() - t0
-                return {"send": ray.get(sender.last_send_seconds.remote()), "nbytes": update.nbytes,
-                        "receive": max(a["receive_seconds"] for a in acks), "load": max(a["seconds"] for a in acks),
-                        "total": total, "fingerprint_gap_max": max(a["fingerprint_gap"] for a in acks)}
-
-            first = {t: sync(t) for t in TRANSPORTS}  # warm-up; collective forms its group here
-            samples = {t: [] for t in TRANSPORTS}
-            for _ in range(args.repeats):
-                for t in TRANSPORTS:
-                    samples[t].append(sync(t))
-            for t in TRANSPORTS:
-                nbytes = samples[t][0]["nbytes"]
-                med = {k: statistics.median(s[k] for s in samples[t]) for k in ("send", "receive", "load", "total")}
-                rows.append({"actors": n, "precision": precision, "transport": t, **{k: round(v, 3) for k, v in med.items()},
-                             "pct_of_step": round(100 * med["total"] / args.step_s, 2),
-                             "totals": [round(s["total"], 3) for s in samples[t]],
-                             "first_sync_total": round(first[t]["total"], 3),
-                             "fingerprint_gap_max": max(s["fingerprint_gap_max"] for s in samples[t])})
-            for a in actors:
-                ray.kill(a)
+            more, nbytes = _configuration(args, sender, path, n, precision, bucket_bytes)
+            rows += more
         ray.kill(sender)
     finally:
         ray.shutdown()
-    result = {"meta": {"date": started, "torch": torch.__version__, "ray": ray.__version__, "cpu_count": os.cpu_count(),
-                       "model": path, "nbytes": nbytes, "args": vars(args), "step_source": STEP_SOURCE,
+    result = {"meta": {"date": started, "torch": torch.__version__, "ray": ray.__version__,
+                       "cpu_count": os.cpu_count(), "model": path, "nbytes": nbytes, "args": vars(args),
+                       "step_source": STEP_SOURCE,
                        "sender": "plain Ray actor streaming model.named_parameters() in bf16 through the same pack / "
                                  "transport code (not DeepSpeed)",
-                       "load_avg": [load_start, os.getloadavg()[0]], "total_s": round(time.perf_counter() - t_start, 1)},
-            "rows": rows}
+                       "load_avg": [load_start, os.getloadavg()[0]],
+                       "total_s": round(time.perf_counter() - t_start, 1)},
+              "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")  # before the table: a table bug must not lose the run
     print_table(result)
@@ -167,9 +198,9 @@ def print_table(result: dict) -> None:
     """The table of one run, from its JSON (`print_table(json.load(open(path)))` re-prints a saved run)."""
     meta = result["meta"]
     a = meta["args"]
-    print(f"\nWeight sync of {Path(meta['model']).name} ({meta['nbytes'] / 2**20:.0f} MB bf16, buckets of {a['bucket_mb']:g} "
-          f"MB), torch rollout actors (1 thread each), median of {a['repeats']}, seconds; torch {meta['torch']}, "
-          f"ray {meta['ray']}, {meta['cpu_count']} cores")
+    print(f"\nWeight sync of {Path(meta['model']).name} ({meta['nbytes'] / 2**20:.0f} MB bf16, buckets of "
+          f"{a['bucket_mb']:g} MB), torch rollout actors (1 thread each), median of {a['repeats']}, seconds; torch "
+          f"{meta['torch']}, ray {meta['ray']}, {meta['cpu_count']} cores")
     print(f"sender: {meta['sender']}")
     print(f"step: {a['step_s']:g} s from {meta['step_source']}")
     print(f"first: the untimed warm-up sync (collective: includes forming the group); load average at start / end: "
