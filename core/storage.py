@@ -209,8 +209,10 @@ def move(src, dst) -> None:
     delete(src)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("QGRPO_CACHE") or Path.home() / ".cache" / "qgrpo").expanduser()
+def cache_root(cache_dir: str = "") -> Path:
+    """This node's qgrpo cache: `cache_dir` (a config's model.cache_dir) when given, else $QGRPO_CACHE, else
+    ~/.cache/qgrpo. Builtin and converted models, downloaded URI copies and staging copies all live under it."""
+    return Path(cache_dir or os.environ.get("QGRPO_CACHE") or Path.home() / ".cache" / "qgrpo").expanduser()
 
 
 def localize(loc, skip: tuple[str, ...] = ()) -> str:

@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
 
+from qgrpo.core.storage import cache_root
+
 BUILTIN_PREFIX = "builtin:"
 
 # Characters of the tiny model's vocabulary: enough for arithmetic prompts and answers.
 _TINY_CHARS = list("0123456789+-=*/ ")
 _TINY_SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
-
-
-def cache_root(cache_dir: str = "") -> Path:
-    return Path(cache_dir or os.environ.get("QGRPO_CACHE") or Path.home() / ".cache" / "qgrpo").expanduser()
 
 
 def build_char_tokenizer(out_dir: Path) -> None:
