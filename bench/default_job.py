@@ -46,7 +46,8 @@ from sides import GB, run_side, side_env, versions  # noqa: E402  (same sampler 
 
 CONFIG = ROOT / "configs" / "smollm2_arith.toml"
 WARMUP_STEPS = 1
-STAGES = ("generate", "reference", "learn", "rollout_wait", "sync")  # the driver's laps: together the whole step
+# The driver's laps, together the whole step (rewards and pack were inside reference before they had laps).
+STAGES = ("generate", "rewards", "pack", "reference", "learn", "rollout_wait", "sync")
 LEARN = ("forward", "backward", "optimizer")
 SYNC = ("export_seconds", "receive_seconds_max", "requantize_seconds_max", "verify_seconds_max", "seconds")
 EVAL_KEYS = ("accuracy", "lenient_accuracy", "precision", "answers_given", "answers_distinct", "answers_top_share")
@@ -155,7 +156,8 @@ def table(result: dict) -> str:
             f"{'gen tok/s':>9}"]
     for r in runs:
         st, ls, ss = r["stage_s"], r["learn_split_s"], r["sync_split_s"]
-        out.append(f"{r['name']:<10} {f(r['s_per_step']):>6} {f(st['generate']):>9} {f(st['reference']):>6} "
+        ref = st.get("rewards", 0.0) + st.get("pack", 0.0) + st["reference"]  # one "ref" column, as before the split
+        out.append(f"{r['name']:<10} {f(r['s_per_step']):>6} {f(st['generate']):>9} {f(ref):>6} "
                    f"{f(st['learn']):>6} {f(ls['forward']):>6} {f(ls['backward']):>6} {f(ls['optimizer'], 2):>6} "
                    f"{f(st['sync'], 2):>6} {f(ss['export_seconds'], 2):>7} {f(ss['receive_seconds_max'], 2):>8} "
                    f"{f(ss['requantize_seconds_max'], 2):>8} {f(ss['verify_seconds_max'], 2):>7} "

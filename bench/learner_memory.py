@@ -76,6 +76,7 @@ def run_variant(args) -> None:
     from transformers import AutoConfig
 
     from qgrpo.learner.engine import Learner
+    from qgrpo.learner.settings import LearnerSettings
     from qgrpo.rollout.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
@@ -87,18 +88,19 @@ def run_variant(args) -> None:
     mode, optimizer, gc, shared = spec
     path = resolve_model_path(args.model)
     b, lens = batch(args, AutoConfig.from_pretrained(path).vocab_size)
-    learner = Learner(path, lr=1e-5, micro_batch_per_rank=64, sequences_per_rank=len(b), zero_stage=0,
-                      shared_prompt=shared, mode=mode, optimizer=optimizer, gradient_checkpointing=gc,
-                      lora=dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0,
-                                target_modules=["all-linear"]))
+    settings = LearnerSettings(lr=1e-5, micro_batch_per_rank=64, sequences_per_rank=len(b), zero_stage=0,
+                               shared_prompt=shared, mode=mode, optimizer=optimizer, gradient_checkpointing=gc,
+                               lora=dict(rank=args.lora_rank, alpha=2.0 * args.lora_rank, dropout=0.0,
+                                         target_modules=["all-linear"]))
+    learner = Learner(path, settings)
     rss_built = _rss_gb()
     module = learner.engine.module
     steps = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         r = learner.train_step(b)
-        steps.append({"total": time.perf_counter() - t0, **r["timing"]})
-        assert r["skipped"] == "", r["skipped"]
+        steps.append({"total": time.perf_counter() - t0, **r.timing})
+        assert r.skipped == "", r.skipped
     opt = learner.optimizer  # DeepSpeed's bf16 wrapper: its fp32 masters, and the inner optimizer's moments
     state = [v for s in learner.inner_optimizer.state.values() for v in s.values()]
     masters = [p for g in learner.inner_optimizer.param_groups for p in g["params"]]

@@ -147,6 +147,7 @@ def run_variant(args) -> None:
     from transformers import AutoConfig
 
     from qgrpo.learner.engine import Learner
+    from qgrpo.learner.settings import LearnerSettings
     from qgrpo.rollout.models import resolve_model_path
 
     path = resolve_model_path(args.model)
@@ -156,13 +157,14 @@ def run_variant(args) -> None:
     b = b.select(order)
     if v.get("plain"):
         return print(json.dumps(plain_torch(path, b, args.steps)))
-    learner = Learner(path, lr=1e-6, micro_batch_per_rank=v.get("micro", 64), sequences_per_rank=len(b),
-                      zero_stage=0, shared_prompt=v.get("shared", True), attention=v.get("attn", "auto"))
+    learner = Learner(path, LearnerSettings(lr=1e-6, micro_batch_per_rank=v.get("micro", 64), sequences_per_rank=len(b),
+                                            zero_stage=0, shared_prompt=v.get("shared", True),
+                                            attention=v.get("attn", "auto")))
     steps = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         r = learner.train_step(b)
-        steps.append({"total": time.perf_counter() - t0, **r["timing"]})
+        steps.append({"total": time.perf_counter() - t0, **r.timing})
     print(json.dumps({"steps": steps, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 
 

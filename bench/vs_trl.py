@@ -72,7 +72,8 @@ def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
     timed = steps[WARMUP_STEPS:]
     wall = steps[-1]["time"] - steps[WARMUP_STEPS - 1]["time"]
     tokens = sum(m["rollout/completion_len"] * per_step for m in timed)
-    stage = {k: sum(m[f"time/{k}"] for m in timed) for k in ("generate", "reference", "learn", "sync")}
+    stage = {k: sum(m.get(f"time/{k}", 0.0) for m in timed)
+             for k in ("generate", "rewards", "pack", "reference", "learn", "sync")}
     stage["generate"] += sum(m.get("time/rollout_wait", 0.0) for m in timed)  # algo.overlap: what was not hidden
     first_start = steps[0]["time"] - steps[0]["time/step"]
     return summary(
@@ -82,7 +83,8 @@ def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
         steps=[{k: m[k] for k in ("step", "time", "time/step", "time/generate", "time/reference", "time/learn",
                                   "time/sync", "rollout/completion_len", "perf/gen_tokens_per_s", "reward/mean")
                 if k in m} for m in steps],
-        reference_s=stage["reference"], sync_s=stage["sync"])
+        # rewards and batch packing were timed inside the reference lap before they had laps of their own
+        reference_s=stage["rewards"] + stage["pack"] + stage["reference"], sync_s=stage["sync"])
 
 
 def trl(args, overrides: list[str], model_path: str, n: int, trl_set: dict) -> dict:
