@@ -3,13 +3,13 @@ placement group, one Ray actor per rank, joined into one process group)."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 from qgrpo.actors.common import thread_env
 from qgrpo.actors.learner_actor import start_learners
 from qgrpo.cluster.config.plan import RoleRequest
 from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.placement import learner_group, wait_scheduled
+from qgrpo.core import storage
 from qgrpo.core.devices import role_env
 from qgrpo.learner.loss import GRPOLossConfig
 from qgrpo.learner.settings import LearnerSettings
@@ -49,7 +49,7 @@ def start_learner_ranks(cfg: Config, model_path: str, request: RoleRequest, core
     env = {**thread_env(threads), **role_env(le.num_gpus)}
     if not le.num_gpus:
         env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
-    ext_dir = str(Path(os.environ.get("QGRPO_CACHE", Path.home() / ".cache" / "qgrpo")) / "torch_extensions")
+    ext_dir = str(storage.cache_root() / "torch_extensions")  # DeepSpeed's JIT-built ops: ours, not ~/.cache
     group = learner_group(request)
     wait_scheduled({group.ready(): f"the learner ({request.count} x {request.describe()})"},
                    cfg.faults.schedule_timeout_s, "placing the learner ranks")
