@@ -1,1 +1,2 @@
-"""The `qgrpo` command: its subcommands (app), `qgrpo submit` to a Ray cluster (submit) and `qgrpo export` (export)."""
+"""The `qgrpo` command: the parser and dispatch table (app), `qgrpo train` (train), the other subcommands (commands),
+`qgrpo submit` to a Ray cluster (submit) and `qgrpo export` (export)."""
