@@ -4,7 +4,7 @@ Shapes: every per-token tensor is [B, T] aligned with `input_ids[B, T]`: the val
 of token j given tokens < j. `mask` [B, T] is 1 on completion tokens and 0 on prompt and padding positions.
 `advantages` is [B], one per sequence.
 
-The loss (DESIGN.md section 3), per completion token t of sequence i:
+The loss, per completion token t of sequence i:
 
     rho_t   = exp(logp - old_logp)                                   pi_theta / pi_old
     w_t     = min(exp(old_logp - mu_logp), C)                         pi_old / mu, TIS (FlashRL); or mask / none
@@ -29,6 +29,9 @@ from torch import Tensor
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 IS_MODES = ("truncate", "mask", "none")
+# The least importance-weight cap C: [1/C, C] must contain 1, so that a token the sampler got exactly right keeps
+# weight 1 (truncate) and is never masked out (mask). C = 1 is allowed: truncation then only ever lowers weights.
+IS_CAP_MIN = 1.0
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -37,8 +40,8 @@ def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 def _check_cap(cap: float) -> None:
-    if not cap >= 1.0:  # also rejects NaN; inf is allowed (untruncated IS)
-        raise ValueError(f"is_cap must be >= 1 (the ratio bound C; [1/C, C] must contain 1), got {cap!r}")
+    if not cap >= IS_CAP_MIN:  # also rejects NaN; inf is allowed (untruncated IS)
+        raise ValueError(f"is_cap must be >= {IS_CAP_MIN:g} (the ratio bound C; [1/C, C] must contain 1), got {cap!r}")
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
@@ -149,8 +152,8 @@ class GRPOLossConfig:
             errors.append(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.is_mode not in IS_MODES:
             errors.append(f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}")
-        if not self.is_cap >= 1.0:
-            errors.append(f"is_cap must be >= 1, got {self.is_cap!r}")
+        if not self.is_cap >= IS_CAP_MIN:
+            errors.append(f"is_cap must be >= {IS_CAP_MIN:g}, got {self.is_cap!r}")
         if errors:
             raise ValueError("invalid GRPOLossConfig:\n  " + "\n  ".join(errors))
 

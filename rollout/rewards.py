@@ -15,6 +15,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Callable
 
 RewardFn = Callable[[str, str], float]
+ON_ERROR = ("fail", "zero")  # rewards.on_error: what a reward function that raises does (WeightedRewards.score)
 
 _INT = re.compile(r"-?\d+")
 

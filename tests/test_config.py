@@ -53,7 +53,7 @@ BAD = [
     ("rewards.functions=[{name='nope', weight=1.0}]", "rewards.functions[0].name: unknown reward 'nope'"),
     ("learner.lr='fast'", "learner.lr: expected float"),
     ("algo.loss_agg='mean'", "algo.loss_agg: must be token_mean, seq_mean or constant"),
-    ("algo.is_cap=0.5", "algo.is_cap: must be > 1"),
+    ("algo.is_cap=0.5", "algo.is_cap: must be >= 1"),
     ("rollout.top_p=1.5", "rollout.top_p: must be in (0, 1]"),
     ("task.name='gsm9k'", "task.name: unknown task 'gsm9k'"),
 ]
@@ -87,12 +87,14 @@ BACKEND_BAD = [
     (["rollout.backend=vllm", "rollout.precision=int4"], "rollout.precision: 'int4' is not served by the vllm backend; "
                                                          "choose one of bf16, int8, fp8"),
     (["rollout.backend=torch", "rollout.precision=fp8"], "rollout.precision: 'fp8' is not served by the torch backend"),
-    (["rollout.backend=vllm", "rollout.precision=fp8"], "rollout.precision: fp8 on vllm needs a CUDA GPU per rollout "
-                                                        "actor (set rollout.num_gpus >= 1); on CPU choose one of bf16, int8"),
+    (["rollout.backend=vllm", "rollout.precision=fp8"],
+     "rollout.precision: fp8 on vllm needs a CUDA GPU per rollout actor (set rollout.num_gpus >= 1); on CPU choose one "
+     "of bf16, int8"),
     (["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"], "rollout.vllm.tensor_parallel_size: 2 is not "
                                                                       "supported; one engine per rollout actor"),
     (["rollout.backend=vllm", "rollout.num_gpus=0.3", "rollout.vllm.gpu_memory_utilization=0.5"],
-     "rollout.vllm.gpu_memory_utilization: 0.5 of the GPU's memory, but each rollout actor holds rollout.num_gpus = 0.3"),
+     "rollout.vllm.gpu_memory_utilization: 0.5 of the GPU's memory, but each rollout actor holds "
+     "rollout.num_gpus = 0.3"),
     (["learner.world_size=2", "learner.num_gpus=0.5"], "learner.num_gpus: 0.5 of a GPU per rank with "
                                                        "learner.world_size = 2: two ranks could land on one GPU"),
     (["algo.kl_coeff=0.01", "reference.backend=mlx", "reference.num_gpus=1"],
@@ -139,3 +141,74 @@ def test_config_is_not_rewritten(tmp_path):
     """Validation rejects, never repairs: the value the user gave is the value in the error."""
     with pytest.raises(ConfigError, match="got 0.25 > 0.2"):
         load_config(TINY, ["algo.clip_low=0.25"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The schema as the one source: TOML written back, --set read against the field types, the environment checks apart
+
+
+def test_to_toml_writes_nested_sections_as_tables_and_loads_as_the_same_config():
+    import tomllib
+
+    from qgrpo.cluster.config.schema import config_from_dict, to_toml
+
+    cfg = load_config(TINY, ["rollout.vllm.max_model_len=256", "learner.lora.target_modules=['q_proj']",
+                             "rollout.resources={\"rollout node\" = 1}", "task.system_prompt='a \"b\"\\n|c'"])
+    text = to_toml(cfg)
+    assert "[rollout.vllm]\n" in text and "[learner.lora]\n" in text and 'resources = { "rollout node" = 1 }' in text
+    assert config_from_dict(tomllib.loads(text)).to_dict() == cfg.to_dict()
+
+
+def test_overrides_are_read_against_the_field_type():
+    assert load_config(TINY, ["run.name=2024"]).run.name == "2024"  # a text field takes the bare word as text
+    with pytest.raises(ConfigError, match="run.seed: expected int, got str 'x'"):
+        load_config(TINY, ["run.seed=x"])
+    with pytest.raises(ConfigError, match="run.progress: expected bool, got int 1"):
+        load_config(TINY, ["run.progress=1"])  # never reinterpreted as true
+
+
+def test_environment_checks_are_apart_from_the_rules():
+    from qgrpo.cluster.config.schema import Config, validate
+
+    missing = "model.path='/nonexistent/model'"
+    assert load_config(TINY, [missing], check_environment=False).model.path == "/nonexistent/model"
+    with pytest.raises(ConfigError, match="model.path: folder '/nonexistent/model' does not exist"):
+        load_config(TINY, [missing])
+    cfg = Config()
+    cfg.model.path = "/nonexistent/model"
+    assert validate(cfg) == []  # the rules alone touch nothing on this machine
+
+
+def test_a_rule_is_not_judged_on_a_value_standing_in_for_a_bad_one():
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, ["algo.clip_high=-1", "algo.clip_low=0.3"])
+    assert e.value.problems == ["algo.clip_high: must be >= 0, got -1"]  # no "got 0.3 > 0.2" against the default
+
+
+def test_an_unknown_key_names_the_nearest_one():
+    with pytest.raises(ConfigError, match=r"rollout.temprature: unknown key; .* did you mean rollout.temperature\?"):
+        load_config(TINY, ["rollout.temprature=0.5"])
+
+
+def test_is_cap_takes_the_bound_the_loss_needs():
+    from qgrpo.learner.loss import IS_CAP_MIN, GRPOLossConfig
+
+    assert load_config(TINY, [f"algo.is_cap={IS_CAP_MIN}"]).algo.is_cap == IS_CAP_MIN
+    GRPOLossConfig(is_cap=IS_CAP_MIN)  # the loss takes what the config lets through
+    with pytest.raises(ConfigError, match=r"algo.is_cap: must be >= 1 \(C in min\(pi_old/mu, C\)"):
+        load_config(TINY, ["algo.is_cap=0.99"])
+
+
+def test_config_is_still_a_dataclass_that_pickles_and_is_validated_after_changes():
+    import dataclasses
+    import pickle
+
+    from qgrpo.cluster.config.schema import validate
+
+    cfg = load_config(TINY)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # as Ray sends it to actors
+    assert dataclasses.asdict(cfg.learner.lora) == {"rank": 16, "alpha": 32.0, "dropout": 0.0,
+                                                    "target_modules": ["all-linear"]}
+    assert dataclasses.replace(cfg.learner, lr=1e-4).lr == 1e-4
+    cfg.rollout.group_size = 1
+    assert validate(cfg) == ["rollout.group_size: must be >= 2 (advantages compare completions within a group), got 1"]

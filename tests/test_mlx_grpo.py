@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from qgrpo.cluster.cli.app import main
-from qgrpo.cluster.config.schema import ConfigError, load_config
 from qgrpo.cluster.config.mlx_grpo import translate
+from qgrpo.cluster.config.schema import ConfigError, load_config
 from qgrpo.learner.engine import lr_factor
 
 # MLX-GRPO's own configs/nanochat_d32.toml, with a model that exists here
@@ -105,13 +105,15 @@ def test_a_translated_value_our_rules_reject_names_the_mlx_grpo_key(files):
 
 
 def test_our_sections_beside_the_keys_and_conflicts(tmp_path):
-    (tmp_path / "c.toml").write_text(D32 + '[task]\nname = "digit_sum"\neval_size = 20\n[learner]\nmicro_batch_per_rank = 8\n')
+    (tmp_path / "c.toml").write_text(D32 + '[task]\nname = "digit_sum"\neval_size = 20\n'
+                                     '[learner]\nmicro_batch_per_rank = 8\n')
     cfg = load_config(tmp_path / "c.toml")
     assert cfg.task.name == "digit_sum" and cfg.task.system_prompt == "" and cfg.learner.micro_batch_per_rank == 8
     (tmp_path / "d.toml").write_text(D32 + "[learner]\nlr = 1e-5\n")
     with pytest.raises(ConfigError) as e:
         load_config(tmp_path / "d.toml")
-    assert "learner.lr: set to 1e-05 in [learner] and to 3e-06 by the MLX-GRPO key learning_rate; keep one" in str(e.value)
+    expected = "learner.lr: set to 1e-05 in [learner] and to 3e-06 by the MLX-GRPO key learning_rate; keep one"
+    assert expected in str(e.value)
 
 
 def test_a_config_of_ours_is_not_taken_for_mlx_grpo():
@@ -150,7 +152,8 @@ def test_lr_schedules():
     assert [lr_factor(s, 4) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
     cos = [lr_factor(s, 0, "cosine", 10) for s in range(10)]
     assert cos[0] == 1.0 and all(a > b > 0 for a, b in zip(cos, cos[1:]))
-    assert cos[5] == pytest.approx(0.5) and lr_factor(3, 2, "cosine", 10) == pytest.approx(0.5 * (1 + math.cos(0.3 * math.pi)))
+    assert cos[5] == pytest.approx(0.5)
+    assert lr_factor(3, 2, "cosine", 10) == pytest.approx(0.5 * (1 + math.cos(0.3 * math.pi)))
     assert lr_factor(0, 2, "cosine", 10) == pytest.approx(0.5)  # warm-up ramp times the cosine
 
 
@@ -193,3 +196,57 @@ functions = [{{ name = "correct", weight = 1.0 }}]
     evals = [e for e in lines if e.get("event") == "eval"]
     assert [e["step"] for e in evals] == [0, 2, 4] and all(e["n"] == 16 for e in evals)
     assert (run / "checkpoints" / "step_000004" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a new user hit: MLX-GRPO's defaults taken for written values, migrate refusing a model folder not there yet,
+# and an unknown key answered with the whole list of keys.
+
+
+def test_a_field_only_our_section_writes_is_ours_not_a_conflict(tmp_path):
+    # max_new_tokens is not written as an MLX-GRPO key: its default 512 gives way to [rollout]
+    (tmp_path / "c.toml").write_text('model_name = "builtin:tiny-digits"\n[rollout]\nmax_new_tokens = 16\n')
+    notes: list[str] = []
+    assert load_config(tmp_path / "c.toml", notes=notes).rollout.max_new_tokens == 16
+    assert "[rollout] max_new_tokens = 16 -> rollout.max_new_tokens = 16  (this file's, over the translation's 512)" \
+        in notes
+    assert not any(n.startswith("max_new_tokens = 512") for n in notes)  # the replaced mapping is not shown
+    # written both ways, it is one
+    (tmp_path / "d.toml").write_text('model_name = "builtin:tiny-digits"\nmax_new_tokens = 32\n'
+                                     '[rollout]\nmax_new_tokens = 16\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(tmp_path / "d.toml")
+    assert "rollout.max_new_tokens: set to 16 in [rollout] and to 32 by the MLX-GRPO key max_new_tokens" in str(e.value)
+
+
+def test_migrate_writes_the_translation_when_the_model_folder_is_not_here_yet(tmp_path):
+    import tomllib
+
+    from qgrpo.cluster.config.mlx_grpo import migrate
+    from qgrpo.cluster.config.schema import config_from_dict
+
+    model = tmp_path / "models" / "d32"  # where the user will put the model, later or on another machine
+    data = tomllib.loads(D32.replace('"builtin:tiny-digits"', f'"{model}"'))
+    text, warnings = migrate(data, ["num_generations=8", "rollout.threads=1"], "old.toml")
+    assert len(warnings) == 1 and warnings[0].startswith(f"model.path: folder '{model}' does not exist"), warnings
+    assert "# Not found on the machine that wrote this file" in text and "#   learning_rate = 3e-06 ->" in text
+    cfg = config_from_dict(tomllib.loads(text), check_environment=False)  # the text is a config of ours
+    assert (cfg.model.path, cfg.rollout.group_size, cfg.rollout.threads) == (str(model), 8, 1)
+    with pytest.raises(ConfigError, match="model.path: folder"):  # where it trains, the folder must be there
+        config_from_dict(tomllib.loads(text))
+    with pytest.raises(ConfigError, match=r"learning_rate -> learner.lr: must be in \(0, 1\), got 2.0"):
+        migrate(data, ["learning_rate=2.0"], "old.toml")  # a value our rules reject still stops it
+
+
+@pytest.mark.parametrize("key, hint", [
+    ("learning_rat", "did you mean learning_rate?"),
+    ("num_generation", "did you mean num_generations?"),
+    ("use_lora", 'its equivalent here is learner.mode = "lora" (in a [learner] table beside the MLX-GRPO keys, or '
+                 "--set learner.mode=lora)"),
+    ("lora_rank", "its equivalent here is learner.lora.rank"),
+    ("qqq", "our own settings go in tables beside the keys: [run], [model]"),
+])
+def test_an_unknown_key_names_the_nearest_key_or_its_equivalent_here(key, hint):
+    (problem,) = translate({"model_name": "builtin:tiny-digits", key: 1})[3]
+    assert problem.startswith(f"{key}: not an MLX-GRPO key;") and hint in problem, problem
+    assert "weight_decay" not in problem  # the 33 keys are not all listed: the reference lists them

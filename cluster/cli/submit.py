@@ -7,14 +7,15 @@ It builds and runs a `ray job submit` command line (printed first, so it can be 
   with the usual causes, not the ray CLI's traceback; `ray://` (Ray Client) addresses are refused, the job API is the
   dashboard's http address;
 - the project folder is uploaded as the job's working directory, without the virtualenv, run directories, caches, git
-  history and benchmark results (`EXCLUDES`); its packages go up once more as the job's `py_modules`, which is how
-  the job and its actors import the submitted code as `qgrpo` (`_package`). A config, or a file it names (task.path, task.eval_path, a local
-  model.path folder), that is outside that folder or excluded from it would not reach the job: then the job's working
-  directory is a staging copy of the project plus `_submitted/` holding those files, the job gets `--set` overrides
-  pointing the fields there (printed; the user's config file is not rewritten), and the copy is deleted once `ray job
-  submit` returns (with --no-wait too: it returns after the upload). A file the project folder does hold is named by
-  its path in it. Anything larger than `UPLOAD_MAX` (e.g. a big model) is not uploaded: the nodes must have it at the
-  path the config gives, which a note says. Paths that do not exist here are the cluster's and are left as they are;
+  history and benchmark results (`EXCLUDES`); its packages go up once more as the job's `py_modules`, which is how the
+  job and its actors import the submitted code as `qgrpo` (`_package`). A config, or a file it names (task.path,
+  task.eval_path, a local model.path folder), that is outside that folder or excluded from it would not reach the job:
+  then the job's working directory is a staging copy of the project plus `_submitted/` holding those files, the job gets
+  `--set` overrides pointing the fields there (printed; the user's config file is not rewritten), and the copy is
+  deleted once `ray job submit` returns (with --no-wait too: it returns after the upload). A file the project folder
+  does hold is named by its path in it. Anything larger than `UPLOAD_MAX` (e.g. a big model) is not uploaded: the nodes
+  must have it at the path the config gives, which a note says. Paths that do not exist here are the cluster's and are
+  left as they are;
 - the job runs in a named Python environment, which runs the entrypoint and with which Ray starts every actor
   (runtime_env `py_executable`). The rule: `--python PATH` is used as given (and printed); without it, the one
   cluster/ray_cluster.yaml installs on every node (its `file_mounts` target of the project + `.venv/bin/python`, e.g.
@@ -282,20 +283,11 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
 
 
 def _unchecked(cfg_path: Path, overrides: list[str]):
-    """The config as load_config reads it, without its checks: for a config whose local check failed only on paths
-    the cluster has (its values are still needed here)."""
-    import tomllib
+    """The config as load_config reads it, without the checks of this machine: for a config whose local check failed
+    only on paths the cluster has (its values are still needed here; the job checks them there)."""
+    from qgrpo.cluster.config.schema import load_config
 
-    from qgrpo.cluster.config.schema import Config, _build, _set_path
-    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, translate
-
-    data = tomllib.loads(cfg_path.read_text())
-    if is_mlx_grpo(data):
-        data, _, _, _, overrides = translate(data, overrides)
-    for o in overrides:
-        key, _, raw = o.partition("=")
-        _set_path(data, key.strip(), raw.strip(), [])
-    return _build(Config, data, "", [])
+    return load_config(cfg_path, overrides, check_environment=False)
 
 
 def submit(args) -> int:

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+# The resources Ray defines on every node: set through num_cpus/num_gpus/memory_gb, never as custom resources.
+RAY_BUILTIN_RESOURCES = frozenset({"CPU", "GPU", "memory", "object_store_memory"})
 _GB = 2**30
 
 
@@ -94,8 +96,8 @@ def infeasible(requests: list[RoleRequest], nodes: list[dict]) -> list[str]:
         if hosts:  # each actor fits somewhere, the strategy asks for more than that
             problems.append(f"learner.placement_strategy: {r.strategy} needs {need if need > 1 else r.count} "
                             f"{'distinct nodes' if need > 1 else 'ranks on one node'} for {r.role} "
-                            f"({r.count} x {r.describe()}), the cluster has {len(hosts)} node(s) that fit one; use PACK or SPREAD, "
-                            f"or add nodes")
+                            f"({r.count} x {r.describe()}), the cluster has {len(hosts)} node(s) that fit one; use "
+                            "PACK or SPREAD, or add nodes")
             continue
         problems.append(f"{r.role}: asks per actor for {r.describe()}, which no node of this "
                         f"cluster ({len(alive)} node(s)) can ever give: {_missing(bundle, r.labels, alive)}; "
@@ -126,14 +128,11 @@ def _fix(r: RoleRequest) -> str:
 
 
 def placement_problems(section: str, sec) -> list[str]:
-    """Config rules for the resource fields every role has: GPUs, memory, custom resources, node labels."""
+    """Config rules for the free-form resource tables every role has: custom resources and node labels (the bounds
+    of its CPUs, GPUs and memory are declared with the fields)."""
     p = []
-    if sec.num_gpus < 0:
-        p.append(f"{section}.num_gpus: must be >= 0, got {sec.num_gpus}")
-    if sec.memory_gb < 0:
-        p.append(f"{section}.memory_gb: must be >= 0 (0 = none reserved), got {sec.memory_gb}")
     for key, value in sec.resources.items():
-        if key in ("CPU", "GPU", "memory", "object_store_memory"):
+        if key in RAY_BUILTIN_RESOURCES:
             p.append(f"{section}.resources.{key}: set it with {section}.num_cpus/num_gpus/memory_gb, not as a custom "
                      "resource")
         elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:

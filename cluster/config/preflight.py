@@ -1,4 +1,11 @@
-"""Pre-flight checks: what a valid config would still hang on or train garbage with, found before Ray starts.
+"""Checks of the machine a config runs on, apart from the config's own rules (schema.validate, which touches nothing).
+
+0. `environment_problems(cfg)`, which `load_config` adds by default (check_environment=True): the files and folders
+   the config names exist here, and the packages and platform its choices need are installed. What is meant for
+   another machine leaves it out: `qgrpo migrate` shows these problems as warnings, `qgrpo submit` reads a config
+   whose paths only the cluster has.
+
+Pre-flight checks, 1-4: what a valid config would still hang on or train garbage with, found before Ray starts.
 
 `preflight(cfg, model_path, cpus)` runs after `load_config` (the values are valid) and `check_task` (the task can be
 built), once the model folder is resolved, and before Ray starts or the run directory is created. Each problem is one
@@ -38,6 +45,43 @@ EVAL_SAMPLE = 512
 LONGEST_ROWS = 64
 EXAMPLE_CHARS = 60  # how much of an example prompt a message quotes
 CPU_OVERSUBSCRIPTION = 2  # Ray CPUs asked for may be up to this many times the CPUs there are
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# 0. What the config names, on this machine
+
+
+def environment_problems(cfg: Config) -> list[str]:
+    """The files and folders the config names exist, and the packages and platform its choices need are here."""
+    import importlib.util
+
+    from qgrpo.cluster.config.sections import BUILTIN_MODEL_PREFIX
+    from qgrpo.rollout.backends import REGISTRY
+    from qgrpo.rollout.datasets import FORMATS
+    from qgrpo.rollout.tasks import RG_PREFIX, rg_config_problems
+
+    p: list[str] = []
+    if cfg.run.wandb_project and importlib.util.find_spec("wandb") is None:
+        p.append("run.wandb_project: set, but wandb is not installed; `pip install wandb` or set run.wandb_project=''")
+    path = cfg.model.path
+    if path and not path.startswith(BUILTIN_MODEL_PREFIX):
+        folder = Path(path).expanduser()
+        if not folder.is_dir():
+            p.append(f"model.path: folder {path!r} does not exist; put the model there (config.json, *.safetensors and "
+                     "tokenizer files: a transformers folder, or an mlx-lm / MLX-GRPO folder of a nanochat model), "
+                     "point model.path at it, or use a builtin model such as builtin:smollm2-135m-instruct")
+        elif not (folder / "config.json").is_file():
+            p.append(f"model.path: {path!r} has no config.json; it must be a HF model folder")
+    t = cfg.task
+    if t.name.startswith(RG_PREFIX):
+        p += rg_config_problems(t)  # imports reasoning-gym: the generator must exist and accept task.params
+    if t.name in FORMATS:  # only existence here; rollout.tasks.check_task reads the rows
+        p += [f"task.{key}: file {value!r} does not exist" for key, value in (("path", t.path),
+                                                                              ("eval_path", t.eval_path))
+              if value and not Path(value).expanduser().is_file()]
+    p += REGISTRY[cfg.rollout.backend].unavailable("rollout.backend")
+    p += REGISTRY[cfg.reference.backend].unavailable("reference.backend")
+    return p
 
 
 def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = False) -> list[str]:

@@ -21,13 +21,20 @@ from qgrpo.actors.common import thread_env
 from qgrpo.actors.reference_actor import ReferenceActor
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
-from qgrpo.cluster.config.plan import RoleRequest, infeasible, role_requests
+from qgrpo.cluster.config.plan import RAY_BUILTIN_RESOURCES, RoleRequest, infeasible, role_requests
 from qgrpo.cluster.config.schema import BUILTIN_MODEL_PREFIX, Config
 from qgrpo.cluster.run.learners import start_learner_ranks
 from qgrpo.cluster.run.placement import wait_scheduled
 from qgrpo.core.devices import role_env
-from qgrpo.core.records import (GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck, TrainStepResult,
-                                WeightSync)
+from qgrpo.core.records import (
+    GenerationStats,
+    GroupRollout,
+    PromptItem,
+    SamplingParams,
+    SyncAck,
+    TrainStepResult,
+    WeightSync,
+)
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.rollout.backends import backend_options
 
@@ -354,7 +361,7 @@ class Workers:
 
         def where(node_id: str) -> dict:
             n = nodes.get(node_id, {})
-            custom = sorted(k for k in n.get("Resources", {}) if k not in _BUILTIN_RESOURCES and ":" not in k)
+            custom = sorted(k for k in n.get("Resources", {}) if k not in RAY_BUILTIN_RESOURCES and ":" not in k)
             labels = {k: v for k, v in n.get("Labels", {}).items() if not k.startswith("ray.io/")}
             return {"node_id": node_id, "address": n.get("NodeManagerAddress"), "resources": custom, "labels": labels}
 
@@ -367,7 +374,6 @@ class Workers:
         ray.util.remove_placement_group(self.learner_group)
 
 
-_BUILTIN_RESOURCES = {"CPU", "GPU", "memory", "object_store_memory"}
 
 
 def _single_node() -> bool:

@@ -3,8 +3,8 @@
 A backend is a module in this package plus one `BackendSpec` in `REGISTRY`: the precisions it serves on CPU and on
 CUDA, what it needs to run (a module, a platform), and the dataclass of its own settings (the `[rollout.NAME]` table
 of a config). `cluster/config/schema.py` validates against these specs; the rollout actors, `qgrpo eval` and the in-run
-evaluation build generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never imported on a
-Mac and MLX never on a Linux server; this file imports nothing heavy.
+evaluation build generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never
+imported on a Mac and MLX never on a Linux server; this file imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -64,7 +64,8 @@ class VLLMOptions:
     def problems(self, where: str, num_gpus: float) -> list[str]:
         out = []
         if self.max_model_len < 0:
-            out.append(f"{where}.max_model_len: must be >= 0 (0 = the model's context length), got {self.max_model_len}")
+            out.append(f"{where}.max_model_len: must be >= 0 (0 = the model's context length), "
+                       f"got {self.max_model_len}")
         if not self.kv_cache_gb > 0:
             out.append(f"{where}.kv_cache_gb: must be > 0 (GiB of KV cache on CPU), got {self.kv_cache_gb}")
         if not 0 <= self.gpu_memory_utilization <= 1:
@@ -81,8 +82,8 @@ class VLLMOptions:
             # whole unsharded model to each worker through a message queue ((TP + 1) x the model in host memory), and
             # the spawned workers could outlive the actor while holding its GPUs.
             out.append(f"{where}.tensor_parallel_size: {self.tensor_parallel_size} is not supported; one engine per "
-                       "rollout actor on one GPU (set it to 1) and scale out with rollout.num_actors; a model too large "
-                       "for one GPU at bf16 may fit at rollout.precision = \"int8\" or \"fp8\"")
+                       "rollout actor on one GPU (set it to 1) and scale out with rollout.num_actors; a model too "
+                       "large for one GPU at bf16 may fit at rollout.precision = \"int8\" or \"fp8\"")
         return out
 
 
@@ -235,5 +236,5 @@ def backend_options(backend: str, rollout_cfg) -> dict:
     return {"options": asdict(getattr(rollout_cfg, backend))}
 
 
-__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "REFERENCE_BACKENDS", "LADDER", "next_rung",
-           "make_generator", "available_here", "backend_options", "DEVICES", "device_of"]
+__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "REFERENCE_BACKENDS", "LADDER",
+           "next_rung", "make_generator", "available_here", "backend_options", "DEVICES", "device_of"]

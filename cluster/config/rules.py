@@ -1,0 +1,265 @@
+"""The rules that span fields: each reads a few fields of the whole config and returns "field: rule; fix" lines.
+
+One field's own rule (its type, bounds, allowed values) is declared with the field (sections.py, training.py).
+The rules here need several fields, or knowledge the fields cannot state (which precisions a backend serves). Each
+names the fields it reads: when one of those already has an error of its own, the rule is skipped rather than
+judged on a value the user did not give (see `rule_problems`). Nothing here touches files, packages or the network:
+those checks are preflight.environment_problems.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from qgrpo.cluster.config.plan import placement_problems
+from qgrpo.cluster.config.sections import BUILTIN_MODEL_PREFIX
+from qgrpo.cluster.config.training import MODE_ZERO_STAGES
+from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
+
+if TYPE_CHECKING:
+    from qgrpo.cluster.config.schema import Config
+
+RULES: list[tuple[tuple[str, ...], Callable[[Config], list[str]]]] = []
+
+
+def rule(*fields: str) -> Callable:
+    """Register a rule reading `fields`."""
+    def register(fn: Callable[[Config], list[str]]) -> Callable[[Config], list[str]]:
+        RULES.append((fields, fn))
+        return fn
+    return register
+
+
+def _overlaps(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def rule_problems(cfg: Config, invalid: Iterable[str] = ()) -> list[str]:
+    """Every rule's problems, in order; rules reading a field in `invalid` (fields with errors of their own, whose
+    values in `cfg` are defaults standing in for them) are skipped."""
+    bad = list(invalid)
+    out: list[str] = []
+    for fields, check in RULES:
+        if not any(_overlaps(f, b) for f in fields for b in bad):
+            out += check(cfg)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# [run] and [model]
+
+
+@rule("run.name")
+def _run_name(cfg: Config) -> list[str]:
+    name = cfg.run.name
+    return [] if name and "/" not in name else [f"run.name: must be non-empty without '/', got {name!r}"]
+
+
+@rule("run.output_dir")
+def _output_uri(cfg: Config) -> list[str]:
+    from qgrpo.core.storage import uri_problem
+
+    return list(filter(None, [uri_problem(cfg.run.output_dir, "run.output_dir")]))  # the scheme only: no network
+
+
+@rule("run.eval", "task.eval_size")
+def _eval_needs_prompts(cfg: Config) -> list[str]:
+    if cfg.run.eval and cfg.task.eval_size <= 0:
+        return ["run.eval: held-out evaluation needs task.eval_size > 0; set task.eval_size=100 or run.eval=false"]
+    return []
+
+
+@rule("run.save_every", "algo.update_every")
+def _save_on_sync(cfg: Config) -> list[str]:
+    save, every = cfg.run.save_every, cfg.algo.update_every
+    if save % every == 0:
+        return []
+    return [f"run.save_every: must be a multiple of algo.update_every ({every}) so that checkpoints are taken when "
+            f"the generators hold the checkpointed weights (exact resume), got {save}; set e.g. "
+            f"run.save_every={every * -(-save // every)}"]
+
+
+@rule("model.path")
+def _model_path(cfg: Config) -> list[str]:
+    from qgrpo.rollout.models import BUILTIN_MODELS
+
+    path = cfg.model.path
+    if not path:
+        return ["model.path: missing; set a local HF model folder or a builtin model: "
+                + ", ".join(BUILTIN_MODEL_PREFIX + n for n in BUILTIN_MODELS)]
+    name = path[len(BUILTIN_MODEL_PREFIX):]
+    if path.startswith(BUILTIN_MODEL_PREFIX) and name not in BUILTIN_MODELS:
+        return [f"model.path: unknown builtin model {name!r}; choose one of {', '.join(sorted(BUILTIN_MODELS))}"]
+    return []  # a folder: whether it exists here is an environment check
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# [task] and [rewards]
+
+
+@rule("task.name")
+def _task_name(cfg: Config) -> list[str]:
+    from qgrpo.rollout.tasks import RG_PREFIX, TASKS
+
+    name = cfg.task.name
+    if name.startswith(RG_PREFIX) or name in TASKS:
+        return []
+    return [f"task.name: unknown task {name!r}; choose one of {', '.join(sorted(TASKS))}, or {RG_PREFIX}NAME for a "
+            f"reasoning-gym generator, e.g. {RG_PREFIX}basic_arithmetic"]
+
+
+@rule("task.examples")
+def _examples(cfg: Config) -> list[str]:
+    return [f"task.examples[{i}]: question and completion must both be non-empty text, e.g. "
+            '{ question = "Calculate 4 - 1.", completion = "4 - 1 = 3\\n<answer>3</answer>" }'
+            for i, ex in enumerate(cfg.task.examples) if not (ex.question.strip() and ex.completion.strip())]
+
+
+@rule("task.name", "task.params")
+def _params_only_for_rg(cfg: Config) -> list[str]:
+    from qgrpo.rollout.tasks import RG_PREFIX
+
+    t = cfg.task
+    if t.params and not t.name.startswith(RG_PREFIX):
+        return [f"task.params: only {RG_PREFIX} tasks take generator settings; remove task.params for "
+                f"task.name={t.name!r}"]
+    return []
+
+
+@rule("task.name", "task.size", "task.eval_seed_offset", "task.eval_size")
+def _rg_eval_split(cfg: Config) -> list[str]:
+    from qgrpo.rollout.tasks import RG_PREFIX, RG_SEED_STRIDE
+
+    t = cfg.task
+    if not t.name.startswith(RG_PREFIX) or t.size <= t.eval_seed_offset <= RG_SEED_STRIDE - t.eval_size:
+        return []
+    return [f"task.eval_seed_offset: must be in task.size..2**32 - task.eval_size, got {t.eval_seed_offset} "
+            f"(size {t.size}); reasoning-gym draws entry i with seed + i, so a smaller offset makes eval entries "
+            f"copies of train entries; e.g. set task.eval_seed_offset={max(t.size, 1_000_000)}"]
+
+
+@rule("task.name", "task.path", "task.eval_path", "task.prompt_column", "task.answer_column")
+def _file_task(cfg: Config) -> list[str]:
+    from qgrpo.rollout.datasets import FORMATS
+
+    t = cfg.task
+    if t.name not in FORMATS:
+        return [] if not (t.path or t.eval_path) else [
+            f"task.path/eval_path: only read by the jsonl and parquet tasks, not {t.name!r}; remove them or set "
+            "task.name='jsonl' or 'parquet'"]
+    out = [] if t.path else [f"task.path: missing; set the {t.name} file with {t.prompt_column!r} and "
+                             f"{t.answer_column!r} columns"]
+    if not (t.prompt_column and t.answer_column and t.prompt_column != t.answer_column):
+        out.append(f"task.prompt_column/answer_column: must be two different non-empty names, got "
+                   f"{t.prompt_column!r} and {t.answer_column!r}")
+    return out  # whether the files exist here is an environment check; rollout.tasks.check_task reads the rows
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Backends, precisions and placement
+
+
+@rule("rollout.backend", "rollout.precision", "rollout.num_gpus")
+def _rollout_precision(cfg: Config) -> list[str]:
+    spec = REGISTRY[cfg.rollout.backend]
+    here = set(spec.unavailable())  # platform and packages: environment_problems reports those
+    return [p for p in spec.problems(cfg.rollout.precision, cfg.rollout.num_gpus) if p not in here]
+
+
+@rule(*(f"rollout.{name}" for name, spec in REGISTRY.items() if spec.options is not None), "rollout.num_gpus")
+def _backend_tables(cfg: Config) -> list[str]:
+    # Each backend checks its own [rollout.NAME] table, chosen or not (a typo there would otherwise wait for the
+    # day the backend is chosen).
+    return [p for name, spec in REGISTRY.items() if spec.options is not None
+            for p in getattr(cfg.rollout, name).problems(f"rollout.{name}", cfg.rollout.num_gpus)]
+
+
+@rule("reference.backend", "reference.precision")
+def _reference_precision(cfg: Config) -> list[str]:
+    ref = cfg.reference
+    served = REFERENCE_BACKENDS[ref.backend]
+    if ref.precision in served:
+        return []
+    return [f"reference.precision: {ref.precision!r} is not served by the {ref.backend} reference; choose one of "
+            f"{', '.join(served)}"]
+
+
+@rule(*(f"{role}.{key}" for role in ("rollout", "reference", "learner") for key in ("resources", "node_labels")))
+def _placement(cfg: Config) -> list[str]:
+    return [p for role in ("rollout", "reference", "learner") for p in placement_problems(role, getattr(cfg, role))]
+
+
+def gpu_problems(cfg: Config) -> list[str]:
+    """What a config asks of GPUs that cannot work, whatever the cluster: each process uses one device (one GPU, or
+    a share of one), NCCL ranks need a GPU each, MLX has no CUDA. (Whether the roles fit the GPUs there are together:
+    cluster.config.plan.gpu_plan.)"""
+    p, le, ref = [], cfg.learner, cfg.reference
+    for name, sec, what in (("rollout", cfg.rollout, "a rollout actor runs one engine on one GPU; scale out with "
+                             "rollout.num_actors"),
+                            ("reference", ref, "the reference scores on one GPU"),
+                            ("learner", le, "each DeepSpeed rank trains on one GPU; use learner.world_size = N for N "
+                             "GPUs")):
+        if sec.num_gpus > 1:
+            p.append(f"{name}.num_gpus: {sec.num_gpus:g} GPUs per actor, but {what}; set {name}.num_gpus = 1 (or a "
+                     "share of one GPU, e.g. 0.5)")
+    if 0 < le.num_gpus < 1 and le.world_size > 1:
+        p.append(f"learner.num_gpus: {le.num_gpus:g} of a GPU per rank with learner.world_size = {le.world_size}: two "
+                 "ranks could land on one GPU, which NCCL refuses; give each rank a whole GPU (learner.num_gpus = 1) "
+                 "or train on one rank (learner.world_size = 1)")
+    if cfg.reference_actor and ref.backend == "mlx" and ref.num_gpus > 0:
+        p.append("reference.num_gpus: the mlx reference runs on Apple silicon or the CPU, never on CUDA; set "
+                 "reference.num_gpus = 0, or reference.backend = \"torch\" to score on a GPU")
+    return p
+
+
+rule("rollout.num_gpus", "reference.num_gpus", "reference.backend", "reference.from_learner", "learner.num_gpus",
+     "learner.world_size", "algo.kl_coeff")(gpu_problems)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# [algo] and [learner]
+
+
+@rule("algo.clip_low", "algo.clip_high")
+def _clip_order(cfg: Config) -> list[str]:
+    a = cfg.algo
+    if a.clip_low <= a.clip_high:
+        return []
+    return [f"algo.clip_low: must be <= algo.clip_high (clip-higher widens the upper side), got {a.clip_low} > "
+            f"{a.clip_high}; lower algo.clip_low or raise algo.clip_high"]
+
+
+@rule("learner.mode", "learner.zero_stage")
+def _zero_stage_of_mode(cfg: Config) -> list[str]:
+    le = cfg.learner
+    stages = MODE_ZERO_STAGES[le.mode]
+    if le.zero_stage in stages:
+        return []
+    return [f"learner.zero_stage: learner.mode = {le.mode!r} supports ZeRO stages {', '.join(map(str, stages))}, got "
+            f"{le.zero_stage} (ZeRO-3 partitions the weights, which a 4-bit base and the merged export of adapters "
+            "do not allow); set learner.zero_stage = 2"]
+
+
+@rule("learner.gradient_checkpointing", "learner.shared_prompt")
+def _checkpointing(cfg: Config) -> list[str]:
+    if not (cfg.learner.gradient_checkpointing and cfg.learner.shared_prompt):
+        return []
+    return ["learner.gradient_checkpointing: needs learner.shared_prompt = false (the shared-prompt forward hands a "
+            "KV cache from its prompt pass to its completion pass, and checkpointed layers drop it); set "
+            "learner.shared_prompt = false, or gradient_checkpointing = false"]
+
+
+@rule("reference.from_learner", "learner.mode")
+def _reference_from_learner(cfg: Config) -> list[str]:
+    if not (cfg.reference.from_learner and cfg.learner.mode == "full"):
+        return []
+    return ["reference.from_learner: needs learner.mode = \"lora\" or \"qlora\" (the reference is the learner's frozen "
+            "base with its adapters off; a full fine-tune has no frozen base); set it to false for a reference actor"]
+
+
+@rule("learner.world_size", "rollout.prompts_per_step", "rollout.group_size")
+def _batch_over_ranks(cfg: Config) -> list[str]:
+    batch, ranks = cfg.rollout.prompts_per_step * cfg.rollout.group_size, cfg.learner.world_size
+    if batch % ranks == 0:
+        return []
+    return [f"learner.world_size: the {batch} sequences of a step (rollout.prompts_per_step * rollout.group_size) "
+            f"must split evenly over {ranks} ranks; change prompts_per_step or world_size"]

@@ -1,0 +1,220 @@
+"""The sections of what is trained and how it is sampled: [run], [model], [task], [rewards], [rollout] (with
+[rollout.vllm]) and [reference]. The learning side ([algo], [learner], [sync], [faults], [guard]) is in training.py.
+
+Sizes are named so that global algorithm sizes (`prompts_per_step`, `group_size`) cannot be confused with per-rank
+ones (`learner.micro_batch_per_rank`). Values the modules that use them own (reward names, backends, tasks) are
+imported from there, so the schema cannot drift from the code.
+"""
+from __future__ import annotations
+
+from pydantic.dataclasses import dataclass
+
+from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
+from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions
+from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
+from qgrpo.rollout.rewards import ON_ERROR, REWARD_FUNCTIONS
+from qgrpo.rollout.tasks import RG_PREFIX, TASKS
+
+BUILTIN_MODEL_PREFIX = BUILTIN_PREFIX
+UNKNOWN_BACKEND = "unknown backend {got}; choose one of {listed}"
+
+
+def _precisions(backends: dict) -> str:
+    """'torch: bf16, int8 ...; vllm: ...' with the CUDA-only precisions marked, for the field reference."""
+    parts = []
+    for name in backends:
+        spec = REGISTRY[name]
+        listed = ", ".join(p + (" (CUDA)" if p in spec.gpu_precisions else "") for p in spec.precisions)
+        parts.append(f"{name}: {listed}")
+    return "; ".join(parts)
+
+
+@dataclass(config=SECTION)
+class RunConfig:
+    name: Str = setting("run", allowed="not empty, without '/'")
+    """Run directory name under output_dir (a timestamp is appended); non-empty, without '/'."""
+    output_dir: Str = "runs"
+    """Where run directories go: a local folder (on a cluster, one shared by every node), or a URI pyarrow opens
+    (s3://bucket/runs, gs://, hdfs://, file:///abs/path): logs are staged locally and mirrored there, checkpoints
+    uploaded by the learner ranks."""
+    seed: Int = 0
+    """Seeds prompts, sampling, and model init of builtin models."""
+    steps: Int = setting(100, ge=1, fix="set e.g. run.steps=100")
+    """Learner steps (one optimizer update per step unless algo.updates_per_batch > 1)."""
+    save_every: Int = setting(10, ge=0, why="0 = only at the end")
+    """Checkpoint every N steps and at the end (0 = only at the end); a multiple of algo.update_every, so a
+    checkpoint is always taken when the generators hold the checkpointed weights and a resume is exact."""
+    keep_last: Int = setting(2, ge=1)
+    """Checkpoints kept on disk."""
+    log_every: Int = setting(1, ge=1)
+    """A metrics.jsonl line every N steps."""
+    progress: Bool = True
+    """Terminal progress bar."""
+    tensorboard: Bool = True
+    """TensorBoard event files under RUN_DIR/tensorboard when tensorboard is installed."""
+    wandb_project: Str = ""
+    """Log to Weights & Biases under this project ("" = off; needs `pip install wandb`)."""
+    rollouts_flush_every: Int = setting(10, ge=1)
+    """Write RUN_DIR/rollouts/*.parquet every N steps (and at every checkpoint)."""
+    eval_every: Int = setting(0, ge=0, why="0 = before and after only")
+    """Held-out accuracy (task.eval_size prompts, greedy) every N steps; 0 = before and after only."""
+    eval: Bool = False
+    """Measure held-out accuracy before and after training (and every eval_every steps)."""
+    eval_max_new_tokens: Int = setting(0, ge=0, why="0 = rollout.max_new_tokens")
+    """Generation length of the held-out evaluation (0 = rollout.max_new_tokens)."""
+
+
+@dataclass(config=SECTION)
+class ModelConfig:
+    path: Str = setting("", allowed="a local HF model folder, or "
+                        + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS))
+    """The model trained: a local HF folder, or builtin:NAME (built offline, cached)."""
+    cache_dir: Str = ""
+    """Where builtin models are materialised ("" = $QGRPO_CACHE or ~/.cache/qgrpo)."""
+
+
+@dataclass(config=SECTION)
+class Example:
+    """One worked example shown to the model before each question, as an earlier chat turn (few-shot prompting)."""
+
+    question: Str = ""
+    """Shown as a user turn, with task.instruction appended like every real question."""
+    completion: Str = ""
+    """The assistant's reply, in the answer format the rewards expect."""
+
+
+@dataclass(config=SECTION)
+class TaskConfig:
+    name: Str = setting("digit_sum", allowed=", ".join(TASKS) + f", or {RG_PREFIX}NAME")
+    """The prompt source: digit_sum, rg:NAME (a reasoning-gym generator), jsonl or parquet (see rollout/tasks.py)."""
+    max_operand: Int = setting(9, ge=0, le=9_999)
+    """digit_sum: operands are drawn from 0..max_operand."""
+    num_operands: Int = setting(2, ge=1, le=8)
+    """digit_sum: how many numbers are added."""
+    params: Table = setting(default_factory=dict, fix="e.g. {min_terms=2, max_terms=2}")
+    """rg: generator settings, e.g. {min_terms=2, max_terms=2}."""
+    size: Int = setting(10_000, ge=1, why="the train pool of an rg: task")
+    """rg: the train pool; item i is entry i % size."""
+    eval_size: Int = setting(100, ge=0, why="0 = no held-out prompts")
+    """Held-out prompts (rg: generated; jsonl/parquet: the last rows, or the first of eval_path)."""
+    eval_seed_offset: Int = setting(1_000_000, allowed="rg: task.size..2**32 - task.eval_size")
+    """rg: the eval split is generated with seed + this; must be in size..2**32 - eval_size."""
+    instruction: Str = "Think briefly, then give only the final answer inside <answer></answer>."
+    """rg/jsonl/parquet: appended to each question after a newline ("" = none); the answer_* rewards read the
+    tags."""
+    chat_template: Bool = True
+    """Wrap prompts in the tokenizer's chat template (done by the generators)."""
+    path: Str = ""
+    """jsonl/parquet: the dataset file."""
+    eval_path: Str = ""
+    """jsonl/parquet: a held-out file ("" = hold out the last eval_size rows of path)."""
+    prompt_column: Str = "prompt"
+    """jsonl/parquet: the field with the question."""
+    answer_column: Str = "answer"
+    """jsonl/parquet: the field with the reference answer (string or number)."""
+    system_prompt: Str = ""
+    """A system turn before every question (train and eval); "" = none (the chat template may add its own
+    default)."""
+    examples: list[Example] = setting(default_factory=list)
+    """Worked examples put before every question (train and eval) as earlier chat turns; [] = zero-shot. In TOML:
+    examples = [{ question = "Calculate 4 - 1.", completion = "4 - 1 = 3\\n<answer>3</answer>" }]."""
+
+
+@dataclass(config=SECTION)
+class RewardSpec:
+    name: choice(tuple(REWARD_FUNCTIONS), "unknown reward {got}; choose one of {listed}") = "correct"
+    """A reward function from rollout/rewards.py."""
+    weight: Float = setting(1.0, gt=-1e6, lt=1e6, allow_inf_nan=False, why="a finite weight")
+    """Its weight in the sum of rewards."""
+
+
+@dataclass(config=SECTION)
+class RewardsConfig:
+    functions: list[RewardSpec] = setting(default_factory=lambda: [RewardSpec()], min_length=1,
+                                          fix="e.g. [{name='correct', weight=1.0}]")
+    """The reward: the weighted sum of these functions, e.g. [{name='correct', weight=1.0}]."""
+    on_error: choice(ON_ERROR, "must be {quoted}") = "fail"
+    """A reward function that raises: "fail" stops with the prompt id; "zero" scores 0 and counts it in metrics."""
+
+
+@dataclass(config=SECTION)
+class VLLMSection(VLLMOptions):
+    """[rollout.vllm]: settings of the vLLM engine each rollout actor owns (read when rollout.backend = "vllm").
+    Its rules are VLLMOptions.problems, kept with the backend that reads them; `allowed` here only describes them."""
+
+    enforce_eager: Bool = VLLMOptions.enforce_eager
+    """No CUDA graphs / torch.compile: fast start-up; CUDA users may turn it off."""
+    max_model_len: Int = setting(VLLMOptions.max_model_len, allowed=">= 0")
+    """Tokens of prompt + completion the engine serves (0 = the model's context length)."""
+    kv_cache_gb: Int = setting(VLLMOptions.kv_cache_gb, allowed="> 0")
+    """CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: Float = setting(VLLMOptions.gpu_memory_utilization,
+                                            allowed="in [0, 1], at most rollout.num_gpus when that is a share")
+    """CUDA only: share of its GPU's memory the engine may take (weights, activations, KV cache). 0 = derived from
+    the actor's GPU share: rollout.num_gpus (at most 1) less 10% headroom, so that roles sharing a GPU fit together."""
+    tensor_parallel_size: Int = setting(VLLMOptions.tensor_parallel_size, allowed="1")
+    """CUDA only: GPUs one engine spans. Only 1 is supported: scale out with more rollout actors."""
+
+
+@dataclass(config=SECTION)
+class RolloutConfig:
+    backend: choice(tuple(REGISTRY), UNKNOWN_BACKEND) = "torch"
+    """Generator backend (rollout/backends: what each serves and needs)."""
+    precision: Str = setting("int4", allowed=_precisions(REGISTRY))
+    """Weights of the generators' linear layers; what is served depends on rollout.backend and the device."""
+    group_size_quant: choice((32, 64, 128), "must be {either}") = 64
+    """int4 quantization group along in_features."""
+    num_actors: Int = setting(1, ge=1)
+    """Rollout actors; the prompts of a step are spread over them, whole groups per actor."""
+    num_cpus: Float = setting(1.0, ge=0)
+    """Ray CPU resource per rollout actor."""
+    num_gpus: Float = setting(0.0, ge=0)
+    """Ray GPU resource per rollout actor (CUDA clusters; vllm's tensor_parallel_size within)."""
+    memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved")
+    """Ray memory reserved per rollout actor (0 = none reserved)."""
+    resources: Table = setting(default_factory=dict, fix="e.g. {rollout_node = 1}")
+    """Custom Ray resources per rollout actor, to pin it to node types started with
+    `ray start --resources '{"NAME": N}'`, e.g. {rollout_node = 1}."""
+    node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}")
+    """Labels its node must carry (`ray start --labels`)."""
+    threads: Int = setting(0, ge=0, why="0 = automatic")
+    """Torch threads per rollout actor (0 = cores / num_actors locally; num_cpus on a cluster)."""
+    prompts_per_step: Int = setting(16, ge=1)
+    """Prompts sampled per learner step (global)."""
+    group_size: Int = setting(8, ge=2, why="advantages compare completions within a group")
+    """Completions per prompt (G)."""
+    max_new_tokens: Int = setting(8, ge=1)
+    """Completion length bound, in tokens."""
+    temperature: Float = setting(1.0, gt=0, why="sampling; greedy gives a group no variance")
+    """Sampling temperature."""
+    top_p: Float = setting(1.0, gt=0, le=1)
+    """Nucleus sampling: the smallest set of tokens with this much probability (1 = off)."""
+    top_k: Int = setting(0, ge=0, why="0 = off")
+    """Sample among the k likeliest tokens (0 = off)."""
+    vllm: VLLMSection = setting(default_factory=VLLMSection)
+    """[rollout.vllm]: read when backend = "vllm"."""
+
+
+@dataclass(config=SECTION)
+class ReferenceConfig:
+    backend: choice(tuple(REFERENCE_BACKENDS), UNKNOWN_BACKEND) = "torch"
+    """The reference scorer: torch, or mlx (mlx-lm on Metal or the MLX CPU build; the Mac preset uses it)."""
+    precision: Str = setting("bf16", allowed=_precisions(REFERENCE_BACKENDS))
+    """The frozen reference may be quantized like the generators (the original MLX design); what is served depends
+    on reference.backend (mlx: bf16 is unquantized, fp32 compute on CPU)."""
+    num_cpus: Float = setting(0.0, ge=0)
+    """Ray CPU resource of the reference actor."""
+    num_gpus: Float = setting(0.0, ge=0)
+    """Ray GPU resource of the reference actor."""
+    memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved")
+    """Ray memory reserved for the reference actor (0 = none reserved)."""
+    resources: Table = setting(default_factory=dict, fix="e.g. {reference_node = 1}")
+    """Custom Ray resources of the reference actor, to pin it to node types started with
+    `ray start --resources '{"NAME": N}'`, e.g. {reference_node = 1}."""
+    node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}")
+    """Labels its node must carry (`ray start --labels`)."""
+    threads: Int = setting(0, ge=0, why="0 = automatic")
+    """0 = all cores locally (it runs while the generators are idle); on a cluster, its num_cpus."""
+    from_learner: Bool = False
+    """With learner.mode = "lora" | "qlora": score the reference on the learner's own frozen base with the adapters
+    off (no reference actor, no second copy of the model). The rest of [reference] is then unused."""
