@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONWARNINGS := ignore
 export QGRPO_CACHE ?= $(CURDIR)/.cache/qgrpo
 
-.PHONY: install train test test-slow bench bench-trl clean
+.PHONY: install train test test-slow lint bench bench-trl clean
 
 install: $(STAMP)
 
@@ -67,7 +67,11 @@ train: $(STAMP)
 	$(VENV)/bin/qgrpo train $(CONFIG) $(ARGS)
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

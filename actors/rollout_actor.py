@@ -11,10 +11,10 @@ import ray
 from qgrpo.actors.collective import CollectiveMember
 from qgrpo.actors.common import apply_threads, local_model, resolve_threads
 from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
-from qgrpo.rollout.backends import make_generator
-from qgrpo.rollout.backends.common import check_fingerprint
 from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
+from qgrpo.rollout.backends import make_generator
+from qgrpo.rollout.backends.common import check_fingerprint
 
 
 @ray.remote

@@ -37,10 +37,10 @@ def main() -> None:
     import torch
 
     from qgrpo.cluster.config.schema import load_config
-    from qgrpo.rollout.models import resolve_model_path
     from qgrpo.core.records import SamplingParams
-    from qgrpo.rollout.tasks import make_task
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
+    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.tasks import make_task
 
     torch.set_num_threads(args.threads)
     if args.config:

@@ -35,8 +35,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from qgrpo.rollout.models import resolve_model_path
     from qgrpo.core.scoring import token_logprobs
+    from qgrpo.rollout.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.bfloat16)
@@ -70,7 +70,8 @@ def main() -> None:
                      "completion_tokens_per_s": N * G * C / (f + b), "max_abs_logp_diff_vs_full": diff})
     base = rows[0]["total_s"]
     print(f"batch: {N} prompts x {G} completions, prompt {P} + completion {C} tokens, bf16, {args.threads} threads")
-    print(f"{'variant':<15}{'forward s':>10}{'backward s':>11}{'total s':>9}{'speed-up':>9}{'tok/s':>8}{'max |dlogp|':>12}")
+    print(f"{'variant':<15}{'forward s':>10}{'backward s':>11}{'total s':>9}{'speed-up':>9}{'tok/s':>8}"
+          f"{'max |dlogp|':>12}")
     for r in rows:
         print(f"{r['variant']:<15}{r['forward_s']:>10.2f}{r['backward_s']:>11.2f}{r['total_s']:>9.2f}"
               f"{base / r['total_s']:>9.2f}{r['completion_tokens_per_s']:>8.0f}{r['max_abs_logp_diff_vs_full']:>12.3f}")

@@ -59,14 +59,15 @@ def main():
     rows = []
     for precision in PRECISIONS:
         copied, t_copy = timed(lambda: copy.deepcopy(base))
-        model, t_quant = timed(lambda: quantize_model(copied, precision))
+        model, t_quant = timed(lambda c=copied: quantize_model(c, precision))
         with torch.no_grad():
             model(ids)  # warm-up
             model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False, max_new_tokens=2)
-            t_fwd = statistics.median(timed(lambda: model(ids))[1] for _ in range(REPEATS))
+            t_fwd = statistics.median(timed(lambda m=model: m(ids))[1] for _ in range(REPEATS))
             torch.manual_seed(0)
-            _, t_gen = timed(lambda: model.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=True,
-                                                    max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS))
+            mask = torch.ones_like(prompts)
+            _, t_gen = timed(lambda m=model: m.generate(prompts, attention_mask=mask, do_sample=True,
+                                                        max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS))
         nbytes = linear_weight_bytes(model)
         rows.append({"precision": precision, "linear_weight_bytes": nbytes,
                      "linear_weight_bytes_without_tied_lm_head": nbytes - lm_head_bytes,

@@ -193,7 +193,8 @@ def merge_checkpoint(ckpt: str | Path, out: str | Path, base_path: str | None = 
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     for f in Path(base_path).iterdir():
         if f.is_file() and (f.name.startswith("tokenizer") or f.name in (
-                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json")):
+                "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja",
+                "generation_config.json")):
             shutil.copy2(f, tmp / f.name)
     tmp.rename(out)
     return out

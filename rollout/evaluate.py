@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Callable
 
-from qgrpo.rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
 from qgrpo.rollout.rewards import REWARD_FUNCTIONS
 
 ACCURACY_REWARDS = ("answer_correct", "correct", "exact")  # first one configured is the accuracy metric
@@ -49,7 +49,8 @@ def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: s
     (rollout/answer_stats.py)."""
     from qgrpo.rollout.backends import make_generator
 
-    gen = make_generator(backend, model_path=model_path, precision=precision, generator_id=f"eval-{backend}-{precision}",
+    gen = make_generator(backend, model_path=model_path, precision=precision,
+                         generator_id=f"eval-{backend}-{precision}",
                          chat_template=chat_template, **(options or {}))
     items = eval_items(task, n)
     groups = []

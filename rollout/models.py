@@ -261,7 +261,8 @@ def build_smollm2_135m_instruct(out_dir: Path) -> None:
         raise RuntimeError("the saved tokenizer lost its chat template")
     ids2 = chat_prompt_ids(tok2)
     if not torch.equal(ids, ids2):
-        raise RuntimeError(f"the saved tokenizer encodes the check prompt differently: {ids.tolist()} vs {ids2.tolist()}")
+        raise RuntimeError(f"the saved tokenizer encodes the check prompt differently: {ids.tolist()} vs "
+                           f"{ids2.tolist()}")
     if reloaded.config.rope_parameters.get("rope_theta") != theta:
         raise RuntimeError(f"rope_theta {theta} at top level but {reloaded.config.rope_parameters} after reload")
     if reloaded.dtype != torch.bfloat16:

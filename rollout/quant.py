@@ -164,8 +164,8 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
         _quantize_nf4(model, layers, group_size, device)
         return model
 
-    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
     from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
     # set_inductor_config=False: we never torch.compile here; don't change global inductor settings.
     if precision == "int8":

@@ -40,7 +40,9 @@ class ReferenceScorer:
         """input_ids [B, T] -> log-probs [B, T] (position j: token j), computed in micro-batches. With `prompt_lens`
         (and `group_ids`) only completion positions are scored and each group's prompt is run once."""
         parts = []
-        on = (lambda t: None if t is None else t.to(self.device))
+        def on(t):
+            return None if t is None else t.to(self.device)
+
         for i in range(0, input_ids.shape[0], self.micro_batch):
             sl = slice(i, i + self.micro_batch)
             parts.append(token_logprobs(self.model, on(input_ids[sl]), temperature,
@@ -113,7 +115,8 @@ class MLXReferenceScorer:
             suffix[b, :len(part)] = part
         sfx = mx.array(suffix.numpy())
         logits = model(sfx, cache=cache)[:, :-1].astype(mx.float32) / temperature
-        picked = torch.from_numpy(np.array(picked_logprobs(logits, sfx[:, 1:])))  # [B, L-1]: picked[b, j] scores token prompt_len[b] + j
+        # [B, L-1]: picked[b, j] scores token prompt_len[b] + j
+        picked = torch.from_numpy(np.array(picked_logprobs(logits, sfx[:, 1:])))
         out = torch.zeros((B, T + L), dtype=torch.float32)
         out.scatter_(1, prompt_lens[:, None] + torch.arange(L - 1), picked)
         return out[:, :T]

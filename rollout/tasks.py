@@ -17,8 +17,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from qgrpo.rollout.datasets import FORMATS, DatasetError, FileTask, load_splits
 from qgrpo.core.records import PromptItem
+from qgrpo.rollout.datasets import FORMATS, DatasetError, FileTask, load_splits
 
 RG_PREFIX = "rg:"
 RG_SEED_STRIDE = 2**32  # run seed s uses reasoning-gym seeds s * 2**32 + [0, 2**32): runs never share entries

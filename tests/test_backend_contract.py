@@ -17,8 +17,11 @@ from qgrpo.rollout.backends.common import WeightMismatchError, check_fingerprint
 # Different prompt lengths, so padding and positions are exercised; the tiny model has no chat template.
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
 # Each backend at bf16 (exact log-prob checks) and at its first quantized precision (loading, versions, fingerprint).
-CASES = [(b, p) for b, spec in REGISTRY.items() for p in ("bf16", next(q for q in spec.precisions
-                                                                        if q != "bf16" and q not in spec.gpu_precisions))]
+def _first_quantized(spec) -> str:
+    return next(q for q in spec.precisions if q != "bf16" and q not in spec.gpu_precisions)
+
+
+CASES = [(b, p) for b, spec in REGISTRY.items() for p in ("bf16", _first_quantized(spec))]
 _GENERATORS: dict = {}
 
 
@@ -78,8 +81,8 @@ def _filtered_logprobs(logits, temperature, top_k, top_p, margin=0.02, mass_marg
     """log-probs [.., V] of the distribution a sampler draws from: softmax(logits / T), then top-k, then top-p (the
     smallest set of most likely tokens holding top_p of the mass), renormalised; written independently of both
     backends' samplers. Also a mask [..] of the positions whose filtered set is clear-cut: where the k-th and
-    (k+1)-th scaled logits are within `margin`, or some cumulative mass is within `mass_margin` of top_p, bf16 rounding in
-    the engine may legitimately draw the line one token over, so those positions are not compared."""
+    (k+1)-th scaled logits are within `margin`, or some cumulative mass is within `mass_margin` of top_p, bf16
+    rounding in the engine may legitimately draw the line one token over, so those positions are not compared."""
     logits = logits / temperature
     clear = torch.ones(logits.shape[:-1], dtype=torch.bool)
     if top_k:

@@ -4,8 +4,8 @@ from pathlib import Path
 
 import yaml
 
-from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.config.plan import gpu_plan, infeasible, nodes_from_ray, role_requests
+from qgrpo.cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

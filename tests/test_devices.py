@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from qgrpo.core import devices
-from qgrpo.core.devices import (DeviceError, device_from_ids, role_env, transport_backend, wait_for_gpu_memory)
-
+from qgrpo.core.devices import DeviceError, device_from_ids, role_env, transport_backend, wait_for_gpu_memory
 
 # ------------------------------------------------------------------------------------------------ the role's device
 
@@ -36,8 +35,8 @@ def test_roles_get_their_environment(monkeypatch, tiny_model_path):
     """Every actor the workers start carries role_env of its num_gpus (captured at Ray's `.options`)."""
     import qgrpo.actors.reference_actor
     import qgrpo.actors.rollout_actor
-    from qgrpo.cluster.config.schema import load_config
     from qgrpo.cluster.config.plan import RoleRequest
+    from qgrpo.cluster.config.schema import load_config
     from qgrpo.cluster.run.workers import RolloutPool
 
     seen = []
@@ -126,7 +125,9 @@ def test_allocator_cap_of_a_share():
 
 
 def test_nccl_only_when_every_member_has_a_gpu_of_its_own():
-    gpu = lambda name, *ids: {"name": name, "device": "cuda", "gpus": [f"n1/{i}" for i in ids]}
+    def gpu(name, *ids):
+        return {"name": name, "device": "cuda", "gpus": [f"n1/{i}" for i in ids]}
+
     assert transport_backend([gpu("learner rank 0", 0), gpu("vllm-0", 1), gpu("vllm-1", 2)])[0] == "nccl"
     backend, why = transport_backend([gpu("learner rank 0", 0), {"name": "torch-0", "device": "cpu", "gpus": []}])
     assert backend == "gloo" and "torch-0 on the CPU" in why
@@ -159,7 +160,9 @@ def test_the_group_is_formed_on_the_chosen_backend():
             self.collective_join = Join()
             self.collective_leave = type("M", (), {"remote": lambda _: None})()
 
-    wait = lambda calls, seconds, stage: {r: r.value for r in calls}
+    def wait(calls, seconds, stage):
+        return {r: r.value for r in calls}
+
     host = Member({"device": "cuda", "gpus": ["n/0"]})
     shared = Member({"device": "cuda", "gpus": ["n/0"]})
     group = CollectiveGroup(wait)

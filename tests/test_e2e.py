@@ -77,7 +77,8 @@ def test_resume_continues_from_saved_step(two_step_run, tiny_model_path):
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert rows[-1]["policy_version"] == 3 and rows[-1]["rollout/policy_versions"] == [2]
     state = json.loads((two_step_run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
-    assert state["step"] == 3 and state["cursor"] == 3 * load_config(ROOT / "configs" / "tiny.toml").rollout.prompts_per_step
+    per_step = load_config(ROOT / "configs" / "tiny.toml").rollout.prompts_per_step
+    assert state["step"] == 3 and state["cursor"] == 3 * per_step
     assert (two_step_run / "checkpoints" / "step_000002").is_dir()  # keep_last = 2
 
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.config.plan import GPUNode, RoleRequest, gpu_plan, nodes_from_counts, nodes_from_ray, role_requests
+from qgrpo.cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -8,6 +8,10 @@ from pathlib import Path
 
 import pytest
 
+from qgrpo.cluster.cli.app import main, summary
+from qgrpo.cluster.config.schema import load_config
+from qgrpo.cluster.report.build import report
+from qgrpo.core.records import Completion, GroupRollout, PromptItem
 from qgrpo.rollout.answer_stats import (
     diversity,
     eval_answer_stats,
@@ -17,11 +21,7 @@ from qgrpo.rollout.answer_stats import (
     step_answer_metrics,
     verdict_lines,
 )
-from qgrpo.cluster.cli.app import main, summary
-from qgrpo.cluster.config.schema import load_config
 from qgrpo.rollout.evaluate import score_eval
-from qgrpo.cluster.report.build import report
-from qgrpo.core.records import Completion, GroupRollout, PromptItem
 from qgrpo.rollout.rewards import ANSWER_READERS, REWARD_FUNCTIONS, completion_with_answer
 from qgrpo.rollout.tasks import make_task
 

@@ -158,8 +158,9 @@ def test_a_sync_changes_outputs_and_restoring_the_weights_restores_them(gens, pe
 def test_mlx_reference_equals_the_torch_reference(peaked_folder, fp32_torch, gens, precision):
     """Same [B, T] contract as the torch scorer: zeros up to each row's prompt end, completion log-probs after. MLX
     full precision vs a float32 torch forward: within 1e-4; vs the torch bf16 reference (bf16 arithmetic on this
-    peaked model): at most 0.3 and 0.05 on average (measured 0.12 and ~0.02). int4 MLX vs int4 torch are different quantizers (MLX affine with biases, torchao symmetric),
-    so they agree only loosely: mean within 0.3 nats per token (measured ~0.08)."""
+    peaked model): at most 0.3 and 0.05 on average (measured 0.12 and ~0.02). int4 MLX vs int4 torch are different
+    quantizers (MLX affine with biases, torchao symmetric), so they agree only loosely: mean within 0.3 nats per token
+    (measured ~0.08)."""
     from qgrpo.rollout.reference import make_reference_scorer
 
     g = torch.Generator().manual_seed(0)
@@ -206,8 +207,8 @@ def test_mlx_runs_on_openblas_when_the_system_has_it():
         return
     if present:
         assert f"BLAS {present[0]}" in run.stdout and "libopenblas0-pthread" not in run.stderr, run
-    missing = subprocess.run([sys.executable, "-c", code.format(root=str(ROOT), patch="m.OPENBLAS_PATHS = ('/nonexistent',); ")],
-                             env=env, capture_output=True, text=True, timeout=120)
+    patched = code.format(root=str(ROOT), patch="m.OPENBLAS_PATHS = ('/nonexistent',); ")
+    missing = subprocess.run([sys.executable, "-c", patched], env=env, capture_output=True, text=True, timeout=120)
     assert "BLAS bundled" in missing.stdout
     assert missing.stderr.count("apt-get install libopenblas0-pthread") == 1, missing.stderr
 
@@ -232,7 +233,8 @@ def test_tiny_config_learns_with_mlx_rollouts_and_reference(ray_session, tiny_mo
     """The same job with int4 MLX generators (nn.quantize, group 64) and an MLX reference, on mlx-cpu: 150 steps,
     the same bar. Measured: first 25 steps 0.18 mean reward, steps 125-150 0.68, 175-200 0.88."""
     t0 = time.monotonic()
-    rc = main(["train", str(ROOT / "configs" / "tiny.toml"), "--set", f"model.path='{tiny_model_path}'", "--set", f"run.output_dir='{tmp_path}'",
+    rc = main(["train", str(ROOT / "configs" / "tiny.toml"), "--set", f"model.path='{tiny_model_path}'",
+               "--set", f"run.output_dir='{tmp_path}'",
                "--set", "run.progress=false", "--set", "run.steps=150", "--set", "run.eval=false",
                "--set", "rollout.backend='mlx'", "--set", "reference.backend='mlx'"])
     elapsed = time.monotonic() - t0

@@ -3,7 +3,6 @@ gradient norm matches (so the global normalisation and DeepSpeed's averaging can
 the exported weights are full tensors."""
 import pytest
 import ray
-import torch
 
 from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.weights import ObjectStoreTransport

@@ -84,8 +84,8 @@ def test_names_round_trip_and_cover_every_tensor(folder):
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
 def test_mlx_scores_equal_torch_on_the_same_weights(folder, precision):
     """MLX generator vs a float32 transformers forward of the same weights. bf16: within 1e-4 nats (measured ~1e-6;
-    3.5e-3 with mlx-lm's own RMSNorm eps of 1e-5 instead of the folder's 1e-6). Quantized: the torch generator at the same precision is the
-    other side, within 0.15 nats mean (different kernels round differently)."""
+    3.5e-3 with mlx-lm's own RMSNorm eps of 1e-5 instead of the folder's 1e-6). Quantized: the torch generator at the
+    same precision is the other side, within 0.15 nats mean (different kernels round differently)."""
     from transformers import AutoModelForCausalLM
 
     ids = _ids()
@@ -231,7 +231,8 @@ def _vllm_check(folder: str) -> dict:
         gen.load_weights(4, new)
         after = torch.tensor(gen.score(ids))
         out[precision] = {"groups": [len(g.completions) for g in groups], "version": gen.policy_version,
-                          "before": (before - refs[0]).abs().mean().item(), "after": (after - refs[1]).abs().mean().item(),
+                          "before": (before - refs[0]).abs().mean().item(),
+                          "after": (after - refs[1]).abs().mean().item(),
                           "moved": (after - before).abs().mean().item()}
         del gen
         import gc

@@ -3,8 +3,8 @@ resource before any actor starts; one a busy cluster only delays waits to its de
 import pytest
 import ray
 
-from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.config.plan import RoleRequest, infeasible, role_requests
+from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.run.placement import wait_scheduled
 
 

@@ -1,4 +1,5 @@
-"""cluster/config/preflight.py: the checks between a valid config and starting Ray, on the real tiny model and tokenizer."""
+"""cluster/config/preflight.py: the checks between a valid config and starting Ray, on the real tiny model and
+tokenizer."""
 from __future__ import annotations
 
 import json
@@ -8,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.config.preflight import TRAIN_SAMPLE, model_context, preflight, sample_items
+from qgrpo.cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

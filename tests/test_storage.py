@@ -15,11 +15,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qgrpo.core import storage
-from qgrpo.cluster.rundir.checkpoint import STATE_FILE, CheckpointError, complete_checkpoints, read_state, save_checkpoint
 from qgrpo.cluster.cli.app import main
 from qgrpo.cluster.config.schema import ConfigError, load_config
+from qgrpo.cluster.rundir.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    complete_checkpoints,
+    read_state,
+    save_checkpoint,
+)
 from qgrpo.cluster.rundir.resume import find_checkpoint
+from qgrpo.core import storage
 from tests.test_faults import TINY, _args, _metrics, _run_dir, _steps, faults  # noqa: F401 (faults: a fixture)
 
 

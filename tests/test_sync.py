@@ -9,12 +9,12 @@ from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import ObjectStoreTransport
 from qgrpo.cluster.run.workers import StageTimeout, gather
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.batch import build_train_batch
 from qgrpo.learner.loss import GRPOLossConfig
 from qgrpo.learner.settings import LearnerSettings
 from qgrpo.rollout.advantages import group_advantages
-from qgrpo.core.records import PromptItem, SamplingParams
-from qgrpo.core.scoring import token_logprobs
 
 KINDS = (("torch", "bf16"), ("torch", "int8"), ("torch", "int4"), ("vllm", "bf16"), ("vllm", "int8"))
 ITEMS = [PromptItem(f"p{i}", f"{i % 5}+{(3 * i) % 5}=", str(i % 5 + (3 * i) % 5)) for i in range(8)]
@@ -41,7 +41,8 @@ def _mean_gap(groups, model):
 
 @pytest.fixture(scope="module")
 def actors(ray_session, tiny_model_path, tmp_path_factory):
-    rollouts = {(b, p): RolloutActor.remote(b, dict(model_path=tiny_model_path, precision=p, generator_id=f"{b}-{p}"), 1)
+    rollouts = {(b, p): RolloutActor.remote(b, dict(model_path=tiny_model_path, precision=p, generator_id=f"{b}-{p}"),
+                                            1)
                 for b, p in KINDS}
     (learner,), setups = start_learners(
         tiny_model_path, LearnerSettings(lr=5e-2, micro_batch_per_rank=16, sequences_per_rank=32,
@@ -97,7 +98,8 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
     restore = ObjectStoreTransport(1 << 12).publish(2, original.items())
     restore.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
     with torch.no_grad():
-        restore.probe_logprobs = token_logprobs(old_model.to(torch.bfloat16), torch.tensor([restore.probe_ids]))[0, 1:].tolist()
+        old_bf16 = old_model.to(torch.bfloat16)
+        restore.probe_logprobs = token_logprobs(old_bf16, torch.tensor([restore.probe_ids]))[0, 1:].tolist()
     assert [a.version for a in wait_all([a.load_weights.remote(restore) for a in rollouts.values()], 60, "restore")] \
         == [2] * len(KINDS)
     for k, a in rollouts.items():

@@ -5,8 +5,15 @@ import pytest
 
 from qgrpo.cluster.config.schema import ConfigError, TaskConfig, load_config
 from qgrpo.rollout.datasets import MAX_REPORTED, DatasetError
-from qgrpo.rollout.rewards import (REWARD_FUNCTIONS, answer_correct, answer_format, answers_match, extract_answer,
-                             last_number, lenient_correct)
+from qgrpo.rollout.rewards import (
+    REWARD_FUNCTIONS,
+    answer_correct,
+    answer_format,
+    answers_match,
+    extract_answer,
+    last_number,
+    lenient_correct,
+)
 from qgrpo.rollout.tasks import RG_SEED_STRIDE, PromptSampler, check_task, make_task
 
 EASY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
@@ -165,7 +172,8 @@ def test_examples_in_the_prompt_tokens(tiny_model_path):
     # With a chat template every turn is rendered in order, then the generation prompt.
     tok.chat_template = ("{% for m in messages %}{{ m.role[0] }}:{{ m.content }};{% endfor %}"
                          "{% if add_generation_prompt %}a:{% endif %}")
-    assert format_prompt(tok, item, chat_template=True) == tok("u:1+1=;a:2;u:2+2=;a:", add_special_tokens=False)["input_ids"]
+    expected = tok("u:1+1=;a:2;u:2+2=;a:", add_special_tokens=False)["input_ids"]
+    assert format_prompt(tok, item, chat_template=True) == expected
 
 
 # ---------------------------------------------------------------------------------------------------------------

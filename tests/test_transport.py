@@ -59,13 +59,15 @@ def _train_step(learner, rollout) -> int:
 
 def _master_weights(actor) -> dict[str, torch.Tensor]:
     """The torch generator's bf16 master copy, read inside the actor (a test-only look, not an actor method)."""
-    return ray.get(actor.__ray_call__.remote(lambda self: {n: t.clone() for n, t in self.gen._master.state_dict().items()}))
+    return ray.get(actor.__ray_call__.remote(
+        lambda self: {n: t.clone() for n, t in self.gen._master.state_dict().items()}))
 
 
 @pytest.fixture(scope="module")
 def job(ray_session, tiny_model_path, tmp_path_factory):
     learner = _learner(tiny_model_path, str(tmp_path_factory.mktemp("ext")))
-    actors = {"bf16": _rollout(tiny_model_path, "bf16", "torch-bf16"), "int8": _rollout(tiny_model_path, "int8", "torch-int8")}
+    actors = {"bf16": _rollout(tiny_model_path, "bf16", "torch-bf16"),
+              "int8": _rollout(tiny_model_path, "int8", "torch-int8")}
     ray.get([learner.version.remote(), *[a.info.remote() for a in actors.values()]])  # start-up is not under test
     yield learner, actors
     for a in [learner, *actors.values()]:
@@ -74,7 +76,8 @@ def job(ray_session, tiny_model_path, tmp_path_factory):
 
 def test_actors_import_this_worktree(job):
     learner, actors = job
-    here = ray.get(actors["bf16"].__ray_call__.remote(lambda self: __import__("qgrpo.actors.collective").actors.collective.__file__))
+    here = ray.get(actors["bf16"].__ray_call__.remote(
+        lambda self: __import__("qgrpo.actors.collective").actors.collective.__file__))
     assert Path(here).resolve().parent.parent == ROOT
 
 

@@ -56,10 +56,10 @@ def test_fingerprint_catches_bf16_reloaded_into_the_int8_engine(generators, tiny
     """A known vLLM trap: it accepts bf16 tensors into an int8 engine without an error and then serves garbage.
     Our load path quantizes first; here the engine is fed the raw bf16 stream behind its back."""
     from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
 
     from qgrpo.core.scoring import token_logprobs
     from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, probe_ids
-    from transformers import AutoModelForCausalLM
 
     gen = generators["int8"]
     state = load_file(f"{tiny_model_path}/model.safetensors")

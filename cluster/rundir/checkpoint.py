@@ -22,8 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
-from qgrpo.core import storage
-from qgrpo.core import faults
+from qgrpo.core import faults, storage
 
 STATE_FILE = "trainer_state.json"
 _STEP = re.compile(r"step_(\d+)$")

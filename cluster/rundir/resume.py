@@ -11,8 +11,8 @@ import re
 import time
 from pathlib import Path
 
-from qgrpo.core import storage
 from qgrpo.cluster.rundir.checkpoint import STATE_FILE, clean_stray, complete_checkpoints
+from qgrpo.core import storage
 
 _ROLLOUT_FILE = re.compile(r"steps_(\d+)-(\d+)\.parquet$")
 

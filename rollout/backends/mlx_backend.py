@@ -30,8 +30,14 @@ from typing import TYPE_CHECKING, Iterable
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout import nanochat
-from qgrpo.rollout.backends.common import (build_group, check_stream, format_prompt, hf_tensor_shapes, mlx_config,
-                                     stop_token_ids)
+from qgrpo.rollout.backends.common import (
+    build_group,
+    check_stream,
+    format_prompt,
+    hf_tensor_shapes,
+    mlx_config,
+    stop_token_ids,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -285,7 +291,8 @@ class MLXGenerator:
                     c.filter(sel)
                 tok, live = tok[sel], [live[j] for j in keep]
             logits = model(tok[:, None], cache=cache)[:, -1, :].astype(mx.float32)
-            # Materialise the cache with the logits: left lazy, each step would recompute the chain of updates before it.
+            # Materialise the cache with the logits: left lazy, each step would recompute the chain of updates before
+            # it.
             mx.eval(logits, [(c.keys, c.values) for c in cache])
         return toks, lps
 

@@ -46,7 +46,8 @@ class TorchGenerator:
         self.device = bind(torch.device(device) if device is not None
                            else current_device(f"rollout actor {generator_id}"))
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
         self._master = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
         self._rebuild()
@@ -173,7 +174,8 @@ def _pick(logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> tup
         # threaded with a generator), which cost more than the decode forward itself at vocab 49k.
         cdf = logits.softmax(-1).cumsum(-1)
         u = torch.rand(cdf.shape[0], 1, generator=rng, device=cdf.device) * cdf[:, -1:]
-        # First index whose cdf exceeds u: never a zero-probability (filtered) token, whose cdf equals its predecessor's.
+        # First index whose cdf exceeds u: never a zero-probability (filtered) token, whose cdf equals its
+        # predecessor's.
         tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
     # Only the sampled token's log-prob: never a [B, L, V] log-softmax.
     return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)

@@ -135,7 +135,8 @@ class VLLMGenerator:
                  memory_wait_s: float = 120.0):
         """`device`/`gpu_share`: where the engine runs and the share of that GPU the actor holds (default: what Ray
         assigned, core/devices.py). `memory_wait_s`: how long a CUDA engine waits for its share of memory to be free."""
-        from qgrpo.core.devices import current_device, gpu_share as assigned_share, wait_for_gpu_memory
+        from qgrpo.core.devices import current_device, wait_for_gpu_memory
+        from qgrpo.core.devices import gpu_share as assigned_share
         from qgrpo.rollout.backends import REGISTRY, VLLMOptions
 
         if precision not in REGISTRY["vllm"].precisions:
