@@ -26,12 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGGREGATIONS = ("token_mean", "seq_mean", "constant")
-IS_MODES = ("truncate", "mask", "none")
-# The least importance-weight cap C: [1/C, C] must contain 1, so that a token the sampler got exactly right keeps
-# weight 1 (truncate) and is never masked out (mask). C = 1 is allowed: truncation then only ever lowers weights.
-IS_CAP_MIN = 1.0
+from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_MODES, KL_ESTIMATORS
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

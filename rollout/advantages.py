@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-SCALES = ("std", "none")
+from qgrpo.rollout.options import SCALES
 
 
 def group_advantages(rewards: torch.Tensor, *, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:

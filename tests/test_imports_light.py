@@ -33,3 +33,11 @@ def test_check_detects_a_heavy_import():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ray.fake"
+
+
+def test_the_command_and_the_config_start_without_torch():
+    # `qgrpo --help`, `qgrpo check`'s schema and `qgrpo scale` should start in a fraction of a second: the schema takes
+    # its choices from torch-free modules (learner/options.py, rollout/options.py), not from the loss itself.
+    script = "import sys, qgrpo.cluster.cli.app, qgrpo.cluster.config.schema; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr

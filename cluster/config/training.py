@@ -13,8 +13,8 @@ from pydantic.dataclasses import dataclass
 
 from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
 from qgrpo.cluster.config.plan import STRATEGIES
-from qgrpo.learner.loss import AGGREGATIONS, IS_CAP_MIN, IS_MODES, KL_ESTIMATORS
-from qgrpo.rollout.advantages import SCALES
+from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_MODES, KL_ESTIMATORS
+from qgrpo.rollout.options import SCALES
 
 LR_SCHEDULES = ("constant", "cosine")  # learner.lr_schedule (learner/engine.py: lr_factor)
 LEARNER_MODES = ("full", "lora", "qlora")  # learner.mode
