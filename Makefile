@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONWARNINGS := ignore
 export QGRPO_CACHE ?= $(CURDIR)/.cache/qgrpo
 
-.PHONY: install train test test-slow lint bench bench-trl clean
+.PHONY: install train test test-slow lint docs bench bench-trl clean
 
 install: $(STAMP)
 
@@ -72,6 +72,10 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+
+# docs/reference/config.md from the config schema (tests/test_config_reference.py fails when it is stale).
+docs: $(STAMP)
+	$(PY) -m qgrpo.cluster.config.reference
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

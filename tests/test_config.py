@@ -113,7 +113,7 @@ def test_backend_table_round_trips_and_unavailable_backend_is_named(monkeypatch)
     import tomllib
 
     from qgrpo.cluster.config.schema import config_from_dict
-    from qgrpo.cluster.rundir.runlog import to_toml
+    from qgrpo.cluster.config.tomlio import to_toml
     from qgrpo.rollout.backends import REGISTRY
 
     cfg = load_config(TINY, ["rollout.backend=vllm", "rollout.precision=int8", "rollout.vllm.max_model_len=256"])

@@ -250,3 +250,13 @@ def test_an_unknown_key_names_the_nearest_key_or_its_equivalent_here(key, hint):
     (problem,) = translate({"model_name": "builtin:tiny-digits", key: 1})[3]
     assert problem.startswith(f"{key}: not an MLX-GRPO key;") and hint in problem, problem
     assert "weight_decay" not in problem  # the 33 keys are not all listed: the reference lists them
+
+
+def test_migrate_command_writes_with_a_warning_when_the_model_folder_is_not_here_yet(tmp_path, capsys):
+    model = tmp_path / "models" / "nanochat-d32"  # not fetched yet
+    (tmp_path / "mlx.toml").write_text(D32.replace('"builtin:tiny-digits"', json.dumps(str(model))))
+    out = tmp_path / "ours.toml"
+    assert main(["migrate", str(tmp_path / "mlx.toml"), "-o", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert f"qgrpo migrate: warning: model.path: folder '{model}' does not exist" in err and out.is_file()
+    assert load_config(out, check_environment=False).model.path == str(model)

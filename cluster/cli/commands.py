@@ -14,14 +14,14 @@ from qgrpo.core import storage
 def check_command(args) -> int:
     """`qgrpo check`: the config as `qgrpo train` would check it (without the model), printed in full, then the GPU
     plan."""
-    from qgrpo.cluster.rundir.runlog import to_toml
+    from qgrpo.cluster.config.tomlio import to_toml
 
     try:
         cfg = checked_config(args)
     except Refused as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    print(to_toml(cfg.to_dict()))
+    print(to_toml(cfg))
     return _check_gpu_plan(cfg, args.gpus)
 
 
@@ -141,12 +141,11 @@ def merge_command(args) -> int:
 
 def migrate_command(args) -> int:
     """An MLX-GRPO config -> our TOML: only the fields the translation set (the rest are our defaults), each key's
-    mapping as a comment above. Validated as ours before anything is written."""
+    mapping as a comment above. Validated as ours before anything is written; what only this machine lacks (the model
+    folder, a data file) is a warning, not a refusal: the file is often written before the model is fetched."""
     import tomllib
 
-    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, translate
-    from qgrpo.cluster.config.schema import _set_path
-    from qgrpo.cluster.rundir.runlog import to_toml
+    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, migrate
 
     out = Path(args.out) if args.out else None
     try:
@@ -158,28 +157,20 @@ def migrate_command(args) -> int:
         print(f"qgrpo migrate: {args.config} has no MLX-GRPO keys (it may already be one of ours: `qgrpo check` it)",
               file=sys.stderr)
         return EXIT_CONFIG
-    ours, lines, _, problems, rest = translate(data, args.overrides)
-    for item in rest:  # our own section.key=value overrides land in the file too
-        key, _, raw = item.partition("=")
-        _set_path(ours, key.strip(), raw.strip(), problems)
-    text = to_toml(ours)
     try:
-        if problems:
-            raise ConfigError(problems)
-        load_config(None, [], base=tomllib.loads(text))  # what we write loads as our config
+        text, warnings = migrate(data, args.overrides, args.config)
     except ConfigError as e:
         print(f"qgrpo migrate: {args.config}: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    header = [f"# Written by `qgrpo migrate {args.config}` from an MLX-GRPO config; how each key maps:"]
-    header += [f"#   {line}" for line in lines]
-    header += ["# Fields not listed here take our defaults (`qgrpo check` shows all).", ""]
+    for w in warnings:
+        print(f"qgrpo migrate: warning: {w}", file=sys.stderr)
     if out is None:
-        print("\n".join(header) + text)
+        print(text)
         return 0
     if out.exists():
         print(f"qgrpo migrate: {out} exists; not overwritten (give another -o)", file=sys.stderr)
         return EXIT_CONFIG
-    out.write_text("\n".join(header) + text)
+    out.write_text(text)
     print(f"qgrpo migrate: wrote {out}; run it with `qgrpo train {out}`", file=sys.stderr)
     return 0
 

@@ -209,8 +209,9 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
           submission_id: str | None = None) -> tuple[list[str], dict[str, str], list[str], Path | None]:
     """(the `ray job submit` argv, its environment, lines to tell the user, the staging folder to delete once it has
     run, or None when the job runs the project folder itself). Raises ValueError with the fix."""
-    from qgrpo.cluster.config.schema import BUILTIN_MODEL_PREFIX, ConfigError, load_config
+    from qgrpo.cluster.config.schema import ConfigError, load_config
     from qgrpo.core.storage import is_uri
+    from qgrpo.rollout.models import BUILTIN_PREFIX
 
     cfg_path = Path(config).expanduser().resolve()
     notes, overrides = [], list(overrides)
@@ -236,7 +237,7 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
     for field, kind in _LOCAL_INPUTS:
         section, key = field.split(".")
         value = getattr(getattr(seen, section), key)
-        if not value or value.startswith(BUILTIN_MODEL_PREFIX) or is_uri(value):
+        if not value or value.startswith(BUILTIN_PREFIX) or is_uri(value):
             continue
         local = Path(value).expanduser().resolve()
         if not (local.is_dir() if kind == "folder" else local.is_file()):

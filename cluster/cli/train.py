@@ -147,11 +147,11 @@ def _check_cluster(cfg, address: str | None, started: bool) -> None:
 
 def _open_run_dir(cfg, resume) -> storage.RunDir:
     """The run directory with the effective config.toml in it: the resumed run's own, or a new one."""
-    from qgrpo.cluster.rundir.runlog import to_toml
+    from qgrpo.cluster.config.tomlio import to_toml
 
     if resume is not None:
         run_dir = storage.RunDir.resume(_run_root(resume))  # a URI run: logs come down to a staging copy, mirrored
-        saved, effective = run_dir.local / "config.toml", to_toml(cfg.to_dict())
+        saved, effective = run_dir.local / "config.toml", to_toml(cfg)
         if saved.is_file() and saved.read_text() != effective:  # the run's record follows what it now runs with
             step = storage.name(resume).removeprefix("step_")
             saved.rename(run_dir.local / f"config.before_resume_at_{step}.toml")
@@ -162,7 +162,7 @@ def _open_run_dir(cfg, resume) -> storage.RunDir:
         return run_dir
     try:  # a URI: the first sync shows the run there and proves it writable before any actor starts
         run_dir = storage.RunDir.create(cfg.run.output_dir, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        (run_dir.local / "config.toml").write_text(to_toml(cfg.to_dict()))
+        (run_dir.local / "config.toml").write_text(to_toml(cfg))
         run_dir.sync()
     except OSError as e:
         raise Refused(f"run.output_dir: cannot write the run directory there ({type(e).__name__}: {e}); pick a "

@@ -55,16 +55,16 @@ def environment_problems(cfg: Config) -> list[str]:
     """The files and folders the config names exist, and the packages and platform its choices need are here."""
     import importlib.util
 
-    from qgrpo.cluster.config.sections import BUILTIN_MODEL_PREFIX
     from qgrpo.rollout.backends import REGISTRY
     from qgrpo.rollout.datasets import FORMATS
+    from qgrpo.rollout.models import BUILTIN_PREFIX
     from qgrpo.rollout.tasks import RG_PREFIX, rg_config_problems
 
     p: list[str] = []
     if cfg.run.wandb_project and importlib.util.find_spec("wandb") is None:
         p.append("run.wandb_project: set, but wandb is not installed; `pip install wandb` or set run.wandb_project=''")
     path = cfg.model.path
-    if path and not path.startswith(BUILTIN_MODEL_PREFIX):
+    if path and not path.startswith(BUILTIN_PREFIX):
         folder = Path(path).expanduser()
         if not folder.is_dir():
             p.append(f"model.path: folder {path!r} does not exist; put the model there (config.json, *.safetensors and "

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from qgrpo.cluster.config.plan import placement_problems
-from qgrpo.cluster.config.sections import BUILTIN_MODEL_PREFIX
 from qgrpo.cluster.config.training import MODE_ZERO_STAGES
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
+from qgrpo.rollout.models import BUILTIN_PREFIX
 
 if TYPE_CHECKING:
     from qgrpo.cluster.config.schema import Config
@@ -85,9 +85,9 @@ def _model_path(cfg: Config) -> list[str]:
     path = cfg.model.path
     if not path:
         return ["model.path: missing; set a local HF model folder or a builtin model: "
-                + ", ".join(BUILTIN_MODEL_PREFIX + n for n in BUILTIN_MODELS)]
-    name = path[len(BUILTIN_MODEL_PREFIX):]
-    if path.startswith(BUILTIN_MODEL_PREFIX) and name not in BUILTIN_MODELS:
+                + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)]
+    name = path[len(BUILTIN_PREFIX):]
+    if path.startswith(BUILTIN_PREFIX) and name not in BUILTIN_MODELS:
         return [f"model.path: unknown builtin model {name!r}; choose one of {', '.join(sorted(BUILTIN_MODELS))}"]
     return []  # a folder: whether it exists here is an environment check
 

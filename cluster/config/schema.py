@@ -28,7 +28,6 @@ from qgrpo.cluster.config.errors import field_path, problems_of
 from qgrpo.cluster.config.fields import SECTION, setting
 from qgrpo.cluster.config.rules import gpu_problems, rule_problems
 from qgrpo.cluster.config.sections import (
-    BUILTIN_MODEL_PREFIX,
     Example,
     ModelConfig,
     ReferenceConfig,
@@ -55,7 +54,7 @@ from qgrpo.cluster.config.training import (
 )
 
 __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "validate", "check", "gpu_problems", "to_toml",
-           "BUILTIN_MODEL_PREFIX", "RunConfig", "ModelConfig", "TaskConfig", "Example", "RewardSpec", "RewardsConfig",
+           "RunConfig", "ModelConfig", "TaskConfig", "Example", "RewardSpec", "RewardsConfig",
            "RolloutConfig", "VLLMSection", "ReferenceConfig", "AlgoConfig", "LoraConfig", "LearnerConfig", "SyncConfig",
            "FaultsConfig", "GuardConfig", "LR_SCHEDULES", "LEARNER_MODES", "OPTIMIZERS", "MODE_ZERO_STAGES",
            "ATTENTION"]

@@ -15,7 +15,6 @@ from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from qgrpo.rollout.rewards import ON_ERROR, REWARD_FUNCTIONS
 from qgrpo.rollout.tasks import RG_PREFIX, TASKS
 
-BUILTIN_MODEL_PREFIX = BUILTIN_PREFIX
 UNKNOWN_BACKEND = "unknown backend {got}; choose one of {listed}"
 
 

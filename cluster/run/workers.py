@@ -22,7 +22,7 @@ from qgrpo.actors.reference_actor import ReferenceActor
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
 from qgrpo.cluster.config.plan import RAY_BUILTIN_RESOURCES, RoleRequest, infeasible, role_requests
-from qgrpo.cluster.config.schema import BUILTIN_MODEL_PREFIX, Config
+from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.learners import start_learner_ranks
 from qgrpo.cluster.run.placement import wait_scheduled
 from qgrpo.core.devices import role_env
@@ -37,6 +37,7 @@ from qgrpo.core.records import (
 )
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.rollout.backends import backend_options
+from qgrpo.rollout.models import BUILTIN_PREFIX
 
 
 def _split(items: list, n: int) -> list[list]:
@@ -256,7 +257,7 @@ class Workers:
         if le.mode != "full":  # an adapter checkpoint holds no model: every role starts from the base; the learner's
             policy_path = reference_path  # adapters, and the generators' merged weights, come with load()
         # A builtin model is materialised by each actor on its own node (the driver's cache is not on the others).
-        builtin = cfg.model.path.startswith(BUILTIN_MODEL_PREFIX) and not cfg.model.cache_dir
+        builtin = cfg.model.path.startswith(BUILTIN_PREFIX) and not cfg.model.cache_dir
         policy_path = cfg.model.path if builtin and policy_path == reference_path else policy_path
         reference_path = cfg.model.path if builtin else reference_path
         self.reference_path = reference_path

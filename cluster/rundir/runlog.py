@@ -1,35 +1,11 @@
-"""Run directory: effective config, metrics.jsonl, progress bar."""
+"""Run directory: metrics.jsonl, TensorBoard / W&B, progress bar (the effective config is written by
+cluster/config/tomlio.py)."""
 from __future__ import annotations
 
 import json
-import math
 import time
 from pathlib import Path
 from typing import Any
-
-
-def to_toml(data: dict[str, Any]) -> str:
-    """Write the effective config back as TOML (our schema: tables of scalars, lists of scalar tables)."""
-
-    def val(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)
-        if isinstance(v, float) and not math.isfinite(v):
-            return "nan" if v != v else ("inf" if v > 0 else "-inf")
-        if isinstance(v, dict):
-            return "{ " + ", ".join(f"{k} = {val(x)}" for k, x in v.items()) + " }"
-        if isinstance(v, list):
-            return "[" + ", ".join(val(x) for x in v) + "]"
-        return repr(v)
-
-    out = []
-    for section, fields in data.items():
-        out.append(f"[{section}]")
-        out += [f"{k} = {val(v)}" for k, v in fields.items()]
-        out.append("")
-    return "\n".join(out)
 
 
 class RunLog:
