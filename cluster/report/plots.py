@@ -165,7 +165,7 @@ def plot_time(data: RunData, path: Path) -> None:
     x, parts = data.x(), stage_times(data)
     # Every stage the driver may lap (STAGES) needs a colour; the first four keep theirs from older reports.
     colors = {"generate": "C0", "reference": "C2", "learn": "C3", "sync": "C1", "rewards": "C4", "pack": "C5",
-              "rollout_wait": "C7", "other": "0.6"}
+              "rollout_wait": "C9", "other": "0.6"}  # C9 (cyan), not C7: grey would read as "other"
     ax.stackplot(x, *parts.values(), labels=list(parts), colors=[colors[k] for k in parts], alpha=0.85,
                  step="mid" if len(x) < 40 else None)
     ax.set_xlabel("step")
