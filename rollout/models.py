@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -313,9 +314,29 @@ def builtin_cache_dir(name: str, cache_dir: str = "") -> Path:
     return cache_root(cache_dir) / "models" / f"{name}-{BUILTIN_VERSIONS[name]}"
 
 
+# A Hugging Face Hub model id, ORG/NAME: what `model.path` names when no folder of that name exists here.
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def hub_cache_folder(path: str) -> Path | None:
+    """The snapshot folder of a Hub id (`ORG/NAME`) already in the local Hugging Face cache, else None (a folder here,
+    not an id, not cached). Nothing is downloaded: weights are fetched before a run (`hf download`), never in one."""
+    if not HUB_ID.match(path) or Path(path).expanduser().exists():
+        return None
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(path, local_files_only=True))
+    except (LocalEntryNotFoundError, OSError, ValueError):
+        return None
+
+
 def resolve_model_path(path: str, cache_dir: str = "") -> str:
-    """Return a local folder for `path`, materialising builtin models on first use, and converting a nanochat folder in
-    nanochat's own tensor names (an MLX-GRPO checkpoint; rollout/nanochat.py) into transformers' names once."""
+    """A local folder for `path`: a Hub id from the local Hugging Face cache, a folder as it is, a builtin model made
+    on first use; a nanochat folder in nanochat's own names (MLX-GRPO) converted to transformers' names once."""
+    if (snapshot := hub_cache_folder(path)) is not None:
+        path = str(snapshot)
     if not path.startswith(BUILTIN_PREFIX):
         folder = Path(path).expanduser().resolve()
         native = _native_nanochat(folder)

@@ -303,3 +303,32 @@ def test_smollm2_export_matches_torch_in_mlx(smollm2_path, tmp_path):
     ref = _torch_logprobs(out, ids, dtype="float32").numpy()
     assert np.abs(got - ref).max() < 1e-3  # measured 3e-4
     assert (got.argmax(-1) == ref.argmax(-1)).all()
+
+
+def _hub_cache(root: Path, repo_id: str, folder: str) -> Path:
+    """A Hugging Face cache as `hf download` leaves it: models--ORG--NAME/{refs/main, snapshots/REV/...}."""
+    import shutil
+
+    repo = root / f"models--{repo_id.replace('/', '--')}"
+    shutil.copytree(folder, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    return repo / "snapshots" / "0123abcd"
+
+
+def test_a_hub_id_resolves_from_the_local_hugging_face_cache(tiny_model_path, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    from qgrpo.cluster.config.schema import ConfigError, load_config
+
+    snapshot = _hub_cache(tmp_path / "hub", "acme/tiny-digits", tiny_model_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.chdir(tmp_path)  # no folder named acme/ here: the id is read as an id
+    assert resolve_model_path("acme/tiny-digits") == str(snapshot)
+    tiny = Path(__file__).resolve().parents[1] / "configs" / "tiny.toml"
+    assert load_config(tiny, ["model.path='acme/tiny-digits'"]).model.path == "acme/tiny-digits"
+    with pytest.raises(ConfigError, match="nor is 'acme/missing' a Hub model in the local Hugging Face cache") as e:
+        load_config(tiny, ["model.path='acme/missing'"])
+    assert "hf download acme/missing" in str(e.value)
+    (tmp_path / "acme" / "tiny-digits").mkdir(parents=True)  # a folder of that name wins over the cache
+    assert models.hub_cache_folder("acme/tiny-digits") is None

@@ -51,13 +51,20 @@ CPU_OVERSUBSCRIPTION = 2  # Ray CPUs asked for may be up to this many times the 
 # 0. What the config names, on this machine
 
 
+def hub_cache() -> str:
+    """Where huggingface_hub looks for cached models (HF_HUB_CACHE, or HF_HOME/hub)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
 def environment_problems(cfg: Config) -> list[str]:
     """The files and folders the config names exist, and the packages and platform its choices need are here."""
     import importlib.util
 
     from qgrpo.rollout.backends import REGISTRY
     from qgrpo.rollout.datasets import FORMATS
-    from qgrpo.rollout.models import BUILTIN_PREFIX
+    from qgrpo.rollout.models import BUILTIN_PREFIX, HUB_ID, hub_cache_folder
     from qgrpo.rollout.tasks import RG_PREFIX, rg_config_problems
 
     p: list[str] = []
@@ -65,11 +72,13 @@ def environment_problems(cfg: Config) -> list[str]:
         p.append("run.wandb_project: set, but wandb is not installed; `pip install wandb` or set run.wandb_project=''")
     path = cfg.model.path
     if path and not path.startswith(BUILTIN_PREFIX):
-        folder = Path(path).expanduser()
+        folder = hub_cache_folder(path) or Path(path).expanduser()
         if not folder.is_dir():
+            hub = (f"; nor is {path!r} a Hub model in the local Hugging Face cache ({hub_cache()}): fetch it first "
+                   f"with `hf download {path}` (nothing is downloaded during a run)") if HUB_ID.match(path) else ""
             p.append(f"model.path: folder {path!r} does not exist; put the model there (config.json, *.safetensors and "
                      "tokenizer files: a transformers folder, or an mlx-lm / MLX-GRPO folder of a nanochat model), "
-                     "point model.path at it, or use a builtin model such as builtin:smollm2-135m-instruct")
+                     "point model.path at it, or use a builtin model such as builtin:smollm2-135m-instruct" + hub)
         elif not (folder / "config.json").is_file():
             p.append(f"model.path: {path!r} has no config.json; it must be a HF model folder")
     t = cfg.task

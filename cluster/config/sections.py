@@ -65,9 +65,10 @@ class RunConfig:
 
 @dataclass(config=SECTION)
 class ModelConfig:
-    path: Str = setting("", allowed="a local HF model folder, or "
+    path: Str = setting("", allowed="a local HF model folder, a Hub id ORG/NAME in the local Hugging Face cache, or "
                         + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS))
-    """The model trained: a local HF folder, or builtin:NAME (built offline, cached)."""
+    """The model trained: a local HF folder, a Hub id already in the local Hugging Face cache (`hf download ORG/NAME`
+    first; nothing is downloaded during a run), or builtin:NAME (built offline, cached)."""
     cache_dir: Str = ""
     """Where builtin models are materialised ("" = $QGRPO_CACHE or ~/.cache/qgrpo)."""
 

@@ -37,7 +37,7 @@ from qgrpo.core.records import (
 )
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.rollout.backends import backend_options
-from qgrpo.rollout.models import BUILTIN_PREFIX
+from qgrpo.rollout.models import BUILTIN_PREFIX, hub_cache_folder
 
 
 def _split(items: list, n: int) -> list[list]:
@@ -256,8 +256,10 @@ class Workers:
         self.cfg = cfg
         if le.mode != "full":  # an adapter checkpoint holds no model: every role starts from the base; the learner's
             policy_path = reference_path  # adapters, and the generators' merged weights, come with load()
-        # A builtin model is materialised by each actor on its own node (the driver's cache is not on the others).
-        builtin = cfg.model.path.startswith(BUILTIN_PREFIX) and not cfg.model.cache_dir
+        # A builtin model is materialised, and a Hub id found in the Hugging Face cache, by each actor on its own node
+        # (the driver's caches are not on the others).
+        builtin = (cfg.model.path.startswith(BUILTIN_PREFIX) and not cfg.model.cache_dir
+                   or hub_cache_folder(cfg.model.path) is not None)
         policy_path = cfg.model.path if builtin and policy_path == reference_path else policy_path
         reference_path = cfg.model.path if builtin else reference_path
         self.reference_path = reference_path
