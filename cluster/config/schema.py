@@ -38,7 +38,7 @@ from qgrpo.cluster.config.sections import (
     TaskConfig,
     VLLMSection,
 )
-from qgrpo.cluster.config.tomlio import apply_overrides, set_path, to_toml
+from qgrpo.cluster.config.tomlio import apply_overrides, to_toml
 from qgrpo.cluster.config.training import (
     ATTENTION,
     LEARNER_MODES,
@@ -192,8 +192,3 @@ def config_from_dict(data: dict[str, Any], check_environment: bool = True) -> Co
     if problems:
         raise ConfigError(problems)
     return cfg
-
-
-def _set_path(data: dict, dotted: str, raw: str, problems: list[str]) -> None:
-    """section.key=value into `data`, read against the schema (kept for callers of the earlier name)."""
-    set_path(data, dotted, raw, problems, Config)

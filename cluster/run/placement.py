@@ -40,11 +40,3 @@ def wait_scheduled(pending: dict, seconds: float, what: str, message_every: floa
             print(f"qgrpo: waiting {now - t0:.0f} s for the cluster to free resources for {names} "
                   f"(giving up in {deadline - now:.0f} s, faults.schedule_timeout_s)", file=sys.stderr)
             said = now
-
-
-def assigned_threads() -> int:
-    """Threads for an actor from the CPUs Ray gave it (at least one)."""
-    import ray
-
-    cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 0.0)
-    return max(1, int(cpus))
