@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 def _reward(name: str):
     """Our reward function `name` as TRL calls one: on the last message of each completion, against its reference."""
-    from qgrpo.rollout.rewards import REWARD_FUNCTIONS
+    from qgrpo.rollout.rewards import CHECKS
 
-    fn = REWARD_FUNCTIONS[name]
+    fn = CHECKS[name]  # per completion: TRL's conversational completions are unpacked here
 
     def score(prompts, completions, reference, **_):
         return [fn(c[-1]["content"], ref) for c, ref in zip(completions, reference)]

@@ -10,7 +10,9 @@ from dataclasses import asdict, dataclass, field
 @dataclass(frozen=True)
 class PromptItem:
     """One task instance. `prompt` is the question given to the model; `reference` what the verifier checks against.
-    `history` holds earlier chat turns shown before the question (few-shot examples) as (role, content) pairs."""
+    `history` holds earlier chat turns shown before the question (a system turn, few-shot examples, a chat row's
+    earlier turns) as (role, content) pairs. `columns` are the row's columns that reward functions receive as keyword
+    arguments (one list entry per completion)."""
 
     prompt_id: str
     prompt: str
@@ -18,6 +20,9 @@ class PromptItem:
     meta: dict | None = None  # JSON-safe extras for verifiers and logs, e.g. {"split": "eval", "index": 3}
     # e.g. (("user", "Calculate 4 - 1."), ("assistant", "<answer>3</answer>"))
     history: tuple[tuple[str, str], ...] = ()
+    # JSON-safe, by column name; None = none. File tasks: every column of the row; rg: tasks: question, answer,
+    # metadata and rg_entry (what rebuilds the reasoning-gym entry in another process, see rollout/tasks.RGTask)
+    columns: dict | None = None
 
 
 @dataclass(frozen=True)

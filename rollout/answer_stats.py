@@ -23,7 +23,8 @@ from collections import Counter
 from typing import Any, Sequence
 
 from qgrpo.core.records import GroupRollout, PromptItem
-from qgrpo.rollout.rewards import ANSWER_READERS, REWARD_FUNCTIONS, answer_key, completion_with_answer
+from qgrpo.rollout.rewards import ANSWER_READERS, answer_key, completion_with_answer
+from qgrpo.rollout.rewards.scoring import score_texts
 
 MAJORITY_SAMPLE = 2_000  # train items whose references are counted for the majority answer
 BEAT_MARGIN = 0.02  # held-out accuracy <= majority baseline + 2 points: no better than the baseline
@@ -75,8 +76,8 @@ def majority_baseline(train_task, eval_items: list[PromptItem], metric: str,
         size = None
     n = sample if size is None else min(sample, size)
     train = diversity([train_task.item(i).reference for i in range(n)])
-    score, completion = REWARD_FUNCTIONS[metric], completion_with_answer(metric, train["top"] or "")
-    accuracy = sum(score(completion, it.reference) for it in eval_items) / max(len(eval_items), 1)
+    completion = completion_with_answer(metric, train["top"] or "")
+    accuracy = sum(score_texts(metric, [completion] * len(eval_items), eval_items)) / max(len(eval_items), 1)
     return {"majority_answer": train["top"], "majority_accuracy": accuracy, "majority_train_share": train["top_share"],
             "train_items": n, "train_size": size, "metric": metric, "n": len(eval_items)}
 

@@ -6,20 +6,22 @@ generator in-process for any checkpoint or model folder.
 """
 from __future__ import annotations
 
-from typing import Callable
-
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
-from qgrpo.rollout.rewards import REWARD_FUNCTIONS
+from qgrpo.rollout.rewards.scoring import score_texts
 
-ACCURACY_REWARDS = ("answer_correct", "correct", "exact")  # first one configured is the accuracy metric
+# The first of these configured is the accuracy metric (verifiers first: they know the task's answers best).
+ACCURACY_REWARDS = ("rg_score", "math_verify", "answer_correct", "correct", "exact")
 
 
-def accuracy_reward(configured: list[str]) -> str:
-    for name in ACCURACY_REWARDS:
-        if name in configured:
-            return name
-    return "correct"
+def accuracy_reward(rewards_cfg) -> str:
+    """The built-in reward that scores held-out accuracy: rewards.eval_metric, else the first of ACCURACY_REWARDS
+    configured, else lenient_correct (the answer in tags, or the last number): a run whose rewards are all the user's
+    own still gets a held-out number, read the way most answers are written."""
+    if rewards_cfg.eval_metric:
+        return rewards_cfg.eval_metric
+    configured = [s.name for s in rewards_cfg.functions]
+    return next((name for name in ACCURACY_REWARDS if name in configured), "lenient_correct")
 
 
 def eval_items(task, n: int) -> list[PromptItem]:
@@ -31,10 +33,9 @@ def greedy(max_new_tokens: int) -> SamplingParams:
 
 
 def score_eval(groups: list[GroupRollout], metric: str) -> dict:
-    fns: dict[str, Callable[[str, str], float]] = {"accuracy": REWARD_FUNCTIONS[metric]}
-    if "lenient_correct" in REWARD_FUNCTIONS:
-        fns["lenient_accuracy"] = REWARD_FUNCTIONS["lenient_correct"]
-    out = {k: sum(fn(g.completions[0].text, g.item.reference) for g in groups) / len(groups) for k, fn in fns.items()}
+    texts, items = [g.completions[0].text for g in groups], [g.item for g in groups]
+    out = {k: sum(score_texts(name, texts, items)) / len(groups)
+           for k, name in (("accuracy", metric), ("lenient_accuracy", "lenient_correct"))}
     out.update(n=len(groups), metric=metric, precision=groups[0].precision, **eval_answer_stats(groups, metric),
                samples=[{"prompt": g.item.prompt, "reference": g.item.reference, "completion": g.completions[0].text}
                         for g in groups[:3]])

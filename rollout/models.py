@@ -292,8 +292,9 @@ def build_smollm2_135m_instruct(out_dir: Path) -> None:
 
 
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
-    "tiny-digits": build_tiny_digits,
-    "smollm2-135m-instruct": build_smollm2_135m_instruct,
+    "tiny-digits": build_tiny_digits, "smollm2-135m-instruct": build_smollm2_135m_instruct,
+    # a sequence classifier on tiny-digits' tokenizer, the reward model of the tests (rollout/rewards/classifier.py)
+    "tiny-reward": lambda out: importlib.import_module("qgrpo.rollout.rewards.classifier").build_tiny_reward(out),
     # nanochat d20 (20 layers, 10 heads of 128) and d32 (32 layers, 16 heads) in miniature, for tests
     "tiny-nanochat-d20": lambda out: build_tiny_nanochat(out, layers=4, heads=2),
     "tiny-nanochat-d32": lambda out: build_tiny_nanochat(out, layers=6, heads=3),
@@ -302,8 +303,7 @@ BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
 BUILTIN_VERSIONS: dict[str, str] = {
     "tiny-digits": "v3",  # v3: 2 heads of 32 (was 4 of 16): vLLM's CPU attention needs head_dim >= 32
     "smollm2-135m-instruct": "v1",
-    "tiny-nanochat-d20": "v1",
-    "tiny-nanochat-d32": "v1",
+    "tiny-nanochat-d20": "v1", "tiny-nanochat-d32": "v1", "tiny-reward": "v1",
 }
 
 

@@ -4,21 +4,21 @@ of a run is one integer and resuming needs nothing else.
 Three kinds, chosen by `task.name`:
 - `digit_sum`: built in, for the tiny model trained from scratch (bare "3+4=" prompts, no instruction);
 - `rg:NAME`: a reasoning-gym generator (`reasoning_gym.create_dataset(NAME, size, seed, **task.params)`);
-- `jsonl` / `parquet`: a user file (rollout/datasets.py).
-The last two append `task.instruction` to each question and carry JSON-safe `meta` for verifiers.
+- `jsonl` / `parquet` / `hf_disk`: a user file or saved `datasets` folder (rollout/datasets.py), plain or chat rows.
+The last two append `task.instruction` to each question and carry JSON-safe `meta` for logs and `columns` for the
+reward functions (their keyword arguments).
 `check_task` reports every problem of a task as text before any expensive work; `make_task` raises on them.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 import random
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 from qgrpo.core.records import PromptItem
-from qgrpo.rollout.datasets import FORMATS, DatasetError, FileTask, load_splits
+from qgrpo.rollout.datasets import FORMATS, DatasetError, FileTask, json_safe, load_splits
 
 RG_PREFIX = "rg:"
 RG_SEED_STRIDE = 2**32  # run seed s uses reasoning-gym seeds s * 2**32 + [0, 2**32): runs never share entries
@@ -52,23 +52,6 @@ class DigitSum:
         )
 
 
-def _json_safe(x: Any) -> Any:
-    """reasoning-gym metadata holds tuples, sets and sometimes numpy scalars; meta must survive json.dumps."""
-    if x is None or isinstance(x, (bool, int, str)):
-        return x
-    if isinstance(x, float):
-        return x if math.isfinite(x) else str(x)
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_json_safe(v) for v in x]
-    if isinstance(x, (set, frozenset)):
-        return sorted((_json_safe(v) for v in x), key=repr)
-    if hasattr(x, "item") and callable(x.item):  # numpy scalar
-        return _json_safe(x.item())
-    return str(x)
-
-
 class RGTask:
     """A reasoning-gym generator. reasoning-gym draws entry `j` of a dataset seeded S with `Random(S + j)`: datasets
     seeded 0 and 1 are the same stream shifted by one. Hence run seed `s` maps to S = s * RG_SEED_STRIDE (runs with
@@ -80,6 +63,10 @@ class RGTask:
     - Easy settings have few distinct questions (2-term 1-digit basic_arithmetic has about 3,000, and 91 of 100 eval
       questions also occur among 10,000 train entries), so the train split skips any entry whose question is in the
       eval split, taking the next entry of the pool instead: train never shows an eval question.
+
+    An item's `columns` (the reward functions' keyword arguments) hold the entry's question, answer and metadata, and
+    `rg_entry` = {task, params, seed, index, size}: `reasoning_gym.create_dataset(task, size=size, seed=seed,
+    **params)[index]` rebuilds the entry in another process, for its dataset's `score_answer`.
     """
 
     def __init__(self, task_cfg, seed: int, split: str = "train"):
@@ -90,6 +77,7 @@ class RGTask:
         self.name, self.split, self.instruction = task_cfg.name, split, task_cfg.instruction
         self.size, self.eval_size = task_cfg.size, task_cfg.eval_size
         rg_name, params = task_cfg.name[len(RG_PREFIX):], dict(task_cfg.params)
+        self._rg_name, self._params = rg_name, json_safe(params)
         base = seed * RG_SEED_STRIDE
         self._eval = reasoning_gym.create_dataset(rg_name, size=max(self.eval_size, 1),
                                                   seed=base + task_cfg.eval_seed_offset, **params)
@@ -129,7 +117,11 @@ class RGTask:
             prompt_id=f"{self.name}-{self.split}-{index}",
             prompt=f"{e['question']}\n{self.instruction}" if self.instruction else e["question"],
             reference=str(e["answer"]),
-            meta={"split": self.split, "task": self.name, "rg_seed": self._ds.seed, "index": j, "entry": _json_safe(e)},
+            meta={"split": self.split, "task": self.name, "rg_seed": self._ds.seed, "index": j, "entry": json_safe(e)},
+            columns={"question": e["question"], "answer": json_safe(e["answer"]),
+                     "metadata": json_safe(e.get("metadata", {})),
+                     "rg_entry": {"task": self._rg_name, "params": self._params, "seed": self._ds.seed, "index": j,
+                                  "size": self._ds.size}},
         )
 
     def score_answer(self, answer: str | None, item: PromptItem) -> float:
@@ -157,24 +149,33 @@ TASKS: dict[str, Callable[..., Task]] = {
     ),
     "jsonl": _file_task,
     "parquet": _file_task,
+    "hf_disk": _file_task,
 }
 
 
 class WithHistory:
     """A task whose items carry earlier chat turns: `task.system_prompt` as a system turn, then the worked examples of
-    `task.examples` as user/assistant pairs (few-shot prompting). Each example question gets `task.instruction`
-    appended exactly as the real questions do (digit_sum has none)."""
+    `task.examples` as user/assistant pairs (few-shot prompting), then the item's own earlier turns (a chat row's).
+    An item with a system turn of its own (a chat row's, or task.system_column's) keeps it instead of
+    `task.system_prompt`. Each example question gets `task.instruction` appended exactly as the real questions do
+    (digit_sum has none)."""
 
     def __init__(self, task: Task, system_prompt: str, examples, instruction: str):
         self.task, self.name = task, task.name
-        turns = [("system", system_prompt)] if system_prompt else []
+        self.system = (("system", system_prompt),) if system_prompt else ()
+        shots = []
         for ex in examples:
             q = f"{ex.question}\n{instruction}" if instruction and task.name != "digit_sum" else ex.question
-            turns += [("user", q), ("assistant", ex.completion)]
-        self.history = tuple(turns)
+            shots += [("user", q), ("assistant", ex.completion)]
+        self.shots = tuple(shots)
+        self.history = self.system + self.shots  # the turns every item gets (unless it has its own system turn)
 
     def item(self, index: int) -> PromptItem:
-        return dataclasses.replace(self.task.item(index), history=self.history)
+        it = self.task.item(index)
+        own = it.history
+        if own and own[0][0] == "system":
+            return dataclasses.replace(it, history=own[:1] + self.shots + own[1:])
+        return dataclasses.replace(it, history=self.system + self.shots + own)
 
     def __len__(self) -> int:
         return len(self.task)
@@ -225,7 +226,7 @@ def check_task(task_cfg, seed: int) -> list[str]:
     first items of both splits, so call it before starting Ray or loading models."""
     name = task_cfg.name
     if name in FORMATS:
-        return load_splits(task_cfg)[2]
+        return load_splits(task_cfg)[2] or example_leaks(task_cfg, seed)
     if name.startswith(RG_PREFIX):
         problems = rg_config_problems(task_cfg)
         if problems:

@@ -74,7 +74,8 @@ def test_gpu_presets_pass_qgrpo_check(preset, gpus):
     proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", f"configs/{preset}", "--gpus", gpus],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert f"GPU plan on --gpus {gpus}:" in proc.stderr
+    assert f"  GPU plan:  on --gpus {gpus}:\n    node 0 GPU 0: " in proc.stderr
+    assert proc.stderr.endswith("qgrpo check: OK: train would start\n")
 
 
 def test_check_refuses_an_oversubscribed_gpu_plan():
@@ -86,11 +87,16 @@ def test_check_refuses_an_oversubscribed_gpu_plan():
     assert "Traceback" not in proc.stderr
 
 
-def test_check_without_gpus_here_says_it_did_not_check():
-    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml"],
+def test_check_without_gpus_here_refuses_as_train_would_and_points_at_gpus():
+    """Without --gpus, check checks this machine, as train would run on it: a GPU config on a machine without a GPU
+    is refused (CPUs made to fit here, so that the GPU plan is the one problem), naming --gpus for another machine."""
+    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml", "--set",
+                           "rollout.num_cpus=0", "--set", "learner.num_cpus=0", "--set", "reference.num_cpus=0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0 and "GPU plan not checked: this machine has no GPU" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert "(node 0: 0 GPUs)" in proc.stderr and "this machine has no GPU: `qgrpo check CONFIG --gpus N`" in proc.stderr
+    assert proc.stderr.endswith("qgrpo check: REFUSED: 1 problem\n")
 
 
 def test_the_one_gpu_preset_shares_its_gpu_within_vllms_memory_share():

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from qgrpo.cluster.config.preflight import TRAIN_SAMPLE, model_context, preflight, sample_items
+from qgrpo.cluster.config.preflight import TRAIN_SAMPLE, length_hints, model_context, preflight, sample_items
 from qgrpo.cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,3 +205,43 @@ def test_ray_cpus_may_share_cores_twice_over(tiny_model_path, tmp_path):
     assert preflight(no_kl, tiny_model_path, 2) == []
     kl = tiny_cfg(tiny_model_path, tmp_path, "reference.num_cpus=8")
     assert "10 CPUs" in only(preflight(kl, tiny_model_path, 2), "reference.num_cpus")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Hints: rollout.max_new_tokens against what task.instruction asks for
+
+
+def _file_cfg(tiny_model_path, tmp_path, *overrides):
+    path = tmp_path / "data.jsonl"
+    rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i)} for i in range(60)]  # train answers 0..108
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tiny_cfg(tiny_model_path, tmp_path, "task.name='jsonl'", f"task.path='{path}'", "task.eval_size=5",
+                    *overrides)
+
+
+def test_length_hint_names_the_field_and_a_value(tiny_model_path, tmp_path):
+    ask = "task.instruction='Give the final answer inside <answer></answer>.'"
+    # the character tokenizer: '<answer>100</answer>' (the first longest answer) is 20 tokens, 21 with the end token
+    (hint,) = length_hints(_file_cfg(tiny_model_path, tmp_path, ask, "rollout.max_new_tokens=8"), tiny_model_path)
+    assert hint.startswith("rollout.max_new_tokens: 8 new tokens are fewer than task.instruction asks for")
+    assert "'<answer>100</answer>' alone takes 21 tokens" in hint
+    assert hint.endswith("set rollout.max_new_tokens = 24 or more")
+    assert length_hints(_file_cfg(tiny_model_path, tmp_path, ask, "rollout.max_new_tokens=21"), tiny_model_path) == []
+    assert length_hints(_file_cfg(tiny_model_path, tmp_path, ask, "rollout.max_new_tokens=20"), tiny_model_path)
+
+
+def test_length_hint_counts_thinking_and_worked_examples(tiny_model_path, tmp_path):
+    think = "task.instruction='Think briefly, then give only the final answer inside <answer></answer>.'"
+    (hint,) = length_hints(_file_cfg(tiny_model_path, tmp_path, think, "rollout.max_new_tokens=24"), tiny_model_path)
+    assert "asks the model to think first" in hint and hint.endswith("= 56 or more")  # 21 + 32, rounded up to 8s
+    example = "task.examples=[{question='1+1=', completion='1 + 1 = 2 so the answer is <answer>2</answer>'}]"
+    (hint,) = length_hints(_file_cfg(tiny_model_path, tmp_path, "task.instruction='Answer in <answer></answer>.'",
+                                     example, "rollout.max_new_tokens=24"), tiny_model_path)
+    assert "the worked example's completion" in hint and "takes 46 tokens" in hint and hint.endswith("= 48 or more")
+
+
+def test_no_length_hint_without_tags_or_for_digit_sum(tiny_model_path, tmp_path):
+    assert length_hints(_file_cfg(tiny_model_path, tmp_path, "task.instruction='Answer briefly.'",
+                                  "rollout.max_new_tokens=1"), tiny_model_path) == []
+    digits = tiny_cfg(tiny_model_path, tmp_path, "task.instruction='Answer in <answer></answer>.'")
+    assert length_hints(digits, tiny_model_path) == []  # digit_sum shows no instruction

@@ -17,12 +17,12 @@ from qgrpo.rollout.rewards import (
 from qgrpo.rollout.tasks import RG_SEED_STRIDE, PromptSampler, check_task, make_task
 
 EASY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
-INSTRUCTION = TaskConfig().instruction
+INSTRUCTION = "Think briefly, then give only the final answer inside <answer></answer>."
 
 
 def rg_cfg(**kw) -> TaskConfig:
     return TaskConfig(**{"name": "rg:basic_arithmetic", "params": dict(EASY), "size": 2000, "eval_size": 50,
-                         "eval_seed_offset": 1_000_000, **kw})
+                         "eval_seed_offset": 1_000_000, "instruction": INSTRUCTION, **kw})
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +124,7 @@ def test_system_prompt_and_examples_become_chat_turns_before_every_question(tmp_
     f = tmp_path / "ex.toml"
     f.write_text('[model]\npath = "builtin:tiny-digits"\n[task]\nname = "rg:basic_arithmetic"\neval_size = 20\n'
                  "params = { min_terms = 2, max_terms = 2, min_digits = 1, max_digits = 1 }\n"
+                 f'instruction = "{INSTRUCTION}"\n'
                  'examples = [{ question = "Calculate 3 - 8.", completion = "3 - 8 = -5\\n<answer>-5</answer>" }]\n')
     cfg = load_config(f)
     assert check_task(cfg.task, 0) == []
@@ -186,7 +187,7 @@ def write_jsonl(path, lines):
 
 
 def file_cfg(path, **kw) -> TaskConfig:
-    return TaskConfig(**{"name": "jsonl", "path": path, "eval_size": 2, **kw})
+    return TaskConfig(**{"name": "jsonl", "path": path, "eval_size": 2, "instruction": INSTRUCTION, **kw})
 
 
 def test_jsonl_dataset_and_holdout(tmp_path):
@@ -217,7 +218,8 @@ def test_parquet_dataset(tmp_path):
 
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"question": [f"q{i}" for i in range(4)], "solution": [1.5, 2.0, 3.0, 4.0]}), path)
-    cfg = TaskConfig(name="parquet", path=str(path), prompt_column="question", answer_column="solution", eval_size=1)
+    cfg = TaskConfig(name="parquet", path=str(path), prompt_column="question", answer_column="solution", eval_size=1,
+                     instruction=INSTRUCTION)
     assert check_task(cfg, 0) == []
     train, held = make_task(cfg, 0), make_task(cfg, 0, "eval")
     assert [train.item(i).reference for i in range(3)] == ["1.5", "2.0", "3.0"]

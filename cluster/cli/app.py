@@ -48,11 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     k = sub.add_parser("scale", help="change the number of rollout actors of a running job at its next step")
     k.add_argument("run_dir")
     k.add_argument("--rollout-actors", type=int, required=True, metavar="N")
-    c = sub.add_parser("check", help="validate a config and print the effective one")
+    c = sub.add_parser("check", help="run every check `train` runs before Ray starts; a verdict at the end")
     c.add_argument("config")
-    c.add_argument("--gpus", metavar="N[,N...]", help="check the GPU plan against nodes of these GPU counts, e.g. 1, "
-                   "8 or 4,1,1 (default: this machine's GPUs; not checked on a machine without one)")
+    c.add_argument("--gpus", metavar="N[,N...]", help="check the GPU plan for nodes of these GPU counts, e.g. 1, 8 or "
+                   "4,1,1, instead of this machine (whose CPUs are then not checked either)")
+    c.add_argument("--ray-address", default=None, help="the cluster train would join (default RAY_ADDRESS): its CPUs "
+                   "and GPUs are checked by train once connected")
     c.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    c.add_argument("--show-config", action="store_true", help="print the effective config (TOML, on stdout)")
     e = sub.add_parser("eval", help="held-out accuracy of a checkpoint or model folder (greedy)")
     e.add_argument("model", help="a checkpoint (runs/NAME/checkpoints/step_N, or its URI) or any local HF model "
                    "folder")

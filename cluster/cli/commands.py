@@ -3,59 +3,56 @@ takes the parsed arguments and returns the exit status; the heavy imports happen
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
-from qgrpo.cluster.cli.train import EXIT_CONFIG, Refused, checked_config
+from qgrpo.cluster.cli.train import EXIT_CONFIG, Progress, Refused, before_ray
 from qgrpo.cluster.config.schema import ConfigError, load_config
 from qgrpo.core import storage
 
 
+class CheckReport(Progress):
+    """`qgrpo check`'s lines: each check that passed and what it found, on stderr like train's messages; the
+    effective config on stdout with --show-config."""
+
+    def __init__(self, show_config: bool):
+        self.show_config = show_config
+
+    def loaded(self, cfg) -> None:
+        if self.show_config:
+            from qgrpo.cluster.config.tomlio import to_toml
+
+            print(to_toml(cfg))
+
+    def passed(self, what: str, found: str) -> None:
+        print(f"  {what + ':':<10} {found}", file=sys.stderr)
+
+
 def check_command(args) -> int:
-    """`qgrpo check`: the config as `qgrpo train` would check it (without the model), printed in full, then the GPU
-    plan."""
-    from qgrpo.cluster.config.tomlio import to_toml
-
-    try:
-        cfg = checked_config(args)
-    except Refused as e:
-        print(f"qgrpo: {e}", file=sys.stderr)
-        return EXIT_CONFIG
-    print(to_toml(cfg))
-    return _check_gpu_plan(cfg, args.gpus)
-
-
-def _check_gpu_plan(cfg, gpus: str | None) -> int:
-    """`qgrpo check`: where every GPU-asking actor would sit, on nodes of `gpus` GPUs (else this machine's); exit 2
-    naming the roles and the GPUs when they cannot all be placed at once."""
-    from qgrpo.cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
-    from qgrpo.core.devices import visible_gpu_count
-
-    requests = role_requests(cfg)
-    if not any(r.gpus for r in requests):
-        return 0
-    if gpus:
+    """`qgrpo check`: every check `qgrpo train` runs before Ray starts (the same function, `before_ray`), one line per
+    check that passed, then one verdict line: exit 0 when train would start, 2 (after the problems) when it would
+    refuse. `--gpus` checks the GPU plan for nodes of those GPU counts instead of this machine."""
+    gpus = None
+    if args.gpus:
         try:
-            counts = [int(x) for x in gpus.split(",")]
-            if any(c < 0 for c in counts):
+            gpus = [int(x) for x in args.gpus.split(",")]
+            if any(c < 0 for c in gpus):
                 raise ValueError
         except ValueError:
-            print(f"qgrpo check: --gpus {gpus}: expected GPU counts per node, e.g. --gpus 1 or --gpus 4,1,1",
+            print(f"qgrpo check: --gpus {args.gpus}: expected GPU counts per node, e.g. --gpus 1 or --gpus 4,1,1",
                   file=sys.stderr)
             return EXIT_CONFIG
-        where = f"--gpus {gpus}"
-    else:
-        n = visible_gpu_count()
-        if not n:
-            print("qgrpo check: GPU plan not checked: this machine has no GPU; `--gpus N` checks it against a node of "
-                  "N GPUs (`--gpus 4,1,1`: several nodes)", file=sys.stderr)
-            return 0
-        counts, where = [n], f"this machine's {n} GPU{'s' * (n != 1)}"
-    lines, problems = gpu_plan(requests, nodes_from_counts(counts))
-    if problems:
-        print(f"qgrpo: {ConfigError(problems)}", file=sys.stderr)
+    address = args.ray_address or os.environ.get("RAY_ADDRESS")
+    print(f"qgrpo check: {args.config}" + (f" on --gpus {args.gpus}" if gpus else f" for the cluster at {address}"
+                                          if address else " on this machine"), file=sys.stderr)
+    try:
+        before_ray(args, address=address, gpus=gpus, progress=CheckReport(args.show_config))
+    except Refused as e:
+        print(f"qgrpo: {e}", file=sys.stderr)
+        print(f"qgrpo check: REFUSED: {e.count} problem{'s' * (e.count != 1)}", file=sys.stderr)
         return EXIT_CONFIG
-    print(f"qgrpo check: GPU plan on {where}:\n" + "\n".join(f"  {line}" for line in lines), file=sys.stderr)
+    print("qgrpo check: OK: train would start", file=sys.stderr)
     return 0
 
 
@@ -101,7 +98,7 @@ def eval_command(args) -> int:
 
     with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
         res = evaluate_model(path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
-                             cfg.rollout.max_new_tokens, accuracy_reward([f.name for f in cfg.rewards.functions]),
+                             cfg.rollout.max_new_tokens, accuracy_reward(cfg.rewards),
                              precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
                              backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout),
                              train_task=make_task(cfg.task, cfg.run.seed))

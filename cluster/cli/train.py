@@ -2,7 +2,8 @@
 
 Everything up to `_start_ray` is cheap and leaves nothing behind, so a config that cannot run exits with status 2
 before Ray starts, any model is touched, or any directory is created. Each step says why it refuses by raising
-`Refused`; `train_command` prints it as one `qgrpo: ...` message.
+`Refused`; `train_command` prints it as one `qgrpo: ...` message. `before_ray` runs every one of these checks; `qgrpo
+check` runs the same function, so that check cannot pass what train refuses.
 """
 from __future__ import annotations
 
@@ -20,7 +21,27 @@ EXIT_FAILED = 1  # the run started and failed
 
 
 class Refused(Exception):
-    """Why the job is not started; printed after `qgrpo: `, exit status EXIT_CONFIG."""
+    """Why the job is not started; printed after `qgrpo: `, exit status EXIT_CONFIG. `count`: the problems it lists."""
+
+    def __init__(self, message: str, count: int = 1):
+        super().__init__(message)
+        self.count = count
+
+
+def _refuse(problems: list[str]) -> None:
+    if problems:
+        raise Refused(str(ConfigError(problems)), len(problems))
+
+
+class Progress:
+    """What the checks found, told as each passes: `qgrpo train` keeps quiet until Ray starts (this class), `qgrpo
+    check` prints a line each (commands.CheckReport). Hints are printed by `before_ray` itself, for both."""
+
+    def loaded(self, cfg) -> None:
+        """The effective config, once it is valid."""
+
+    def passed(self, what: str, found: str) -> None:
+        """A check passed: its name, and what it found, in a few words."""
 
 
 def resume_point(args):
@@ -57,12 +78,57 @@ def _load(args, resume):
                 print(f"qgrpo: {config_path} is an MLX-GRPO config, read as ours (`qgrpo migrate` writes the "
                       "result as a file):\n" + "\n".join(f"  {line}" for line in notes), file=sys.stderr)
     except ConfigError as e:
-        raise Refused(str(e)) from None
+        raise Refused(str(e), len(e.problems)) from None
 
 
-def checked_config(args, resume=None):
+def before_ray(args, resume=None, address: str | None = None, gpus: list[int] | None = None,
+               progress: Progress | None = None):
+    """(config, local model folder) after every check `qgrpo train` runs before Ray starts; raises Refused listing
+    every problem of the first stage that has any (config; dataset and rewards; model and machine). `address`: a
+    cluster, whose CPUs and GPUs are checked once connected; `gpus` (`qgrpo check --gpus`): the GPU counts of the nodes
+    of another machine, whose GPU plan is checked instead of this one's, and whose CPUs are not known."""
+    progress = progress or Progress()
+    cfg = checked_config(args, resume, progress)
+    return cfg, _preflight(cfg, resume, address, gpus, progress)
+
+
+def _reward_checks(cfg) -> list[str]:
+    """The rewards' problems found before the model is touched (a function that cannot be imported, a wrong
+    signature, a reward model folder that is not a classifier), one line each; [] when they can run. A user's reward
+    file is imported here, in this process, as the reward workers will import it."""
+    from qgrpo.cluster.config.preflight import reward_model_problems
+    from qgrpo.rollout.rewards.scoring import reward_problems
+    from qgrpo.rollout.tasks import make_task
+
+    try:  # the keywords a call passes besides the convention's: the first train row's columns
+        columns = set(make_task(cfg.task, cfg.run.seed).item(0).columns or {})
+    except Exception:  # the task's own problems are reported by check_task
+        columns = None
+    return reward_problems(cfg.rewards, columns) + reward_model_problems(cfg)
+
+
+def _dataset_found(cfg) -> str:
+    """The prompts of each split, counted as the run draws them."""
+    from qgrpo.rollout.tasks import make_task
+
+    def size(split: str) -> str:
+        try:
+            return f"{len(make_task(cfg.task, cfg.run.seed, split))} prompts"
+        except TypeError:  # generated without end (digit_sum)
+            return f"{cfg.task.eval_size} prompts (generated)" if split == "eval" else "generated without end"
+
+    where = "".join(f", {key} {value}" for key, value in (("path", cfg.task.path), ("eval_path", cfg.task.eval_path))
+                    if value)
+    held = size("eval") if cfg.task.eval_size else "none (task.eval_size = 0)"
+    return f"{cfg.task.name}{where}: train {size('train')}, held-out {held}"
+
+
+def checked_config(args, resume=None, progress: Progress | None = None):
     """The config of `qgrpo train` and `qgrpo check`, with the checks that need no model and no Ray."""
+    progress = progress or Progress()
     cfg = _load(args, resume)
+    progress.loaded(cfg)
+    progress.passed("config", f"valid: {cfg.run.steps} steps of {cfg.task.name} on {cfg.model.path}")
     from qgrpo.rollout.tasks import check_task
 
     problems = check_task(cfg.task, cfg.run.seed)  # reads user datasets fully: malformed rows fail here, not mid-run
@@ -74,21 +140,48 @@ def checked_config(args, resume=None):
                         f"copy in Ray's package cache ({Path.cwd()}): the submitter would not find the run there and "
                         "Ray may delete it; give an absolute path on storage every node shares (or a URI), or submit "
                         "with `qgrpo submit`, which makes it absolute")
-    if problems:
-        raise Refused(str(ConfigError(problems)))
+    if not problems:
+        progress.passed("dataset", _dataset_found(cfg))
+    reward_problems = _reward_checks(cfg)
+    if not reward_problems:
+        from qgrpo.rollout.rewards.scoring import entry_label
+
+        progress.passed("rewards", " + ".join(f"{s.weight:g} x {entry_label(s)}" for s in cfg.rewards.functions)
+                        + ("; functions import, signatures fit the columns" if any(
+                            s.function for s in cfg.rewards.functions) else ""))
+    _refuse(problems + reward_problems)
     return cfg
 
 
-def _preflight(cfg, resume, address: str | None) -> str:
+def _model_path(cfg, progress: Progress) -> str:
+    """The local model folder of model.path; a builtin model is built on first use (into the cache train uses)."""
+    from qgrpo.rollout.models import BUILTIN_PREFIX, builtin_cache_dir, resolve_model_path
+
+    path = cfg.model.path
+    if path.startswith(BUILTIN_PREFIX):
+        folder = builtin_cache_dir(path[len(BUILTIN_PREFIX):], cfg.model.cache_dir)
+        if not (folder / "config.json").is_file():
+            print(f"qgrpo: building {path} into {folder} (first use only; later runs reuse it)", file=sys.stderr)
+    try:
+        model_path = resolve_model_path(path, cfg.model.cache_dir)
+    except (RuntimeError, OSError, ValueError) as e:
+        raise Refused(f"model.path: {path!r} could not be made a local model folder ({type(e).__name__}: {e})") \
+            from None
+    progress.passed("model", path if model_path == path else f"{path} -> {model_path}")
+    return model_path
+
+
+def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
+               progress: Progress | None = None) -> str:
     """The model folder, once what would hang or train on garbage is ruled out (before Ray starts or anything is
-    written)."""
+    written). Hints (what would run but likely waste the run) are printed here, by train and check alike."""
     from qgrpo.actors.common import quiet_libraries
 
+    progress = progress or Progress()
     quiet_libraries()
-    from qgrpo.cluster.config.preflight import preflight
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.cluster.config.preflight import length_hints, preflight
 
-    model_path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
+    model_path = _model_path(cfg, progress)
     if resume is not None:
         from qgrpo.cluster.rundir.checkpoint import check_same_model
 
@@ -96,16 +189,45 @@ def _preflight(cfg, resume, address: str | None) -> str:
             check_same_model(resume, model_path)
         except ValueError as e:
             raise Refused(f"--resume: {e}") from None
-    problems = preflight(cfg, model_path, None if address else os.cpu_count() or 1, resuming=resume is not None)
-    if not address:  # this machine: its GPUs must hold every role that asks for one, all at once
-        from qgrpo.cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
+    here = address is None and gpus is None  # this machine's CPUs; a cluster's are known once connected
+    cpus = (os.cpu_count() or 1) if here else None
+    problems = preflight(cfg, model_path, cpus, resuming=resume is not None)
+    for hint in length_hints(cfg, model_path):
+        print(f"qgrpo: hint: {hint}", file=sys.stderr)
+    if not problems:
+        cpu_words = (f"actors fit the {cpus} CPUs here" if here else "CPUs not checked ("
+                     + ("by train once connected)" if gpus is None else "--gpus: another machine)"))
+        progress.passed("preflight", ("output folder writable; " if resume is None else "")
+                        + f"prompts fit the context and tokenizer; {cpu_words}")
+    found, plan_problems = _gpu_plan(cfg, address, gpus)
+    if not plan_problems:
+        progress.passed("GPU plan", found)
+    _refuse(problems + plan_problems)
+    return model_path
+
+
+def _gpu_plan(cfg, address: str | None, gpus: list[int] | None) -> tuple[str, list[str]]:
+    """(the plan in words, its problems): every role that asks for a GPU placed at once, on this machine's GPUs, or on
+    nodes of `gpus` GPUs; a cluster's plan is made once connected (`_check_cluster`)."""
+    from qgrpo.cluster.config.plan import gpu_plan, nodes_from_counts, role_requests
+
+    requests = role_requests(cfg)
+    if not any(r.gpus for r in requests):
+        return "no role asks for a GPU", []
+    if gpus is None and address:
+        return "checked once connected to the cluster", []
+    if gpus is None:
         from qgrpo.core.devices import visible_gpu_count
 
-        if any(r.gpus for r in role_requests(cfg)):
-            problems += gpu_plan(role_requests(cfg), nodes_from_counts([visible_gpu_count()]))[1]
-    if problems:
-        raise Refused(str(ConfigError(problems)))
-    return model_path
+        counts = [visible_gpu_count()]
+        where = f"this machine's {counts[0]} GPU{'s' * (counts[0] != 1)}"
+    else:
+        counts, where = gpus, f"--gpus {','.join(map(str, gpus))}"
+    lines, problems = gpu_plan(requests, nodes_from_counts(counts))
+    if problems and counts == [0] and gpus is None:
+        problems[-1] += ("; this machine has no GPU: `qgrpo check CONFIG --gpus N` checks the config for a node of N "
+                         "GPUs (`--gpus 4,1,1`: several nodes)")
+    return f"on {where}:" + "".join(f"\n    {line}" for line in lines), problems
 
 
 def _start_ray(cfg, address: str | None) -> bool:
@@ -140,9 +262,7 @@ def _check_cluster(cfg, address: str | None, started: bool) -> None:
 
     problems = infeasible(role_requests(cfg), ray.nodes()) + (
         cpu_problems(cfg, int(ray.cluster_resources().get("CPU", 0))) if address else [])
-    problems = problems or gpu_plan(role_requests(cfg), nodes_from_ray(ray.nodes()))[1]
-    if problems:
-        raise Refused(str(ConfigError(problems)))
+    _refuse(problems or gpu_plan(role_requests(cfg), nodes_from_ray(ray.nodes()))[1])
 
 
 def _open_run_dir(cfg, resume) -> storage.RunDir:
@@ -173,10 +293,8 @@ def _open_run_dir(cfg, resume) -> storage.RunDir:
 def train_command(args) -> int:
     try:
         resume = resume_point(args)
-        cfg = checked_config(args, resume)
-        # Valid config: from here on work is expensive.
         address = args.ray_address or os.environ.get("RAY_ADDRESS")
-        model_path = _preflight(cfg, resume, address)
+        cfg, model_path = before_ray(args, resume, address)
     except Refused as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -73,6 +73,8 @@ def role_requests(cfg) -> list[RoleRequest]:
     if cfg.reference_actor:  # the reference actor exists only with a KL term (and not when the learner scores it)
         out.append(req("reference", 1, ref))
     out.append(req("learner", le.world_size, le, le.placement_strategy))
+    if cfg.reward_model.path:
+        out.append(req("reward_model", cfg.reward_model.num_actors, cfg.reward_model))
     return out
 
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -85,13 +86,39 @@ def environment_problems(cfg: Config) -> list[str]:
     if t.name.startswith(RG_PREFIX):
         p += rg_config_problems(t)  # imports reasoning-gym: the generator must exist and accept task.params
     if t.name in FORMATS:  # only existence here; rollout.tasks.check_task reads the rows
-        p += [f"task.{key}: file {value!r} does not exist" for key, value in (("path", t.path),
-                                                                              ("eval_path", t.eval_path))
-              if value and not Path(value).expanduser().is_file()]
+        from qgrpo.rollout.datasets import path_problem
+
+        p += [q for key, value in (("path", t.path), ("eval_path", t.eval_path)) if value
+              for q in [path_problem(value, t.name, f"task.{key}")] if q]
     p += REGISTRY[cfg.rollout.backend].unavailable("rollout.backend")
     p += REGISTRY[cfg.reference.backend].unavailable("reference.backend")
     return p
 
+
+def reward_model_problems(cfg: Config) -> list[str]:
+    """reward_model.path names, on this machine, a sequence classifier with one label (rollout/rewards/classifier.py:
+    config.json only, no weights loaded): a local folder, a Hub id in the local Hugging Face cache, or a builtin
+    reward model (checked once built; its name is a config rule). [] when no reward model is set."""
+    from qgrpo.rollout.models import BUILTIN_PREFIX, HUB_ID, builtin_cache_dir, hub_cache_folder
+    from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS, classifier_problems
+
+    path = cfg.reward_model.path
+    if not path:
+        return []
+    if path.startswith(BUILTIN_PREFIX):
+        name = path[len(BUILTIN_PREFIX):]
+        if name not in CLASSIFIER_BUILTINS:
+            return []  # the config rule names it
+        folder = builtin_cache_dir(name, cfg.model.cache_dir)
+        return classifier_problems(str(folder)) if (folder / "config.json").is_file() else []
+    folder = hub_cache_folder(path) or Path(path).expanduser()
+    if not folder.is_dir():
+        hub = (f"; nor is {path!r} a Hub model in the local Hugging Face cache ({hub_cache()}): fetch it first with "
+               f"`hf download {path}` (nothing is downloaded during a run)") if HUB_ID.match(path) else ""
+        return [f"reward_model.path: folder {path!r} does not exist; put the reward model there (config.json, "
+                "*.safetensors and tokenizer files of a sequence classifier with one label) or point "
+                "reward_model.path at it" + hub]
+    return classifier_problems(str(folder))
 
 def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = False) -> list[str]:
     """Every problem found, one line each; [] when the run may start. `model_path` is the resolved local model folder;
@@ -272,6 +299,54 @@ def _unknown_token_problems(cfg: Config, model_path: str, tok: Any,
             f"unknown token {tok.unk_token!r} of the tokenizer of model.path={cfg.model.path!r} ({model_path}); "
             f"{unknown / total:.0%} of their tokens are unknown, {where}; "
             "choose a task this tokenizer can write, or a model whose tokenizer covers it"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Hints: what runs, but likely wastes the run (printed by train and check, not refused)
+
+ANSWER_TAGS = re.compile(r"<(\w+)>\s*</\1>")  # "<answer></answer>" in task.instruction: the format it asks for
+THINKING = re.compile(r"\b(think|reason|step[- ]by[- ]step|explain|show (your|the) work)", re.IGNORECASE)
+THINKING_TOKENS = 32  # a sentence or two of reasoning, when the instruction asks for it before the answer
+HINT_SAMPLE = 64  # train prompts whose references are measured
+
+
+def length_hints(cfg: Config, model_path: str) -> list[str]:
+    """rollout.max_new_tokens against what task.instruction asks for: the answer inside its tags, as long as the
+    longest sampled reference or worked example makes it, plus THINKING_TOKENS when it asks the model to think first.
+    A completion cut at the limit never closes its tag, so every reward on the tag scores it 0 whatever it learns."""
+    t, n = cfg.task, cfg.rollout.max_new_tokens
+    tags = ANSWER_TAGS.search(t.instruction)
+    if tags is None or t.name == "digit_sum":  # digit_sum shows no instruction
+        return []
+    try:
+        from transformers import AutoTokenizer
+
+        from qgrpo.rollout.tasks import make_task
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+        task = make_task(cfg.task, cfg.run.seed)
+        items = [task.item(i) for i in range(min(HINT_SAMPLE, _length(task) or HINT_SAMPLE))]
+    except Exception:  # prompt_problems names the cause
+        return []
+
+    def tokens(text: str) -> int:
+        return len(tok(text, add_special_tokens=False)["input_ids"]) + 1  # + the end-of-sequence token
+
+    tag = tags.group(1)
+    answer = max((f"<{tag}>{it.reference}</{tag}>" for it in items), key=tokens, default=f"<{tag}></{tag}>")
+    need, why = tokens(answer), f"{_quote(answer)} alone takes {tokens(answer)} tokens with the end token"
+    example = max((ex.completion for ex in t.examples), key=tokens, default="")
+    if example and tokens(example) > need:
+        need = tokens(example)
+        why = f"the worked example's completion {_quote(example)} takes {need} tokens"
+    if THINKING.search(t.instruction):
+        need += THINKING_TOKENS
+        why += f", and task.instruction asks the model to think first (~{THINKING_TOKENS} more)"
+    if n >= need:
+        return []
+    return [f"rollout.max_new_tokens: {n} new tokens are fewer than task.instruction asks for (the answer inside "
+            f"<{tag}></{tag}>): {why}; a completion cut at the limit never closes the tag and scores 0 on it; set "
+            f"rollout.max_new_tokens = {-(-need // 8) * 8} or more"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

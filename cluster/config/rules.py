@@ -81,14 +81,18 @@ def _save_on_sync(cfg: Config) -> list[str]:
 @rule("model.path")
 def _model_path(cfg: Config) -> list[str]:
     from qgrpo.rollout.models import BUILTIN_MODELS
+    from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS
 
-    path = cfg.model.path
+    path, policies = cfg.model.path, sorted(set(BUILTIN_MODELS) - set(CLASSIFIER_BUILTINS))
     if not path:
         return ["model.path: missing; set a local HF model folder or a builtin model: "
-                + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)]
+                + ", ".join(BUILTIN_PREFIX + n for n in policies)]
     name = path[len(BUILTIN_PREFIX):]
+    if path.startswith(BUILTIN_PREFIX) and name in CLASSIFIER_BUILTINS:
+        return [f"model.path: builtin:{name} is a reward model (a sequence classifier), not a policy; set it as "
+                f"reward_model.path and choose a policy: {', '.join(policies)}"]
     if path.startswith(BUILTIN_PREFIX) and name not in BUILTIN_MODELS:
-        return [f"model.path: unknown builtin model {name!r}; choose one of {', '.join(sorted(BUILTIN_MODELS))}"]
+        return [f"model.path: unknown builtin model {name!r}; choose one of {', '.join(policies)}"]
     return []  # a folder: whether it exists here is an environment check
 
 
@@ -137,21 +141,71 @@ def _rg_eval_split(cfg: Config) -> list[str]:
             f"copies of train entries; e.g. set task.eval_seed_offset={max(t.size, 1_000_000)}"]
 
 
-@rule("task.name", "task.path", "task.eval_path", "task.prompt_column", "task.answer_column")
+@rule("task.name", "task.path", "task.eval_path", "task.prompt_column", "task.answer_column", "task.system_column")
 def _file_task(cfg: Config) -> list[str]:
     from qgrpo.rollout.datasets import FORMATS
 
     t = cfg.task
+    kinds = ", ".join(FORMATS[:-1]) + f" and {FORMATS[-1]}"
     if t.name not in FORMATS:
-        return [] if not (t.path or t.eval_path) else [
-            f"task.path/eval_path: only read by the jsonl and parquet tasks, not {t.name!r}; remove them or set "
-            "task.name='jsonl' or 'parquet'"]
-    out = [] if t.path else [f"task.path: missing; set the {t.name} file with {t.prompt_column!r} and "
+        return [f"task.{key}: only read by the {kinds} tasks, not {t.name!r}; remove it or set task.name to one of "
+                "them" for key, value in (("path", t.path), ("eval_path", t.eval_path),
+                                          ("system_column", t.system_column)) if value]
+    what = "folder written by save_to_disk" if t.name == "hf_disk" else f"{t.name} file"
+    out = [] if t.path else [f"task.path: missing; set the {what} with {t.prompt_column!r} and "
                              f"{t.answer_column!r} columns"]
     if not (t.prompt_column and t.answer_column and t.prompt_column != t.answer_column):
         out.append(f"task.prompt_column/answer_column: must be two different non-empty names, got "
                    f"{t.prompt_column!r} and {t.answer_column!r}")
+    if t.system_column and t.system_column in (t.prompt_column, t.answer_column):
+        out.append(f"task.system_column: {t.system_column!r} is also the prompt or answer column; name the column "
+                   "holding each row's system prompt, or \"\" for none")
     return out  # whether the files exist here is an environment check; rollout.tasks.check_task reads the rows
+
+
+@rule("task.name", "task.split", "task.eval_split")
+def _hf_splits(cfg: Config) -> list[str]:
+    t = cfg.task
+    if t.name == "hf_disk":
+        return [] if t.split else ['task.split: empty; name the split of the saved DatasetDict to train on (a single '
+                                   'saved Dataset: leave the default "train")']
+    changed = [key for key, value, default in (("split", t.split, "train"), ("eval_split", t.eval_split, ""))
+               if value != default]
+    return [f"task.{key}: only read by the hf_disk task (splits of a saved DatasetDict), not {t.name!r}; remove it"
+            for key in changed]
+
+
+@rule("rewards.functions", "task.name")
+def _reward_entries(cfg: Config) -> list[str]:
+    """Each entry is exactly one of name / function / url, well formed; labels (the metric names) are unique."""
+    from qgrpo.rollout.rewards.calls import RewardLoadError, split_spec
+    from qgrpo.rollout.rewards.remote import url_problems
+    from qgrpo.rollout.rewards.scoring import entry_label
+
+    out, labels = [], {}
+    for i, s in enumerate(cfg.rewards.functions):
+        where = f"rewards.functions[{i}]"
+        given = [k for k in ("name", "function", "url") if getattr(s, k)]
+        if len(given) != 1:
+            out.append(f"{where}: give exactly one of name (a built-in), function (\"FILE.py:NAME\") or url, got "
+                       f"{' and '.join(given) or 'none'}; e.g. {{name = \"answer_correct\", weight = 1.0}}")
+            continue
+        try:
+            if s.function:
+                split_spec(s.function, f"{where}.function")
+        except RewardLoadError as e:
+            out.append(str(e))
+            continue
+        out += url_problems(s.url, f"{where}.url") if s.url else []
+        if s.name == "rg_score" and not cfg.task.name.startswith("rg:"):
+            out.append(f"{where}: rg_score is reasoning-gym's own verifier, for rg: tasks only, not task.name = "
+                       f"{cfg.task.name!r}; use answer_correct, math_verify or a function of your own")
+        label = entry_label(s)
+        if label in labels:
+            out.append(f"{where}: its metric name {label!r} is also rewards.functions[{labels[label]}]'s; set a "
+                       "distinct label = \"...\" on one of them")
+        labels.setdefault(label, i)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -263,3 +317,68 @@ def _batch_over_ranks(cfg: Config) -> list[str]:
         return []
     return [f"learner.world_size: the {batch} sequences of a step (rollout.prompts_per_step * rollout.group_size) "
             f"must split evenly over {ranks} ranks; change prompts_per_step or world_size"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# [reward_model]
+
+
+@rule("reward_model.path", "rewards.functions")
+def _reward_model_used(cfg: Config) -> list[str]:
+    """A reward model scores only through a rewards.functions entry named "reward_model", which needs one."""
+    from qgrpo.rollout.rewards import MODEL_REWARD
+
+    entries = [i for i, s in enumerate(cfg.rewards.functions) if getattr(s, "name", "") == MODEL_REWARD]
+    path = cfg.reward_model.path
+    if path and not entries:
+        return [f"reward_model.path: set ({path!r}) but no rewards.functions entry uses it, so it would be loaded and "
+                f"never scored; add {{name = \"{MODEL_REWARD}\", weight = 1.0}} to rewards.functions, or remove "
+                "reward_model.path"]
+    if entries and not path:
+        return [f"rewards.functions[{entries[0]}]: the {MODEL_REWARD!r} reward needs a reward model, but "
+                "reward_model.path is empty; set reward_model.path to a sequence classifier folder (or "
+                "builtin:tiny-reward for a test), or remove the entry"]
+    if len(entries) > 1:
+        return [f"rewards.functions[{entries[1]}]: a second {MODEL_REWARD!r} entry (the first is "
+                f"rewards.functions[{entries[0]}]); keep one and set its weight"]
+    return []
+
+
+@rule("reward_model.path")
+def _reward_model_builtin(cfg: Config) -> list[str]:
+    from qgrpo.rollout.models import BUILTIN_MODELS
+    from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS
+
+    path = cfg.reward_model.path
+    if not path.startswith(BUILTIN_PREFIX):
+        return []  # a folder or Hub id: what it holds is a preflight check (reward_model_problems)
+    name = path[len(BUILTIN_PREFIX):]
+    ok = ", ".join(BUILTIN_PREFIX + n for n in CLASSIFIER_BUILTINS)
+    if name not in BUILTIN_MODELS:
+        return [f"reward_model.path: unknown builtin model {name!r}; the builtin reward models are: {ok}"]
+    if name not in CLASSIFIER_BUILTINS:
+        return [f"reward_model.path: {path} is a causal LM, not a sequence classifier with one label; the builtin "
+                f"reward models are: {ok}"]
+    return []
+
+
+@rule("reward_model.precision", "reward_model.num_gpus")
+def _reward_model_device(cfg: Config) -> list[str]:
+    from qgrpo.rollout.backends import device_of
+
+    rm, out = cfg.reward_model, []
+    device = device_of(rm.num_gpus)
+    if rm.precision not in ("bf16", "fp32") and rm.precision not in REGISTRY["torch"].served(device):
+        here = ("bf16", "fp32", *(p for p in REGISTRY["torch"].served(device) if p == "int8"))
+        out.append(f"reward_model.precision: {rm.precision} is not served on {device} (reward_model.num_gpus = "
+                   f"{rm.num_gpus:g}); choose one of {', '.join(here)}")
+    if rm.num_gpus > 1:
+        out.append(f"reward_model.num_gpus: {rm.num_gpus:g} GPUs per actor, but a reward model actor scores on one "
+                   "GPU; set reward_model.num_gpus = 1 (or a share, e.g. 0.25) and scale out with "
+                   "reward_model.num_actors")
+    return out
+
+
+@rule("reward_model.resources", "reward_model.node_labels")
+def _reward_model_placement(cfg: Config) -> list[str]:
+    return placement_problems("reward_model", cfg.reward_model)

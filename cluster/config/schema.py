@@ -31,6 +31,7 @@ from qgrpo.cluster.config.sections import (
     Example,
     ModelConfig,
     ReferenceConfig,
+    RewardModelConfig,
     RewardsConfig,
     RewardSpec,
     RolloutConfig,
@@ -74,6 +75,8 @@ class Config:
     """[rollout]: the generators: backend, precision, sampling, group sizes, resources."""
     reference: ReferenceConfig = setting(default_factory=ReferenceConfig)
     """[reference]: the frozen reference model of the KL term."""
+    reward_model: RewardModelConfig = setting(default_factory=RewardModelConfig)
+    """[reward_model]: a sequence classifier scoring completions, one reward among rewards.functions."""
     algo: AlgoConfig = setting(default_factory=AlgoConfig)
     """[algo]: the GRPO objective: advantages, clipping, KL, importance weights, weight syncs."""
     learner: LearnerConfig = setting(default_factory=LearnerConfig)

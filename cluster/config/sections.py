@@ -12,7 +12,9 @@ from pydantic.dataclasses import dataclass
 from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions
 from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
-from qgrpo.rollout.rewards import ON_ERROR, REWARD_FUNCTIONS
+from qgrpo.rollout.rewards import ON_ERROR, REWARD_NAMES
+from qgrpo.rollout.rewards.builtin import EVAL_METRICS
+from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS, RM_PRECISIONS
 from qgrpo.rollout.tasks import RG_PREFIX, TASKS
 
 UNKNOWN_BACKEND = "unknown backend {got}; choose one of {listed}"
@@ -66,7 +68,7 @@ class RunConfig:
 @dataclass(config=SECTION)
 class ModelConfig:
     path: Str = setting("", allowed="a local HF model folder, a Hub id ORG/NAME in the local Hugging Face cache, or "
-                        + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS))
+                        + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS if n not in CLASSIFIER_BUILTINS))
     """The model trained: a local HF folder, a Hub id already in the local Hugging Face cache (`hf download ORG/NAME`
     first; nothing is downloaded during a run), or builtin:NAME (built offline, cached)."""
     cache_dir: Str = ""
@@ -86,7 +88,8 @@ class Example:
 @dataclass(config=SECTION)
 class TaskConfig:
     name: Str = setting("digit_sum", allowed=", ".join(TASKS) + f", or {RG_PREFIX}NAME")
-    """The prompt source: digit_sum, rg:NAME (a reasoning-gym generator), jsonl or parquet (see rollout/tasks.py)."""
+    """The prompt source: digit_sum, rg:NAME (a reasoning-gym generator), jsonl or parquet (a file), or hf_disk (a
+    Hugging Face `datasets` folder written by save_to_disk); see rollout/tasks.py and rollout/datasets.py."""
     max_operand: Int = setting(9, ge=0, le=9_999)
     """digit_sum: operands are drawn from 0..max_operand."""
     num_operands: Int = setting(2, ge=1, le=8)
@@ -96,25 +99,38 @@ class TaskConfig:
     size: Int = setting(10_000, ge=1, why="the train pool of an rg: task")
     """rg: the train pool; item i is entry i % size."""
     eval_size: Int = setting(100, ge=0, why="0 = no held-out prompts")
-    """Held-out prompts (rg: generated; jsonl/parquet: the last rows, or the first of eval_path)."""
+    """Held-out prompts (rg: generated; files: the last rows of path, or the first rows of eval_path or of
+    eval_split)."""
     eval_seed_offset: Int = setting(1_000_000, allowed="rg: task.size..2**32 - task.eval_size")
     """rg: the eval split is generated with seed + this; must be in size..2**32 - eval_size."""
-    instruction: Str = "Think briefly, then give only the final answer inside <answer></answer>."
-    """rg/jsonl/parquet: appended to each question after a newline ("" = none); the answer_* rewards read the
-    tags."""
+    instruction: Str = ""
+    """rg and file tasks: appended to each question (a chat row's last user turn) after a newline; "" = none. The
+    answer_* rewards read <answer> tags, so ask for them here (e.g. "Give the final answer inside
+    <answer></answer>.")."""
     chat_template: Bool = True
-    """Wrap prompts in the tokenizer's chat template (done by the generators)."""
+    """Wrap prompts in the tokenizer's chat template (done by the generators); chat-format rows need it."""
     path: Str = ""
-    """jsonl/parquet: the dataset file."""
+    """jsonl/parquet: the dataset file; hf_disk: the folder written by save_to_disk. Every column of a row reaches
+    the reward functions as a keyword argument of that name."""
     eval_path: Str = ""
-    """jsonl/parquet: a held-out file ("" = hold out the last eval_size rows of path)."""
+    """File tasks: a held-out file or hf_disk folder, whose first eval_size rows are the eval split ("" = hold out
+    the last eval_size rows of path, or read task.eval_split)."""
+    split: Str = "train"
+    """hf_disk: the split of a saved DatasetDict to train on (a single saved Dataset: leave "train")."""
+    eval_split: Str = ""
+    """hf_disk: a split of the DatasetDict in path (or eval_path) whose first eval_size rows are the eval split;
+    "" = hold out the last eval_size rows of path."""
     prompt_column: Str = "prompt"
-    """jsonl/parquet: the field with the question."""
+    """File tasks: the column with the question: a string or number, or chat turns, a list of {role, content}
+    (roles system, user, assistant; a system turn only first; the last turn the user's question, earlier ones shown
+    before it)."""
     answer_column: Str = "answer"
-    """jsonl/parquet: the field with the reference answer (string or number)."""
+    """File tasks: the column with the reference answer (string or number)."""
+    system_column: Str = ""
+    """File tasks: a column whose text is that row's system turn (null or empty: none); "" = no such column."""
     system_prompt: Str = ""
-    """A system turn before every question (train and eval); "" = none (the chat template may add its own
-    default)."""
+    """A system turn before every question (train and eval), unless the row has its own (a chat system turn or
+    task.system_column); "" = none (the chat template may add its own default)."""
     examples: list[Example] = setting(default_factory=list)
     """Worked examples put before every question (train and eval) as earlier chat turns; [] = zero-shot. In TOML:
     examples = [{ question = "Calculate 4 - 1.", completion = "4 - 1 = 3\\n<answer>3</answer>" }]."""
@@ -122,19 +138,51 @@ class TaskConfig:
 
 @dataclass(config=SECTION)
 class RewardSpec:
-    name: choice(tuple(REWARD_FUNCTIONS), "unknown reward {got}; choose one of {listed}") = "correct"
-    """A reward function from rollout/rewards.py."""
+    """One reward in rewards.functions: a built-in (`name`), a function of the user's own (`function`) or a remote
+    endpoint (`url`): exactly one of the three. Every reward is called the same way (rollout/rewards/calls.py)."""
+
+    name: choice(("",) + REWARD_NAMES, "unknown reward {got}; choose one of {listed}, or give "
+                 "function = \"FILE.py:NAME\" for one of your own") = ""
+    """A built-in reward (rollout/rewards): correct, answer_correct, lenient_correct, ... ; rg_score (reasoning-gym's
+    own verifier), math_verify (LaTeX/numeric answers), reward_model (the [reward_model] classifier)."""
+    function: Str = ""
+    """A function of your own: "FILE.py:NAME" (relative to the working directory) or "MODULE:NAME", called on a batch
+    as fn(prompts, completions, completion_ids, references, ..., **columns) -> one float (or None) per completion."""
+    url: Str = ""
+    """A remote reward: POST the batch as JSON to this http(s) URL; the reply is one number (or null) per completion,
+    as a list or {"rewards": [...]}."""
     weight: Float = setting(1.0, gt=-1e6, lt=1e6, allow_inf_nan=False, why="a finite weight")
     """Its weight in the sum of rewards."""
+    label: Str = ""
+    """The name its mean is logged under (reward/LABEL); "" = the built-in's or the function's name, "remote" for a
+    URL."""
+    timeout_s: Float = setting(0.0, ge=0, why="0 = rewards.timeout_s")
+    """Seconds one call on a batch may take (0 = rewards.timeout_s); a call past it follows rewards.on_error."""
+    retries: Int = setting(2, ge=0)
+    """url: attempts after the first on a connection error, a timeout or an HTTP 5xx."""
 
 
 @dataclass(config=SECTION)
 class RewardsConfig:
-    functions: list[RewardSpec] = setting(default_factory=lambda: [RewardSpec()], min_length=1,
-                                          fix="e.g. [{name='correct', weight=1.0}]")
-    """The reward: the weighted sum of these functions, e.g. [{name='correct', weight=1.0}]."""
+    functions: list[RewardSpec] = setting(default_factory=lambda: [RewardSpec(name="correct")], min_length=1,
+                                          fix="e.g. [{name='answer_correct', weight=1.0}]")
+    """The reward: the weighted sum of these, e.g. [{name = "answer_correct"}, {function = "my_rewards.py:brevity",
+    weight = 0.1}]. Where every one returns None for a completion, that is an error (rewards.on_error)."""
     on_error: choice(ON_ERROR, "must be {quoted}") = "fail"
-    """A reward function that raises: "fail" stops with the prompt id; "zero" scores 0 and counts it in metrics."""
+    """A reward call that raises, passes its timeout or returns the wrong count: "fail" stops the run naming the
+    reward and the prompt; "zero" scores those completions 0 for that reward and counts them (reward/errors)."""
+    timeout_s: Float = setting(60.0, gt=0)
+    """Seconds one reward call on a batch may take, unless its entry sets timeout_s."""
+    num_workers: Int = setting(1, ge=0, why="0 = in the driver, without a way to stop a hung call")
+    """Ray reward workers: a step's completions are split among them (whole prompts) and scored in parallel, while
+    the reference scores the same step. A worker whose call timed out is replaced. 0 = in the driver process (a hung
+    call's thread cannot be stopped there)."""
+    num_cpus: Float = setting(0.0, ge=0)
+    """Ray CPU resource per reward worker."""
+    eval_metric: choice(("",) + EVAL_METRICS, "must be {either}") = ""
+    """The built-in reward that scores held-out accuracy (run.eval): "" = the first of rg_score, math_verify,
+    answer_correct, correct, exact in rewards.functions, else lenient_correct (the answer in <answer> tags, or else
+    the last number)."""
 
 
 @dataclass(config=SECTION)
@@ -218,3 +266,40 @@ class ReferenceConfig:
     from_learner: Bool = False
     """With learner.mode = "lora" | "qlora": score the reference on the learner's own frozen base with the adapters
     off (no reference actor, no second copy of the model). The rest of [reference] is then unused."""
+
+
+@dataclass(config=SECTION)
+class RewardModelConfig:
+    """[reward_model]: a sequence classifier whose score is one reward among the others, via the entry
+    {name = "reward_model", weight = ...} in rewards.functions (rollout/rewards/classifier.py)."""
+
+    path: Str = setting("", allowed="\"\" (none), a local folder of a sequence classifier with one label, a Hub id "
+                        "ORG/NAME in the local Hugging Face cache, or builtin:tiny-reward")
+    """The reward model ("" = none): a folder saved from AutoModelForSequenceClassification with num_labels = 1 and
+    its tokenizer, a Hub id already in the local Hugging Face cache, or builtin:tiny-reward (a tiny random one, for
+    tests). It scores each completion after the row's earlier turns and its prompt, in its own chat template."""
+    precision: choice(RM_PRECISIONS, "must be {either}") = "bf16"
+    """Its weights and compute: bf16, fp32, or int8 (weight-only, quantized like the generators'); CPU or CUDA."""
+    num_actors: Int = setting(1, ge=1)
+    """Reward model actors; a step's completions are split among them and scored in parallel."""
+    num_cpus: Float = setting(0.0, ge=0)
+    """Ray CPU resource per reward model actor."""
+    num_gpus: Float = setting(0.0, ge=0)
+    """Ray GPU resource per reward model actor (0 = it scores on the CPU; a share such as 0.25 puts it on a GPU other
+    roles use too)."""
+    memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved")
+    """Ray memory reserved per reward model actor (0 = none reserved)."""
+    resources: Table = setting(default_factory=dict, fix="e.g. {reward_node = 1}")
+    """Custom Ray resources per reward model actor, to pin it to node types started with
+    `ray start --resources '{"NAME": N}'`, e.g. {reward_node = 1}."""
+    node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}")
+    """Labels its node must carry (`ray start --labels`)."""
+    threads: Int = setting(0, ge=0, why="0 = automatic")
+    """Torch threads per reward model actor (0 = the CPUs Ray gives it, at least one)."""
+    batch_size: Int = setting(16, ge=1)
+    """Conversations per forward pass (padded to the longest of them)."""
+    max_length: Int = setting(0, ge=0, why="0 = the model's context")
+    """Tokens scored per conversation (0 = the model's max_position_embeddings); a longer one keeps its last
+    max_length tokens, where the score is read."""
+    timeout_s: Float = setting(120.0, gt=0)
+    """Seconds the reward model actors may take to score one step's completions."""

@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 STAGES = ("generate", "rewards", "pack", "reference", "learn", "rollout_wait", "sync")  # the driver's laps, in order
-REWARD_STATS = {"mean", "std", "groups_with_signal", "errors", "min", "max"}  # reward/* keys that are not functions
+# reward/* keys that are not functions
+REWARD_STATS = {"mean", "std", "groups_with_signal", "errors", "not_applicable", "workers_replaced", "min", "max"}
 MISMATCH_RATIO_KEYS = ("mismatch/log_ratio_max", "mismatch/log_ratio_mean", "mismatch/log_ratio_min")
 SMOOTH = 10  # moving-average window, in logged steps (longer runs: 1% of the steps, see _window)
 HEAD_TAIL = 10  # "first 10 vs last 10 steps" in the summary
@@ -214,12 +215,19 @@ def fmt_duration(seconds: float) -> str:
     return f"{h}h {m:02d}m {s:02d}s" if h else (f"{m}m {s:02d}s" if m else f"{seconds:.1f}s")
 
 
+def _label(entry: dict) -> str:
+    """The metric name of a saved rewards.functions entry (rollout/rewards/scoring.entry_label, on plain dicts)."""
+    function = entry.get("function") or ""
+    return (entry.get("label") or (function.rpartition(":")[2] if function else "")
+            or ("remote" if entry.get("url") else entry.get("name") or ""))
+
+
 def reward_functions(data: RunData) -> list[str]:
     """reward/<fn> keys: the configured function names when the config lists them, else every non-statistic."""
     keys = {k for s in data.steps for k in s if k.startswith("reward/")}
     fns = _cfg(data.config, "rewards", "functions", [])
-    named = [f.get("name") for f in fns if isinstance(f, dict)] if isinstance(fns, list) else []
-    if named:
+    named = [_label(f) for f in fns if isinstance(f, dict)] if isinstance(fns, list) else []
+    if any(named):
         return [f"reward/{n}" for n in named if f"reward/{n}" in keys]
     return sorted(k for k in keys if k.split("/", 1)[1] not in REWARD_STATS)
 

@@ -7,7 +7,7 @@ A step the learner's precision guard skipped moves the generators (or the refere
 """
 from __future__ import annotations
 
-import statistics
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -29,29 +29,10 @@ from qgrpo.learner.loss import finalize_stats, merge_stats
 from qgrpo.rollout.advantages import group_advantages
 from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
 from qgrpo.rollout.evaluate import accuracy_reward, eval_items, greedy, score_eval
-from qgrpo.rollout.rewards import WeightedRewards
+from qgrpo.rollout.rewards import RewardError
 from qgrpo.rollout.tasks import PromptSampler, make_task
 
 PAD_ID = 0  # right padding is never attended to (causal attention), so any valid id will do
-
-
-def score_groups(groups: list[GroupRollout], rewards: WeightedRewards) -> dict[str, float]:
-    """Fill each group's rewards in place; return reward metrics."""
-    parts: dict[str, list[float]] = {}
-    for g in groups:
-        g.rewards = []
-        for c in g.completions:
-            total, per_fn = rewards.score(c.text, g.item.reference, g.item.prompt_id)
-            g.rewards.append(total)
-            for k, v in per_fn.items():
-                parts.setdefault(k, []).append(v)
-    flat = [r for g in groups for r in g.rewards]
-    mixed = sum(1 for g in groups if max(g.rewards) > min(g.rewards))
-    return {
-        "reward/mean": statistics.fmean(flat), "reward/std": statistics.pstdev(flat),
-        "reward/groups_with_signal": mixed / len(groups), "reward/errors": rewards.errors,
-        **{f"reward/{k}": statistics.fmean(v) for k, v in parts.items()},
-    }
 
 
 def set_advantages(groups: list[GroupRollout], scale: str) -> None:
@@ -59,6 +40,25 @@ def set_advantages(groups: list[GroupRollout], scale: str) -> None:
     adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32), scale=scale)  # [groups, G]
     for g, a in zip(groups, adv.tolist()):
         g.advantages = a
+
+
+def scored_batch(run: "TrainingRun", groups: list[GroupRollout], clock: "StageClock") -> tuple[TrainBatch, dict]:
+    """The step's batch, rewards and advantages included, and the reward metrics. The rewards are computed by the
+    reward workers while this process packs the batch and the reference scores it (their tokens do not depend on the
+    rewards); the advantages are put in once the rewards are back."""
+    pending = run.rewards.submit(groups)
+    for g in groups:
+        g.advantages = [0.0] * len(g.completions)  # placeholders until the rewards are in
+    batch = build_train_batch(groups, PAD_ID, run.cfg.rollout.max_new_tokens)
+    clock.lap("pack")
+    if run.workers.reference is not None:
+        batch = batch.with_ref(run.workers.reference_logprobs(batch))
+    clock.lap("reference")
+    reward_metrics = pending.result()
+    set_advantages(groups, run.cfg.algo.advantage_scale)
+    advantages = torch.tensor([a for g in groups for a in g.advantages], dtype=torch.float32)  # the batch's order
+    clock.lap("rewards")
+    return dataclasses.replace(batch, advantages=advantages), reward_metrics
 
 
 class StageClock:
@@ -126,14 +126,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             clock = StageClock()
             rollouts = run.source.take(step, cfg.run.steps)  # sample prompts, generate (with overlap: one step ahead)
             clock.lap("generate")
-            reward_metrics = score_groups(rollouts.groups, run.rewards)
-            set_advantages(rollouts.groups, cfg.algo.advantage_scale)
-            clock.lap("rewards")
-            batch = build_train_batch(rollouts.groups, PAD_ID, cfg.rollout.max_new_tokens)
-            clock.lap("pack")
-            if workers.reference is not None:
-                batch = batch.with_ref(workers.reference_logprobs(batch))
-            clock.lap("reference")
+            batch, reward_metrics = scored_batch(run, rollouts.groups, clock)
             results = workers.learn(batch, step + 1)
             clock.lap("learn")
             run.source.settle()  # the next step's rollouts (algo.overlap) are done: the generators are free to sync
@@ -145,7 +138,8 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             m = run.log_step(step + 1, rollouts, reward_metrics, metrics, results[0], climbed)
             run.evaluate_if_due(step + 1)
             run.checkpoint_if_due(step + 1, results[0], rollouts.cursor)
-    except (RunFailed, GuardStop, StorageError) as e:  # StorageError: the URI, or a run_dir the nodes do not share
+    except (RunFailed, GuardStop, StorageError, RewardError) as e:  # StorageError: the URI, or a run_dir the
+        # nodes do not share
         raise run.failed(e, step + 1) from None
     finally:
         run.close(failing=sys.exc_info()[0] is not None)
@@ -179,8 +173,10 @@ class TrainingRun:
                 print(f"qgrpo: the precision guard had moved the generators to {self.ladder.rollout}; they resume "
                       f"there (the config says rollout.precision = {ro.precision!r})", file=sys.stderr)
         sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=self.state.cursor)
-        self.rewards = WeightedRewards.from_config(cfg.rewards)
-        self.metric = accuracy_reward([s.name for s in cfg.rewards.functions])
+        from qgrpo.cluster.run.rewarding import RewardPool
+
+        self.rewards = RewardPool(cfg, self.reward_model_path())
+        self.metric = accuracy_reward(cfg.rewards)
         self.log = RunLog(self.dir.local, cfg.run.steps, self.state.step, cfg.run.progress, cfg.run.tensorboard,
                           cfg.run.wandb_project, cfg.to_dict())
         self.samples = RolloutWriter(self.dir.local, cfg.run.rollouts_flush_every)
@@ -279,7 +275,15 @@ class TrainingRun:
         self.log.write({"event": "failed", "step": step, "error": str(err)})
         return RunFailed(f"{err}\n  the run stopped at step {step}; {how}")
 
+    def reward_model_path(self) -> str:
+        """[reward_model].path resolved here (a builtin: materialised, a Hub id found in the cache), or ""."""
+        from qgrpo.rollout.models import resolve_model_path
+
+        path = getattr(getattr(self.cfg, "reward_model", None), "path", "")
+        return resolve_model_path(path, self.cfg.model.cache_dir) if path else ""
+
     def close(self, failing: bool) -> None:
+        self.rewards.close()
         self.source.close()
         self.samples.close()
         self.log.close()

@@ -1,21 +1,22 @@
-"""Reward functions: plain callables `(completion_text, reference) -> float`, combined with weights.
+"""The built-in rewards. Each is a reward function of the calling convention (rollout/rewards/calls.py):
+`fn(completions, references, **kwargs) -> list[float]`, one value per completion, so a built-in and a user's own
+function are called, timed and combined the same way.
 
 Two families: `correct` / `exact` / `integer_format` read a bare integer (the tiny digit-sum model), and
 `answer_correct` / `answer_format` / `lenient_correct` read the answer from `<answer>...</answer>` tags, the format the
-task instruction asks for (rollout/tasks.py).
-
-A reward function that raises is reported with the prompt id; `on_error="zero"` scores it 0 and counts it instead.
+presets' instruction asks for. Each is built from a per-completion check `(completion, reference) -> float` kept in
+`CHECKS`, which answer statistics and the majority baseline use on single answers.
 """
 from __future__ import annotations
 
-import math
 import re
-from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Callable
 
-RewardFn = Callable[[str, str], float]
-ON_ERROR = ("fail", "zero")  # rewards.on_error: what a reward function that raises does (WeightedRewards.score)
+Check = Callable[[str, str], float]  # (completion text, reference) -> score
+# rewards.eval_metric: built-ins that read one answer per completion, so held-out accuracy is their mean
+EVAL_METRICS = ("rg_score", "math_verify", "answer_correct", "lenient_correct", "correct", "exact")
+ON_ERROR = ("fail", "zero")  # rewards.on_error: a reward call that raises, hangs or returns garbage
 
 _INT = re.compile(r"-?\d+")
 
@@ -137,12 +138,15 @@ ANSWER_READERS: dict[str, Callable[[str], str | None]] = {
     "exact": str.strip,
     "answer_correct": extract_answer,
     "lenient_correct": lenient_answer,
+    "rg_score": extract_answer,
+    "math_verify": extract_answer,
 }
 
 
 def completion_with_answer(metric: str, answer: str) -> str:
     """A completion that `metric` reads as `answer`: tagged for the <answer> rewards, the bare answer otherwise."""
-    return f"<answer>{answer}</answer>" if metric in ("answer_correct", "lenient_correct") else answer
+    tagged = ("answer_correct", "lenient_correct", "rg_score", "math_verify")
+    return f"<answer>{answer}</answer>" if metric in tagged else answer
 
 
 def answer_key(answer: str | None) -> str | None:
@@ -156,7 +160,17 @@ def answer_key(answer: str | None) -> str | None:
     return _normalise(answer) or None
 
 
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
+def batched(check: Check) -> Callable[..., list[float]]:
+    """The per-completion `check` as a reward function of the calling convention."""
+
+    def reward(completions: list[str], references: list[str], **kwargs) -> list[float]:
+        return [float(check(c, r)) for c, r in zip(completions, references, strict=True)]
+
+    reward.__name__, reward.__qualname__, reward.__doc__ = check.__name__, check.__name__, check.__doc__
+    return reward
+
+
+CHECKS: dict[str, Check] = {
     "correct": correct,
     "exact": exact,
     "integer_format": integer_format,
@@ -164,40 +178,9 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "answer_format": answer_format,
     "lenient_correct": lenient_correct,
 }
+# name -> reward function; verifiers (rollout/rewards/verifiers.py) and "reward_model" join it in rewards/__init__.py
+REWARD_FUNCTIONS: dict[str, Callable[..., list]] = {name: batched(check) for name, check in CHECKS.items()}
 
 
 class RewardError(RuntimeError):
-    pass
-
-
-@dataclass
-class WeightedRewards:
-    """Sum of weighted reward functions. Keeps per-function means for logging and counts failures."""
-
-    fns: list[tuple[str, RewardFn, float]]
-    on_error: str = "fail"
-    errors: int = 0
-
-    @classmethod
-    def from_config(cls, rewards_cfg) -> "WeightedRewards":
-        fns = [(s.name, REWARD_FUNCTIONS[s.name], s.weight) for s in rewards_cfg.functions]
-        return cls(fns=fns, on_error=rewards_cfg.on_error)
-
-    def score(self, completion: str, reference: str, prompt_id: str) -> tuple[float, dict[str, float]]:
-        total, parts = 0.0, {}
-        for name, fn, weight in self.fns:
-            try:
-                value = float(fn(completion, reference))
-                if not math.isfinite(value):
-                    raise ValueError(f"returned {value}")
-            except Exception as e:  # a user's reward function may raise anything
-                if self.on_error == "fail":
-                    raise RewardError(
-                        f"reward function {name!r} failed on prompt {prompt_id!r} ({type(e).__name__}: {e}); "
-                        "fix the function, or set rewards.on_error='zero' to score such completions 0 and count them"
-                    ) from e
-                self.errors += 1
-                value = 0.0
-            parts[name] = value
-            total += weight * value
-        return total, parts
+    """A reward that failed under rewards.on_error = "fail": says which function, which prompt and what to do."""

@@ -1,0 +1,225 @@
+"""How a reward is called, and how a configured reward becomes a callable.
+
+The calling convention is TRL's: a reward function gets a batch of completions as keyword arguments, every value a
+list with one entry per completion (a prompt's row is repeated for each of its completions), and returns one float
+per completion, or None where it does not apply (a math verifier on a row that is not math):
+
+    prompts         the question as the model saw it (its last user turn, task.instruction included)
+    completions     the completion texts
+    completion_ids  the sampled token ids
+    references      the reference answers
+    item_ids        qgrpo's prompt ids ("jsonl-train-12")
+    finish_reasons  "stop" (the model ended it) or "length" (cut at rollout.max_new_tokens)
+    COLUMN          every column of the dataset row under its own name (reasoning-gym: question, answer, metadata,
+                    rg_entry)
+
+A function with **kwargs gets them all; one without gets only the keywords it names, and each of its parameters
+without a default must be one of them. `async def` functions are awaited.
+
+A user's function is named "FILE.py:NAME" (a file, relative to the working directory) or "MODULE:NAME" (importable on
+every node). A file is read once in the driver and its source shipped to the reward workers, so it need not exist on
+the nodes they run on.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib
+import inspect
+import math
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from qgrpo.rollout.datasets import RESERVED_COLUMNS as RESERVED  # the keywords of the convention: no column may use one
+
+
+def reward_kwargs(items: list, completions: list) -> dict[str, list]:
+    """The keyword arguments of one call: `items[i]` (a PromptItem) is the row of `completions[i]` (a Completion)."""
+    kwargs: dict[str, list] = {
+        "prompts": [it.prompt for it in items],
+        "completions": [c.text for c in completions],
+        "completion_ids": [list(c.token_ids) for c in completions],
+        "references": [it.reference for it in items],
+        "item_ids": [it.prompt_id for it in items],
+        "finish_reasons": [c.finish_reason for c in completions],
+    }
+    names = dict.fromkeys(k for it in items for k in (it.columns or {}) if k not in RESERVED)
+    for name in names:
+        kwargs[name] = [(it.columns or {}).get(name) for it in items]
+    return kwargs
+
+
+def group_kwargs(groups: list) -> dict[str, list]:
+    """`reward_kwargs` of every completion of `groups` (GroupRollouts), group after group."""
+    items = [g.item for g in groups for _ in g.completions]
+    return reward_kwargs(items, [c for g in groups for c in g.completions])
+
+
+def slice_kwargs(kwargs: dict[str, list], start: int, stop: int) -> dict[str, list]:
+    return {k: v[start:stop] for k, v in kwargs.items()}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading a user's function
+
+
+class RewardLoadError(ValueError):
+    """A user's reward function that cannot be used: the message names the config field and the fix."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """Everything a worker on any node needs to load a user's function."""
+
+    spec: str  # as configured: "my_rewards.py:tolerant" or "my_pkg.rewards:tolerant"
+    path: str = ""  # the file's absolute path in the driver ("" for a module)
+    text: str = ""  # the file's source ("" for a module)
+
+
+def split_spec(spec: str, field: str) -> tuple[str, str]:
+    """("my_rewards.py", "tolerant") for "my_rewards.py:tolerant"; RewardLoadError for anything else."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name.isidentifier():
+        raise RewardLoadError(f"{field}: {spec!r} is not FILE.py:FUNCTION or MODULE:FUNCTION, e.g. "
+                              "\"my_rewards.py:tolerant_correct\"")
+    return target, name
+
+
+def read_source(spec: str, field: str, base: Path | None = None) -> Source:
+    """The source of `spec`, read in the driver; a missing file says where it was looked for."""
+    target, _ = split_spec(spec, field)
+    if not target.endswith(".py"):
+        return Source(spec)
+    path = Path(target).expanduser()
+    path = path if path.is_absolute() else (base or Path.cwd()) / path
+    try:
+        return Source(spec, str(path.resolve()), path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise RewardLoadError(f"{field}: cannot read {target!r} ({type(e).__name__}: {e.strerror or e}); a relative "
+                              f"path is taken from the working directory ({base or Path.cwd()})") from None
+
+
+_MODULES: dict[str, types.ModuleType] = {}
+
+
+def _module_of_file(source: Source, field: str) -> types.ModuleType:
+    key = hashlib.sha256(f"{source.path}\0{source.text}".encode()).hexdigest()[:16]
+    if key in _MODULES:
+        return _MODULES[key]
+    name = f"qgrpo_user_rewards_{Path(source.path).stem}_{key}"
+    module = types.ModuleType(name)
+    module.__file__ = source.path
+    folder = str(Path(source.path).parent)
+    added = folder not in sys.path and Path(folder).is_dir()
+    if added:  # the file's own helpers next to it, where the folder exists on this node
+        sys.path.insert(0, folder)
+    sys.modules[name] = module  # dataclasses and pickling look the module up by name
+    try:
+        exec(compile(source.text, source.path, "exec"), module.__dict__)
+    except Exception as e:
+        del sys.modules[name]
+        raise RewardLoadError(f"{field}: importing {source.path} failed ({type(e).__name__}: {e}); fix the file "
+                              "(it is run once in every reward worker)") from e
+    _MODULES[key] = module
+    return module
+
+
+def load_function(source: Source, field: str) -> Callable:
+    """The callable `source` names, imported (a module) or executed from the shipped source (a file)."""
+    target, name = split_spec(source.spec, field)
+    if source.path:
+        module = _module_of_file(source, field)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise RewardLoadError(f"{field}: cannot import module {target!r} ({type(e).__name__}: {e}); install it "
+                                  "on every node, or name a file instead: \"path/to/file.py:FUNCTION\"") from e
+    fn = getattr(module, name, None)
+    if fn is None:
+        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                       and getattr(v, "__module__", None) == module.__name__)
+        raise RewardLoadError(f"{field}: {target} has no {name!r}; its functions: {', '.join(found) or 'none'}")
+    if not callable(fn):
+        raise RewardLoadError(f"{field}: {source.spec} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def signature_problems(fn: Callable, field: str, available: set[str] | None = None) -> list[str]:
+    """What stops `fn` from being called by the convention: positional-only parameters, or a required parameter that
+    is not a keyword the call passes (`available`: the convention's keywords plus the dataset's columns; None = the
+    columns are not known yet, so only the convention's are checked for a function that names none of them)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []  # a builtin without a signature: find out when called
+    expected = f"expected fn(completions, **kwargs) -> list of floats (keywords: {', '.join(RESERVED)} and the " \
+               "dataset's columns)"
+    problems = [f"{field}: parameter {p.name!r} is positional-only; {expected}"
+                for p in params if p.kind is p.POSITIONAL_ONLY]
+    required = [p.name for p in params if p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    known = set(RESERVED) | (available or set())
+    if available is not None:
+        missing = [n for n in required if n not in known]
+        if missing:
+            columns = ", ".join(sorted(available - set(RESERVED))) or "none"
+            problems.append(f"{field}: requires {', '.join(map(repr, missing))}, which the call does not pass (the "
+                            f"dataset's columns: {columns}); give it a default or take **kwargs; {expected}")
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params) or any(
+        p.name in known for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    if not takes_any:
+        problems.append(f"{field}: takes none of the keywords a reward gets; {expected}")
+    return problems
+
+
+def accepted_kwargs(fn: Callable, kwargs: dict[str, list]) -> dict[str, list]:
+    """All of `kwargs` for a function with **kwargs, else only those it names."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return kwargs
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calling
+
+
+class RewardOutputError(ValueError):
+    """A reward function returned something other than one finite float (or None) per completion."""
+
+
+def call_reward(fn: Callable, kwargs: dict[str, list]) -> list[float | None]:
+    """`fn` called on `kwargs`, awaited if it is async, its result checked: one float or None per completion."""
+    n = len(kwargs["completions"])
+    out: Any = fn(**accepted_kwargs(fn, kwargs))
+    if inspect.isawaitable(out):
+        out = asyncio.run(_awaited(out))
+    if hasattr(out, "tolist"):  # numpy arrays, torch tensors
+        out = out.tolist()
+    if not isinstance(out, (list, tuple)):
+        raise RewardOutputError(f"returned a {type(out).__name__}; expected a list of {n} floats (None where the "
+                                "function does not apply)")
+    if len(out) != n:
+        raise RewardOutputError(f"returned {len(out)} values for {n} completions; expected one per completion")
+    values = []
+    for i, v in enumerate(out):
+        if v is None:
+            values.append(None)
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RewardOutputError(f"value {i} is a {type(v).__name__} ({str(v)[:40]}); expected a float or None")
+        if not math.isfinite(v):
+            raise RewardOutputError(f"value {i} is {v}; expected a finite float (None where it does not apply)")
+        values.append(float(v))
+    return values
+
+
+async def _awaited(awaitable):
+    return await awaitable

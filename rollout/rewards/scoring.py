@@ -1,0 +1,195 @@
+"""A step's rewards: each configured reward called on a batch under its own deadline, then the weighted sum.
+
+`RewardEntry` is a configured reward in a form any process can load (a built-in's name, a user file's shipped source,
+a URL); `score_batch` calls every entry on one batch, each in a thread it waits for at most `timeout_s`, and reports
+per call its values or what went wrong; `combine` adds the weighted values per completion and applies
+`rewards.on_error` to failed calls. A call is the unit of failure: a batch call that raises, hangs or returns the wrong
+count fails for every completion in it.
+
+A timed-out call's thread cannot be stopped from Python; the Ray reward workers (cluster/run/rewarding.py) are killed
+and replaced after one, so nothing hung outlives its step.
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from qgrpo.rollout.rewards.builtin import REWARD_FUNCTIONS, RewardError
+from qgrpo.rollout.rewards.calls import Source, call_reward, load_function, read_source, split_spec
+
+KINDS = ("builtin", "function", "url", "model")
+
+
+@dataclass(frozen=True)
+class RewardEntry:
+    label: str  # the metric's name: reward/<label>
+    weight: float
+    kind: str  # one of KINDS
+    target: str  # the built-in's name, the function's spec, the URL; "" for the reward model
+    timeout_s: float
+    retries: int = 0
+    source: Source | None = None  # kind "function"
+    field: str = ""  # the config field it comes from, for messages: rewards.functions[2]
+
+
+def entry_label(spec) -> str:
+    """The metric name of a rewards.functions entry: its label, else the built-in's or the function's name, else
+    "remote" for a URL."""
+    if getattr(spec, "label", ""):
+        return spec.label
+    if spec.function:
+        return split_spec(spec.function, "rewards.functions")[1]
+    return "remote" if spec.url else spec.name
+
+
+def entries_from_config(rewards_cfg, base=None) -> list[RewardEntry]:
+    """The entries of [rewards]; user files are read here (RewardLoadError names the entry when one cannot be)."""
+    out = []
+    for i, s in enumerate(rewards_cfg.functions):
+        where = f"rewards.functions[{i}]"
+        timeout = s.timeout_s or rewards_cfg.timeout_s
+        if s.function:
+            out.append(RewardEntry(entry_label(s), s.weight, "function", s.function, timeout,
+                                   source=read_source(s.function, f"{where}.function", base), field=where))
+        elif s.url:
+            out.append(RewardEntry(entry_label(s), s.weight, "url", s.url, timeout, retries=s.retries, field=where))
+        elif s.name == "reward_model":
+            out.append(RewardEntry(entry_label(s), s.weight, "model", "", timeout, field=where))
+        else:
+            out.append(RewardEntry(entry_label(s), s.weight, "builtin", s.name, timeout, field=where))
+    return out
+
+
+def make_callable(entry: RewardEntry) -> Callable:
+    """The function an entry names, loaded in this process."""
+    if entry.kind == "builtin":
+        return REWARD_FUNCTIONS[entry.target]
+    if entry.kind == "function":
+        return load_function(entry.source, f"{entry.field}.function")
+    if entry.kind == "url":
+        from qgrpo.rollout.rewards.remote import RemoteReward
+
+        # the entry's deadline covers every attempt: each gets its share (less the backoff between them)
+        per_attempt = max(entry.timeout_s * 0.9 / (entry.retries + 1), 0.1)
+        return RemoteReward(entry.target, timeout_s=per_attempt, retries=entry.retries,
+                            backoff_s=min(0.5, entry.timeout_s * 0.1 / max(entry.retries, 1) / 2))
+    raise ValueError(f"{entry.field}: a {entry.kind} reward is scored by its own actors, not called here")
+
+
+@dataclass
+class CallResult:
+    label: str
+    values: list[float | None] | None  # None: the call failed (error says how)
+    error: str = ""
+    timed_out: bool = False
+    seconds: float = 0.0
+
+
+def call_with_deadline(label: str, fn: Callable, kwargs: dict[str, list], timeout_s: float) -> CallResult:
+    """One call in a daemon thread, waited for at most `timeout_s`."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["values"] = call_reward(fn, kwargs)
+        except BaseException as e:  # a user's function may raise anything, SystemExit included
+            box["error"] = f"{type(e).__name__}: {e}"
+
+    t0 = time.perf_counter()
+    thread = threading.Thread(target=run, name=f"reward-{label}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    seconds = time.perf_counter() - t0
+    if thread.is_alive():
+        return CallResult(label, None, f"did not return within its timeout of {timeout_s:g} s", True, seconds)
+    if "error" in box:
+        return CallResult(label, None, box["error"], seconds=seconds)
+    return CallResult(label, box["values"], seconds=seconds)
+
+
+def score_batch(entries: list[RewardEntry], fns: dict[str, Callable], kwargs: dict[str, list]) -> list[CallResult]:
+    """Every entry (the reward model's excepted) called on one batch, one after the other, each with its deadline."""
+    return [call_with_deadline(e.label, fns[e.label], kwargs, e.timeout_s) for e in entries if e.kind != "model"]
+
+
+@dataclass
+class Scores:
+    """One step's scores, assembled from calls on slices of its completions."""
+
+    n: int
+    values: dict[str, list[float | None]] = field(default_factory=dict)  # label -> one per completion
+    failures: list[tuple[str, int, int, str]] = field(default_factory=list)  # (label, start, stop, error)
+    seconds: dict[str, float] = field(default_factory=dict)  # label -> longest call
+
+    def add(self, result: CallResult, start: int, stop: int) -> None:
+        column = self.values.setdefault(result.label, [None] * self.n)
+        self.seconds[result.label] = max(self.seconds.get(result.label, 0.0), result.seconds)
+        if result.values is None:
+            self.failures.append((result.label, start, stop, result.error))
+        else:
+            column[start:stop] = result.values
+
+
+def combine(entries: list[RewardEntry], scores: Scores, item_ids: list[str], on_error: str
+            ) -> tuple[list[float], dict[str, float]]:
+    """(total reward per completion, metrics). Failed calls follow `on_error`: "fail" raises RewardError naming the
+    reward and the prompt, "zero" scores those completions 0 for that reward and counts them in reward/errors. A
+    completion no reward applies to (all None) is the same kind of failure."""
+    errors = 0
+    for label, start, stop, error in scores.failures:
+        entry = next(e for e in entries if e.label == label)
+        if on_error == "fail":
+            ids = list(dict.fromkeys(item_ids[start:stop]))
+            raise RewardError(f"reward {label!r} ({entry.field}) failed on prompt {ids[0]!r}"
+                              f"{f' and {len(ids) - 1} more' if len(ids) > 1 else ''}: {error}; fix it, or set "
+                              "rewards.on_error = \"zero\" to score such completions 0 and count them")
+        scores.values[label][start:stop] = [0.0] * (stop - start)
+        errors += stop - start
+    totals, not_applicable = [], 0
+    for i in range(scores.n):
+        parts = [(e.weight, scores.values[e.label][i]) for e in entries]
+        if all(v is None for _, v in parts):
+            if on_error == "fail":
+                raise RewardError(f"no reward applies to a completion of prompt {item_ids[i]!r}: every function "
+                                  "returned None; add a reward that scores it, or set rewards.on_error = \"zero\"")
+            not_applicable += 1
+        totals.append(sum(w * v for w, v in parts if v is not None))
+    metrics = {"reward/errors": errors, "reward/not_applicable": not_applicable}
+    for e in entries:
+        got = [v for v in scores.values[e.label] if v is not None]
+        if got:
+            metrics[f"reward/{e.label}"] = statistics.fmean(got)
+        metrics[f"time/reward_{e.label}"] = scores.seconds.get(e.label, 0.0)
+    return totals, metrics
+
+
+def score_texts(name: str, texts: list[str], items: list) -> list[float]:
+    """The built-in reward `name` of completion texts, `items[i]` (a PromptItem) being the row of `texts[i]`; None
+    (not applicable) counts 0. For held-out accuracy and the majority baseline, which score texts, not rollouts."""
+    from qgrpo.core.records import Completion
+    from qgrpo.rollout.rewards.calls import reward_kwargs
+
+    kwargs = reward_kwargs(items, [Completion([], [], "stop", t) for t in texts])
+    return [v or 0.0 for v in call_reward(REWARD_FUNCTIONS[name], kwargs)]
+
+
+def reward_problems(rewards_cfg, columns: set[str] | None) -> list[str]:
+    """Before anything starts: every user function is read, imported and its signature checked against the keywords
+    a call passes (`columns`: the dataset's columns; None = unknown). Imports the user's files in this process."""
+    from qgrpo.rollout.rewards.calls import RewardLoadError, signature_problems
+
+    problems = []
+    for i, s in enumerate(rewards_cfg.functions):
+        if not s.function:
+            continue
+        field = f"rewards.functions[{i}].function"
+        try:
+            fn = load_function(read_source(s.function, field), field)
+        except RewardLoadError as e:
+            problems.append(str(e))
+            continue
+        problems += signature_problems(fn, field, columns)
+    return problems
