@@ -244,8 +244,10 @@ def _start_ray(cfg, address: str | None) -> bool:
     if started:
         # Locally, logical CPUs are what the actors ask for (they share the cores; threads are set per actor), with
         # room for `qgrpo scale` to add rollout actors (up to the oversubscription preflight allows).
+        rm = cfg.reward_model
         needed = (cfg.rollout.num_actors * cfg.rollout.num_cpus + cfg.learner.world_size * cfg.learner.num_cpus
-                  + cfg.reference.num_cpus)
+                  + cfg.reference.num_cpus + cfg.rewards.num_workers * cfg.rewards.num_cpus
+                  + (rm.num_actors * rm.num_cpus if rm.path else 0))
         ray.init(address=address, include_dashboard=False,
                  num_cpus=None if address else max(CPU_OVERSUBSCRIPTION * (os.cpu_count() or 1), math.ceil(needed)))
     return started
