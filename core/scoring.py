@@ -9,6 +9,10 @@ the full forward, computed with far fewer tokens when prompts are long (few-shot
 The output projection and the softmax over the vocabulary run in chunks of `CHUNK_TOKENS` positions
 (`head_logprobs`), each recomputed in the backward pass: the [B, T, vocab] float32 logits (~0.8 GB for 32 x 128
 tokens of a 49k vocabulary, and as much again for their gradient) never exist at once.
+
+With `with_entropy=True` the same functions also return the per-token entropy H = -sum_v p_v log p_v of that
+distribution (softmax(logits / T), after the soft-cap), at the same positions and 0 where the log-prob is 0, with a
+gradient through the same checkpointed chunks (for an entropy bonus in the loss). The default path is unchanged.
 """
 from __future__ import annotations
 
@@ -29,11 +33,27 @@ def _picked(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> 
     return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
+def _picked_entropy(logits: torch.Tensor, targets: torch.Tensor,
+                    temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`_picked`, entropy of softmax(logits / T)), float32; [..., V], [...] -> ([...], [...]). The log-probs are
+    `_picked`'s bit for bit. H = logsumexp(z) - sum(softmax(z) * z) with z = logits / T shifted by its (detached) row
+    max: H does not depend on the shift, and the shifted z keeps both terms small (no cancellation of two large
+    numbers, no log(0))."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    picked = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(z, dim=-1)
+    z = z - z.amax(dim=-1, keepdim=True).detach()
+    return picked, torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+
 def _chunk_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    softcap: float | None) -> torch.Tensor:
+                    softcap: float | None, with_entropy: bool = False):
     logits = head(hidden).float()
     if softcap:
         logits = torch.tanh(logits / softcap) * softcap
+    if with_entropy:
+        return _picked_entropy(logits, targets, temperature)
     return _picked(logits, targets, temperature)
 
 
@@ -57,49 +77,66 @@ def split_head(model):
 
 
 def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
-                  softcap: float | None = None, chunk: int = CHUNK_TOKENS) -> torch.Tensor:
+                  softcap: float | None = None, chunk: int = CHUNK_TOKENS, *,
+                  with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax(head(hidden) / T)[targets], [..., H] and [...] -> [...] float32, `chunk` positions at a time.
-    With gradients on, each chunk's logits are recomputed in the backward pass instead of being kept."""
+    With gradients on, each chunk's logits are recomputed in the backward pass instead of being kept.
+    `with_entropy`: (log-probs, entropies), both [...] float32."""
     shape = targets.shape
     h, t = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     grad = torch.is_grad_enabled() and hidden.requires_grad
     parts = []
     for i in range(0, h.shape[0], chunk):
-        args = (head, h[i:i + chunk], t[i:i + chunk], temperature, softcap)
+        args = (head, h[i:i + chunk], t[i:i + chunk], temperature, softcap) + ((True,) if with_entropy else ())
         parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if grad else _chunk_logprobs(*args))
-    return torch.cat(parts).reshape(shape) if parts else torch.zeros(shape, device=hidden.device)
+    if not with_entropy:
+        return torch.cat(parts).reshape(shape) if parts else torch.zeros(shape, device=hidden.device)
+    if not parts:
+        return torch.zeros(shape, device=hidden.device), torch.zeros(shape, device=hidden.device)
+    return tuple(torch.cat(p).reshape(shape) for p in zip(*parts))
 
 
 def _forward_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, temperature: float,
-                      **kwargs) -> tuple[torch.Tensor, object]:
+                      with_entropy: bool = False, **kwargs) -> tuple[torch.Tensor | tuple, object]:
     """Log-probs of `targets` [B, L-1] given `input_ids` [B, L] (position j predicts targets[:, j]), and the
-    model output (for its cache): through the chunked head when the model allows, else its full logits."""
+    model output (for its cache): through the chunked head when the model allows, else its full logits.
+    `with_entropy`: the first item is (log-probs, entropies)."""
     parts = split_head(model)
     if parts is None:
         out = model(input_ids=input_ids, **kwargs)
-        return _picked(out.logits[:, :-1], targets, temperature), out
+        pick = _picked_entropy if with_entropy else _picked
+        return pick(out.logits[:, :-1], targets, temperature), out
     trunk, head, softcap = parts
     out = trunk(input_ids=input_ids, **kwargs)
-    return head_logprobs(head, out.last_hidden_state[:, :-1], targets, temperature, softcap), out
+    h = out.last_hidden_state[:, :-1]
+    return head_logprobs(head, h, targets, temperature, softcap, with_entropy=with_entropy), out
 
 
 def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
-                   group_ids: torch.Tensor | None = None, pad_id: int = 0) -> torch.Tensor:
+                   group_ids: torch.Tensor | None = None, pad_id: int = 0, *,
+                   with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, T] (right-padded) -> log-probs [B, T] float32; position j = log p(token j | tokens < j) of the
     distribution softmax(logits / temperature), the one the generators sample from. Position 0 has no prediction.
 
     With `prompt_lens` [B] (and optionally `group_ids` [B]: rows with equal ids have the same prompt), positions before
     a row's prompt end are 0 and only completion positions are scored, through `shared_prompt_logprobs`.
+
+    `with_entropy`: (log-probs, entropies), both [B, T] float32; entropy j is that of the distribution predicting
+    token j, 0 wherever the log-prob is 0 by construction (position 0, prompt positions), with gradients.
     """
     if prompt_lens is not None:
-        return shared_prompt_logprobs(model, input_ids, prompt_lens, group_ids, temperature, pad_id)
-    picked, _ = _forward_logprobs(model, input_ids, input_ids[:, 1:], temperature)  # [B, T-1]
+        return shared_prompt_logprobs(model, input_ids, prompt_lens, group_ids, temperature, pad_id,
+                                      with_entropy=with_entropy)
+    picked, _ = _forward_logprobs(model, input_ids, input_ids[:, 1:], temperature, with_entropy)  # [B, T-1]
+    if with_entropy:
+        return tuple(torch.nn.functional.pad(x, (1, 0)) for x in picked)
     return torch.nn.functional.pad(picked, (1, 0))
 
 
 def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
                            group_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                           pad_id: int = 0) -> torch.Tensor:
+                           pad_id: int = 0, *,
+                           with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Completion log-probs with each distinct prompt run once.
 
     1. prefix pass: prompt tokens but the last, one row per group, left-padded, `use_cache=True`;
@@ -107,6 +144,7 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
     3. suffix pass: each row's last prompt token + completion, on top of its group's cache; its logits score the
        completion tokens, so the output projection never runs on prompt positions.
     Rows of one group must have identical prompts (checked on lengths; the tokens are the caller's contract).
+    `with_entropy`: (log-probs, entropies), both [B, T], entropies placed (and 0) as the log-probs are.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -148,8 +186,12 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
     pos = (prompt_lens - 1).unsqueeze(1) + torch.arange(L, device=dev)  # [B, L] positions continue the prompt's
     kwargs = {"past_key_values": cache} if cache is not None else {}
     # picked[b, j] scores token P_b + j: [B, L-1]
-    picked, _ = _forward_logprobs(model, suffix, suffix[:, 1:], temperature, attention_mask=attn, position_ids=pos,
-                                  use_cache=cache is not None, **kwargs)
+    picked, _ = _forward_logprobs(model, suffix, suffix[:, 1:], temperature, with_entropy, attention_mask=attn,
+                                  position_ids=pos, use_cache=cache is not None, **kwargs)
     # Place at columns P_b .. P_b + L - 2; columns past T (suffix padding) land in the slack and are cut off.
     idx = prompt_lens.unsqueeze(1) + torch.arange(L - 1, device=dev)
-    return torch.zeros((B, T + L), dtype=picked.dtype, device=dev).scatter(1, idx, picked)[:, :T]
+
+    def place(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((B, T + L), dtype=x.dtype, device=dev).scatter(1, idx, x)[:, :T]
+
+    return tuple(place(x) for x in picked) if with_entropy else place(picked)

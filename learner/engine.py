@@ -173,11 +173,13 @@ class Learner:
 
     # ---------------------------------------------------------------- training
 
-    def _logprobs(self, mb: TrainBatch) -> torch.Tensor:
-        """Policy log-probs [B, T]; with `shared_prompt` each distinct prompt of the micro-batch is run once."""
+    def _logprobs(self, mb: TrainBatch, with_entropy: bool = False):
+        """Policy log-probs [B, T]; with `shared_prompt` each distinct prompt of the micro-batch is run once.
+        `with_entropy`: (log-probs, per-token entropy of softmax(logits / temperature)), both [B, T]."""
         if self.shared_prompt and mb.prompt_lens is not None:
-            return token_logprobs(self.engine, mb.input_ids, self.temperature, mb.prompt_lens, mb.group_ids)
-        return token_logprobs(self.engine, mb.input_ids, self.temperature)
+            return token_logprobs(self.engine, mb.input_ids, self.temperature, mb.prompt_lens, mb.group_ids,
+                                  with_entropy=with_entropy)
+        return token_logprobs(self.engine, mb.input_ids, self.temperature, with_entropy=with_entropy)
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:
         n = len(batch)
@@ -208,16 +210,17 @@ class Learner:
                 t = time.perf_counter()
                 if self.reference_from_learner:
                     mb = self._with_base_reference(mb)
-                logp = self._logprobs(mb)
+                # The entropy is logged every step, and read by the loss for its bonus or top-entropy mask.
+                logp, entropy = self._logprobs(mb, with_entropy=True)
                 # With one update per batch pi_theta == pi_old at this point, so pi_old needs no extra forward.
                 old_logp = logp.detach() if old is None else old[i]
                 weights = aggregation_weights(
                     mb.completion_mask, self.loss_agg, num_sequences=batch.total_sequences,
                     num_tokens=batch.total_tokens, max_len=batch.max_new_tokens,
                 )
-                loss, stats = grpo_loss(
-                    logp, old_logp, mb.mu_logp, mb.ref_logp, mb.advantages, mb.completion_mask, weights, self.loss_cfg
-                )
+                loss, stats = grpo_loss(logp, old_logp, mb.mu_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
+                                        weights, self.loss_cfg,
+                                        entropy=entropy if self.loss_cfg.needs_entropy else entropy.detach())
                 if nan_loss:
                     loss = loss * float("nan")
                 checks += self._checks(mb, loss, stats)

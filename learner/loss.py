@@ -1,19 +1,21 @@
-"""GRPO loss with truncated importance sampling for quantized rollouts (pure torch; no heavy imports).
+"""The GRPO loss and its variants, with the corrections for quantized rollouts (pure torch; no heavy imports).
 
 Shapes: every per-token tensor is [B, T] aligned with `input_ids[B, T]`: the value at position j is the log-prob
 of token j given tokens < j. `mask` [B, T] is 1 on completion tokens and 0 on prompt and padding positions.
 `advantages` is [B], one per sequence.
 
-The loss, per completion token t of sequence i:
+The loss, per completion token t of sequence i (docs/algorithms.md gives each choice with its source):
 
-    rho_t   = exp(logp - old_logp)                                   pi_theta / pi_old
-    w_t     = min(exp(old_logp - mu_logp), C)                         pi_old / mu, TIS (FlashRL); or mask / none
-    surr_t  = -min(rho_t A_i, clip(rho_t, 1 - eps_low, 1 + eps_high) A_i)    PPO/GRPO clip, DAPO clip-higher
-    loss_t  = w_t surr_t + kl_coeff * KL_t                            KL_t: k1/k2/k3 estimate of KL(pi_theta || ref)
+    pg_t    = the policy term of algo.policy_loss (learner/objectives.py): GRPO's clipped surrogate on
+              rho_t = pi_theta/pi_old by default; GSPO, CISPO or SAPO
+    w_t     = the sampler correction from r = pi_old/mu at is_level (token, sequence, geometric), truncated, masked
+              or rejected at [is_floor, is_cap] (learner/corrections.py); TIS min(r_t, 2) by default
+    keep_t  = DeepSeek-V3.2's off-policy sequence mask x the top-entropy token mask (both optional)
+    loss_t  = keep_t w_t pg_t + kl_coeff KL_t (x rho_t with kl_bias_correction) - entropy_coeff keep_t H_t
     loss    = sum_t loss_t * weight_t                                 weight_t from aggregation_weights()
 
 The aggregation is a per-token weight so that micro-batches and data-parallel ranks, each given the *global*
-counts, add up exactly to the loss of the whole batch.
+counts, add up exactly to the loss of the whole batch. Masks drop tokens from the sum, not from the count (as TRL).
 
 Values at masked positions are never read: they are replaced by 0 before any arithmetic, so padding filled with
 -inf or NaN (as some generators return for prompt positions) cannot leak NaN into the loss or its gradient.
@@ -26,7 +28,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_MODES, KL_ESTIMATORS
+from qgrpo.learner.corrections import effective_sample_size, offpolicy_sequence_keep, sampler_weights, top_entropy_keep
+from qgrpo.learner.objectives import policy_term
+from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_LEVELS, IS_MODES, KL_ESTIMATORS, POLICY_LOSSES
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -55,25 +59,21 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, estimator: str) -> Tensor:
     return torch.expm1(d) - d
 
 
-def importance_weights(old_logp: Tensor, mu_logp: Tensor, *, mode: str, cap: float) -> Tensor:
-    """Per-token weight correcting the sampler/learner mismatch, r = exp(old_logp - mu_logp) = pi_old / mu.
+def importance_weights(old_logp: Tensor, mu_logp: Tensor, *, mode: str, cap: float, floor: float = 0.0) -> Tensor:
+    """Per-token weight r = exp(old_logp - mu_logp) = pi_old / mu at the token level (corrections.sampler_weights):
 
-    truncate: min(r, cap)  (FlashRL truncated importance sampling, TIS);
-    mask:     1.0 where 1/cap <= r <= cap, else 0.0  (drop tokens the sampler got badly wrong; no reweighting);
+    truncate: clamp(r, floor, cap)  (FlashRL truncated importance sampling, TIS);
+    mask:     r inside [floor, cap], else 0.0  (masked IS; IcePop with floor 0.5, cap 5);
+    reject:   1.0 inside [floor, cap], else 0.0  (drop the tokens the sampler got badly wrong, no reweighting);
     none:     1.0 (treat mu as pi_old).
-    Always detached (no gradient), float32 (or float64 if given), shape [B, T].
+    Always detached (no gradient), float32 (or float64 if given), the shape of the inputs.
     """
     _check_choice("is_mode", mode, IS_MODES)
     _check_cap(cap)
-    old = old_logp.detach()
-    mu = mu_logp.detach()
-    dtype = torch.promote_types(torch.promote_types(old.dtype, mu.dtype), torch.float32)
-    r = torch.exp(old.to(dtype) - mu.to(dtype))
-    if mode == "truncate":
-        return r.clamp(max=cap)
-    if mode == "mask":
-        return ((r >= 1.0 / cap) & (r <= cap)).to(dtype)
-    return torch.ones_like(r)
+    old, mu = old_logp.detach(), mu_logp.detach()
+    flat = old.reshape(1, -1), mu.reshape(1, -1)
+    m = torch.ones_like(flat[0], dtype=torch.bool)
+    return sampler_weights(*flat, m, level="token", mode=mode, cap=cap, floor=floor).weight.reshape(old.shape)
 
 
 def aggregation_weights(
@@ -126,31 +126,56 @@ def aggregation_weights(
 
 @dataclass(frozen=True)
 class GRPOLossConfig:
-    """Knobs of grpo_loss. Invalid values raise one ValueError listing every problem."""
+    """Knobs of grpo_loss (the [algo] fields of the same names). Invalid values raise one ValueError listing every
+    problem."""
 
+    policy_loss: str = "grpo"  # one of POLICY_LOSSES (learner/objectives.py)
     clip_low: float = 0.2  # eps_low: ratio floor 1 - clip_low when A < 0
     clip_high: float = 0.2  # eps_high: ratio ceiling 1 + clip_high when A > 0 (DAPO clip-higher uses 0.28)
+    cispo_cap: float = 5.0  # CISPO's eps_max: the cap of its stop-gradient weight
+    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
+    sapo_tau_neg: float = 1.05  # ... for A <= 0
     kl_coeff: float = 0.0  # weight of the per-token KL(pi_theta || ref); 0 disables the term (still logged)
     kl_estimator: str = "k3"  # one of KL_ESTIMATORS
-    is_mode: str = "truncate"  # one of IS_MODES: how pi_old / mu corrects the quantized sampler
-    is_cap: float = 2.0  # C: truncate at C, or mask outside [1/C, C]
+    kl_bias_correction: bool = False  # KL_t x pi_theta/pi_old (DeepSeek-V3.2, TRL's use_bias_correction_kl)
+    is_level: str = "token"  # one of IS_LEVELS: where r = pi_old / mu is taken
+    is_mode: str = "truncate"  # one of IS_MODES: how r corrects the quantized sampler
+    is_cap: float = 2.0  # upper bound of r
+    is_floor: float = 0.0  # lower bound of r (0 = none)
+    offpolicy_mask_kl: float = 0.0  # DeepSeek-V3.2 off-policy sequence masking threshold (0 = off)
+    entropy_coeff: float = 0.0  # entropy bonus
+    top_entropy_quantile: float = 1.0  # train the policy term on this top share of tokens by entropy (1 = all)
 
     def __post_init__(self) -> None:
         errors = []
+        for name, value, allowed in (("policy_loss", self.policy_loss, POLICY_LOSSES),
+                                     ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
+                                     ("is_level", self.is_level, IS_LEVELS), ("is_mode", self.is_mode, IS_MODES)):
+            if value not in allowed:
+                errors.append(f"{name} must be one of {allowed}, got {value!r}")
         if not 0.0 <= self.clip_low < 1.0:
             errors.append(f"clip_low must be in [0, 1) so that 1 - clip_low > 0, got {self.clip_low!r}")
-        if not self.clip_high >= 0.0:
-            errors.append(f"clip_high must be >= 0, got {self.clip_high!r}")
-        if not self.kl_coeff >= 0.0:
-            errors.append(f"kl_coeff must be >= 0, got {self.kl_coeff!r}")
-        if self.kl_estimator not in KL_ESTIMATORS:
-            errors.append(f"kl_estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
-        if self.is_mode not in IS_MODES:
-            errors.append(f"is_mode must be one of {IS_MODES}, got {self.is_mode!r}")
+        for name in ("clip_high", "kl_coeff", "offpolicy_mask_kl", "entropy_coeff"):
+            if not getattr(self, name) >= 0.0:
+                errors.append(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.cispo_cap >= 1.0:
+            errors.append(f"cispo_cap must be >= 1, got {self.cispo_cap!r}")
+        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
+            errors.append(f"sapo_tau_pos and sapo_tau_neg must be > 0, got {self.sapo_tau_pos!r}, "
+                          f"{self.sapo_tau_neg!r}")
         if not self.is_cap >= IS_CAP_MIN:
             errors.append(f"is_cap must be >= {IS_CAP_MIN:g}, got {self.is_cap!r}")
+        if not 0.0 <= self.is_floor <= 1.0:
+            errors.append(f"is_floor must be in [0, 1] so that [is_floor, is_cap] contains 1, got {self.is_floor!r}")
+        if not 0.0 < self.top_entropy_quantile <= 1.0:
+            errors.append(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
         if errors:
             raise ValueError("invalid GRPOLossConfig:\n  " + "\n  ".join(errors))
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Whether the loss itself reads the per-token entropy (it is logged either way when given)."""
+        return self.entropy_coeff > 0 or self.top_entropy_quantile < 1.0
 
 
 def mismatch_stats(old_logp: Tensor, mu_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
@@ -196,30 +221,29 @@ def grpo_loss(
     mask: Tensor,
     weights: Tensor,
     cfg: GRPOLossConfig,
+    entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped GRPO surrogate (DeepSeekMath GRPO, DAPO clip-higher) with TIS (FlashRL) and KL to a reference.
+    """The loss of the module docstring: cfg.policy_loss's term, the sampler correction, the optional masks, the KL
+    to a reference and the entropy bonus, aggregated by `weights`.
 
     logp [B, T]: current policy log-probs (requires grad). old_logp [B, T]: pi_old, the learner's policy before
     this batch's updates. mu_logp [B, T]: the sampler that generated the tokens (quantized generator).
     ref_logp [B, T] or None (then the KL term is 0). advantages [B]. mask [B, T] float or bool.
     weights [B, T] from aggregation_weights(), which sets the normalisation (token-, sequence-mean or constant).
+    entropy [B, T] or None: the policy's per-token entropy (core/scoring.py, with_entropy=True); required when
+    cfg.entropy_coeff > 0 or cfg.top_entropy_quantile < 1, logged whenever given.
 
-        rho = exp(logp - old_logp); surr = -min(rho A, clip(rho, 1 - clip_low, 1 + clip_high) A)
-        token_loss = w_is * surr + kl_coeff * kl,  w_is = importance_weights(old_logp, mu_logp)
-        loss = (token_loss * weights).sum() over masked tokens
+    The sampler correction and the masks multiply the policy term only. Arithmetic is float32 (inputs are upcast; the
+    gradient flows back to logp and entropy in their own dtype). old_logp, mu_logp, ref_logp and advantages are
+    detached.
 
-    The IS weight multiplies the policy-gradient term only. Arithmetic is float32 (inputs are upcast; the gradient
-    flows back to logp in its own dtype). old_logp, mu_logp, ref_logp and advantages are detached.
-
-    Returns (loss, stats); stats are detached 0-dim sums over masked tokens so callers can add them across
-    micro-batches and ranks (merge_stats; *_max / *_min keys combine by max / min), then call finalize_stats:
-      tokens, clipped_low (rho < 1 - clip_low and A < 0), clipped_high (rho > 1 + clip_high and A > 0),
-      kl_sum (0 without a reference), is_weight_sum, is_capped (tokens truncated in "truncate" mode / masked out
-      in "mask" mode; always 0 in "none"), and log_ratio_sum, log_ratio_max, log_ratio_min, kl_mu_old_sum from
-      mismatch_stats.
+    Returns (loss, stats); stats are detached 0-dim sums over masked tokens (and sequences) so callers can add them
+    across micro-batches and ranks (merge_stats; *_max / *_min keys combine by max / min), then call finalize_stats.
     """
     _check_shapes(logp, advantages, old_logp=old_logp, mu_logp=mu_logp, mask=mask, weights=weights,
-                  ref_logp=ref_logp)
+                  ref_logp=ref_logp, entropy=entropy)
+    if entropy is None and cfg.needs_entropy:
+        raise ValueError("grpo_loss: entropy_coeff > 0 or top_entropy_quantile < 1 needs the per-token entropy")
     m = mask != 0
     # Zero every masked position before use: padding may hold -inf/NaN, and 0 * inf would be NaN even under a
     # zero weight. torch.where passes no gradient to the masked entries of logp.
@@ -227,42 +251,56 @@ def grpo_loss(
     old = torch.where(m, old_logp.detach().float(), 0.0)
     mu = torch.where(m, mu_logp.detach().float(), 0.0)
     adv = advantages.detach().float()[:, None]  # [B, 1]
+    ent = torch.where(m, entropy.float(), 0.0) if entropy is not None else None
 
-    rho = torch.exp(logp_ - old)
-    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
-    surr = -torch.minimum(rho * adv, rho.clamp(lo, hi) * adv)  # [B, T]
-    w_is = importance_weights(old, mu, mode=cfg.is_mode, cap=cfg.is_cap)
-    token_loss = w_is * surr
+    pg, clipped_low, clipped_high = policy_term(cfg.policy_loss, logp_, old, adv, m, cfg)
+    sw = sampler_weights(old, mu, m, level=cfg.is_level, mode=cfg.is_mode, cap=cfg.is_cap, floor=cfg.is_floor)
+    keep_seq = (offpolicy_sequence_keep(logp_, mu, adv, m, cfg.offpolicy_mask_kl) if cfg.offpolicy_mask_kl > 0
+                else torch.ones_like(adv, dtype=torch.bool))
+    keep_tok = top_entropy_keep(ent, m, cfg.top_entropy_quantile) if ent is not None else m
+    token_loss = sw.weight * pg * (keep_seq & keep_tok)
 
     if ref_logp is not None:
         ref = torch.where(m, ref_logp.detach().float(), 0.0)
         kl = kl_penalty(logp_, ref, cfg.kl_estimator)
+        if cfg.kl_bias_correction:  # rho keeps its gradient, as TRL's coef_1
+            kl = kl * torch.exp(logp_ - old)
         if cfg.kl_coeff != 0.0:
             token_loss = token_loss + cfg.kl_coeff * kl
         kl_sum = torch.where(m, kl.detach(), 0.0).sum()
     else:
         kl_sum = torch.zeros((), device=logp.device)
+    if cfg.entropy_coeff > 0:
+        token_loss = token_loss - cfg.entropy_coeff * ent * keep_tok
 
     loss = torch.where(m, token_loss * weights.float(), 0.0).sum()
-
     with torch.no_grad():
-        rho_d = rho.detach()
-        if cfg.is_mode == "truncate":
-            capped = torch.exp(old - mu) > cfg.is_cap
-        elif cfg.is_mode == "mask":
-            capped = w_is == 0
-        else:
-            capped = torch.zeros_like(m)
-        stats = {
-            "tokens": m.sum().float(),
-            "clipped_low": (m & (rho_d < lo) & (adv < 0)).sum().float(),
-            "clipped_high": (m & (rho_d > hi) & (adv > 0)).sum().float(),
-            "kl_sum": kl_sum,
-            "is_weight_sum": torch.where(m, w_is, 0.0).sum(),
-            "is_capped": (m & capped).sum().float(),
-            **mismatch_stats(old, mu, m),
-        }
+        stats = _loss_stats(m, keep_seq, keep_tok, sw, clipped_low, clipped_high, kl_sum, ent)
+        stats.update(mismatch_stats(old, mu, m))
     return loss, stats
+
+
+def _loss_stats(m: Tensor, keep_seq: Tensor, keep_tok: Tensor, sw, clipped_low: Tensor, clipped_high: Tensor,
+                kl_sum: Tensor, ent: Tensor | None) -> dict[str, Tensor]:
+    """grpo_loss's sums (see finalize_stats for what each becomes)."""
+    def count(x: Tensor) -> Tensor:
+        return x.sum().float()
+
+    has = m.any(dim=1)  # sequences with tokens
+    ess = effective_sample_size(sw.units)
+    off = sw.truncated | sw.masked
+    return {
+        "tokens": count(m), "sequences": count(has),
+        "clipped_low": count(clipped_low), "clipped_high": count(clipped_high), "kl_sum": kl_sum,
+        "is_weight_sum": sw.weight.sum(), "is_capped": count(m & off),
+        "is_truncated": count(sw.truncated), "is_truncated_seqs": count(sw.truncated.any(dim=1)),
+        "is_masked": count(sw.masked), "is_masked_seqs": count(has & ~(m & ~sw.masked).any(dim=1)),
+        "ess_w_sum": ess[0], "ess_w_sq_sum": ess[1], "ess_n": ess[2],
+        "offpolicy_masked_seqs": count(has & ~keep_seq[:, 0]),
+        "entropy_sum": ent.sum() if ent is not None else torch.zeros((), device=m.device),
+        "entropy_tokens": count(m) if ent is not None else torch.zeros((), device=m.device),
+        "entropy_masked": count(m & ~keep_tok),
+    }
 
 
 def merge_stats(total: dict[str, Tensor | float], new: dict[str, Tensor | float]) -> dict[str, Tensor | float]:
@@ -288,25 +326,30 @@ def finalize_stats(sums: dict[str, Tensor | float]) -> dict[str, float]:
       tokens                     number of completion tokens
       clip_frac_low              clipped_low / tokens: tokens where A < 0 and the ratio fell below 1 - clip_low
       clip_frac_high             clipped_high / tokens: tokens where A > 0 and the ratio rose above 1 + clip_high
+                                 (CISPO: any token whose ratio passed cispo_cap; GSPO: tokens of clipped sequences)
       kl                         kl_sum / tokens: mean per-token KL(pi_theta || ref) estimate
-      is_weight_mean             is_weight_sum / tokens: mean importance weight pi_old / mu after truncation/mask
-      is_capped_frac             is_capped / tokens: share of tokens truncated or masked out
+      is_weight_mean             is_weight_sum / tokens: mean sampler weight after truncation / masking
+      is_capped_frac             share of tokens truncated or masked by the sampler correction
       mismatch/log_ratio_mean    mean log(pi_old / mu) over sampled tokens
       mismatch/log_ratio_max     max  log(pi_old / mu)
       mismatch/log_ratio_min     min  log(pi_old / mu)
       mismatch/kl_mu_old         mean k3 estimate of KL(mu || pi_old)
+      mismatch/truncated_token_frac, mismatch/truncated_seq_frac   tokens truncated; sequences with one truncated
+      mismatch/masked_token_frac, mismatch/masked_seq_frac         tokens masked or rejected; sequences with all
+      mismatch/ess               (sum w)^2 / (n sum w^2) of the sampler weights, per token or per sequence (is_level)
+      mismatch/offpolicy_masked_seq_frac  sequences dropped by the off-policy sequence mask
+      entropy/mean               mean token entropy of the policy (only when grpo_loss was given the entropy)
+      entropy/masked_token_frac  tokens left out of the policy term by top_entropy_quantile
     With no tokens every value is 0.0.
     """
     tokens = float(sums["tokens"])
-    if tokens <= 0:
-        keys = ("clip_frac_low", "clip_frac_high", "kl", "is_weight_mean", "is_capped_frac",
-                "mismatch/log_ratio_mean", "mismatch/log_ratio_max", "mismatch/log_ratio_min", "mismatch/kl_mu_old")
-        return {"tokens": 0.0, **{k: 0.0 for k in keys}}
+    seqs = max(float(sums.get("sequences", 0.0)), 1.0)
 
-    def mean(key: str) -> float:
-        return float(sums[key]) / tokens
+    def mean(key: str, over: float = tokens) -> float:
+        return float(sums.get(key, 0.0)) / over if tokens > 0 else 0.0
 
-    return {
+    w, w2 = float(sums.get("ess_w_sum", 0.0)), float(sums.get("ess_w_sq_sum", 0.0))
+    out = {
         "tokens": tokens,
         "clip_frac_low": mean("clipped_low"),
         "clip_frac_high": mean("clipped_high"),
@@ -314,7 +357,17 @@ def finalize_stats(sums: dict[str, Tensor | float]) -> dict[str, float]:
         "is_weight_mean": mean("is_weight_sum"),
         "is_capped_frac": mean("is_capped"),
         "mismatch/log_ratio_mean": mean("log_ratio_sum"),
-        "mismatch/log_ratio_max": float(sums["log_ratio_max"]),
-        "mismatch/log_ratio_min": float(sums["log_ratio_min"]),
+        "mismatch/log_ratio_max": float(sums["log_ratio_max"]) if tokens > 0 else 0.0,
+        "mismatch/log_ratio_min": float(sums["log_ratio_min"]) if tokens > 0 else 0.0,
         "mismatch/kl_mu_old": mean("kl_mu_old_sum"),
+        "mismatch/truncated_token_frac": mean("is_truncated"),
+        "mismatch/truncated_seq_frac": mean("is_truncated_seqs", seqs),
+        "mismatch/masked_token_frac": mean("is_masked"),
+        "mismatch/masked_seq_frac": mean("is_masked_seqs", seqs),
+        "mismatch/ess": w * w / (float(sums.get("ess_n", 0.0)) * w2) if w2 > 0 else 0.0,
+        "mismatch/offpolicy_masked_seq_frac": mean("offpolicy_masked_seqs", seqs),
+        "entropy/masked_token_frac": mean("entropy_masked"),
     }
+    if float(sums.get("entropy_tokens", 0.0)) > 0:
+        out["entropy/mean"] = float(sums["entropy_sum"]) / float(sums["entropy_tokens"])
+    return out

@@ -4,7 +4,14 @@ importing torch."""
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
-IS_MODES = ("truncate", "mask", "none")
-# The least importance-weight cap C: [1/C, C] must contain 1, so that a token the sampler got exactly right keeps
-# weight 1 (truncate) and is never masked out (mask). C = 1 is allowed: truncation then only ever lowers weights.
+# The policy-gradient term (learner/objectives.py): PPO/GRPO clip on token ratios, GSPO's clip on the sequence ratio,
+# CISPO's clipped stop-gradient weight on log pi, SAPO's soft gate.
+POLICY_LOSSES = ("grpo", "gspo", "cispo", "sapo")
+# The sampler/learner mismatch correction r = pi_old / mu (learner/corrections.py): at which level r is taken
+# (per token; the product over a sequence; its geometric mean) and what the bounds [is_floor, is_cap] do to it
+# (truncate: clamp; mask: keep r inside, 0 outside; reject: 1 inside, 0 outside; none: weight 1).
+IS_LEVELS = ("token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask", "reject", "none")
+# The least importance-weight cap C: [is_floor, C] must contain 1, so that a token the sampler got exactly right is
+# never masked out. C = 1 is allowed: truncation then only ever lowers weights.
 IS_CAP_MIN = 1.0

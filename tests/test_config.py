@@ -54,6 +54,10 @@ BAD = [
     ("learner.lr='fast'", "learner.lr: expected float"),
     ("algo.loss_agg='mean'", "algo.loss_agg: must be token_mean, seq_mean or constant"),
     ("algo.is_cap=0.5", "algo.is_cap: must be >= 1"),
+    ("algo.policy_loss='ppo'", "algo.policy_loss: must be grpo, gspo, cispo or sapo"),
+    ("algo.is_level='chunk'", "algo.is_level: must be token, sequence or geometric"),
+    ("algo.is_floor=1.5", "algo.is_floor: must be in 0..1"),
+    ("algo.top_entropy_quantile=0", "algo.top_entropy_quantile: must be in (0, 1]"),
     ("rollout.top_p=1.5", "rollout.top_p: must be in (0, 1]"),
     ("task.name='gsm9k'", "task.name: unknown task 'gsm9k'"),
 ]
@@ -212,3 +216,46 @@ def test_config_is_still_a_dataclass_that_pickles_and_is_validated_after_changes
     assert dataclasses.replace(cfg.learner, lr=1e-4).lr == 1e-4
     cfg.rollout.group_size = 1
     assert validate(cfg) == ["rollout.group_size: must be >= 2 (advantages compare completions within a group), got 1"]
+
+
+ALGO_COMBINATIONS = [
+    (["algo.policy_loss='gspo'"], "algo.loss_agg: policy_loss = \"gspo\" clips one ratio per sequence"),
+    (["algo.is_mode='none'", "algo.is_level='sequence'"], "algo.is_mode: \"none\" applies no correction"),
+    (["algo.is_mode='none'", "algo.is_floor=0.5"], "algo.is_mode: \"none\" applies no correction"),
+    (["algo.is_mode='reject'", "algo.is_floor=1.0", "algo.is_cap=1.0"], "algo.is_floor: equal to algo.is_cap"),
+    (["algo.kl_coeff=0", "algo.kl_bias_correction=true"], "algo.kl_bias_correction: corrects the KL term"),
+    (["algo.dynamic_sampling=true", "algo.overlap=true"], "algo.dynamic_sampling: cannot run with algo.overlap"),
+    (["algo.overlong_buffer=3"], "algo.overlong_buffer: must be < rollout.max_new_tokens (3)"),
+]
+
+
+@pytest.mark.parametrize("overrides,fragment", ALGO_COMBINATIONS, ids=[" ".join(o) for o, _ in ALGO_COMBINATIONS])
+def test_algo_combinations_that_mean_nothing_are_refused(overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, overrides)
+    assert fragment in str(e.value), str(e.value)
+
+
+def test_algo_recipes_load_and_reach_the_learner():
+    from qgrpo.cluster.run.learners import learner_settings
+
+    recipes = {
+        "trl_default": ["algo.is_level='sequence'", "algo.is_mode='mask'", "algo.is_cap=3"],
+        "icepop": ["algo.is_mode='mask'", "algo.is_floor=0.5", "algo.is_cap=5"],
+        "geo_rs": ["algo.is_level='geometric'", "algo.is_mode='reject'", "algo.is_floor=0.999", "algo.is_cap=1.001"],
+        "gspo": ["algo.policy_loss='gspo'", "algo.loss_agg='seq_mean'", "algo.clip_low=3e-4", "algo.clip_high=4e-4"],
+        "cispo": ["algo.policy_loss='cispo'", "algo.cispo_cap=4"],
+        "sapo": ["algo.policy_loss='sapo'", "algo.sapo_tau_neg=1.2"],
+        "dapo": ["algo.dynamic_sampling=true", "algo.overlong_buffer=1", "algo.overlong_filter=true",
+                 "algo.clip_high=0.28"],
+        "entropy": ["algo.entropy_coeff=0.01", "algo.top_entropy_quantile=0.2", "algo.offpolicy_mask_kl=0.5",
+                    "algo.kl_bias_correction=true"],
+    }
+    for name, overrides in recipes.items():
+        cfg = load_config(TINY, overrides)
+        loss_cfg = learner_settings(cfg).loss_cfg
+        for o in overrides:
+            key, value = o.split("=", 1)
+            field = key.removeprefix("algo.")
+            if hasattr(loss_cfg, field):  # the learner's fields get the config's values as given
+                assert getattr(loss_cfg, field) == getattr(cfg.algo, field), (name, field)

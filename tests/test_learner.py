@@ -90,6 +90,32 @@ def test_several_updates_per_batch_make_the_clip_act(tiny_model_path):
     assert s["clipped_low"] + s["clipped_high"] > 0, "pi_theta moved away from pi_old after the first update"
 
 
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "sapo"])
+def test_each_policy_loss_trains_with_entropy_and_sequence_corrections(tiny_model_path, policy_loss):
+    """Two updates on one batch with each policy loss, a sequence-level masked correction, the entropy bonus and
+    top-entropy masking: the step is taken, and the entropy logged is that of the model's distribution (between 0
+    and log vocab)."""
+    import math
+
+    from qgrpo.learner.engine import Learner
+    from qgrpo.learner.loss import finalize_stats
+
+    learner = Learner(tiny_model_path, LearnerSettings(
+        lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, updates_per_batch=2, grad_clip=0.0,
+        loss_agg="seq_mean" if policy_loss == "gspo" else "token_mean",
+        loss_cfg=GRPOLossConfig(policy_loss=policy_loss, kl_coeff=0.0, is_level="sequence", is_mode="mask",
+                                is_cap=3.0, entropy_coeff=0.01, top_entropy_quantile=0.5)))
+    batch = _group_batch(32)
+    out = learner.train_step(batch)
+    assert out.skipped == "" and out.policy_version == 2 and math.isfinite(out.loss) and out.grad_norm > 0
+    m = finalize_stats(out.stats)
+    vocab = learner.engine.module.config.vocab_size
+    assert 0.0 < m["entropy/mean"] < math.log(vocab)
+    assert m["entropy/masked_token_frac"] == pytest.approx(0.5, abs=0.15)  # the lower half of each micro-batch
+    # mu_logp = -2 on every token, the model's own log-probs differ: the sequence-level weights are not all 1
+    assert 0.0 < m["mismatch/ess"] <= 1.0 and m["mismatch/masked_seq_frac"] + m["is_weight_mean"] > 0
+
+
 def _group_batch(vocab: int, groups: int = 4, G: int = 4, P: int = 6, L: int = 5) -> TrainBatch:
     """`groups` prompts of P tokens with G completions each (lengths 1..L), as build_train_batch lays them out."""
     b = _batch(vocab, B=groups * G, P=P, L=L)

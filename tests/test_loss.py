@@ -60,11 +60,17 @@ def test_tis_truncates_at_cap_and_passes_values_below():
     torch.testing.assert_close(w3, t([0.1, 0.5, 1.0, 1.5, 1.99, 2.5, 3.0]))
 
 
-def test_mask_mode_zeroes_outside_interval():
+def test_mask_keeps_the_ratio_inside_and_reject_keeps_one():
     r = t([0.1, 0.4, 0.6, 1.0, 1.9, 2.1, 40.0])
     mu = torch.zeros(7)
-    w = importance_weights(r.log(), mu, mode="mask", cap=2.0)
+    w = importance_weights(r.log(), mu, mode="mask", cap=2.0, floor=0.5)  # masked IS (TRL *_mask, IcePop)
+    torch.testing.assert_close(w, t([0.0, 0.0, 0.6, 1.0, 1.9, 0.0, 0.0]))
+    w = importance_weights(r.log(), mu, mode="reject", cap=2.0, floor=0.5)  # rejection: no reweighting
     assert torch.equal(w, t([0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0]))
+    w = importance_weights(r.log(), mu, mode="mask", cap=2.0)  # no floor
+    torch.testing.assert_close(w, t([0.1, 0.4, 0.6, 1.0, 1.9, 0.0, 0.0]))
+    w = importance_weights(r.log(), mu, mode="truncate", cap=2.0, floor=0.5)  # truncation from below too
+    torch.testing.assert_close(w, t([0.5, 0.5, 0.6, 1.0, 1.9, 2.0, 2.0]))
 
 
 def test_none_mode_is_one():
@@ -72,7 +78,7 @@ def test_none_mode_is_one():
     assert torch.equal(w, t([1.0, 1.0]))
 
 
-@pytest.mark.parametrize("mode", ["truncate", "mask", "none"])
+@pytest.mark.parametrize("mode", ["truncate", "mask", "reject", "none"])
 def test_importance_weights_carry_no_grad(mode):
     old = torch.randn(2, 4, requires_grad=True)
     mu = torch.randn(2, 4, requires_grad=True)
@@ -147,7 +153,7 @@ def test_truncated_is_weight_scales_the_surrogate():
     assert loss == pytest.approx(-2.0) and grad == pytest.approx(-2.0)
     assert stats["is_capped"].item() == 1 and stats["is_weight_sum"].item() == pytest.approx(2.0)
     cfg = GRPOLossConfig(clip_low=0.1, clip_high=0.28, is_mode="mask")
-    loss, grad, stats = _one_token(0.0, 1.0, log_is=1.0, cfg=cfg)  # r = e outside [1/2, 2]: token dropped
+    loss, grad, stats = _one_token(0.0, 1.0, log_is=1.0, cfg=cfg)  # r = e outside [0, 2]: token dropped
     assert loss == 0.0 and grad == 0.0 and stats["is_capped"].item() == 1
     cfg = GRPOLossConfig(is_mode="none")
     loss, _, stats = _one_token(0.0, 1.0, log_is=1.0, cfg=cfg)
@@ -340,7 +346,8 @@ def test_config_reports_every_error_at_once():
     with pytest.raises(ValueError) as err:
         GRPOLossConfig(clip_low=1.5, kl_estimator="k4", is_mode="clip", is_cap=0.5, kl_coeff=-1.0)
     msg = str(err.value)
-    for needle in ("clip_low", "kl_estimator", "is_mode", "is_cap", "kl_coeff", "('truncate', 'mask', 'none')"):
+    for needle in ("clip_low", "kl_estimator", "is_mode", "is_cap", "kl_coeff",
+                   "('truncate', 'mask', 'reject', 'none')"):
         assert needle in msg
 
 
@@ -372,6 +379,8 @@ def test_finalize_stats_keys_and_values():
     assert set(out) == {
         "tokens", "clip_frac_low", "clip_frac_high", "kl", "is_weight_mean", "is_capped_frac",
         "mismatch/log_ratio_mean", "mismatch/log_ratio_max", "mismatch/log_ratio_min", "mismatch/kl_mu_old",
+        "mismatch/truncated_token_frac", "mismatch/truncated_seq_frac", "mismatch/masked_token_frac",
+        "mismatch/masked_seq_frac", "mismatch/ess", "mismatch/offpolicy_masked_seq_frac", "entropy/masked_token_frac",
     }
     assert all(isinstance(v, float) for v in out.values())
     expected = {
@@ -385,6 +394,14 @@ def test_finalize_stats_keys_and_values():
         "mismatch/log_ratio_max": 1.0,
         "mismatch/log_ratio_min": -0.5,
         "mismatch/kl_mu_old": ((E - 2.0) + (math.exp(-0.5) - 0.5)) / 2,
+        "mismatch/truncated_token_frac": 0.5,
+        "mismatch/truncated_seq_frac": 0.5,
+        "mismatch/masked_token_frac": 0.0,
+        "mismatch/masked_seq_frac": 0.0,
+        # weights 2 and e^-0.5: (2 + e^-0.5)^2 / (2 (4 + e^-1))
+        "mismatch/ess": (2.0 + math.exp(-0.5)) ** 2 / (2 * (4.0 + math.exp(-1.0))),
+        "mismatch/offpolicy_masked_seq_frac": 0.0,
+        "entropy/masked_token_frac": 0.0,
     }
     for k, v in expected.items():
         assert out[k] == pytest.approx(v, abs=1e-6), k

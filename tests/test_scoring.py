@@ -165,3 +165,80 @@ def test_eager_attention_equals_sdpa_with_shared_prompts():
     torch.testing.assert_close(out["eager"][0], out["sdpa"][0], atol=2e-5, rtol=1e-5)
     for a, b in zip(out["eager"][1], out["sdpa"][1]):
         torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def _reference_entropy(model, ids, temperature, dtype=torch.float32):
+    """The plain definition: entropy of Categorical(model's own full logits / T), padded to [B, T] (position 0: 0)."""
+    logits = model(input_ids=ids).logits[:, :-1].to(dtype) / temperature
+    return torch.nn.functional.pad(torch.distributions.Categorical(logits=logits).entropy(), (1, 0))
+
+
+@pytest.mark.parametrize("make,path", [(_model, "chunked"), (_model, "full"), (_nanochat, "chunked")])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_entropy_equals_full_logits_reference(make, path, shared, temperature, monkeypatch):
+    """with_entropy=True: entropies equal Categorical(full logits / T).entropy() (atol 1e-5, float32) wherever a
+    log-prob is scored and are 0 elsewhere; the gradient of sum(entropy * w) equals the reference's (atol 1e-5,
+    rtol 1e-4); the log-probs are those of with_entropy=False, bit for bit. Chunks of 7 positions cut across rows;
+    path "full" is the model's own logits (split_head None)."""
+    import qgrpo.core.scoring as scoring
+
+    ids, mask, plens, gids = _groups(2)
+    kw = {"prompt_lens": plens, "group_ids": gids} if shared else {}
+    scored = torch.arange(ids.shape[1]) >= (plens[:, None] if shared else torch.ones(len(ids), 1))  # [B, T]
+    w = torch.randn(ids.shape, generator=torch.Generator().manual_seed(3))
+    model = make()
+    want = _reference_entropy(model, ids, temperature) * scored
+    (want * w).sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(scoring.head_logprobs, "__defaults__", (1.0, None, 7))
+    if path == "full":
+        monkeypatch.setattr(scoring, "split_head", lambda model: None)
+    lp, ent = token_logprobs(model, ids, temperature, **kw, with_entropy=True)
+    assert ent.dtype == lp.dtype == torch.float32 and ent.shape == lp.shape == ids.shape
+    assert torch.isfinite(ent).all() and (ent[~scored] == 0).all() and (lp[~scored] == 0).all()
+    torch.testing.assert_close(ent, want, atol=1e-5, rtol=0)
+    (ent * w).sum().backward()
+    for (name, p), g in zip(model.named_parameters(), want_grads):
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4, msg=name)
+    with torch.no_grad():
+        assert torch.equal(lp.detach(), token_logprobs(model, ids, temperature, **kw))
+
+
+def test_with_entropy_false_is_the_plain_tensor():
+    """with_entropy=False (and the default) return one tensor, the same bits as the entropy path's log-probs;
+    head_logprobs over no positions returns zeros of the input shape, both with and without entropy."""
+    import qgrpo.core.scoring as scoring
+
+    ids, mask, plens, gids = _groups()
+    model = _model()
+    for kw in ({}, {"prompt_lens": plens, "group_ids": gids}):
+        plain = token_logprobs(model, ids, 0.7, **kw)
+        off = token_logprobs(model, ids, 0.7, **kw, with_entropy=False)
+        on = token_logprobs(model, ids, 0.7, **kw, with_entropy=True)
+        assert isinstance(off, torch.Tensor) and isinstance(on, tuple) and len(on) == 2
+        assert torch.equal(off, plain) and torch.equal(on[0], plain)
+    head, hidden = model.lm_head, torch.zeros(2, 0, 64)
+    targets = torch.zeros(2, 0, dtype=torch.long)
+    assert scoring.head_logprobs(head, hidden, targets).shape == (2, 0)
+    assert [t.shape for t in scoring.head_logprobs(head, hidden, targets, with_entropy=True)] == [(2, 0), (2, 0)]
+
+
+def test_entropy_no_nan_with_large_logits():
+    """Head weights x1000 (logits over a thousand, near one-hot distributions): entropies and their gradients are
+    finite, >= 0, and equal a float64 reference (atol 1e-4)."""
+    ids, mask, plens, gids = _groups()
+    model = _model()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1000)
+    for kw in ({}, {"prompt_lens": plens, "group_ids": gids}):
+        model.zero_grad()
+        lp, ent = token_logprobs(model, ids, 0.7, **kw, with_entropy=True)
+        assert torch.isfinite(lp).all() and torch.isfinite(ent).all() and (ent >= 0).all()
+        ent.sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        with torch.no_grad():
+            want = _reference_entropy(model, ids, 0.7, torch.float64).float() * (ent != 0)
+        torch.testing.assert_close(ent.detach(), want, atol=1e-4, rtol=0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from qgrpo.cluster.config.plan import placement_problems
-from qgrpo.cluster.config.training import MODE_ZERO_STAGES
+from qgrpo.cluster.config.training import ALGO_RULES, MODE_ZERO_STAGES
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
 from qgrpo.rollout.models import BUILTIN_PREFIX
 
@@ -273,13 +273,8 @@ rule("rollout.num_gpus", "reference.num_gpus", "reference.backend", "reference.f
 # [algo] and [learner]
 
 
-@rule("algo.clip_low", "algo.clip_high")
-def _clip_order(cfg: Config) -> list[str]:
-    a = cfg.algo
-    if a.clip_low <= a.clip_high:
-        return []
-    return [f"algo.clip_low: must be <= algo.clip_high (clip-higher widens the upper side), got {a.clip_low} > "
-            f"{a.clip_high}; lower algo.clip_low or raise algo.clip_high"]
+for _fields, _check in ALGO_RULES:
+    rule(*_fields)(lambda cfg, check=_check: check(cfg.algo, cfg))
 
 
 @rule("learner.mode", "learner.zero_stage")

@@ -2,6 +2,7 @@
 placement group, one Ray actor per rank, joined into one process group)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from qgrpo.actors.common import thread_env
@@ -26,8 +27,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         optimizer=le.optimizer, lr=le.lr, weight_decay=le.weight_decay, betas=(le.beta1, le.beta2),
         grad_clip=le.grad_clip, warmup_steps=le.warmup_steps, lr_schedule=le.lr_schedule,
         total_updates=cfg.run.steps * algo.updates_per_batch,
-        loss_cfg=GRPOLossConfig(clip_low=algo.clip_low, clip_high=algo.clip_high, kl_coeff=algo.kl_coeff,
-                                kl_estimator=algo.kl_estimator, is_mode=algo.is_mode, is_cap=algo.is_cap),
+        loss_cfg=GRPOLossConfig(**{f.name: getattr(algo, f.name) for f in dataclasses.fields(GRPOLossConfig)}),
         loss_agg=algo.loss_agg, temperature=ro.temperature, updates_per_batch=algo.updates_per_batch,
         shared_prompt=le.shared_prompt,
         guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
