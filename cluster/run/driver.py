@@ -4,6 +4,7 @@ Departures from the GRPO paper, on purpose: rollouts come from quantized generat
 policy-gradient term is weighted by min(pi_old/mu, C) (FlashRL's truncated importance sampling) and the mismatch
 between mu and pi_old is logged each step; log-probs everywhere are those of softmax(logits / temperature).
 A step the learner's precision guard skipped moves the generators (or the reference) up the precision ladder.
+DAPO's dynamic sampling, overlong reward shaping and overlong filtering are options (cluster/run/sampling.py).
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.control import wanted_rollout_actors
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
 from qgrpo.cluster.run.overlap import RolloutSource, StepRollouts
+from qgrpo.cluster.run.sampling import dynamic_rollouts, filter_truncated, shape_rewards
 from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, complete_checkpoints, save_checkpoint
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
 from qgrpo.cluster.rundir.rollout_log import RolloutWriter
 from qgrpo.cluster.rundir.runlog import RunLog
-from qgrpo.core.records import GenerationStats, GroupRollout, TrainStepResult, WeightSync
+from qgrpo.core.records import GroupRollout, TrainStepResult, WeightSync
 from qgrpo.core.storage import RunDir, StorageError
 from qgrpo.learner.batch import TrainBatch, build_train_batch
 from qgrpo.learner.loss import finalize_stats, merge_stats
@@ -54,11 +56,52 @@ def scored_batch(run: "TrainingRun", groups: list[GroupRollout], clock: "StageCl
     if run.workers.reference is not None:
         batch = batch.with_ref(run.workers.reference_logprobs(batch))
     clock.lap("reference")
-    reward_metrics = pending.result()
+    reward_metrics = {**pending.result(), **shaped(run, groups)}
     set_advantages(groups, run.cfg.algo.advantage_scale)
     advantages = torch.tensor([a for g in groups for a in g.advantages], dtype=torch.float32)  # the batch's order
     clock.lap("rewards")
-    return dataclasses.replace(batch, advantages=advantages), reward_metrics
+    return filtered(run, dataclasses.replace(batch, advantages=advantages), groups, reward_metrics)
+
+
+def shaped(run: "TrainingRun", groups: list[GroupRollout]) -> dict:
+    """algo.overlong_buffer: the overlong penalty added to the groups' rewards (before the advantages); its metrics."""
+    a = run.cfg.algo
+    return shape_rewards(groups, run.cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
+
+
+def filtered(run: "TrainingRun", batch: TrainBatch, groups: list[GroupRollout], metrics: dict
+             ) -> tuple[TrainBatch, dict]:
+    """algo.overlong_filter: the truncated completions left out of the loss; `metrics` with overlong/filtered_frac."""
+    if not run.cfg.algo.overlong_filter:
+        return batch, metrics
+    batch, more = filter_truncated(batch, groups)
+    return batch, {**metrics, **more}
+
+
+def plain_batch(run: "TrainingRun", step: int, clock: "StageClock") -> tuple[StepRollouts, TrainBatch, dict]:
+    """Step `step`'s rollouts (with algo.overlap: generated one step ahead), batch and reward metrics."""
+    rollouts = run.source.take(step, run.cfg.run.steps)
+    clock.lap("generate")
+    return rollouts, *scored_batch(run, rollouts.groups, clock)
+
+
+def dynamic_batch(run: "TrainingRun", step: int, clock: "StageClock") -> tuple[StepRollouts, TrainBatch, dict]:
+    """algo.dynamic_sampling (cluster/run/sampling.py): rounds of generation and rewards until the batch has
+    rollout.prompts_per_step groups with signal (or the rounds run out), then the reference scores the batch kept.
+    The reward metrics are the first round's, the step's fresh sample of the policy, not the filtered batch's."""
+    def score(groups: list[GroupRollout]) -> dict:
+        return {**run.rewards.submit(groups).result(), **shaped(run, groups)}
+
+    cfg = run.cfg
+    rollouts, metrics = dynamic_rollouts(run.source, score, cfg.rollout.prompts_per_step,
+                                         cfg.algo.dynamic_sampling_rounds, step, cfg.run.steps, clock)
+    set_advantages(rollouts.groups, cfg.algo.advantage_scale)
+    batch = build_train_batch(rollouts.groups, PAD_ID, cfg.rollout.max_new_tokens)
+    clock.lap("pack")
+    if run.workers.reference is not None:
+        batch = batch.with_ref(run.workers.reference_logprobs(batch))
+    clock.lap("reference")
+    return rollouts, *filtered(run, batch, rollouts.groups, metrics)
 
 
 class StageClock:
@@ -69,35 +112,39 @@ class StageClock:
         self.seconds: dict[str, float] = {}
 
     def lap(self, stage: str) -> None:
+        """The time since the last lap counts to `stage` (added up when a stage recurs: dynamic sampling's rounds)."""
         now = time.perf_counter()
-        self.seconds[stage] = now - self.last
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self.last
         self.last = now
 
 
-def step_metrics(groups: list[GroupRollout], gen_stats: list[GenerationStats], batch: TrainBatch,
-                 results: list[TrainStepResult], sync: WeightSync | None, clock: StageClock) -> dict:
-    """Everything but the rewards: loss statistics summed over ranks, mismatch, versions, throughput, timings."""
+def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainStepResult], sync: WeightSync | None,
+                 clock: StageClock) -> dict:
+    """Everything but the rewards: loss statistics summed over ranks, mismatch, versions, throughput, timings.
+    The completions' statistics are of the step's fresh sample (dynamic sampling: its first round), the throughput
+    of every generation of the step."""
     stats: dict = {}
     for r in results:
         stats = merge_stats(stats, r.stats)
     loss_stats = finalize_stats(stats)
     first = results[0]  # the scalars every rank holds alike
+    gen_stats = rollouts.stats
     new_tokens = sum(s.new_tokens for s in gen_stats)
-    completions = [c for g in groups for c in g.completions]
+    completions = [c for g in rollouts.sample for c in g.completions]
     m = {
         "policy_version": first.policy_version,
         "rollout/policy_versions": sorted({s.policy_version for s in gen_stats}),
         "rollout/actors": len({s.generator_id for s in gen_stats}),
         "rollout/staleness": first.staleness,
-        "rollout/completion_len": new_tokens / len(completions),
+        "rollout/completion_len": sum(len(c.token_ids) for c in completions) / len(completions),
         "rollout/stop_frac": sum(c.finish_reason == "stop" for c in completions) / len(completions),
         "loss/total": sum(r.loss for r in results),
         "loss/kl": loss_stats.pop("kl"),
         "loss/grad_norm": first.grad_norm,
         "loss/lr": first.lr,
-        **{(k if k.startswith("mismatch/") else f"loss/{k}"): v for k, v in loss_stats.items()},
+        **{(k if "/" in k else f"loss/{k}"): v for k, v in loss_stats.items()},  # mismatch/*, entropy/* as named
         # the generators' own time (they run side by side; with algo.overlap, while the learner trains)
-        "perf/gen_tokens_per_s": new_tokens / max(max(s.seconds for s in gen_stats), 1e-9),
+        "perf/gen_tokens_per_s": new_tokens / max(rollouts.seconds, 1e-9),
         "perf/learn_tokens_per_s": batch.total_tokens / max(clock.seconds["learn"], 1e-9),
         **{f"time/learn_{k}": v for k, v in first.timing.items()},  # rank 0's split
         **{f"time/{k}": v for k, v in clock.seconds.items()},
@@ -118,15 +165,14 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
 
     run = TrainingRun(cfg, run_dir, model_path, resume)  # the actors started (and resumed), the logs open
     workers, m, step = run.workers, {}, run.state.step
+    make_batch = dynamic_batch if cfg.algo.dynamic_sampling else plain_batch  # DAPO's dynamic sampling, or not
     try:
         if run.eval_task and step == 0:
             run.evaluate(0)
         for step in range(run.state.step, cfg.run.steps):
             run.scale(step)
             clock = StageClock()
-            rollouts = run.source.take(step, cfg.run.steps)  # sample prompts, generate (with overlap: one step ahead)
-            clock.lap("generate")
-            batch, reward_metrics = scored_batch(run, rollouts.groups, clock)
+            rollouts, batch, reward_metrics = make_batch(run, step, clock)  # sample, generate, score, reference
             results = workers.learn(batch, step + 1)
             clock.lap("learn")
             run.source.settle()  # the next step's rollouts (algo.overlap) are done: the generators are free to sync
@@ -134,7 +180,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             sync = run.sync(step + 1, results[0])
             climbed = run.climb(step + 1, results[0].skipped)
             clock.lap("sync")
-            metrics = step_metrics(rollouts.groups, rollouts.stats, batch, results, sync, clock)
+            metrics = step_metrics(rollouts, batch, results, sync, clock)
             m = run.log_step(step + 1, rollouts, reward_metrics, metrics, results[0], climbed)
             run.evaluate_if_due(step + 1)
             run.checkpoint_if_due(step + 1, results[0], rollouts.cursor)
@@ -222,8 +268,10 @@ class TrainingRun:
 
     def log_step(self, done: int, rollouts: StepRollouts, reward_metrics: dict, metrics: dict,
                  result: TrainStepResult, climbed: bool) -> dict:
-        """The step's metrics (returned), the workers' events, and its rollouts for RUN_DIR/rollouts."""
-        m = {"step": done, **reward_metrics, **step_answer_metrics(rollouts.groups, self.metric), **metrics,
+        """The step's metrics (returned), the workers' events, and its rollouts for RUN_DIR/rollouts (the groups
+        trained on). The reward and answer metrics are of the step's fresh sample of the policy: with dynamic
+        sampling its first round, not the batch kept (biased towards groups of mixed results: ~50% accuracy)."""
+        m = {"step": done, **reward_metrics, **step_answer_metrics(rollouts.sample, self.metric), **metrics,
              **self.ladder.metrics(result.skipped)}
         if f"reward/{self.metric}" in m:
             m["train/accuracy"] = m[f"reward/{self.metric}"]

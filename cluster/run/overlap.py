@@ -9,9 +9,13 @@ precision ladder), so only one thread ever drives them at a time.
 
 The data cursor a checkpoint saves is the one after the prompts of the step being trained (`StepRollouts.cursor`),
 not after the prompts generated ahead: a resumed run generates those again, from the checkpoint's weights.
+
+With `algo.dynamic_sampling` (never with overlap) a step may ask for more prompts (`more`) after its first round;
+cluster/run/sampling.py decides how many.
 """
 from __future__ import annotations
 
+import dataclasses
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -23,6 +27,24 @@ class StepRollouts:
     groups: list[GroupRollout]
     stats: list[GenerationStats]
     cursor: int  # the sampler's cursor after this step's prompts: what a checkpoint taken after this step saves
+    # Dynamic sampling (cluster/run/sampling.py): the first round's groups, the step's fresh sample of the policy
+    # (`groups` are those kept for the batch), and the generators' time over every round, which run one after another
+    first_round: list[GroupRollout] | None = None
+    generate_seconds: float | None = None
+
+    @property
+    def sample(self) -> list[GroupRollout]:
+        """The step's fresh sample of the policy: what its rollout and reward statistics describe."""
+        return self.groups if self.first_round is None else self.first_round
+
+    @property
+    def seconds(self) -> float:
+        """The generators' own time for this step's rollouts: the slowest actor's (they run side by side), summed
+        over dynamic sampling's rounds."""
+        return self.generate_seconds if self.generate_seconds is not None else max(s.seconds for s in self.stats)
+
+
+ROUND_SEED_STRIDE = 1_000_000_007  # dynamic sampling's round r samples with the step's seed + r * this
 
 
 class RolloutSource:
@@ -54,6 +76,17 @@ class RolloutSource:
             self.ahead = (step + 1, nxt, self.pool.submit(self.workers.generate, items, self.sampling(step + 1),
                                                           step + 2))
         return StepRollouts(groups, stats, cursor)
+
+    def more(self, step: int, n: int, round_: int) -> StepRollouts:
+        """`n` more prompts for step `step` (dynamic sampling's round `round_`, 1 = the first after the step's own),
+        drawn after everything drawn so far and generated now, with a seed of the round's own. Not with overlap."""
+        if self.pool is not None:
+            raise RuntimeError("RolloutSource.more: dynamic sampling cannot run with algo.overlap")
+        items = self.sampler.next(n)
+        base = self.sampling(step)
+        sampling = dataclasses.replace(base, seed=base.seed + round_ * ROUND_SEED_STRIDE)
+        groups, stats = self.workers.generate(items, sampling, step + 1)
+        return StepRollouts(groups, stats, self.sampler.cursor)
 
     def settle(self) -> None:
         """Wait until the generation in flight (if any) is done; its failure is raised here, in the driver."""
