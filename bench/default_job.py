@@ -38,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -69,16 +70,20 @@ def eval_bf16(checkpoint: Path, log: Path) -> dict:
     return json.loads(out.stdout.splitlines()[0])
 
 
-def one_run(args, seed: int, precision: str) -> dict:
-    name = f"s{seed}_{precision}"
+def one_run(args, seed: int, precision: str, name: str = "", config: Path = CONFIG,
+            extra: tuple[str, ...] = ()) -> dict:
+    """One `qgrpo train` of `config` under the memory sampler, then the bf16 evaluation of its final checkpoint;
+    `extra` are more `--set KEY=VALUE` overrides, after this bench's own (bench/loss_variants.py's variants)."""
+    name = name or f"s{seed}_{precision}"
     logs = args.out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="default_job-", dir=args.tmp_dir) as tmp:
         sets = {"run.seed": seed, "rollout.precision": precision, "run.output_dir": tmp, "run.name": name,
                 "run.progress": False, **({"run.steps": args.steps} if args.steps else {}),
                 **({"run.eval": False} if args.no_eval else {})}
-        cmd = [sys.executable, "-m", "qgrpo", "train", str(CONFIG),
-               *[x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")]]
+        cmd = [sys.executable, "-m", "qgrpo", "train", str(config),
+               *[x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")],
+               *[x for e in extra for x in ("--set", e)]]
         print(f"[{datetime.datetime.now():%H:%M}] {name}: {' '.join(cmd[2:])}", flush=True)
         rc, sampler, seconds = run_side(cmd, side_env(), logs / f"{name}.log", args.timeout_s)
         run_dir = next(Path(tmp).glob(f"{name}*"), None)
@@ -172,38 +177,69 @@ def table(result: dict) -> str:
     return "\n".join(out)
 
 
+def session_options(ap: argparse.ArgumentParser, bench: str) -> None:
+    """The options of a bench of whole runs kept one file each (this one, bench/loss_variants.py)."""
+    ap.add_argument("--tag", default="", help="suffix of the result files, e.g. 'profile'")
+    ap.add_argument("--resume", action="store_true", help=f"keep runs already in bench/results/{bench}[_TAG]/")
+    ap.add_argument("--report", action="store_true", help="run nothing: tabulate the runs already in the results "
+                    "folder (those not done yet are listed as missing)")
+    ap.add_argument("--publish", action="store_true", help=f"also write bench/published/{bench}[_TAG].{{json,txt}}")
+    ap.add_argument("--timeout-s", type=float, default=3 * 3600, help="per run")
+    ap.add_argument("--tmp-dir", default=None, help="where runs write checkpoints (2 x 2.1 GB each; deleted after)")
+
+
+def results_folder(args, bench: str) -> str:
+    """The stem of the result files, BENCH[_TAG]; its runs are kept in args.out_dir = bench/results/STEM/."""
+    stem = bench + (f"_{args.tag}" if args.tag else "")
+    args.out_dir = ROOT / "bench" / "results" / stem
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    return stem
+
+
+def kept_or_run(args, path: Path, run: Callable[[], dict]) -> dict | None:
+    """The run kept in `path` under --resume or --report; None when --report finds none there; else `run()` now,
+    with the versions of the code it started with, kept in `path`."""
+    if (args.resume or args.report) and path.is_file():
+        print(f"{path.stem}: kept from {path}")
+        return json.loads(path.read_text())
+    if args.report:
+        return None
+    at_start = versions()  # the code the run starts with
+    res = {**run(), "versions": at_start}
+    path.write_text(json.dumps(res, indent=1))
+    return res
+
+
+def save(stem: str, result: dict, text: str, publish: bool) -> None:
+    """Print the table; the result to bench/results/STEM.json, and with `publish` to bench/published/STEM.{json,txt}."""
+    print(text)
+    (ROOT / "bench" / "results" / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    if publish:
+        pub = ROOT / "bench" / "published"
+        (pub / f"{stem}.json").write_text(json.dumps(result, indent=1))
+        (pub / f"{stem}.txt").write_text(text + "\n")
+        print(f"published bench/published/{stem}.{{json,txt}}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--precisions", nargs="+", default=["int8", "bf16"], help="rollout.precision values")
     ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's 30)")
     ap.add_argument("--no-eval", action="store_true", help="run.eval = false (a stage/memory profile only)")
-    ap.add_argument("--tag", default="", help="suffix of the result files, e.g. 'profile'")
-    ap.add_argument("--resume", action="store_true", help="keep runs already in bench/results/default_job[_TAG]/")
-    ap.add_argument("--report", action="store_true", help="run nothing: tabulate the runs already in the results "
-                    "folder (those not done yet are listed as missing)")
-    ap.add_argument("--publish", action="store_true", help="also write bench/published/default_job[_TAG].{json,txt}")
-    ap.add_argument("--timeout-s", type=float, default=3 * 3600, help="per run")
-    ap.add_argument("--tmp-dir", default=None, help="where runs write checkpoints (2 x 2.1 GB each; deleted after)")
+    session_options(ap, "default_job")
     args = ap.parse_args()
-    stem = "default_job" + (f"_{args.tag}" if args.tag else "")
-    args.out_dir = ROOT / "bench" / "results" / stem
-    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = results_folder(args, "default_job")
     started = datetime.datetime.now().isoformat(timespec="seconds")
     runs, missing = [], []
     for seed in args.seeds:
         for precision in args.precisions:
             path = args.out_dir / f"s{seed}_{precision}.json"
-            if (args.resume or args.report) and path.is_file():
-                runs.append(json.loads(path.read_text()))
-                print(f"{path.stem}: kept from {path}")
-                continue
-            if args.report:
+            run = kept_or_run(args, path, lambda: one_run(args, seed, precision))
+            if run is None:
                 missing.append(path.stem)
-                continue
-            at_start = versions()  # the code the run starts with
-            runs.append({**one_run(args, seed, precision), "versions": at_start})
-            path.write_text(json.dumps(runs[-1], indent=1))
+            else:
+                runs.append(run)
     by_precision = {}
     for p in args.precisions:
         done = [r for r in runs if r["precision"] == p and r["eval"]]
@@ -214,14 +250,7 @@ def main() -> None:
     result = {"config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "started": started,
               "argv": sys.argv[1:], "versions": versions(), "by_precision": by_precision, "runs": runs,
               "missing": missing}
-    text = table(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else "")
-    print(text)
-    (ROOT / "bench" / "results" / f"{stem}.json").write_text(json.dumps(result, indent=1))
-    if args.publish:
-        pub = ROOT / "bench" / "published"
-        (pub / f"{stem}.json").write_text(json.dumps(result, indent=1))
-        (pub / f"{stem}.txt").write_text(text + "\n")
-        print(f"published bench/published/{stem}.{{json,txt}}")
+    save(stem, result, table(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else ""), args.publish)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,16 @@ class Task(Protocol):
 
 @dataclass(frozen=True)
 class DigitSum:
-    """`3+4=` -> `7`. Small enough that a randomly initialised tiny model can learn it with GRPO in minutes, so the
-    whole loop can be tested end to end without a model hub. Held-out data uses another seed (`split`)."""
+    """`3+4=` -> `7` (with `modulus` 3: `1`). Small enough that a randomly initialised tiny model can learn it with
+    GRPO in minutes, so the whole loop can be tested end to end without a model hub. Held-out data uses another seed
+    (`split`)."""
 
     seed: int = 0
     max_operand: int = 9
     num_operands: int = 2
     split: str = "train"
     name: str = "digit_sum"
+    modulus: int = 0  # the answer is the sum modulo this (0: the sum itself)
 
     def item(self, index: int) -> PromptItem:
         rng = random.Random(f"{self.name}/{self.split}/{self.seed}/{index}")
@@ -48,7 +50,7 @@ class DigitSum:
         return PromptItem(
             prompt_id=f"{self.name}-{self.split}-{index}",
             prompt="+".join(map(str, xs)) + "=",
-            reference=str(sum(xs)),
+            reference=str(sum(xs) % self.modulus if self.modulus else sum(xs)),
         )
 
 
@@ -145,7 +147,7 @@ def _file_task(seed: int, cfg, split: str = "train") -> FileTask:
 # name -> factory(seed, task config section, split); "rg:NAME" is resolved by make_task
 TASKS: dict[str, Callable[..., Task]] = {
     "digit_sum": lambda seed, cfg, split="train": DigitSum(
-        seed=seed, max_operand=cfg.max_operand, num_operands=cfg.num_operands, split=split
+        seed=seed, max_operand=cfg.max_operand, num_operands=cfg.num_operands, split=split, modulus=cfg.modulus
     ),
     "jsonl": _file_task,
     "parquet": _file_task,

@@ -351,3 +351,16 @@ def test_answer_rewards():
     assert answer_format("<answer>1</answer> <answer>", "") == 0.5  # stray tag
     assert answer_format("<answer>7", "") == 0.0 and answer_format("7", "") == 0.0 and answer_format("", "") == 0.0
     assert {"answer_correct", "answer_format", "lenient_correct", "correct", "exact"} <= set(REWARD_FUNCTIONS)
+
+
+def test_digit_sum_modulus_answers_the_sum_modulo():
+    """task.modulus = 3: the collapse-prone digit_sum of bench/loss_variants.py's second comparison: the answer is the
+    sum modulo 3, the three answers about equally common (operands 0..9: 34 / 33 / 33 of 100 pairs)."""
+    plain = make_task(TaskConfig(name="digit_sum"), seed=0)
+    mod = make_task(TaskConfig(name="digit_sum", modulus=3), seed=0)
+    for i in range(50):
+        a, b = plain.item(i), mod.item(i)
+        assert a.prompt == b.prompt and b.reference == str(int(a.reference) % 3)
+    answers = [mod.item(i).reference for i in range(3000)]
+    assert set(answers) == {"0", "1", "2"}
+    assert all(0.30 < answers.count(x) / 3000 < 0.37 for x in "012")

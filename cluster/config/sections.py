@@ -94,6 +94,9 @@ class TaskConfig:
     """digit_sum: operands are drawn from 0..max_operand."""
     num_operands: Int = setting(2, ge=1, le=8)
     """digit_sum: how many numbers are added."""
+    modulus: Int = setting(0, ge=0, le=9_999, why="0 = the sum itself")
+    """digit_sum: the answer is the sum modulo this (0 = the sum itself). 3 makes a collapse-prone task: three
+    about equally common answers, so always giving one of them earns a third of the reward."""
     params: Table = setting(default_factory=dict, fix="e.g. {min_terms=2, max_terms=2}")
     """rg: generator settings, e.g. {min_terms=2, max_terms=2}."""
     size: Int = setting(10_000, ge=1, why="the train pool of an rg: task")

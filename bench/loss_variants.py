@@ -1,0 +1,239 @@
+"""Loss and correction variants side by side: each a set of [algo] overrides on one base config (the default job,
+configs/smollm2_arith.toml, unless --config names another), run whole once per seed with int8 rollouts (the default
+job's own), to see which learns most per minute and which keep the sampler mismatch and the answers' spread in hand.
+
+Variants (docs/algorithms.md, and the docstrings of [algo] in cluster/config/training.py):
+- `tis`: today's default, token-level truncated importance sampling, weight min(pi_old/mu, 2);
+- `seq_mask`: the sequence's ratio, kept inside [0, 3] and zeroed outside (TRL's default);
+- `icepop`: each token's ratio, kept inside [0.5, 5] and zeroed outside (IcePop);
+- `geo_rs`: rejection of a whole sequence whose geometric-mean ratio is outside [0.999, 1.001], weight 1 inside
+  (verl's Geo-RS; the bounds its docs suggest, docs/algo/rollout_corr.md);
+- `gspo`: GSPO's sequence-level clip, with its paper's clip_low = 3e-4, clip_high = 4e-4 and loss_agg = "seq_mean";
+- `cispo`: CISPO's clipped stop-gradient weight on log pi;
+- `dynamic`: DAPO's dynamic sampling (groups with equal rewards dropped, more prompts drawn).
+
+Each run is bench/default_job.py's (`one_run`: `qgrpo train` under its memory sampler, then `qgrpo eval CKPT
+--precision bf16` of the final checkpoint), with the variant's overrides and the --set ones after them. Per run:
+- held-out greedy accuracy at step 0 and after the last step (the run's own evaluations, on its int8 generators) and of
+  the final checkpoint on a bf16 generator; the gain in points and points per minute of wall time (the whole process);
+  the majority baseline (always the train split's most common answer) and, after the last step, how many distinct
+  answers the policy gave and the share of the most common one, where a collapse onto one answer shows;
+- per step (kept in the JSON as curves): the sampler mismatch (mismatch/kl_mu_old, the effective sample size
+  mismatch/ess), the fractions the correction truncated or masked, the policy's entropy, and what the variant's own
+  mechanism logs (clip fractions, dropped groups). The tables show their means over steps and the last entropy; a
+  metric the run did not log is left out.
+
+Runs go seed-major (s0 of every variant, then s1), so a slow spell of the machine falls on every variant of a seed.
+Finished runs are kept in bench/results/loss_variants[_TAG]/<variant>_s<seed>.json and `--resume` skips them; a run
+that fails (e.g. an option the learner does not read yet) is reported with the end of its log and not kept.
+
+    .venv/bin/python bench/loss_variants.py                                   # 7 variants x seeds 0 1, 30 steps
+    .venv/bin/python bench/loss_variants.py --variants tis icepop --seeds 0 --steps 10 --tag short
+    .venv/bin/python bench/loss_variants.py --set rollout.prompts_per_step=4 --tag small
+    .venv/bin/python bench/loss_variants.py --config configs/tiny.toml --steps 2 --seeds 0 --variants tis seq_mask \\
+        --tag smoke                                                           # minutes: the tiny digit-sum model
+    .venv/bin/python bench/loss_variants.py --resume --publish                # add the runs not done yet, publish
+    .venv/bin/python bench/loss_variants.py --report                          # tabulate the runs done so far
+
+Writes bench/results/loss_variants[_TAG].json and prints the tables; `--publish` also writes bench/published/
+loss_variants[_TAG].{json,txt}.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from default_job import (  # noqa: E402  (the default job's run, its keeping and its publishing)
+    CONFIG,
+    kept_or_run,
+    mean,
+    one_run,
+    results_folder,
+    save,
+    session_options,
+)
+from sides import versions  # noqa: E402
+
+from qgrpo.cluster.config.tomlio import value_text  # noqa: E402
+
+BENCH = "loss_variants"
+TIS = {"algo.policy_loss": "grpo", "algo.is_level": "token", "algo.is_mode": "truncate", "algo.is_cap": 2.0,
+       "algo.is_floor": 0.0}
+VARIANTS: dict[str, dict] = {
+    "tis": TIS,
+    "seq_mask": {"algo.is_level": "sequence", "algo.is_mode": "mask", "algo.is_cap": 3.0, "algo.is_floor": 0.0},
+    "icepop": {"algo.is_level": "token", "algo.is_mode": "mask", "algo.is_floor": 0.5, "algo.is_cap": 5.0},
+    "geo_rs": {"algo.is_level": "geometric", "algo.is_mode": "reject", "algo.is_floor": 0.999, "algo.is_cap": 1.001},
+    "gspo": {"algo.policy_loss": "gspo", "algo.loss_agg": "seq_mean", "algo.clip_low": 3e-4, "algo.clip_high": 4e-4},
+    "cispo": {"algo.policy_loss": "cispo"},
+    "dynamic": {"algo.dynamic_sampling": True},
+}
+# Per-step metrics kept as curves (those a run logs): (key, table header, "mean" over steps or "last" value)
+CURVES = (
+    ("mismatch/kl_mu_old", "kl mu|old", "mean"), ("mismatch/ess", "ess", "mean"),
+    ("mismatch/truncated_token_frac", "trunc tok", "mean"), ("mismatch/truncated_seq_frac", "trunc seq", "mean"),
+    ("mismatch/masked_token_frac", "mask tok", "mean"), ("mismatch/masked_seq_frac", "mask seq", "mean"),
+    ("mismatch/offpolicy_masked_seq_frac", "offpol seq", "mean"),
+    ("entropy/mean", "entropy", "mean"), ("entropy/mean", "entropy end", "last"),
+    ("entropy/masked_token_frac", "ent mask", "mean"), ("loss/clip_frac_low", "clip low", "mean"),
+    ("loss/clip_frac_high", "clip high", "mean"), ("dynamic/dropped_group_frac", "dropped grp", "mean"),
+    ("dynamic/extra_prompts", "extra prm", "mean"), ("dynamic/rounds", "rounds", "mean"),
+    ("overlong/penalized_frac", "overlong", "mean"), ("train/accuracy", "train acc", "mean"),
+    ("reward/mean", "reward", "mean"),
+)
+
+
+def pct(x):
+    return None if x is None else 100 * x
+
+
+def last_eval(r: dict, key: str):
+    return list(r["eval"].values())[-1].get(key) if r.get("eval") else None
+
+
+# The learning table: (header, width, value of a run or None, format)
+LEARNING = (
+    ("acc 0", 6, lambda r: pct(list(r["eval"].values())[0]["accuracy"]) if r.get("eval") else None, ".1f"),
+    ("acc end", 8, lambda r: pct(last_eval(r, "accuracy")), ".1f"),
+    ("end bf16", 9, lambda r: pct((r.get("eval_final_bf16") or {}).get("accuracy")), ".1f"),
+    ("gain pts", 9, lambda r: r.get("acc_gain_points"), ".1f"),
+    ("gain bf16", 10, lambda r: r.get("acc_gain_bf16_points"), ".1f"),
+    ("pts/min", 8, lambda r: r.get("acc_gain_points_per_min"), ".2f"),
+    ("bf16 pts/min", 13, lambda r: r.get("acc_gain_bf16_points_per_min"), ".2f"),
+    ("majority", 9, lambda r: pct((r.get("baseline") or {}).get("majority_accuracy")), ".1f"),
+    ("distinct", 9, lambda r: last_eval(r, "answers_distinct"), ".1f"),
+    ("top share", 10, lambda r: pct(last_eval(r, "answers_top_share")), ".1f"),
+    ("wall min", 9, lambda r: r["process_s"] / 60, ".1f"),
+    ("s/step", 7, lambda r: r["train_s"] / r["steps"], ".1f"),
+)
+
+
+def variant_run(args, variant: str, seed: int) -> dict:
+    """One run of `variant` (bench/default_job.py's), with its per-step curves read from the run's metrics."""
+    name = f"{variant}_s{seed}"
+    extra = (*[f"{k}={value_text(v)}" for k, v in VARIANTS[variant].items()], *args.set)
+    res = one_run(args, seed, args.precision, name=name, config=args.config, extra=extra)
+    lines = (args.out_dir / "logs" / f"{name}.metrics.jsonl").read_text().splitlines()
+    steps = [m for m in map(json.loads, lines) if "time/step" in m]
+    curves = {k: [[m["step"], m[k]] for m in steps if m.get(k) is not None] for k, _, _ in CURVES}
+    curves = {k: c for k, c in curves.items() if c}
+    final, acc0 = res.get("eval_final_bf16"), list(res["eval"].values())[0]["accuracy"] if res["eval"] else None
+    return {**res, "variant": variant, "overrides": list(extra), "curves": curves,
+            "acc_gain_bf16_points": 100 * (final["accuracy"] - acc0) if final and acc0 is not None else None}
+
+
+def curve_value(r: dict, key: str, how: str):
+    c = r.get("curves", {}).get(key)
+    return None if not c else (c[-1][1] if how == "last" else mean([v for _, v in c]))
+
+
+def cell(values: list, width: int, spec: str) -> str:
+    """The mean of the values that are there ('-' when none is), right-aligned in `width`."""
+    xs = [v for v in values if v is not None and v == v]
+    return f"{mean(xs):>{width}{spec}}" if xs else f"{'-':>{width}}"
+
+
+def tables(result: dict) -> str:
+    runs = result["runs"]
+    by_variant = {v: [r for r in runs if r["variant"] == v] for v in result["variants"]}
+    by_variant = {v: rs for v, rs in by_variant.items() if rs}
+    curves = [(k, h, how) for k, h, how in CURVES if any(curve_value(r, k, how) is not None for r in runs)]
+    commits = sorted({r.get("versions", {}).get("qgrpo_commit", "?")[:12] for r in runs})
+    out = [f"loss variants on {result['config']}, {result['steps']} steps, {result['precision']} rollouts"
+           + (f", --set {' '.join(result['sets'])}" if result["sets"] else "")
+           + f"; runs at commit {', '.join(commits) or '-'}", ""]
+    groups = [("variant", "per variant, mean over seeds", list(by_variant.items())),
+              ("run", "per run", [(r["name"], [r]) for r in runs])]
+    for first, title, rows in groups:
+        out += [f"{title}: held-out accuracy, greedy (%), at step 0 and the last step on the run's "
+                f"{result['precision']} generators and of the final checkpoint on bf16;",
+                "gains in points and per minute of wall time; distinct answers, the top one's share at the last step",
+                f"{first:<12} {'seeds':>6} " + " ".join(f"{h:>{w}}" for h, w, _, _ in LEARNING)]
+        for name, rs in rows:
+            out.append(f"{name:<12} {' '.join(str(r['seed']) for r in rs):>6} "
+                       + " ".join(cell([fn(r) for r in rs], w, d) for _, w, fn, d in LEARNING))
+        out.append("")
+        if curves:
+            out += [f"per-step metrics, {title}: means over steps ('entropy end': the last step's entropy)",
+                    f"{first:<12} " + " ".join(f"{h:>11}" for _, h, _ in curves)]
+            out += [f"{name:<12} " + " ".join(cell([curve_value(r, k, how) for r in rs], 11, ".3g")
+                                              for k, _, how in curves) for name, rs in rows]
+            out.append("")
+    for f in result["failed"]:
+        out += [f"FAILED {f['name']}: {f['error']}", *[f"    {x}" for x in f["log_tail"]]]
+    return "\n".join(out).rstrip()
+
+
+def summary(runs: list[dict]) -> dict | None:
+    """A variant's means over its runs (seeds) of the table's columns, those the runs have."""
+    if not runs:
+        return None
+    cols = {h: [fn(r) for r in runs] for h, _, fn, _ in LEARNING}
+    cols.update({f"{k} ({how})": [curve_value(r, k, how) for r in runs] for k, _, how in CURVES})
+    present = {k: [x for x in xs if x is not None and x == x] for k, xs in cols.items()}
+    return {"seeds": [r["seed"] for r in runs], **{k: mean(xs) for k, xs in present.items() if xs}}
+
+
+def log_tail(path: Path, n: int = 4) -> list[str]:
+    """The last `n` lines of a run's log that say something (progress bars and warnings left out)."""
+    if not path.is_file():
+        return []
+    lines = [x.strip()[:300] for x in path.read_text(errors="replace").splitlines()]
+    return [x for x in lines if x and "Warning" not in x and "it/s]" not in x][-n:]
+
+
+def steps_of(args) -> int:
+    """run.steps as the runs will have it: a --set run.steps=N, else --steps, else the config's."""
+    for s in reversed(args.set):
+        if s.split("=", 1)[0].strip() == "run.steps":
+            return int(s.split("=", 1)[1])
+    return args.steps or tomllib.loads(args.config.read_text())["run"]["steps"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", type=Path, default=CONFIG, help="the base config (default: the default job's)")
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's)")
+    ap.add_argument("--precision", default="int8", help="rollout.precision of every run (default: int8)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every run, after the variant's (repeatable)")
+    session_options(ap, BENCH)
+    args = ap.parse_args()
+    args.config, args.no_eval = args.config.resolve(), False
+    args.steps = steps_of(args)
+    stem = results_folder(args, BENCH)
+    started = datetime.datetime.now().isoformat(timespec="seconds")
+    runs, failed, missing = [], [], []
+    for seed in args.seeds:
+        for variant in args.variants:
+            name = f"{variant}_s{seed}"
+            try:
+                run = kept_or_run(args, args.out_dir / f"{name}.json", lambda: variant_run(args, variant, seed))
+            except SystemExit as e:  # one_run's verdict on a failed run: the others go on
+                tail = log_tail(args.out_dir / "logs" / f"{name}.log")
+                failed.append({"name": name, "error": str(e), "log_tail": tail})
+                print(f"{name}: FAILED: {e}", *tail, sep="\n    ", flush=True)
+                continue
+            if run is None:
+                missing.append(name)
+            else:
+                runs.append(run)
+    by_variant = {v: summary([r for r in runs if r["variant"] == v]) for v in args.variants}
+    config = args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
+    result = {"config": str(config), "steps": args.steps, "precision": args.precision, "sets": args.set,
+              "variants": {v: VARIANTS[v] for v in args.variants}, "started": started, "argv": sys.argv[1:],
+              "versions": versions(), "by_variant": by_variant, "runs": runs, "failed": failed, "missing": missing}
+    text = tables(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else "")
+    save(stem, result, text, args.publish)
+
+
+if __name__ == "__main__":
+    main()
