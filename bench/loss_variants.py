@@ -128,6 +128,16 @@ def variant_run(args, variant: str, seed: int) -> dict:
             "acc_gain_bf16_points": 100 * (final["accuracy"] - acc0) if final and acc0 is not None else None}
 
 
+def thinned(run: dict, points: int = 60) -> dict:
+    """The run with its curves at most `points` steps each (evenly spaced, the last kept) and 4 significant digits,
+    for the result files; the run's own file in the results folder keeps every step."""
+    def thin(c: list) -> list:
+        every = max(1, -(-len(c) // points))
+        return [[s, float(f"{v:.4g}")] for s, v in c[every - 1::every] + ([] if len(c) % every == 0 else c[-1:])]
+
+    return {**run, "curves": {k: thin(c) for k, c in run.get("curves", {}).items()}}
+
+
 def curve_value(r: dict, key: str, how: str):
     c = r.get("curves", {}).get(key)
     return None if not c else (c[-1][1] if how == "last" else mean([v for _, v in c]))
@@ -231,8 +241,8 @@ def main() -> None:
     result = {"config": str(config), "steps": args.steps, "precision": args.precision, "sets": args.set,
               "variants": {v: VARIANTS[v] for v in args.variants}, "started": started, "argv": sys.argv[1:],
               "versions": versions(), "by_variant": by_variant, "runs": runs, "failed": failed, "missing": missing}
-    text = tables(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else "")
-    save(stem, result, text, args.publish)
+    text = tables(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else "")  # from every step
+    save(stem, {**result, "runs": [thinned(r) for r in runs]}, text, args.publish)
 
 
 if __name__ == "__main__":
