@@ -14,20 +14,36 @@ from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unp
 from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
 from qgrpo.rollout.backends import make_generator
-from qgrpo.rollout.backends.common import check_fingerprint
+from qgrpo.rollout.backends.common import check_fingerprint, hf_tensors
+from qgrpo.rollout.requantize import Requantizer
 
 
 @ray.remote
 class RolloutActor(CollectiveMember):
-    def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None):
+    def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None,
+                 requantize: str = "nearest", visibility: bool = True):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
-        ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start."""
+        ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start.
+        `requantize`, `visibility`: sync.requantize and sync.visibility (rollout/requantize.py)."""
         apply_threads(resolve_threads(threads))
         # A builtin model is built on this node; a checkpoint given as a URI (a resume) is read from this node's copy
         # of its model files.
         model_path = local_model(generator_kwargs["model_path"], skip=("optimizer",))
         self.gen = make_generator(backend, **{**generator_kwargs, "model_path": model_path})
+        self.requant = self._requantizer(model_path, requantize, visibility)
         self.last_ack = self.load_weights(update) if update is not None else None
+
+    def _requantizer(self, model_path: str, mode: str, visibility: bool) -> Requantizer | None:
+        """The requantizer of this generator's grid, its state started from the weights the generator loaded; None
+        when the weights are handed over as received and nothing is measured: at nearest without visibility, and
+        where the format has no emulated grid (bf16 after the precision ladder's last rung; the config refuses the
+        other modes for such a format at the start)."""
+        grids = self.gen.quant_grids() if hasattr(self.gen, "quant_grids") else {}
+        if not grids or (mode == "nearest" and not visibility):
+            return None
+        weights = getattr(self.gen, "weights", None)
+        initial = weights(list(grids)) if weights is not None else hf_tensors(model_path, grids)
+        return Requantizer(mode, grids, initial)
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
                  ) -> tuple[list[GroupRollout], GenerationStats]:
@@ -57,15 +73,23 @@ class RolloutActor(CollectiveMember):
         """Load the received buckets, then prove it: the generator's log-probs on the update's probe sequence must
         match the learner's within the precision's tolerance (WeightFingerprintError otherwise)."""
         t0 = time.perf_counter()
-        self.gen.load_weights(update.version, unpack_buckets(buckets))
+        stream, prepared, visibility = unpack_buckets(buckets), None, {}
+        if self.requant is not None:
+            prepared = self.requant.prepare(update.version, list(stream))
+            stream = prepared.tensors
+        rounding_seconds = time.perf_counter() - t0
+        self.gen.load_weights(update.version, stream)
+        if prepared is not None:
+            visibility = self.requant.commit(prepared)
         t1 = time.perf_counter()
         fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
                                self.gen.score(update.probe_ids), update.probe_logprobs)
         self.last_ack = SyncAck(self.gen.generator_id, self.gen.policy_version, seconds=t1 - t0,
                                 receive_seconds=receive_seconds,
-                                requantize_seconds=getattr(self.gen, "requantize_seconds", float("nan")),
+                                requantize_seconds=rounding_seconds + getattr(self.gen, "requantize_seconds",
+                                                                              float("nan")),
                                 verify_seconds=time.perf_counter() - t1, fingerprint_gap=fp["gap"],
-                                fingerprint_corr=fp["corr"])
+                                fingerprint_corr=fp["corr"], **visibility)
         return self.last_ack
 
     def last_load(self) -> SyncAck | None:

@@ -74,6 +74,10 @@ VARIANTS: dict[str, dict] = {
     "cispo": {"algo.policy_loss": "cispo"},
     "dynamic": {"algo.dynamic_sampling": True},
 }
+# --family requantize: sync.requantize on int4 and int8 rollouts (docs/quantization.md); results under "requantize".
+REQUANTIZE = {f"{p}_{mode}": {"rollout.precision": p, "sync.requantize": mode}
+              for p in ("int4", "int8") for mode in ("nearest", "stochastic", "error_feedback")}
+FAMILIES = {"loss": (BENCH, VARIANTS), "requantize": ("requantize", REQUANTIZE)}
 # Per-step metrics kept as curves (those a run logs): (key, table header, "mean" over steps or "last" value)
 CURVES = (
     ("mismatch/kl_mu_old", "kl mu|old", "mean"), ("mismatch/ess", "ess", "mean"),
@@ -85,7 +89,8 @@ CURVES = (
     ("loss/clip_frac_high", "clip high", "mean"), ("dynamic/dropped_group_frac", "dropped grp", "mean"),
     ("dynamic/extra_prompts", "extra prm", "mean"), ("dynamic/rounds", "rounds", "mean"),
     ("overlong/penalized_frac", "overlong", "mean"), ("train/accuracy", "train acc", "mean"),
-    ("reward/mean", "reward", "mean"),
+    ("reward/mean", "reward", "mean"), ("sync/code_change_frac_min", "codes chg", "mean"),
+    ("sync/update_projection_min", "upd proj", "mean"), ("sync/update_norm_ratio_min", "upd norm", "mean"),
 )
 
 
@@ -117,7 +122,7 @@ LEARNING = (
 def variant_run(args, variant: str, seed: int) -> dict:
     """One run of `variant` (bench/default_job.py's), with its per-step curves read from the run's metrics."""
     name = f"{variant}_s{seed}"
-    extra = (*[f"{k}={value_text(v)}" for k, v in VARIANTS[variant].items()], *args.set)
+    extra = (*[f"{k}={value_text(v)}" for k, v in args.variants_of[variant].items()], *args.set)
     res = one_run(args, seed, args.precision, name=name, config=args.config, extra=extra)
     lines = (args.out_dir / "logs" / f"{name}.metrics.jsonl").read_text().splitlines()
     steps = [m for m in map(json.loads, lines) if "time/step" in m]
@@ -155,7 +160,8 @@ def tables(result: dict) -> str:
     by_variant = {v: rs for v, rs in by_variant.items() if rs}
     curves = [(k, h, how) for k, h, how in CURVES if any(curve_value(r, k, how) is not None for r in runs)]
     commits = sorted({r.get("versions", {}).get("qgrpo_commit", "?")[:12] for r in runs})
-    out = [f"loss variants on {result['config']}, {result['steps']} steps, {result['precision']} rollouts"
+    out = [f"{result.get('family', 'loss')} variants on {result['config']}, {result['steps']} steps, "
+           f"{result['precision']} rollouts"
            + (f", --set {' '.join(result['sets'])}" if result["sets"] else "")
            + f"; runs at commit {', '.join(commits) or '-'}", ""]
     groups = [("variant", "per variant, mean over seeds", list(by_variant.items())),
@@ -209,7 +215,10 @@ def steps_of(args) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=CONFIG, help="the base config (default: the default job's)")
-    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    ap.add_argument("--family", choices=list(FAMILIES), default="loss",
+                    help="loss: the losses and corrections; requantize: sync.requantize at int4 and int8")
+    ap.add_argument("--variants", nargs="+", choices=[v for _, vs in FAMILIES.values() for v in vs],
+                    help="default: every variant of the family")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's)")
     ap.add_argument("--precision", default="int8", help="rollout.precision of every run (default: int8)")
@@ -217,9 +226,13 @@ def main() -> None:
                     help="a config override for every run, after the variant's (repeatable)")
     session_options(ap, BENCH)
     args = ap.parse_args()
+    bench, args.variants_of = FAMILIES[args.family]
+    args.variants = args.variants or list(args.variants_of)
+    if unknown := [v for v in args.variants if v not in args.variants_of]:
+        ap.error(f"--variants {' '.join(unknown)}: not of --family {args.family} ({', '.join(args.variants_of)})")
     args.config, args.no_eval = args.config.resolve(), False
     args.steps = steps_of(args)
-    stem = results_folder(args, BENCH)
+    stem = results_folder(args, bench)
     started = datetime.datetime.now().isoformat(timespec="seconds")
     runs, failed, missing = [], [], []
     for seed in args.seeds:
@@ -238,8 +251,10 @@ def main() -> None:
                 runs.append(run)
     by_variant = {v: summary([r for r in runs if r["variant"] == v]) for v in args.variants}
     config = args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
-    result = {"config": str(config), "steps": args.steps, "precision": args.precision, "sets": args.set,
-              "variants": {v: VARIANTS[v] for v in args.variants}, "started": started, "argv": sys.argv[1:],
+    precision = args.precision if args.family == "loss" else "each variant's"
+    result = {"config": str(config), "steps": args.steps, "precision": precision, "sets": args.set,
+              "family": args.family, "variants": {v: args.variants_of[v] for v in args.variants},
+              "started": started, "argv": sys.argv[1:],
               "versions": versions(), "by_variant": by_variant, "runs": runs, "failed": failed, "missing": missing}
     text = tables(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else "")  # from every step
     save(stem, {**result, "runs": [thinned(r) for r in runs]}, text, args.publish)

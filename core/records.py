@@ -4,6 +4,7 @@ Shape comments use B = sequences in a batch, T = padded sequence length, G = gro
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 
 
@@ -97,6 +98,17 @@ class SyncAck:
     verify_seconds: float  # scoring the probe sequence for the fingerprint check
     fingerprint_gap: float  # mean |log mu - log pi| over the probe's tokens, nats per token
     fingerprint_corr: float  # correlation of the generator's and the learner's probe log-probs
+    # Update visibility against the previous version (rollout/requantize.py), NaN where not measured:
+    code_change_frac: float = math.nan  # share of the quantized weights whose code changed
+    bf16_change_frac: float = math.nan  # share of those weights whose received bf16 value changed
+    update_norm_ratio: float = math.nan  # ||served update|| / ||bf16 update|| over those weights
+    update_projection: float = math.nan  # <served update, bf16 update> / ||bf16 update||^2: 1 follows, 0 stands still
+
+
+def _nanmin(values) -> float:
+    """The smallest of the values that are not NaN; NaN when all are."""
+    kept = [v for v in values if not math.isnan(v)]
+    return min(kept) if kept else math.nan
 
 
 @dataclass
@@ -115,6 +127,10 @@ class WeightSync:
     load_seconds_max: float  # SyncAck.seconds of the slowest actor
     fingerprint_gap_max: float  # the largest SyncAck.fingerprint_gap, nats per token
     fingerprint_corr_min: float  # the smallest SyncAck.fingerprint_corr
+    code_change_frac_min: float = math.nan  # the smallest SyncAck.code_change_frac (the actor that follows least)
+    bf16_change_frac: float = math.nan  # SyncAck.bf16_change_frac (the same stream reaches every actor)
+    update_norm_ratio_min: float = math.nan  # the smallest SyncAck.update_norm_ratio
+    update_projection_min: float = math.nan  # the smallest SyncAck.update_projection
 
     @classmethod
     def of(cls, version: int, nbytes: int, buckets: int, seconds: float, export_seconds: float,
@@ -125,7 +141,11 @@ class WeightSync:
                    verify_seconds_max=max(a.verify_seconds for a in acks),
                    load_seconds_max=max(a.seconds for a in acks),
                    fingerprint_gap_max=max(a.fingerprint_gap for a in acks),
-                   fingerprint_corr_min=min(a.fingerprint_corr for a in acks))
+                   fingerprint_corr_min=min(a.fingerprint_corr for a in acks),
+                   code_change_frac_min=_nanmin(a.code_change_frac for a in acks),
+                   bf16_change_frac=_nanmin(a.bf16_change_frac for a in acks),
+                   update_norm_ratio_min=_nanmin(a.update_norm_ratio for a in acks),
+                   update_projection_min=_nanmin(a.update_projection for a in acks))
 
     def metrics(self) -> dict[str, float]:
         """{"sync/nbytes": ..., ...}: every field but the version, which the step's metrics carry already."""

@@ -122,6 +122,13 @@ def _to_quantize(model: nn.Module, precision: str, group_size: int,
             and layer_fits(precision, device_type, m.out_features, m.in_features, group_size)]
 
 
+def quantized_weight_names(model: nn.Module, precision: str, group_size: int, device_type: str) -> list[str]:
+    """Names of the weights `quantize_model` quantizes at `precision` on `device_type` (none at bf16)."""
+    if precision == "bf16":
+        return []
+    return [f"{name}.weight" for name, _ in _to_quantize(model, precision, group_size, device_type)]
+
+
 def _model_device(model: nn.Module) -> torch.device:
     """The one device the model's weights are on (CPU for a model without parameters)."""
     devices = {p.device for p in model.parameters()}

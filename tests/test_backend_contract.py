@@ -12,7 +12,9 @@ import torch
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends import REGISTRY, make_generator
-from qgrpo.rollout.backends.common import WeightMismatchError, check_fingerprint, probe_ids
+from qgrpo.rollout.backends.common import WeightMismatchError, check_fingerprint, hf_tensors, probe_ids
+from qgrpo.rollout.options import REQUANTIZE_FORMATS
+from qgrpo.rollout.requantize import Requantizer
 
 # Different prompt lengths, so padding and positions are exercised; the tiny model has no chat template.
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
@@ -201,3 +203,28 @@ def test_version_and_weights_follow_a_load(make, fp32_model, tiny_model_path, ba
 def test_memory_is_reported(make, backend, precision):
     mem = make(backend, precision).memory_bytes()
     assert 0 < mem["linear"] <= mem["total"]
+
+
+@pytest.mark.parametrize("backend,precision", REQUANTIZE_FORMATS)
+@pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
+def test_requantized_weights_pass_the_fingerprint(make, fp32_model, tiny_model_path, backend, precision, mode):
+    """sync.requantize: the weights the rollout actor re-rounds onto the generator's grid load, hold the new model
+    within the precision's tolerance, and the visibility counts the codes the load moved."""
+    gen = make(backend, precision)
+    grids = gen.quant_grids()
+    assert grids and set(grids) <= {n for n, _ in _initial_weights(tiny_model_path)}
+    rq = Requantizer(mode, grids, hf_tensors(tiny_model_path, grids))
+    pid, g = probe_ids(gen.tokenizer), torch.Generator().manual_seed(0)
+    moved = [(n, t[torch.randperm(t.shape[0], generator=g)] if t.dim() == 2 else t)
+             for n, t in _initial_weights(tiny_model_path)]
+    with torch.no_grad():
+        m = type(fp32_model)(fp32_model.config)
+        m.load_state_dict({n: t.float() for n, t in moved}, strict=False)
+        new = token_logprobs(m.eval(), torch.tensor([pid]))[0, 1:].tolist()
+    prepared = rq.prepare(7, moved)
+    assert any(not torch.equal(a[1], b[1]) for a, b in zip(prepared.tensors, moved))  # really re-rounded
+    gen.load_weights(7, prepared.tensors)
+    stats = rq.commit(prepared)
+    check_fingerprint(gen.generator_id, precision, 7, gen.score(pid), new)
+    assert 0.5 < stats["code_change_frac"] <= 1 and 0.5 < stats["update_norm_ratio"] < 2
+    assert 0.8 < stats["update_projection"] < 1.2  # shuffled rows: the served weights move with the received ones

@@ -226,7 +226,17 @@ ALGO_COMBINATIONS = [
     (["algo.kl_coeff=0", "algo.kl_bias_correction=true"], "algo.kl_bias_correction: corrects the KL term"),
     (["algo.dynamic_sampling=true", "algo.overlap=true"], "algo.dynamic_sampling: cannot run with algo.overlap"),
     (["algo.overlong_buffer=3"], "algo.overlong_buffer: must be < rollout.max_new_tokens (3)"),
+    (["sync.requantize='stochastic'", "rollout.precision='bf16'"], "sync.requantize: 'stochastic' needs a quantized"),
+    (["sync.requantize='error_feedback'", "rollout.precision='nf4'"], "set sync.requantize = \"nearest\" or change"),
+    (["sync.requantize='exact'"], "sync.requantize: must be"),
 ]
+
+
+def test_requantize_modes_load_where_a_grid_is_emulated():
+    for precision in ("int8", "int4"):
+        for mode in ("stochastic", "error_feedback"):
+            assert load_config(TINY, [f"rollout.precision='{precision}'", f"sync.requantize='{mode}'"]
+                               ).sync.requantize == mode
 
 
 @pytest.mark.parametrize("overrides,fragment", ALGO_COMBINATIONS, ids=[" ".join(o) for o, _ in ALGO_COMBINATIONS])

@@ -12,9 +12,10 @@ from qgrpo.core.records import SyncAck, TrainStepResult, WeightSync
 from qgrpo.learner.settings import LearnerSettings
 
 
-def _ack(gap: float, seconds: float = 0.5) -> SyncAck:
+def _ack(gap: float, seconds: float = 0.5, changed: float = 1e-3) -> SyncAck:
     return SyncAck("torch-0", 3, seconds=seconds, receive_seconds=0.1, requantize_seconds=0.2, verify_seconds=0.05,
-                   fingerprint_gap=gap, fingerprint_corr=1.0 - gap)
+                   fingerprint_gap=gap, fingerprint_corr=1.0 - gap, code_change_frac=changed, bf16_change_frac=0.1,
+                   update_norm_ratio=changed * 100)
 
 
 def test_records_pickle():
@@ -28,13 +29,16 @@ def test_records_pickle():
 
 def test_weight_sync_metrics_keep_their_names():
     sync = WeightSync.of(3, nbytes=1024, buckets=2, seconds=1.0, export_seconds=0.25,
-                         acks=[_ack(0.01, seconds=0.5), _ack(0.03, seconds=0.7)])
+                         acks=[_ack(0.01, seconds=0.5), _ack(0.03, seconds=0.7, changed=2e-4),
+                               _ack(0.02, changed=math.nan)])  # an actor at bf16 measures nothing
     assert sync.version == 3 and sync.load_seconds_max == 0.7
     assert sync.fingerprint_gap_max == 0.03 and math.isclose(sync.fingerprint_corr_min, 0.97)
+    assert sync.code_change_frac_min == 2e-4 and math.isclose(sync.update_norm_ratio_min, 0.02)
     assert list(sync.metrics()) == [
         "sync/nbytes", "sync/buckets", "sync/seconds", "sync/export_seconds", "sync/receive_seconds_max",
         "sync/requantize_seconds_max", "sync/verify_seconds_max", "sync/load_seconds_max",
-        "sync/fingerprint_gap_max", "sync/fingerprint_corr_min"]
+        "sync/fingerprint_gap_max", "sync/fingerprint_corr_min", "sync/code_change_frac_min", "sync/bf16_change_frac",
+        "sync/update_norm_ratio_min", "sync/update_projection_min"]
 
 
 def _writer(out: str) -> None:

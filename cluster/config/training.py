@@ -14,7 +14,7 @@ from pydantic.dataclasses import dataclass
 from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
 from qgrpo.cluster.config.plan import STRATEGIES
 from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_LEVELS, IS_MODES, KL_ESTIMATORS, POLICY_LOSSES
-from qgrpo.rollout.options import SCALES
+from qgrpo.rollout.options import REQUANTIZE_FORMATS, REQUANTIZE_MODES, SCALES
 
 LR_SCHEDULES = ("constant", "cosine")  # learner.lr_schedule (learner/engine.py: lr_factor)
 LEARNER_MODES = ("full", "lora", "qlora")  # learner.mode
@@ -191,6 +191,21 @@ class SyncConfig:
     """How the buckets travel from learner rank 0: "object_store" (Ray's object store; shared memory on one node)
     or "collective" (a broadcast over a process group of rank 0 and the rollout actors: gloo on CPU, NCCL on
     CUDA)."""
+    requantize: choice(REQUANTIZE_MODES, "must be {quoted}") = "nearest"
+    """How each rollout actor rounds the received bf16 weights onto its format's grid (docs/quantization.md):
+    "nearest" (what every backend does: an update smaller than half a step changes no code), "stochastic" (a
+    weight's code rounds up with the chance of its remainder, seeded by the version: unbiased), "error_feedback"
+    (each weight's rounding residual is added to the next version before rounding). The last two need a grid the
+    actor emulates: rollout.backend torch at int8 or int4, or vllm at int8."""
+    visibility: Bool = True
+    """Measure at every sync how much of the update the quantized generators took up (sync/code_change_frac_min,
+    sync/update_norm_ratio_min, sync/bf16_change_frac); each actor keeps the last version's codes and bf16 weights,
+    3 bytes per quantized weight."""
+    follow_floor: Float = setting(1e-4, ge=0, le=1, why="0 = no warning")
+    """A warning in the run log when the shares of codes changed over the last follow_window syncs add up to less
+    than this: the generators no longer follow the learner (try sync.requantize = "error_feedback")."""
+    follow_window: Int = setting(10, ge=1)
+    """Syncs that follow_floor looks back over."""
 
 
 @dataclass(config=SECTION)
@@ -274,6 +289,16 @@ def _overlong_buffer(a, cfg) -> list[str]:
             f"{a.overlong_buffer} (it is the last stretch of the allowed length); lower it"]
 
 
+def _requantize_format(_, cfg) -> list[str]:
+    ro = cfg.rollout
+    if cfg.sync.requantize == "nearest" or (ro.backend, ro.precision) in REQUANTIZE_FORMATS:
+        return []
+    served = ", ".join(f"{b} {p}" for b, p in REQUANTIZE_FORMATS)
+    return [f"sync.requantize: {cfg.sync.requantize!r} needs a quantized grid the rollout actor emulates ({served}); "
+            f"rollout.backend {ro.backend!r} at rollout.precision {ro.precision!r} rounds by itself: set "
+            "sync.requantize = \"nearest\" or change rollout.precision"]
+
+
 ALGO_RULES = [
     (("algo.clip_low", "algo.clip_high"), _clip_order),
     (("algo.policy_loss", "algo.loss_agg"), _gspo_aggregation),
@@ -281,4 +306,5 @@ ALGO_RULES = [
     (("algo.kl_bias_correction", "algo.kl_coeff"), _kl_correction),
     (("algo.dynamic_sampling", "algo.overlap"), _dynamic_sampling),
     (("algo.overlong_buffer", "rollout.max_new_tokens"), _overlong_buffer),
+    (("sync.requantize", "rollout.backend", "rollout.precision"), _requantize_format),  # [sync]'s, read the same way
 ]

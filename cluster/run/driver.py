@@ -17,6 +17,7 @@ import torch
 
 from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.control import wanted_rollout_actors
+from qgrpo.cluster.run.follow import FollowWatch
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
 from qgrpo.cluster.run.overlap import RolloutSource, StepRollouts
 from qgrpo.cluster.run.sampling import dynamic_rollouts, filter_truncated, shape_rewards
@@ -211,6 +212,7 @@ class TrainingRun:
         self.ladder = PrecisionLadder(cfg.guard, ro.backend, ro.precision, cfg.reference.precision
                                       if cfg.reference_actor else None, self.state.guard, cfg.reference.backend,
                                       ro.num_gpus, cfg.reference.num_gpus)
+        self.follow = FollowWatch(cfg.sync.follow_floor, cfg.sync.follow_window)
         self.workers = Workers(cfg, policy_path, model_path, self.state.policy_version, self.ladder.rollout,
                                self.ladder.reference)
         if resume is not None:  # optimizer moments and step, LR schedule, fp32 master weights, policy version
@@ -255,6 +257,9 @@ class TrainingRun:
         due = done % self.cfg.algo.update_every == 0 or (self._last(done) and self.eval_task)
         sync = self.workers.sync_weights() if due and result.policy_version != self.published else None
         self.published = sync.version if sync else self.published
+        warning = self.follow.after(sync) if sync else None
+        if warning:
+            self.log.write({"event": "warning", "step": done, "message": warning})
         return sync
 
     def climb(self, done: int, skipped: str) -> bool:

@@ -116,7 +116,7 @@ class RolloutPool:
             dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
                  generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
                  chat_template=self.cfg.task.chat_template, **backend_options(ro.backend, ro)),
-            self.threads, self.last_update,
+            self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
         )
 
     def _failed(self, slot: int, err: BaseException, prompt_ids: list[str], stage: str) -> None:

@@ -153,6 +153,17 @@ def hf_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def hf_tensors(model_path: str, names) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of the named tensors of a safetensors model folder (names it lacks are left out)."""
+    from safetensors import safe_open
+
+    wanted, found = set(names), []
+    for f in sorted(Path(model_path).glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            found += [(k, st.get_tensor(k)) for k in st.keys() if k in wanted]
+    return found
+
+
 def mlx_config(config: dict, tensor_names: set[str]) -> dict:
     """config.json as mlx-lm reads it: top-level rope_theta and rope_scaling, an explicit tie_word_embeddings."""
     cfg = dict(config)

@@ -15,7 +15,8 @@ import torch
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
-from qgrpo.rollout.quant import linear_weight_bytes, quantize_model
+from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names
+from qgrpo.rollout.requantize import served_grid
 
 
 def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -135,6 +136,20 @@ class TorchGenerator:
         self._rebuild()
         self.requantize_seconds = time.perf_counter() - t0
         self.policy_version = version
+
+    def quant_grids(self) -> dict:
+        """{HF tensor name: core.grids.Grid} of the weights this generator quantizes onto a grid the rollout actor
+        can emulate (rollout/requantize.py); {} at bf16 and nf4."""
+        grid = served_grid("torch", self.precision, self.group_size_quant)
+        if grid is None:
+            return {}
+        names = quantized_weight_names(self._master, self.precision, self.group_size_quant, self.device.type)
+        return {name: grid for name in names}
+
+    def weights(self, names) -> list[tuple[str, torch.Tensor]]:
+        """(name, bf16 tensor) of the named weights as loaded (for the rollout actor's requantizer)."""
+        params = dict(self._master.named_parameters())
+        return [(n, params[n].detach()) for n in names if n in params]
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:

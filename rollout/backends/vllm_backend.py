@@ -227,6 +227,14 @@ class VLLMGenerator:
         out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
         return [pos[t].logprob for t, pos in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)]
 
+    def quant_grids(self) -> dict:
+        """{HF tensor name: core.grids.Grid} of the weights the int8 engine holds as int8 (rollout/requantize.py);
+        {} at bf16 and fp8."""
+        from qgrpo.rollout.requantize import served_grid
+
+        grid = served_grid("vllm", self.precision)
+        return {} if grid is None else {n: grid for n, s in self._expected.items() if is_int8_target(n, s)}
+
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         # Checked to its end before the engine is touched: a bad stream leaves the old weights serving.
         received = list(check_stream(self._expected, named_tensors))

@@ -1,0 +1,155 @@
+"""What a rollout actor does with the bf16 weights of a sync before its generator re-quantizes them
+(``sync.requantize``), and whether its quantized copy follows the learner at all (update visibility).
+
+At the learning rates RL uses, one step changes a weight by far less than a step of an int8 or int4 grid, so a
+generator that rounds every received weight to nearest keeps most of its codes from sync to sync (QuRL, ICLR 2026).
+Three modes, each on the grid the generator's own format rounds onto (core/grids.py, `served_grid`):
+
+- ``nearest``: the weights are handed over as received; the backend rounds to nearest (what every backend does).
+- ``stochastic``: each weight's code is floor(w / scale + u), u ~ U[0, 1), so the served value is w in expectation
+  (unbiased) and a small update moves a code with a chance proportional to its size. The draws are seeded by the
+  weight version and the tensor's name: every actor serves the same model, and a version re-sent is re-served
+  identically.
+- ``error_feedback``: the actor keeps each weight's rounding residual r = (w + r_prev) - served and adds it to the
+  next version before rounding to nearest: updates too small for a code accumulate until they move one, and the
+  served weights' running sum stays within a grid step of the received ones' (the drift is bounded by the residual,
+  at most half a step). Costs 4 bytes per quantized weight in the actor; a restarted actor starts again from zero.
+
+Visibility, measured at every sync against the previous version over the quantized weights (`Requantizer.stats`):
+``code_change_frac`` (share of codes changed), ``bf16_change_frac`` (share of received bf16 weights changed) and
+``update_norm_ratio`` = ||dq|| / ||dw|| with dq = served_new - served_old and dw = w_new - w_old (0 when the
+generator stands still; above 1 when codes move by whole steps where the bf16 weights moved by less), and
+``update_projection`` = <dq, dw> / ||dw||^2, the share of the bf16 update the served weights took up along its
+direction (1: they follow it, 0: they stand still). NaN when nothing changed. The previous version's codes and bf16 weights are kept: 3 bytes per quantized
+weight in each actor.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Iterable
+
+import torch
+
+from qgrpo.core.grids import Encoded, Grid, decode, encode, handed
+from qgrpo.rollout.options import REQUANTIZE_FORMATS, REQUANTIZE_MODES
+
+VISIBILITY_KEYS = ("code_change_frac", "bf16_change_frac", "update_norm_ratio", "update_projection")
+
+# (backend, precision) -> the grid its format rounds onto (core/grids.py's docstring; the group size is the config's).
+_GRIDS = {
+    ("torch", "int8"): Grid("symmetric", -128, 127, divisor=127.5, eps=torch.finfo(torch.float32).eps,
+                            dtype=torch.bfloat16),
+    ("torch", "int4"): Grid("affine", 0, 15, eps=1e-6, dtype=torch.bfloat16),
+    ("vllm", "int8"): Grid("symmetric", -127, 127, divisor=127.0, eps=1e-12),
+}
+assert tuple(_GRIDS) == REQUANTIZE_FORMATS, "rollout/options.py REQUANTIZE_FORMATS must list the grids emulated here"
+
+
+def served_grid(backend: str, precision: str, group_size: int = 64) -> Grid | None:
+    """The grid that `backend` at `precision` rounds its linear weights onto, or None where it is not emulated (bf16;
+    nf4 and fp8, whose grids are not uniform; MLX)."""
+    grid = _GRIDS.get((backend, precision))
+    if grid is not None and grid.family == "affine":
+        grid = dataclasses.replace(grid, group=group_size)
+    return grid
+
+
+def requantize_supported() -> list[str]:
+    """'backend precision' pairs whose grid is emulated, for error messages."""
+    return [f"{b} {p}" for b, p in REQUANTIZE_FORMATS]
+
+
+@dataclass
+class _Kept:
+    """One quantized tensor as last served: its received bf16 weights, codes and grid, and the residual."""
+
+    weight: torch.Tensor  # bf16, as received
+    codes: Encoded  # setters dropped (decode needs codes, scale and offset only)
+    residual: torch.Tensor | None  # float32, error_feedback only
+
+
+@dataclass
+class Prepared:
+    """A sync's tensors to hand the generator, and the state that becomes the actor's once they are loaded."""
+
+    tensors: list[tuple[str, torch.Tensor]]
+    kept: dict[str, _Kept]
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Requantizer:
+    def __init__(self, mode: str, grids: dict[str, Grid], initial: Iterable[tuple[str, torch.Tensor]] = ()):
+        """`grids`: the generator's quantized tensors by name; `initial`: their weights as the generator loaded them
+        (visibility from the first sync on, and error feedback's first residual); may be empty."""
+        if mode not in REQUANTIZE_MODES:
+            raise ValueError(f"sync.requantize must be one of {REQUANTIZE_MODES}, got {mode!r}")
+        if mode != "nearest" and not grids:
+            raise ValueError(f"sync.requantize = {mode!r}: this generator's format has no emulated grid; it is "
+                             f"available for {', '.join(requantize_supported())}")
+        self.mode, self.grids = mode, grids
+        self.kept: dict[str, _Kept] = {}
+        for name, w in initial:
+            if name in grids and grids[name].fits(tuple(w.shape)):
+                self.kept[name] = self._kept(name, w.to(torch.bfloat16), encode(grids[name], w), w.float())
+
+    def _kept(self, name: str, w: torch.Tensor, enc: Encoded, target: torch.Tensor) -> _Kept:
+        residual = target - decode(self.grids[name], enc) if self.mode == "error_feedback" else None
+        return _Kept(w.clone(), Encoded(enc.codes, enc.scale, enc.offset, setters=torch.empty(0)), residual)
+
+    def prepare(self, version: int, received: list[tuple[str, torch.Tensor]]) -> Prepared:
+        """The tensors to hand the generator for `version` (the quantized ones re-rounded by the mode, the rest as
+        received) and the visibility against the previous version. Changes nothing until `commit`."""
+        out, kept, sums = [], {}, [0, 0, 0, 0.0, 0.0, 0.0]  # changed codes, changed bf16, weights, dq.dq, dw.dw, dq.dw
+        for name, w in received:
+            grid = self.grids.get(name)
+            if grid is None or not grid.fits(tuple(w.shape)):
+                out.append((name, w))
+                continue
+            prev = self.kept.get(name)
+            enc, hand, target = self._round(version, name, grid, w, prev)
+            out.append((name, hand))
+            kept[name] = self._kept(name, w, enc, target)
+            if prev is not None:
+                _add_visibility(sums, grid, w, enc, prev)
+        return Prepared(out, kept, _visibility(sums))
+
+    def _round(self, version: int, name: str, grid: Grid, w: torch.Tensor, prev: _Kept | None):
+        """(codes, tensor to hand over, the value the residual is measured against) of one quantized weight."""
+        if self.mode == "nearest":
+            return encode(grid, w), w, w.float()
+        if self.mode == "stochastic":
+            rng = torch.Generator().manual_seed(zlib.crc32(f"{version}/{name}".encode()))
+            enc = encode(grid, w, "stochastic", rng)
+            return enc, handed(grid, w, enc, w.dtype), w.float()
+        target = w.float() + (prev.residual if prev is not None and prev.residual is not None else 0.0)
+        frame = target.to(w.dtype)  # what the backend will see at the setters
+        enc = encode(grid, target, "nearest", frame=frame)
+        return enc, handed(grid, frame, enc, w.dtype), target
+
+    def commit(self, prepared: Prepared) -> dict[str, float]:
+        """The generator loaded `prepared.tensors`: their state becomes the actor's. Returns the visibility."""
+        self.kept.update(prepared.kept)
+        return prepared.stats
+
+
+def _add_visibility(sums: list, grid: Grid, w: torch.Tensor, enc: Encoded, prev: _Kept) -> None:
+    sums[0] += int((enc.codes != prev.codes.codes).sum())
+    sums[1] += int((w != prev.weight).sum())
+    sums[2] += w.numel()
+    dq = (decode(grid, enc) - decode(grid, prev.codes)).double()
+    dw = w.double() - prev.weight.double()
+    sums[3] += float(dq.square().sum())
+    sums[4] += float(dw.square().sum())
+    sums[5] += float((dq * dw).sum())
+
+
+def _visibility(sums: list) -> dict[str, float]:
+    changed, changed_bf16, n, dq2, dw2, dqdw = sums
+    if not n:
+        return {k: math.nan for k in VISIBILITY_KEYS}
+    return {"code_change_frac": changed / n, "bf16_change_frac": changed_bf16 / n,
+            "update_norm_ratio": math.sqrt(dq2) / math.sqrt(dw2) if dw2 > 0 else math.nan,
+            "update_projection": dqdw / dw2 if dw2 > 0 else math.nan}
