@@ -134,6 +134,7 @@ class Learner:
         import deepspeed
 
         from qgrpo.learner.adapters import load_model
+        from qgrpo.learner.fake_quant import fake_quant_layers
 
         s = settings if settings is not None else LearnerSettings()
         self.device = bind(torch.device(device) if device is not None else current_device("learner rank"))
@@ -157,6 +158,8 @@ class Learner:
         attention = s.attention if s.attention != "auto" else ("sdpa" if self.device.type == "cuda" else "eager")
         model = load_model(model_path, s.mode, lora=s.lora, attention=attention,
                            gradient_checkpointing=s.gradient_checkpointing, device=self.device)
+        if s.fake_quant_grid is not None:  # learner.fake_quant = "rollout": the generators' rounding in the forward
+            fake_quant_layers(model, s.fake_quant_grid, s.fake_quant_head)
         # Our own optimizer object: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
         # Only trainable tensors reach it (the adapters in lora/qlora).
         self.inner_optimizer = guarded_optimizer(s.optimizer, [p for p in model.parameters() if p.requires_grad],

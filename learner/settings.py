@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from qgrpo.core.grids import Grid
 from qgrpo.learner.loss import GRPOLossConfig
 
 
@@ -41,6 +42,10 @@ class LearnerSettings:
     gradient_checkpointing: bool = False
     # lora/qlora with a KL term: the reference log-probs are the learner's own base with its adapters off
     reference_from_learner: bool = False
+    # learner.fake_quant = "rollout" (learner/fake_quant.py): the generators' grid, and whether they quantize an
+    # untied output head; None: the learner computes with its bf16 weights
+    fake_quant_grid: Grid | None = None
+    fake_quant_head: bool = False
 
     @property
     def grad_accum(self) -> int:

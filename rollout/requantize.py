@@ -20,8 +20,8 @@ Visibility, measured at every sync against the previous version over the quantiz
 ``update_norm_ratio`` = ||dq|| / ||dw|| with dq = served_new - served_old and dw = w_new - w_old (0 when the
 generator stands still; above 1 when codes move by whole steps where the bf16 weights moved by less), and
 ``update_projection`` = <dq, dw> / ||dw||^2, the share of the bf16 update the served weights took up along its
-direction (1: they follow it, 0: they stand still). NaN when nothing changed. The previous version's codes and bf16 weights are kept: 3 bytes per quantized
-weight in each actor.
+direction (1: they follow it, 0: they stand still). NaN when nothing changed. The previous version's codes and bf16
+weights are kept: 3 bytes per quantized weight in each actor.
 """
 from __future__ import annotations
 

@@ -229,7 +229,18 @@ ALGO_COMBINATIONS = [
     (["sync.requantize='stochastic'", "rollout.precision='bf16'"], "sync.requantize: 'stochastic' needs a quantized"),
     (["sync.requantize='error_feedback'", "rollout.precision='nf4'"], "set sync.requantize = \"nearest\" or change"),
     (["sync.requantize='exact'"], "sync.requantize: must be"),
+    (["learner.fake_quant='rollout'", "learner.mode='lora'"], "learner.fake_quant: \"rollout\" needs learner.mode"),
+    (["learner.fake_quant='rollout'", "rollout.precision='nf4'"], "rollout.precision 'nf4' has none"),
 ]
+
+
+def test_fake_quant_reaches_the_learner_with_the_generators_grid():
+    from qgrpo.cluster.run.learners import learner_settings
+
+    off = learner_settings(load_config(TINY))
+    assert off.fake_quant_grid is None
+    on = learner_settings(load_config(TINY, ["learner.fake_quant='rollout'", "rollout.group_size_quant=32"]))
+    assert on.fake_quant_grid.family == "affine" and on.fake_quant_grid.group == 32 and on.fake_quant_head
 
 
 def test_requantize_modes_load_where_a_grid_is_emulated():

@@ -273,3 +273,32 @@ def test_learner_moves_the_batch_to_its_device(cpu_learner, monkeypatch):
                        total_sequences=B, total_tokens=float(torch.ones(B, T).tril().sum()), max_new_tokens=T)
     out = cpu_learner.train_step(batch)
     assert moved == [cpu_learner.device] and out.loss == out.loss
+
+
+def test_fake_quant_learner_scores_like_its_int4_generators_and_trains(tiny_model_path):
+    """learner.fake_quant = "rollout" in the real learner: its log-probs are the int4 generator's on the same weights
+    (pi_old = mu up to kernels), where the bf16 learner's are not, and an update still moves the weights."""
+    import math
+
+    from qgrpo.learner.engine import Learner
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+    from qgrpo.rollout.requantize import served_grid
+
+    generator = TorchGenerator(tiny_model_path, precision="int4")
+    vocab = generator.model.config.vocab_size
+    ids = torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    gen = generator.score(ids)
+    settings = dict(lr=1e-2, micro_batch_per_rank=16, sequences_per_rank=16, grad_clip=0.0,
+                    loss_cfg=GRPOLossConfig(kl_coeff=0.0))
+    plain = Learner(tiny_model_path, LearnerSettings(**settings)).score(ids)
+    learner = Learner(tiny_model_path, LearnerSettings(**settings, fake_quant_grid=served_grid("torch", "int4", 64),
+                                                       fake_quant_head=True))
+    simulated = learner.score(ids)
+    gap = sum(abs(a - b) for a, b in zip(simulated, gen)) / len(gen)
+    plain_gap = sum(abs(a - b) for a, b in zip(plain, gen)) / len(gen)
+    assert gap < 2e-3 and gap < plain_gap / 5, (gap, plain_gap)
+    before = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
+    out = learner.train_step(_batch(vocab))
+    assert out.skipped == "" and out.policy_version == 1 and math.isfinite(out.loss) and out.grad_norm > 0
+    moved = [n for n, p in learner.engine.module.named_parameters() if not torch.equal(p, before[n])]
+    assert "model.layers.0.mlp.up_proj.weight" in moved and "lm_head.weight" in moved

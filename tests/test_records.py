@@ -15,7 +15,7 @@ from qgrpo.learner.settings import LearnerSettings
 def _ack(gap: float, seconds: float = 0.5, changed: float = 1e-3) -> SyncAck:
     return SyncAck("torch-0", 3, seconds=seconds, receive_seconds=0.1, requantize_seconds=0.2, verify_seconds=0.05,
                    fingerprint_gap=gap, fingerprint_corr=1.0 - gap, code_change_frac=changed, bf16_change_frac=0.1,
-                   update_norm_ratio=changed * 100)
+                   update_norm_ratio=changed * 100, update_projection=1.0)
 
 
 def test_records_pickle():

@@ -175,6 +175,11 @@ class LearnerConfig:
     """[learner.lora]: read when mode is lora or qlora."""
     optimizer: choice(OPTIMIZERS) = "adamw"
     """"adamw" (torch) or "adamw8bit" (bitsandbytes: 8-bit moments, ~4x less state)."""
+    fake_quant: choice(("off", "rollout"), "must be {quoted}") = "off"
+    """"rollout": quantization-aware learning. The learner's linear layers compute with their weights rounded onto
+    the rollout generators' grid (round to nearest, straight-through gradients), so the policy it optimises is the
+    one the generators sample from (docs/quantization.md). Needs learner.mode = "full" and a grid the project
+    emulates: rollout.backend torch at int8 or int4, or vllm at int8."""
     gradient_checkpointing: Bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~1 more
     forward). Needs shared_prompt = false: checkpointed layers drop the KV cache the shared-prompt forward passes
@@ -299,6 +304,21 @@ def _requantize_format(_, cfg) -> list[str]:
             "sync.requantize = \"nearest\" or change rollout.precision"]
 
 
+def _fake_quant(_, cfg) -> list[str]:
+    le, ro = cfg.learner, cfg.rollout
+    if le.fake_quant == "off":
+        return []
+    if le.mode != "full":
+        return [f"learner.fake_quant: \"rollout\" needs learner.mode = \"full\" (the generators of a {le.mode} "
+                "learner quantize the merged weights, which the learner never holds); set fake_quant = \"off\""]
+    if (ro.backend, ro.precision) in REQUANTIZE_FORMATS:
+        return []
+    served = ", ".join(f"{b} {p}" for b, p in REQUANTIZE_FORMATS)
+    return [f"learner.fake_quant: \"rollout\" simulates a grid the project emulates ({served}); rollout.backend "
+            f"{ro.backend!r} at rollout.precision {ro.precision!r} has none: set fake_quant = \"off\" or change "
+            "rollout.precision"]
+
+
 ALGO_RULES = [
     (("algo.clip_low", "algo.clip_high"), _clip_order),
     (("algo.policy_loss", "algo.loss_agg"), _gspo_aggregation),
@@ -307,4 +327,5 @@ ALGO_RULES = [
     (("algo.dynamic_sampling", "algo.overlap"), _dynamic_sampling),
     (("algo.overlong_buffer", "rollout.max_new_tokens"), _overlong_buffer),
     (("sync.requantize", "rollout.backend", "rollout.precision"), _requantize_format),  # [sync]'s, read the same way
+    (("learner.fake_quant", "learner.mode", "rollout.backend", "rollout.precision"), _fake_quant),  # [learner]'s
 ]
