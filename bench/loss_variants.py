@@ -12,6 +12,12 @@ Variants (docs/algorithms.md, and the docstrings of [algo] in cluster/config/tra
 - `cispo`: CISPO's clipped stop-gradient weight on log pi;
 - `dynamic`: DAPO's dynamic sampling (groups with equal rewards dropped, more prompts drawn).
 
+`--family requantize` runs instead, under bench/results/requantize[_TAG] (docs/quantization.md): `int4_nearest`,
+`int4_stochastic`, `int4_error_feedback` and the same at int8 (sync.requantize), and `int4_fake_quant`,
+`int8_fake_quant` (learner.fake_quant = "rollout" with nearest rounding); each sets rollout.precision itself.
+Their tables add the update visibility per sync (share of codes changed, the served update's projection on the
+bf16 update and its norm against it).
+
 Each run is bench/default_job.py's (`one_run`: `qgrpo train` under its memory sampler, then `qgrpo eval CKPT
 --precision bf16` of the final checkpoint), with the variant's overrides and the --set ones after them. Per run:
 - held-out greedy accuracy at step 0 and after the last step (the run's own evaluations, on its int8 generators) and of
@@ -34,6 +40,7 @@ that fails (e.g. an option the learner does not read yet) is reported with the e
         --tag smoke                                                           # minutes: the tiny digit-sum model
     .venv/bin/python bench/loss_variants.py --resume --publish                # add the runs not done yet, publish
     .venv/bin/python bench/loss_variants.py --report                          # tabulate the runs done so far
+    .venv/bin/python bench/loss_variants.py --family requantize --config configs/tiny.toml --tag tiny --resume
 
 Writes bench/results/loss_variants[_TAG].json and prints the tables; `--publish` also writes bench/published/
 loss_variants[_TAG].{json,txt}.
@@ -74,9 +81,12 @@ VARIANTS: dict[str, dict] = {
     "cispo": {"algo.policy_loss": "cispo"},
     "dynamic": {"algo.dynamic_sampling": True},
 }
-# --family requantize: sync.requantize on int4 and int8 rollouts (docs/quantization.md); results under "requantize".
-REQUANTIZE = {f"{p}_{mode}": {"rollout.precision": p, "sync.requantize": mode}
-              for p in ("int4", "int8") for mode in ("nearest", "stochastic", "error_feedback")}
+# --family requantize: sync.requantize on int4 and int8 rollouts, and quantization-aware learning
+# (learner.fake_quant) with nearest rounding (docs/quantization.md); results under "requantize".
+REQUANTIZE = {**{f"{p}_{mode}": {"rollout.precision": p, "sync.requantize": mode}
+                 for p in ("int4", "int8") for mode in ("nearest", "stochastic", "error_feedback")},
+              **{f"{p}_fake_quant": {"rollout.precision": p, "sync.requantize": "nearest",
+                                     "learner.fake_quant": "rollout"} for p in ("int4", "int8")}}
 FAMILIES = {"loss": (BENCH, VARIANTS), "requantize": ("requantize", REQUANTIZE)}
 # Per-step metrics kept as curves (those a run logs): (key, table header, "mean" over steps or "last" value)
 CURVES = (
@@ -123,7 +133,8 @@ def variant_run(args, variant: str, seed: int) -> dict:
     """One run of `variant` (bench/default_job.py's), with its per-step curves read from the run's metrics."""
     name = f"{variant}_s{seed}"
     extra = (*[f"{k}={value_text(v)}" for k, v in args.variants_of[variant].items()], *args.set)
-    res = one_run(args, seed, args.precision, name=name, config=args.config, extra=extra)
+    precision = args.variants_of[variant].get("rollout.precision", args.precision)  # the variant's, where it sets one
+    res = one_run(args, seed, precision, name=name, config=args.config, extra=extra)
     lines = (args.out_dir / "logs" / f"{name}.metrics.jsonl").read_text().splitlines()
     steps = [m for m in map(json.loads, lines) if "time/step" in m]
     curves = {k: [[m["step"], m[k]] for m in steps if m.get(k) is not None] for k, _, _ in CURVES}

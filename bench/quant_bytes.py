@@ -4,6 +4,14 @@ generator re-quantizes after a weight sync.
 
     .venv/bin/python bench/quant_bytes.py [--threads N]   # prints a table, writes bench/results/quant_bytes.json
 
+`--requantize` measures instead what sync.requantize costs a rollout actor on the same model (rollout/requantize.py):
+for each emulated format (torch int8, torch int4, vllm int8) and mode (nearest, stochastic, error_feedback), SYNCS
+syncs of a slow, steady drift of the fp32 master weights by LR per sync in a fixed random direction (about an early
+Adam step at lr 1e-5), as the learner sends them (bf16). Per format and mode: seconds per sync (prepare + commit),
+the bytes of state the actor keeps, and the update visibility averaged over the syncs (share of codes changed, share
+of bf16 weights changed, the served update's projection on the bf16 one). Writes bench/results/requantize_costs.json
+(`--publish`: bench/published/ too).
+
 Timings depend on torch's thread count; when other jobs share the cores, OpenMP spinning can make 2 threads far
 slower than 1, so the thread count is an option and is recorded.
 """
@@ -42,13 +50,67 @@ def timed(fn):
     return out, time.perf_counter() - t
 
 
+SYNCS, LR = 10, 1e-5
+
+
+def requantize_costs(base: LlamaForCausalLM) -> list[dict]:
+    """sync.requantize on the model's linear weights: see the module docstring."""
+    from qgrpo.rollout.quant import quantized_weight_names
+    from qgrpo.rollout.requantize import REQUANTIZE_FORMATS, Requantizer, served_grid
+
+    params = dict(base.named_parameters())
+    rows = []
+    for backend, precision in REQUANTIZE_FORMATS:
+        names = quantized_weight_names(base, "int4" if precision == "int4" else "int8", 64, "cpu")
+        grids = {n: served_grid(backend, precision, 64) for n in names}
+        direction = {n: torch.randn(params[n].shape, generator=torch.Generator().manual_seed(i)).sign()
+                     for i, n in enumerate(names)}
+        for mode in ("nearest", "stochastic", "error_feedback"):
+            master = {n: params[n].detach().float() for n in names}
+            rq = Requantizer(mode, grids, [(n, params[n].detach()) for n in names])
+            seconds, stats = [], []
+            for version in range(1, SYNCS + 1):
+                sent = [(n, (master[n] + version * LR * direction[n]).to(torch.bfloat16)) for n in names]
+                (prepared, t) = timed(lambda s=sent, v=version: rq.prepare(v, s))
+                stats.append(rq.commit(prepared))
+                seconds.append(t)
+            kept = sum(t.numel() * t.element_size() for k in rq.kept.values()
+                       for t in (k.weight, k.codes.codes, k.codes.scale, k.codes.offset, k.residual) if t is not None)
+            rows.append({"format": f"{backend} {precision}", "mode": mode, "weights": sum(params[n].numel()
+                                                                                     for n in names),
+                         "seconds_per_sync": round(statistics.median(seconds), 3), "state_bytes": kept,
+                         **{k: statistics.mean(s[k] for s in stats) for k in stats[0]}})
+    print(f"sync.requantize on the SmolLM2-135M shape: {SYNCS} syncs of a drift of {LR} per sync, "
+          f"{torch.get_num_threads()} threads")
+    print(f"{'format':11} {'mode':15} {'s/sync':>7} {'state MB':>8} {'codes chg':>10} {'bf16 chg':>9} "
+          f"{'upd proj':>9} {'upd norm':>9}")
+    for r in rows:
+        print(f"{r['format']:11} {r['mode']:15} {r['seconds_per_sync']:7.2f} {r['state_bytes'] / 1e6:8.1f} "
+              f"{r['code_change_frac']:10.2e} {r['bf16_change_frac']:9.2e} {r['update_projection']:9.3f} "
+              f"{r['update_norm_ratio']:9.2f}")
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--requantize", action="store_true", help="measure sync.requantize instead (module docstring)")
+    ap.add_argument("--publish", action="store_true", help="with --requantize: also write bench/published/")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.requantize:
+        rows = requantize_costs(smollm2_135m_shape())
+        text = json.dumps({"model": "SmolLM2-135M shape (random weights)", "torch": torch.__version__,
+                           "threads": torch.get_num_threads(), "machine": platform.machine(),
+                           "processor": platform.processor(), "syncs": SYNCS, "lr": LR, "results": rows},
+                          indent=2) + "\n"
+        for folder in ("results",) + (("published",) if args.publish else ()):
+            path = OUT.parent.parent / folder / "requantize_costs.json"
+            path.write_text(text)
+            print(f"wrote {path}")
+        return
     import bitsandbytes  # noqa: F401  imported here so the one-time import cost (~2-3 s) isn't timed as quantize
     import torchao.quantization  # noqa: F401
 
