@@ -147,10 +147,13 @@ def test_eval_command_uses_the_checkpoints_run_config(two_step_run, tmp_path, ca
     state["config"]["task"]["eval_size"] = 7
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     capsys.readouterr()
-    assert main(["eval", str(ckpt), "--task", "digit_sum"]) == 0
+    # At bf16, where the run's sync.requantize = "error_feedback" would be refused: evaluation neither syncs nor
+    # learns, so the run's [sync] does not come along.
+    assert main(["eval", str(ckpt), "--task", "digit_sum", "--precision", "bf16"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out.strip().splitlines()[-1])
     assert out["n"] == 7 and out["task"] == "digit_sum" and "trainer_state.json" in captured.err
+    assert out["precision"] == "bf16"
 
     (ckpt / "trainer_state.json").write_text("{not json")
     assert main(["eval", str(ckpt)]) == 2

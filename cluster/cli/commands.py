@@ -78,6 +78,8 @@ def eval_command(args) -> int:
             if args.task and args.task != base.get("task", {}).get("name"):
                 base.pop("task", None)
             base.get("run", {}).pop("wandb_project", None)  # evaluation logs nothing to W&B
+            base.pop("sync", None)  # nor syncs or learns: how the run re-quantized and learned does not apply
+            base.get("learner", {}).pop("fake_quant", None)
             print(f"qgrpo eval: task, rewards and generation length from the run config in {model}/trainer_state.json"
                   " (--config PRESET to use another)", file=sys.stderr)
         cfg = load_config(args.config, overrides, base=base)
