@@ -15,22 +15,25 @@ from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
 from qgrpo.rollout.backends import make_generator
 from qgrpo.rollout.backends.common import check_fingerprint, hf_tensors
+from qgrpo.rollout.noise import NormNoise
 from qgrpo.rollout.requantize import Requantizer
 
 
 @ray.remote
 class RolloutActor(CollectiveMember):
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None,
-                 requantize: str = "nearest", visibility: bool = True):
+                 requantize: str = "nearest", visibility: bool = True, noise: NormNoise | None = None):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start.
-        `requantize`, `visibility`: sync.requantize and sync.visibility (rollout/requantize.py)."""
+        `requantize`, `visibility`: sync.requantize and sync.visibility (rollout/requantize.py); `noise`: the
+        exploration noise added to the norm weights at each sync (rollout.norm_noise, rollout/noise.py)."""
         apply_threads(resolve_threads(threads))
         # A builtin model is built on this node; a checkpoint given as a URI (a resume) is read from this node's copy
         # of its model files.
         model_path = local_model(generator_kwargs["model_path"], skip=("optimizer",))
         self.gen = make_generator(backend, **{**generator_kwargs, "model_path": model_path})
         self.requant = self._requantizer(model_path, requantize, visibility)
+        self.noise = noise if noise is not None and noise.start > 0 else None
         self.last_ack = self.load_weights(update) if update is not None else None
 
     def _requantizer(self, model_path: str, mode: str, visibility: bool) -> Requantizer | None:
@@ -77,6 +80,9 @@ class RolloutActor(CollectiveMember):
         if self.requant is not None:
             prepared = self.requant.prepare(update.version, list(stream))
             stream = prepared.tensors
+        sigma = self.noise.sigma(update.version) if self.noise is not None else 0.0
+        if sigma > 0:
+            stream = self.noise.apply(update.version, stream)
         rounding_seconds = time.perf_counter() - t0
         self.gen.load_weights(update.version, stream)
         if prepared is not None:
@@ -89,7 +95,7 @@ class RolloutActor(CollectiveMember):
                                 requantize_seconds=rounding_seconds + getattr(self.gen, "requantize_seconds",
                                                                               float("nan")),
                                 verify_seconds=time.perf_counter() - t1, fingerprint_gap=fp["gap"],
-                                fingerprint_corr=fp["corr"], **visibility)
+                                fingerprint_corr=fp["corr"], norm_noise=sigma, **visibility)
         return self.last_ack
 
     def last_load(self) -> SyncAck | None:

@@ -103,6 +103,7 @@ class SyncAck:
     bf16_change_frac: float = math.nan  # share of those weights whose received bf16 value changed
     update_norm_ratio: float = math.nan  # ||served update|| / ||bf16 update|| over those weights
     update_projection: float = math.nan  # <served update, bf16 update> / ||bf16 update||^2: 1 follows, 0 stands still
+    norm_noise: float = 0.0  # sigma of the exploration noise added to the norm weights (rollout/noise.py)
 
 
 def _nanmin(values) -> float:
@@ -131,6 +132,7 @@ class WeightSync:
     bf16_change_frac: float = math.nan  # SyncAck.bf16_change_frac (the same stream reaches every actor)
     update_norm_ratio_min: float = math.nan  # the smallest SyncAck.update_norm_ratio
     update_projection_min: float = math.nan  # the smallest SyncAck.update_projection
+    norm_noise: float = 0.0  # the largest SyncAck.norm_noise (every actor draws the same)
 
     @classmethod
     def of(cls, version: int, nbytes: int, buckets: int, seconds: float, export_seconds: float,
@@ -145,7 +147,8 @@ class WeightSync:
                    code_change_frac_min=_nanmin(a.code_change_frac for a in acks),
                    bf16_change_frac=_nanmin(a.bf16_change_frac for a in acks),
                    update_norm_ratio_min=_nanmin(a.update_norm_ratio for a in acks),
-                   update_projection_min=_nanmin(a.update_projection for a in acks))
+                   update_projection_min=_nanmin(a.update_projection for a in acks),
+                   norm_noise=max(a.norm_noise for a in acks))
 
     def metrics(self) -> dict[str, float]:
         """{"sync/nbytes": ..., ...}: every field but the version, which the step's metrics carry already."""

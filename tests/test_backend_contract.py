@@ -228,3 +228,26 @@ def test_requantized_weights_pass_the_fingerprint(make, fp32_model, tiny_model_p
     check_fingerprint(gen.generator_id, precision, 7, gen.score(pid), new)
     assert 0.5 < stats["code_change_frac"] <= 1 and 0.5 < stats["update_norm_ratio"] < 2
     assert 0.8 < stats["update_projection"] < 1.2  # shuffled rows: the served weights move with the received ones
+
+
+@pytest.mark.parametrize("backend,precision", [c for c in CASES if c[1] != "bf16"])
+def test_norm_noise_is_served_and_passes_the_fingerprint(make, fp32_model, tiny_model_path, backend, precision):
+    """rollout.norm_noise: the noisy norm weights load into every backend, the generator serves them (its probe
+    log-probs move) and stay within the precision's tolerance of the clean model at QeRL's starting sigma, 1e-2."""
+    from qgrpo.rollout.noise import NOISE_SUFFIXES, NormNoise
+
+    gen = make(backend, precision)
+    pid = probe_ids(gen.tokenizer)
+    with torch.no_grad():
+        clean = token_logprobs(fp32_model.eval(), torch.tensor([pid]))[0, 1:].tolist()
+    before = gen.score(pid)
+    stream = list(NormNoise(1e-2, 1e-2, 1, horizon=1).apply(3, _initial_weights(tiny_model_path)))
+    noised = [n for (n, t), (_, t0) in zip(stream, _initial_weights(tiny_model_path)) if not torch.equal(t, t0)]
+    assert noised and all(n.endswith(NOISE_SUFFIXES) for n in noised)
+    gen.load_weights(3, stream)
+    after = gen.score(pid)
+    check_fingerprint(gen.generator_id, precision, 3, after, clean)
+    assert max(abs(a - b) for a, b in zip(after, before)) > 1e-3, "the noisy norms changed nothing the model serves"
+    if backend == "torch":
+        served = dict(gen.weights(noised))
+        assert all(torch.equal(served[n], t) for n, t in stream if n in served)

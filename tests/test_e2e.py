@@ -1,6 +1,6 @@
-"""The real job end to end on real Ray + real DeepSpeed (int4 generators under error-feedback re-quantization): two
-steps change every trainable parameter, the checkpoint loads with transformers, resume continues from the saved
-step, and a checkpoint of another model is refused."""
+"""The real job end to end on real Ray + real DeepSpeed (int4 generators under error-feedback re-quantization, with
+exploration noise in their norms): two steps change every trainable parameter, the checkpoint loads with
+transformers, resume continues from the saved step, and a checkpoint of another model is refused."""
 import json
 from pathlib import Path
 
@@ -25,7 +25,7 @@ def two_step_run(ray_session, tiny_model_path, tmp_path_factory):
                "--set", f"run.output_dir='{out}'", "--set", "run.steps=2", "--set", "run.progress=false",
                "--set", "learner.lr=1e-2", "--set", "algo.kl_coeff=0.01", "--set", "rollout.num_actors=2",
                "--set", "run.eval=true", "--set", "run.rollouts_flush_every=1",
-               "--set", "sync.requantize='error_feedback'"])
+               "--set", "sync.requantize='error_feedback'", "--set", "rollout.norm_noise=0.01"])
     assert rc == 0
     (run_dir,) = out.iterdir()
     return run_dir
@@ -56,6 +56,8 @@ def test_run_directory_contents(two_step_run):
     # error feedback on the int4 actors: a step at lr 1e-2 moves a good share of the codes, and the served update
     # is of the bf16 update's size
     assert 0.01 < rows[0]["sync/code_change_frac_min"] <= 1 and 0.5 < rows[0]["sync/update_norm_ratio_min"] < 2
+    # the first sync (version 1 of 2) served the sixth of ten noise stages: 1e-2 * (5e-4 / 1e-2) ** (5 / 9)
+    assert rows[0]["sync/norm_noise"] == pytest.approx(1e-2 * 0.05 ** (5 / 9), rel=1e-9)
     start = next(m for m in _metrics(two_step_run) if m.get("event") == "start")
     assert {g["precision"] for g in start["generators"]} == {"int4"} and len(start["generators"]) == 2
     state = json.loads((two_step_run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())

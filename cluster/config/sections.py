@@ -242,6 +242,16 @@ class RolloutConfig:
     """Nucleus sampling: the smallest set of tokens with this much probability (1 = off)."""
     top_k: Int = setting(0, ge=0, why="0 = off")
     """Sample among the k likeliest tokens (0 = off)."""
+    norm_noise: Float = setting(0.0, ge=0, le=0.1, why="0 = off")
+    """Exploration noise (QeRL's adaptive quantization noise, docs/quantization.md): at each sync the rollout
+    actors add Gaussian noise of this standard deviation to the RMSNorm weights in front of each layer's attention
+    and MLP, decaying to norm_noise_end over norm_noise_stages stretches of the run; QeRL used 1e-2. The importance
+    weights correct for it as for the quantization. 0 = off."""
+    norm_noise_end: Float = setting(5e-4, gt=0, le=0.1)
+    """The noise's standard deviation in the last stage (at most rollout.norm_noise)."""
+    norm_noise_stages: Int = setting(10, ge=1)
+    """Stretches of the run with one standard deviation each, decaying exponentially from norm_noise to
+    norm_noise_end (1 = norm_noise throughout)."""
     vllm: VLLMSection = setting(default_factory=VLLMSection)
     """[rollout.vllm]: read when backend = "vllm"."""
 

@@ -319,6 +319,15 @@ def _fake_quant(_, cfg) -> list[str]:
             "rollout.precision"]
 
 
+def _norm_noise(_, cfg) -> list[str]:
+    ro = cfg.rollout
+    if ro.norm_noise == 0 or ro.norm_noise_stages == 1 or ro.norm_noise_end <= ro.norm_noise:
+        return []
+    return [f"rollout.norm_noise_end: the noise decays from rollout.norm_noise ({ro.norm_noise:g}) to it, got "
+            f"{ro.norm_noise_end:g} > {ro.norm_noise:g}; lower norm_noise_end, or set norm_noise_stages = 1 "
+            "to keep norm_noise throughout"]
+
+
 ALGO_RULES = [
     (("algo.clip_low", "algo.clip_high"), _clip_order),
     (("algo.policy_loss", "algo.loss_agg"), _gspo_aggregation),
@@ -328,4 +337,5 @@ ALGO_RULES = [
     (("algo.overlong_buffer", "rollout.max_new_tokens"), _overlong_buffer),
     (("sync.requantize", "rollout.backend", "rollout.precision"), _requantize_format),  # [sync]'s, read the same way
     (("learner.fake_quant", "learner.mode", "rollout.backend", "rollout.precision"), _fake_quant),  # [learner]'s
+    (("rollout.norm_noise", "rollout.norm_noise_end", "rollout.norm_noise_stages"), _norm_noise),  # [rollout]'s
 ]

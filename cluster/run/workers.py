@@ -38,6 +38,7 @@ from qgrpo.core.records import (
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.rollout.backends import backend_options
 from qgrpo.rollout.models import BUILTIN_PREFIX, hub_cache_folder
+from qgrpo.rollout.noise import NormNoise
 
 
 def _split(items: list, n: int) -> list[list]:
@@ -117,6 +118,8 @@ class RolloutPool:
                  generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
                  chat_template=self.cfg.task.chat_template, **backend_options(ro.backend, ro)),
             self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
+            NormNoise(ro.norm_noise, ro.norm_noise_end, ro.norm_noise_stages,
+                      horizon=self.cfg.run.steps * self.cfg.algo.updates_per_batch),
         )
 
     def _failed(self, slot: int, err: BaseException, prompt_ids: list[str], stage: str) -> None:
