@@ -11,6 +11,7 @@ from pydantic.dataclasses import dataclass
 
 from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions
+from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
 from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from qgrpo.rollout.rewards import ON_ERROR, REWARD_NAMES
 from qgrpo.rollout.rewards.builtin import EVAL_METRICS
@@ -205,6 +206,10 @@ class VLLMSection(VLLMOptions):
     the actor's GPU share: rollout.num_gpus (at most 1) less 10% headroom, so that roles sharing a GPU fit together."""
     tensor_parallel_size: Int = setting(VLLMOptions.tensor_parallel_size, allowed="1")
     """CUDA only: GPUs one engine spans. Only 1 is supported: scale out with more rollout actors."""
+    kv_cache_dtype: choice(KV_CACHE_DTYPES, "must be {quoted}") = VLLMOptions.kv_cache_dtype
+    """The KV cache's dtype: "auto" (the model's, bf16) or "fp8" / "fp8_e4m3" / "fp8_e5m2", half the cache's memory
+    (on CPU too). Each layer's k and v scales are recalibrated from the engine's own keys and values after every
+    weight load (docs/quantization.md)."""
 
 
 @dataclass(config=SECTION)

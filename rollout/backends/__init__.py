@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, Protocol
 
+from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
+
 if TYPE_CHECKING:
     import torch
 
@@ -54,6 +56,8 @@ class VLLMOptions:
     gpu_memory_utilization: float = 0.0
     # CUDA only: GPUs one engine spans. Only 1 is supported (see `problems`): scale out with more rollout actors.
     tensor_parallel_size: int = 1
+    # The KV cache's dtype: "auto" (the model's, bf16) or an fp8 format, its scales recalibrated after every load
+    kv_cache_dtype: str = "auto"
 
     def memory_share(self, num_gpus: float) -> float:
         """vLLM's gpu_memory_utilization for an actor holding `num_gpus` (a share of one GPU when < 1)."""
@@ -77,6 +81,9 @@ class VLLMOptions:
                        f"would run out of memory; set it to at most {num_gpus:g} "
                        f"(e.g. {self.memory_share(num_gpus):.2f}),"
                        " or 0 to derive it")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            out.append(f"{where}.kv_cache_dtype: must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                       f"{self.kv_cache_dtype!r}")
         if self.tensor_parallel_size != 1:
             # Inside a Ray actor vLLM would fall back to its multiprocessing executor: every sync would then copy the
             # whole unsharded model to each worker through a message queue ((TP + 1) x the model in host memory), and

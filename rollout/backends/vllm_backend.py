@@ -31,7 +31,15 @@ from typing import Iterable
 import torch
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
-from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, hf_tensor_shapes, stop_token_ids
+from qgrpo.rollout.backends.common import (
+    build_group,
+    check_stream,
+    format_prompt,
+    hf_tensor_shapes,
+    probe_ids,
+    stop_token_ids,
+)
+from qgrpo.rollout.backends.vllm_kv import recalibrate
 from qgrpo.rollout.quant import int8_per_channel
 
 # vLLM's name for online per-tensor fp8 (weights quantized by the engine as it loads or reloads bf16 tensors).
@@ -175,7 +183,8 @@ class VLLMGenerator:
             quantization = VLLM_FP8  # online: vLLM quantizes the bf16 weights it loads, reloads included
         kwargs = dict(model=engine_path, tokenizer=model_path, dtype="bfloat16", seed=seed,
                       enforce_eager=opts.enforce_eager, logprobs_mode="processed_logprobs",
-                      quantization=quantization, distributed_executor_backend="uni")
+                      quantization=quantization, distributed_executor_backend="uni",
+                      kv_cache_dtype=opts.kv_cache_dtype)
         if opts.max_model_len:
             kwargs["max_model_len"] = opts.max_model_len
         if cuda:
@@ -185,6 +194,9 @@ class VLLMGenerator:
             self.llm = LLM(**kwargs)
         finally:  # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op; keep the host's own
             torch.set_num_threads = set_threads
+        # fp8 KV cache: scales from this engine's own keys and values, again after every load (vllm_kv.py)
+        self.kv_cache_dtype, self._calibration = opts.kv_cache_dtype, probe_ids(self.tokenizer)
+        self.kv_scales = recalibrate(self.llm, self.kv_cache_dtype, self._calibration)
 
     def _prompts(self, items: list[PromptItem]) -> list[list[int]]:
         return [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
@@ -244,6 +256,7 @@ class VLLMGenerator:
         self.requantize_seconds = time.perf_counter() - t0
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": received})
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        self.kv_scales = recalibrate(self.llm, self.kv_cache_dtype, self._calibration)
         self.policy_version = version
 
     def memory_bytes(self) -> dict[str, int]:

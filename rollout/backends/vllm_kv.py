@@ -1,0 +1,90 @@
+"""An fp8 KV cache for the vLLM rollout actor (``rollout.vllm.kv_cache_dtype``), with its scales recalibrated from
+the engine's own keys and values after every weight load.
+
+vLLM stores each attention layer's keys and values in the cache as k / k_scale (and v / v_scale) cast to fp8. A
+checkpoint may carry the scales; ours never does, so without calibration every layer runs at scale 1.0 (vLLM's
+default), which is right only while |k| and |v| stay inside the fp8 range (448 for e4m3) and far enough above its
+smallest normal (2^-6). RL changes the weights at every sync, so scales fitted once go stale: NeMo-RL and verl
+recompute them after each refit. Here the actor does it itself, on the engine it serves from: a forward hook on every
+attention layer records max |k| and max |v| over one prefill of the calibration text (the probe sequence the
+fingerprint check also scores), and each scale becomes
+
+    k_scale = max|k| * KV_HEADROOM / FP8_MAX[dtype]     (the same for v)
+
+KV_HEADROOM = 2 leaves room for prompts whose keys run larger than the calibration text's; in e4m3 it costs one
+binade at the bottom of sixteen. The scales are written where vLLM's attention backends read them (the `_k_scale`
+tensors, their host copies and the Python floats the CPU backend passes to its kernels), then the prefix cache is
+reset so that no entry written under the old scales is read under the new ones.
+
+Written against vllm 0.32's Attention layer (vllm.model_executor.layers.attention.attention.Attention).
+"""
+from __future__ import annotations
+
+FP8_MAX = {"fp8": 448.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # "fp8" is vLLM's name for e4m3
+KV_CACHE_DTYPES = ("auto", *FP8_MAX)
+KV_HEADROOM = 2.0
+_SCALE_NAMES = ("_k_scale", "_v_scale")
+
+
+def _attention_layers(worker) -> dict:
+    from vllm.model_executor.layers.attention.attention import Attention
+
+    return {name: m for name, m in worker.model_runner.model.named_modules() if isinstance(m, Attention)}
+
+
+def _start(worker) -> int:
+    """On every vLLM worker: hooks that record max |k|, max |v| per attention layer. Returns the layers hooked."""
+    worker._qgrpo_kv_amax, worker._qgrpo_kv_hooks = {}, []
+    for name, layer in _attention_layers(worker).items():
+        def record(module, args, kwargs, name=name):
+            k = args[1] if len(args) > 1 else kwargs["key"]
+            v = args[2] if len(args) > 2 else kwargs["value"]
+            old = worker._qgrpo_kv_amax.get(name, (0.0, 0.0))
+            worker._qgrpo_kv_amax[name] = (max(old[0], float(k.detach().abs().max())),
+                                           max(old[1], float(v.detach().abs().max())))
+        worker._qgrpo_kv_hooks.append(layer.register_forward_pre_hook(record, with_kwargs=True))
+    return len(worker._qgrpo_kv_hooks)
+
+
+def _finish(worker, fp8_max: float, headroom: float) -> dict[str, tuple[float, float]]:
+    """On every vLLM worker: remove the hooks and set each layer's k and v scales from what they recorded."""
+    for h in worker._qgrpo_kv_hooks:
+        h.remove()
+    scales = {}
+    for name, layer in _attention_layers(worker).items():
+        amax = worker._qgrpo_kv_amax.get(name)
+        if amax is None:  # a layer the calibration never reached keeps its scales
+            continue
+        ks, vs = (max(a, 1e-12) * headroom / fp8_max for a in amax)
+        for attr, s in zip(_SCALE_NAMES, (ks, vs)):
+            getattr(layer, attr).fill_(s)
+            if hasattr(layer, f"{attr}_cpu"):
+                getattr(layer, f"{attr}_cpu").fill_(s)
+            setattr(layer, f"{attr}_float", s)
+        scales[name] = (ks, vs)
+    worker._qgrpo_kv_amax, worker._qgrpo_kv_hooks = {}, []
+    return scales
+
+
+def scales(worker) -> dict[str, tuple[float, float]]:
+    """On a vLLM worker: each attention layer's (k_scale, v_scale) as the CPU backend's kernels read them."""
+    return {name: (layer._k_scale_float, layer._v_scale_float) for name, layer in _attention_layers(worker).items()}
+
+
+def recalibrate(llm, kv_cache_dtype: str, token_ids: list[int]) -> dict[str, tuple[float, float]]:
+    """Set every attention layer's KV scales from one prefill of `token_ids` under the weights now loaded; returns
+    {layer: (k_scale, v_scale)} of the first worker. Nothing to do for kv_cache_dtype "auto" (bf16 cache)."""
+    if kv_cache_dtype == "auto":
+        return {}
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if not llm.collective_rpc(_start)[0]:
+        raise RuntimeError("fp8 KV cache: found no vLLM Attention layer to calibrate in this model")
+    try:
+        llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))],
+                     SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+    finally:
+        out = llm.collective_rpc(_finish, args=(FP8_MAX[kv_cache_dtype], KV_HEADROOM))[0]
+    llm.reset_prefix_cache()  # entries written under the old scales
+    return out
