@@ -14,7 +14,7 @@ from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unp
 from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
 from qgrpo.rollout.backends import make_generator
-from qgrpo.rollout.backends.common import check_fingerprint, hf_tensors
+from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, hf_tensors
 from qgrpo.rollout.noise import NormNoise
 from qgrpo.rollout.requantize import Requantizer
 
@@ -88,8 +88,17 @@ class RolloutActor(CollectiveMember):
         if prepared is not None:
             visibility = self.requant.commit(prepared)
         t1 = time.perf_counter()
-        fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
-                               self.gen.score(update.probe_ids), update.probe_logprobs)
+        try:
+            fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,
+                                   self.gen.score(update.probe_ids), update.probe_logprobs)
+        except WeightFingerprintError as e:
+            if self.requant is None or self.requant.mode == "nearest":
+                raise
+            raise WeightFingerprintError(
+                f"{e} Here the likelier cause is sync.requantize = {self.requant.mode!r}: it serves weights up to a "
+                "whole grid step from the received ones, about 1.4x the rounding error of nearest, which this "
+                f"precision's tolerance does not leave room for; use sync.requantize = \"nearest\" or a higher "
+                "rollout.precision (docs/quantization.md)") from e
         self.last_ack = SyncAck(self.gen.generator_id, self.gen.policy_version, seconds=t1 - t0,
                                 receive_seconds=receive_seconds,
                                 requantize_seconds=rounding_seconds + getattr(self.gen, "requantize_seconds",

@@ -129,3 +129,24 @@ def test_sync_deadline_raises(ray_session):
     with pytest.raises(StageTimeout, match="weight sync: receiver 1 did not finish within 3 s; raise sync.timeout_s"):
         wait_all([slow_receiver.remote(0), slow], 3.0, "weight sync")
     ray.cancel(slow, force=True)  # free its CPU slot for the tests that follow
+
+
+def test_a_fingerprint_failure_under_requantize_names_it(ray_session, tiny_model_path):
+    """A load whose probe log-probs miss the tolerance stops the sync; under sync.requantize other than nearest the
+    error says that the rounding mode may be the cause and what to do (docs/quantization.md)."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    from qgrpo.rollout.backends.common import probe_ids
+
+    actor = RolloutActor.remote("torch", dict(model_path=tiny_model_path, precision="int4", generator_id="ef-int4"),
+                                1, None, "error_feedback")
+    update = ObjectStoreTransport(1 << 12).publish(1, load_file(f"{tiny_model_path}/model.safetensors").items())
+    update.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
+    update.probe_logprobs = [-30.0] * (len(update.probe_ids) - 1)  # no generator can match these
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError, match=r"(?s)correlation.*sync.requantize = 'error_feedback'"
+                                                            r".*use sync.requantize = \"nearest\""):
+            ray.get(actor.load_weights.remote(update), timeout=120)
+    finally:
+        ray.kill(actor)
