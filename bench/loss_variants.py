@@ -21,7 +21,8 @@ bf16 update and its norm against it).
 Each run is bench/default_job.py's (`one_run`: `qgrpo train` under its memory sampler, then `qgrpo eval CKPT
 --precision bf16` of the final checkpoint), with the variant's overrides and the --set ones after them. Per run:
 - held-out greedy accuracy at step 0 and after the last step (the run's own evaluations, on its int8 generators) and of
-  the final checkpoint on a bf16 generator; the gain in points and points per minute of wall time (the whole process);
+  the final checkpoint on a bf16 generator, against the base model on a bf16 generator (once per seed, kept as
+  base_bf16_s<seed>.json); the gain in points and points per minute of wall time (the whole process);
   the majority baseline (always the train split's most common answer) and, after the last step, how many distinct
   answers the policy gave and the share of the most common one, where a collapse onto one answer shows;
 - per step (kept in the JSON as curves): the sampler mismatch (mismatch/kl_mu_old, the effective sample size
@@ -50,6 +51,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import subprocess
 import sys
 import tomllib
 from pathlib import Path
@@ -65,9 +67,10 @@ from default_job import (  # noqa: E402  (the default job's run, its keeping and
     save,
     session_options,
 )
-from sides import versions  # noqa: E402
+from sides import side_env, versions  # noqa: E402
 
 from qgrpo.cluster.config.tomlio import value_text  # noqa: E402
+from qgrpo.rollout.models import resolve_model_path  # noqa: E402
 
 BENCH = "loss_variants"
 TIS = {"algo.policy_loss": "grpo", "algo.is_level": "token", "algo.is_mode": "truncate", "algo.is_cap": 2.0,
@@ -116,17 +119,43 @@ def last_eval(r: dict, key: str):
 LEARNING = (
     ("acc 0", 6, lambda r: pct(list(r["eval"].values())[0]["accuracy"]) if r.get("eval") else None, ".1f"),
     ("acc end", 8, lambda r: pct(last_eval(r, "accuracy")), ".1f"),
+    ("bf16 0", 7, lambda r: pct((r.get("eval_base_bf16") or {}).get("accuracy")), ".1f"),
     ("end bf16", 9, lambda r: pct((r.get("eval_final_bf16") or {}).get("accuracy")), ".1f"),
     ("gain pts", 9, lambda r: r.get("acc_gain_points"), ".1f"),
-    ("gain bf16", 10, lambda r: r.get("acc_gain_bf16_points"), ".1f"),
+    ("gain bf16", 10, lambda r: bf16_gain(r), ".1f"),
     ("pts/min", 8, lambda r: r.get("acc_gain_points_per_min"), ".2f"),
-    ("bf16 pts/min", 13, lambda r: r.get("acc_gain_bf16_points_per_min"), ".2f"),
+    ("bf16 pts/min", 13, lambda r: None if bf16_gain(r) is None else bf16_gain(r) / (r["process_s"] / 60), ".2f"),
     ("majority", 9, lambda r: pct((r.get("baseline") or {}).get("majority_accuracy")), ".1f"),
     ("distinct", 9, lambda r: last_eval(r, "answers_distinct"), ".1f"),
     ("top share", 10, lambda r: pct(last_eval(r, "answers_top_share")), ".1f"),
     ("wall min", 9, lambda r: r["process_s"] / 60, ".1f"),
     ("s/step", 7, lambda r: r["train_s"] / r["steps"], ".1f"),
 )
+
+
+def bf16_gain(r: dict):
+    """Points gained on a bf16 generator: the final checkpoint against the base model on the same prompts (where the
+    seed's base evaluation is there; else against the run's own step-0 evaluation, on its rollout precision)."""
+    final, base = r.get("eval_final_bf16"), r.get("eval_base_bf16")
+    if final and base:
+        return 100 * (final["accuracy"] - base["accuracy"])
+    return r.get("acc_gain_bf16_points")
+
+
+def base_bf16(args, seed: int) -> dict:
+    """The base model on a bf16 generator, on the held-out prompts of `seed` (the config's, --set ones included):
+    where every variant of the seed starts in bf16, whatever precision its own step-0 evaluation ran at."""
+    cfg = tomllib.loads(args.config.read_text())
+    model = resolve_model_path(cfg["model"]["path"], cfg["model"].get("cache_dir", ""))
+    log = args.out_dir / "logs" / f"base_bf16_s{seed}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "qgrpo", "eval", model, "--config", str(args.config), "--precision", "bf16",
+           "--set", f"run.seed={seed}", *[x for e in args.set for x in ("--set", e)]]
+    out = subprocess.run(cmd, cwd=ROOT, env=side_env(), capture_output=True, text=True)
+    log.write_text(out.stdout + out.stderr)
+    if out.returncode != 0:
+        raise SystemExit(f"qgrpo eval of the base model failed (exit {out.returncode}): see {log}")
+    return json.loads(out.stdout.splitlines()[-1])
 
 
 def variant_run(args, variant: str, seed: int) -> dict:
@@ -179,8 +208,9 @@ def tables(result: dict) -> str:
               ("run", "per run", [(r["name"], [r]) for r in runs])]
     for first, title, rows in groups:
         out += [f"{title}: held-out accuracy, greedy (%), at step 0 and the last step on the run's "
-                f"{result['precision']} generators and of the final checkpoint on bf16;",
-                "gains in points and per minute of wall time; distinct answers, the top one's share at the last step",
+                f"{result['precision']} generators, and on a bf16 generator of the base model (bf16 0) and the final "
+                "checkpoint;", "gains in points and per minute of wall time (gain bf16: end bf16 - bf16 0); distinct "
+                "answers, the top one's share at the last step",
                 f"{first:<12} {'seeds':>6} " + " ".join(f"{h:>{w}}" for h, w, _, _ in LEARNING)]
         for name, rs in rows:
             out.append(f"{name:<12} {' '.join(str(r['seed']) for r in rs):>6} "
@@ -223,6 +253,37 @@ def steps_of(args) -> int:
     return args.steps or tomllib.loads(args.config.read_text())["run"]["steps"]
 
 
+def collect(args, bases: dict) -> tuple[list, list, list]:
+    """(runs, failed, missing) over seeds and variants, seed-major: each run kept, run now, or missing (--report).
+    A run that fails (one_run's verdict) is kept as NAME.failed.json with the end of its log, reported as failed,
+    and under --resume or --report not tried again unless --retry-failed: a failure of the method (e.g. a fingerprint
+    past its tolerance) is a result of the comparison."""
+    runs, failed, missing = [], [], []
+    for seed in args.seeds:
+        for variant in args.variants:
+            name = f"{variant}_s{seed}"
+            gave_up = args.out_dir / f"{name}.failed.json"
+            if (args.resume or args.report) and gave_up.is_file() and not args.retry_failed:
+                failed.append(json.loads(gave_up.read_text()))
+                print(f"{name}: failed before ({failed[-1]['error']}); --retry-failed runs it again", flush=True)
+                continue
+            try:
+                run = kept_or_run(args, args.out_dir / f"{name}.json", lambda: variant_run(args, variant, seed))
+            except SystemExit as e:  # one_run's verdict on a failed run: the others go on
+                tail = log_tail(args.out_dir / "logs" / f"{name}.log")
+                failed.append({"name": name, "variant": variant, "seed": seed, "error": str(e), "log_tail": tail,
+                               "versions": versions()})
+                gave_up.write_text(json.dumps(failed[-1], indent=1))
+                print(f"{name}: FAILED: {e}", *tail, sep="\n    ", flush=True)
+                continue
+            gave_up.unlink(missing_ok=True)
+            if run is None:
+                missing.append(name)
+            else:
+                runs.append({**run, "eval_base_bf16": bases[seed]})
+    return runs, failed, missing
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=CONFIG, help="the base config (default: the default job's)")
@@ -235,6 +296,7 @@ def main() -> None:
     ap.add_argument("--precision", default="int8", help="rollout.precision of every run (default: int8)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every run, after the variant's (repeatable)")
+    ap.add_argument("--retry-failed", action="store_true", help="under --resume, run again the runs that failed")
     session_options(ap, BENCH)
     args = ap.parse_args()
     bench, args.variants_of = FAMILIES[args.family]
@@ -245,21 +307,9 @@ def main() -> None:
     args.steps = steps_of(args)
     stem = results_folder(args, bench)
     started = datetime.datetime.now().isoformat(timespec="seconds")
-    runs, failed, missing = [], [], []
-    for seed in args.seeds:
-        for variant in args.variants:
-            name = f"{variant}_s{seed}"
-            try:
-                run = kept_or_run(args, args.out_dir / f"{name}.json", lambda: variant_run(args, variant, seed))
-            except SystemExit as e:  # one_run's verdict on a failed run: the others go on
-                tail = log_tail(args.out_dir / "logs" / f"{name}.log")
-                failed.append({"name": name, "error": str(e), "log_tail": tail})
-                print(f"{name}: FAILED: {e}", *tail, sep="\n    ", flush=True)
-                continue
-            if run is None:
-                missing.append(name)
-            else:
-                runs.append(run)
+    bases = {seed: kept_or_run(args, args.out_dir / f"base_bf16_s{seed}.json", lambda: base_bf16(args, seed))
+             for seed in args.seeds}
+    runs, failed, missing = collect(args, bases)
     by_variant = {v: summary([r for r in runs if r["variant"] == v]) for v in args.variants}
     config = args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config
     precision = args.precision if args.family == "loss" else "each variant's"
