@@ -275,10 +275,18 @@ def test_learner_moves_the_batch_to_its_device(cpu_learner, monkeypatch):
     assert moved == [cpu_learner.device] and out.loss == out.loss
 
 
-def test_fake_quant_learner_scores_like_its_int4_generators_and_trains(tiny_model_path):
+def test_fake_quant_learner_scores_like_its_int4_generators_and_trains(tiny_model_path, monkeypatch):
     """learner.fake_quant = "rollout" in the real learner: its log-probs are the int4 generator's on the same weights
     (pi_old = mu up to kernels), where the bf16 learner's are not, and an update still moves the weights."""
     import math
+
+    # A ZeRO-3 learner built earlier in this process replaced torch.nn.functional.linear for good (DeepSpeed: "This
+    # will persist unless manually reset"), and its replacement transposes the weight, which torchao's int4 tensor
+    # does not implement. Generators and learners live in separate processes in a run; here they share one.
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as ZeroInit
+
+    if hasattr(ZeroInit, "linear_bk"):
+        monkeypatch.setattr(torch.nn.functional, "linear", ZeroInit.linear_bk)
 
     from qgrpo.learner.engine import Learner
     from qgrpo.rollout.backends.torch_backend import TorchGenerator

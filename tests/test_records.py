@@ -38,7 +38,8 @@ def test_weight_sync_metrics_keep_their_names():
         "sync/nbytes", "sync/buckets", "sync/seconds", "sync/export_seconds", "sync/receive_seconds_max",
         "sync/requantize_seconds_max", "sync/verify_seconds_max", "sync/load_seconds_max",
         "sync/fingerprint_gap_max", "sync/fingerprint_corr_min", "sync/code_change_frac_min", "sync/bf16_change_frac",
-        "sync/update_norm_ratio_min", "sync/update_projection_min"]
+        "sync/update_norm_ratio_min", "sync/update_projection_min", "sync/norm_noise"]
+    assert sync.norm_noise == 0.0  # no actor added exploration noise
 
 
 def _writer(out: str) -> None:
