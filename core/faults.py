@@ -13,6 +13,8 @@ it again. `POINT@STEP+` fires every time POINT is reached at STEP or later. The 
     learner.kill       learner rank 0 SIGKILLs its own process at the start of its step
     save.kill          the driver SIGKILLs its whole process group after the model files of a checkpoint are written
                        and before the checkpoint is complete
+    driver.slow        the driver sleeps SLOW_SECONDS before the step (a slow cluster: a drill of `qgrpo scale`
+                       needs steps long enough for its request to land between two of them)
 
 Nothing fires unless QGRPO_FAULTS is set. The driver passes both variables on to every actor it creates.
 """
@@ -23,7 +25,9 @@ import tempfile
 
 ENV = "QGRPO_FAULTS"
 STATE_ENV = "QGRPO_FAULTS_STATE"
-POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "learner.nan_loss", "learner.kill", "save.kill")
+POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "learner.nan_loss", "learner.kill", "save.kill",
+          "driver.slow")
+SLOW_SECONDS = 1.0
 
 
 def env() -> dict[str, str]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -90,6 +91,16 @@ class LocalCluster:
             except psutil.Error:
                 pass
         return list(found)
+
+    def worker_logs(self, text: str, chars: int = 3000) -> str:
+        """The tails of the log files of every worker process `text` names (Ray's "pid: N" in an actor's death
+        notice): a worker that died in native code says why only there."""
+        out = []
+        for pid in sorted(set(re.findall(r"pid: (\d+)", text))):
+            for f in sorted(Path(self.temp_dir).glob(f"session_*/logs/*{pid}*")):
+                if f.is_file() and f.stat().st_size:
+                    out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}")
+        return "\n".join(out) or "(no worker log names the pids in the output)"
 
     def stop(self) -> None:
         procs = self.processes()

@@ -70,7 +70,7 @@ def test_submit_runs_the_tiny_config_as_a_ray_job(cluster, tmp_path):
     r = subprocess.run([sys.executable, "-m", "qgrpo", "submit", TINY, "--address", cluster.dashboard,
                         "--python", sys.executable, "--submission-id", job, *_sets(Path(os.path.relpath(out, ROOT)))],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:] + "\n" + cluster.worker_logs(r.stdout + r.stderr)
     assert "RAY_AUTH_MODE=token" in r.stderr and f"run.output_dir={json.dumps(str(out))}" in r.stderr
     status = subprocess.run([RAY, "job", "status", job, "--address", cluster.dashboard], capture_output=True,
                             text=True, env={**env, "RAY_AUTH_MODE": "token"})

@@ -4,6 +4,7 @@ the other actor samples with (the current published weights), and after the scal
 The generation time per step before and after the scale-up is printed (on two cores two actors share the same
 cores: reported, not asserted)."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -52,8 +53,11 @@ def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path
             "run.eval=false", "run.tensorboard=false", f"rollout.prompts_per_step={PROMPTS}",
             f"rollout.group_size={GROUP}", "run.rollouts_flush_every=1", "guard.enabled=false"]
     log = (tmp_path / "stderr.txt").open("w")
+    # A tiny step takes under 0.1 s on a fast CPU, less than `qgrpo scale` needs to start: each step sleeps 1 s
+    # first (the driver.slow fault), so that each request lands a known number of steps before the run ends.
+    env = {**os.environ, "QGRPO_FAULTS": "driver.slow@1+"}
     proc = subprocess.Popen([sys.executable, "-m", "qgrpo", "train", "configs/tiny.toml",
-                             *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stderr=log, stdout=log)
+                             *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stderr=log, stdout=log, env=env)
     run_dir_of = lambda: next((p for p in out.iterdir() if p.is_dir()), None) if out.is_dir() else None  # noqa: E731
     steps = lambda recs: [m["step"] for m in recs if "reward/mean" in m]  # noqa: E731
     scales = lambda recs: [m for m in recs if m.get("event") == "scale"]  # noqa: E731
@@ -63,6 +67,7 @@ def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path
         _wait(proc, run_dir_of, lambda r: scales(r) and len([s for s in steps(r) if s > scales(r)[0]["step"]]) >= 2,
               "two steps with two actors")
         _scale(run_dir, 1)
+        _wait(proc, run_dir_of, lambda r: len(scales(r)) == 2, "the scale-down")
         assert proc.wait(timeout=900) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
     finally:
         if proc.poll() is None:

@@ -25,6 +25,7 @@ from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, com
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
 from qgrpo.cluster.rundir.rollout_log import RolloutWriter
 from qgrpo.cluster.rundir.runlog import RunLog
+from qgrpo.core import faults
 from qgrpo.core.records import GroupRollout, TrainStepResult, WeightSync
 from qgrpo.core.storage import RunDir, StorageError
 from qgrpo.learner.batch import TrainBatch, build_train_batch
@@ -171,6 +172,8 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
         if run.eval_task and step == 0:
             run.evaluate(0)
         for step in range(run.state.step, cfg.run.steps):
+            if faults.fires("driver.slow", step + 1):
+                time.sleep(faults.SLOW_SECONDS)
             run.scale(step)
             clock = StageClock()
             rollouts, batch, reward_metrics = make_batch(run, step, clock)  # sample, generate, score, reference
