@@ -64,19 +64,25 @@ class LearnerActor(CollectiveMember):
             os.kill(os.getpid(), signal.SIGKILL)
         return self.learner.train_step(shard, step)
 
-    def publish_weights(self, bucket_bytes: int, transport: str = "object_store") -> WeightUpdate | None:
+    def publish_weights(self, bucket_bytes: int, transport: str = "object_store",
+                        adapters_only: bool = False) -> WeightUpdate | None:
         """Every rank iterates (ZeRO-3 gathers are collectives); rank 0 publishes, with the policy's log-probs on
         the probe sequence that every receiver checks its load against. "collective": rank 0 broadcasts to the
-        rollout actors' receive_weights calls (actors/collective.py) and returns the update without handles."""
+        rollout actors' receive_weights calls (actors/collective.py) and returns the update without handles.
+        `adapters_only` (sync.adapters_only, object store only): the LoRA adapters alone, an update of kind
+        "adapters"."""
+        if adapters_only and transport != "object_store":
+            raise ValueError("sync.adapters_only travels by sync.transport = \"object_store\" only")
         t0 = time.perf_counter()
         probe = self._probe_ids()
         probe_logprobs = self.learner.score(probe)  # a forward: collective under ZeRO-3, so every rank runs it
-        weights = self.learner.named_weights(bucket_bytes)
+        weights = self.learner.adapter_weights() if adapters_only else self.learner.named_weights(bucket_bytes)
         if self.rank == 0 and transport == "collective":
             return self._collective().publish(self.learner.version, weights, bucket_bytes, probe, probe_logprobs)
         if self.rank == 0:
             update = ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
             update.probe_ids, update.probe_logprobs = probe, probe_logprobs
+            update.kind = "adapters" if adapters_only else "full"
             update.export_seconds = time.perf_counter() - t0
             return update
         for _ in weights:

@@ -74,19 +74,28 @@ class RolloutActor(CollectiveMember):
 
     def _load(self, update: WeightUpdate, buckets: list[Bucket], receive_seconds: float) -> SyncAck:
         """Load the received buckets, then prove it: the generator's log-probs on the update's probe sequence must
-        match the learner's within the precision's tolerance (WeightFingerprintError otherwise)."""
+        match the learner's within the precision's tolerance (WeightFingerprintError otherwise). An update of kind
+        "adapters" goes to the generator's `load_adapters` as it came: no re-rounding, no norm noise (the quantized
+        base does not change and the norms are not sent)."""
         t0 = time.perf_counter()
-        stream, prepared, visibility = unpack_buckets(buckets), None, {}
-        if self.requant is not None:
-            prepared = self.requant.prepare(update.version, list(stream))
-            stream = prepared.tensors
-        sigma = self.noise.sigma(update.version) if self.noise is not None else 0.0
-        if sigma > 0:
-            stream = self.noise.apply(update.version, stream)
-        rounding_seconds = time.perf_counter() - t0
-        self.gen.load_weights(update.version, stream)
-        if prepared is not None:
-            visibility = self.requant.commit(prepared)
+        stream, prepared, visibility, sigma = unpack_buckets(buckets), None, {}, 0.0
+        if update.kind == "adapters":
+            if not hasattr(self.gen, "load_adapters"):
+                raise NotImplementedError(f"{self.gen.generator_id}: this backend cannot load adapters-only updates "
+                                          "(sync.adapters_only is built for rollout.backend = \"torch\")")
+            rounding_seconds = 0.0
+            self.gen.load_adapters(update.version, stream)
+        else:
+            if self.requant is not None:
+                prepared = self.requant.prepare(update.version, list(stream))
+                stream = prepared.tensors
+            sigma = self.noise.sigma(update.version) if self.noise is not None else 0.0
+            if sigma > 0:
+                stream = self.noise.apply(update.version, stream)
+            rounding_seconds = time.perf_counter() - t0
+            self.gen.load_weights(update.version, stream)
+            if prepared is not None:
+                visibility = self.requant.commit(prepared)
         t1 = time.perf_counter()
         try:
             fp = check_fingerprint(self.gen.generator_id, self.gen.precision, update.version,

@@ -39,6 +39,9 @@ class WeightUpdate:
     probe_ids: list[int] = field(default_factory=list)
     probe_logprobs: list[float] = field(default_factory=list)
     export_seconds: float = 0.0  # the sender's time to gather, fingerprint and hand out the weights
+    # "full": every parameter of the model (the generators load and re-quantize it); "adapters" (sync.adapters_only):
+    # only each LoRA layer's `<base>.lora_A` and scaled `<base>.lora_B`, added beside the generators' quantized base.
+    kind: str = "full"
 
 
 def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[Bucket]:

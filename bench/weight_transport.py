@@ -15,6 +15,15 @@ alternating, median reported. Columns (seconds):
     load     slowest receiver: `gen.load_weights` (strict check, re-quantization)
     total    the whole sync as the driver sees it (both probes and the fingerprint checks included)
 
+With --adapters it compares instead what a sync of a learner.mode = "lora" learner sends (default [learner.lora]:
+rank 16, alpha 32, every linear layer; adapters random and non-zero): the merged model W + (alpha/r) B A
+(learner/adapters.py: merged_weights, the default) vs the adapters alone (sync.adapters_only: adapter_weights), over
+the object store to 1 torch rollout actor at int8 and int4. Columns: MB sent; export (the sender's merge or adapter
+gather + pack + ray.put), receive, load (re-quantization, or wrapping / copying the adapters, plus the fingerprint
+check), total; median of --repeats after one untimed sync per path (the adapters' first wraps the layers).
+
+    .venv/bin/python bench/weight_transport.py --adapters --model builtin:tiny-digits --out /tmp/adapters.json
+
 The share of a step uses --step-s (default: the README's default-job figure, "seed 0, ~20 s per step").
 
     .venv/bin/python bench/weight_transport.py [--cache-dir DIR] [--repeats N] [--step-s S] [--bucket-mb MB] \\
@@ -52,6 +61,8 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--step-s", type=float, default=STEP_S, help=f"seconds per default-job step ({STEP_SOURCE})")
     ap.add_argument("--bucket-mb", type=float, default=64.0, help="sync.bucket_mb (the default)")
     ap.add_argument("--timeout-s", type=float, default=120.0, help="sync.timeout_s (the default)")
+    ap.add_argument("--adapters", action="store_true",
+                    help="compare a LoRA learner's merged sync with sync.adapters_only instead of the transports")
     ap.add_argument("--out", default="")
     return ap.parse_args()
 
@@ -100,6 +111,99 @@ def _sender_class():
             return self.send_s
 
     return Sender
+
+
+def _lora_sender_class():
+    """A learner.mode = "lora" model's side of a sync (no DeepSpeed): merged weights or the adapters alone."""
+    import ray
+    import torch
+
+    from qgrpo.actors.weights import ObjectStoreTransport
+
+    @ray.remote
+    class LoraSender:
+        def __init__(self, path: str, lora: dict):
+            from transformers import AutoTokenizer
+
+            from qgrpo.core.scoring import token_logprobs
+            from qgrpo.learner.adapters import load_model
+            from qgrpo.rollout.backends.common import probe_ids
+
+            torch.set_num_threads(1)
+            torch.manual_seed(0)
+            self.model = load_model(path, "lora", lora=lora).eval()
+            with torch.no_grad():  # peft starts B at zero: a trained-looking update instead
+                for name, p in self.model.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(torch.randn_like(p.float()) * 0.05)
+            self.probe = probe_ids(AutoTokenizer.from_pretrained(path))
+            self.score = lambda: token_logprobs(self.model, torch.tensor([self.probe]))[0, 1:].float().tolist()
+
+        def publish_weights(self, bucket_bytes: int, adapters_only: bool):
+            from qgrpo.learner.adapters import adapter_weights, merged_weights
+
+            with torch.no_grad():
+                logprobs = self.score()
+            t0 = time.perf_counter()
+            weights = adapter_weights(self.model) if adapters_only else merged_weights(self.model)
+            update = ObjectStoreTransport(bucket_bytes).publish(1, weights)
+            update.probe_ids, update.probe_logprobs = self.probe, logprobs
+            update.kind, update.export_seconds = ("adapters" if adapters_only else "full"), time.perf_counter() - t0
+            return update
+
+    return LoraSender
+
+
+def _adapter_rows(args, path: str, bucket_bytes: int) -> list[dict]:
+    """Merged vs adapters-only syncs of a default-rank LoRA model to one torch rollout actor per precision."""
+    import dataclasses
+
+    import ray
+
+    from qgrpo.actors.rollout_actor import RolloutActor
+    from qgrpo.cluster.config.training import LoraConfig
+
+    lora = dataclasses.asdict(LoraConfig())
+    sender, rows = _lora_sender_class().remote(path, lora), []
+    for precision, adapters_only in [(p, a) for p in ("int8", "int4") for a in (False, True)]:
+        # An actor per path: adapters are relative to the base, which a merged sync would have replaced.
+        actor = RolloutActor.remote("torch", dict(model_path=path, precision=precision, generator_id=precision), 1)
+        ray.get(actor.info.remote())
+
+        def sync() -> dict:
+            t0 = time.perf_counter()
+            ref = sender.publish_weights.remote(bucket_bytes, adapters_only)
+            update = _wait({ref: "sender"}, args.timeout_s, "publish")[ref]
+            ack = ray.get(actor.load_weights.remote(update))
+            return {"nbytes": update.nbytes, "export": update.export_seconds, "receive": ack.receive_seconds,
+                    "load": ack.seconds, "total": time.perf_counter() - t0, "gap": ack.fingerprint_gap}
+
+        first = sync()
+        samples = [sync() for _ in range(args.repeats)]
+        med = {k: statistics.median(x[k] for x in samples) for k in ("export", "receive", "load", "total")}
+        rows.append({"precision": precision, "path": "adapters" if adapters_only else "merged",
+                     "rank": lora["rank"], "nbytes": first["nbytes"], **{k: round(v, 4) for k, v in med.items()},
+                     "first_sync_total": round(first["total"], 4),
+                     "fingerprint_gap_max": max(x["gap"] for x in [first, *samples])})
+        ray.kill(actor)
+    ray.kill(sender)
+    return rows
+
+
+def print_adapter_table(result: dict) -> None:
+    """The --adapters table of one run, from its JSON."""
+    meta, a = result["meta"], result["meta"]["args"]
+    print(f"\nLoRA sync of {Path(meta['model']).name} (learner.mode lora, rank {result['rows'][0]['rank']}, every "
+          f"linear layer): merged model vs sync.adapters_only, object store, 1 torch rollout actor (1 thread), median "
+          f"of {a['repeats']}, seconds; torch {meta['torch']}, {meta['cpu_count']} cores, load average "
+          f"{meta['load_avg'][0]:.1f} / {meta['load_avg'][1]:.1f}")
+    head = ["precision", "path", "MB sent", "export", "receive", "load", "total", "first", "fp gap"]
+    cells = [[r["precision"], r["path"], f"{r['nbytes'] / 2**20:.3f}", f"{r['export']:.4f}", f"{r['receive']:.4f}",
+              f"{r['load']:.4f}", f"{r['total']:.4f}", f"{r['first_sync_total']:.4f}",
+              f"{r['fingerprint_gap_max']:.4f}"] for r in result["rows"]]
+    widths = [max(len(h), *(len(c[k]) for c in cells)) + 2 for k, h in enumerate(head)]
+    for cs in [head, *cells]:
+        print("".join(f"{c:<{w}}" if k < 2 else f"{c:>{w}}" for k, (c, w) in enumerate(zip(cs, widths))))
 
 
 def _wait(calls, seconds, stage):
@@ -157,7 +261,8 @@ def _configuration(args, sender, path: str, n: int, precision: str, bucket_bytes
 
 def main() -> None:
     args = _parse()
-    out = Path(args.out or ROOT / "bench" / "results" / "weight_transport.json")
+    out = Path(args.out or ROOT / "bench" / "results" / ("weight_transport_adapters.json" if args.adapters
+                                                          else "weight_transport.json"))
     args.out, started, t_start = str(out), datetime.datetime.now().isoformat(timespec="seconds"), time.perf_counter()
     load_start = os.getloadavg()[0]
 
@@ -173,11 +278,14 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, runtime_env=env)
     rows, nbytes = [], 0
     try:
-        sender = _sender_class().remote(path)
-        for n, precision in CONFIGS:
-            more, nbytes = _configuration(args, sender, path, n, precision, bucket_bytes)
-            rows += more
-        ray.kill(sender)
+        if args.adapters:
+            rows = _adapter_rows(args, path, bucket_bytes)
+        else:
+            sender = _sender_class().remote(path)
+            for n, precision in CONFIGS:
+                more, nbytes = _configuration(args, sender, path, n, precision, bucket_bytes)
+                rows += more
+            ray.kill(sender)
     finally:
         ray.shutdown()
     result = {"meta": {"date": started, "torch": torch.__version__, "ray": ray.__version__,
@@ -190,7 +298,7 @@ def main() -> None:
               "rows": rows}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")  # before the table: a table bug must not lose the run
-    print_table(result)
+    (print_adapter_table if args.adapters else print_table)(result)
     print(f"\nwrote {out}")
 
 

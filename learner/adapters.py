@@ -7,7 +7,9 @@ The learner's model in each `learner.mode`:
 
 What leaves the learner is always a plain model in the base's own tensor names: `merged_weights` computes
 W + (alpha / r) B A one wrapped layer at a time (against the dequantized NF4 weight for QLoRA), so the generators
-load and re-quantize it like any full-precision update and no second full copy of the model is ever built.
+load and re-quantize it like any full-precision update and no second full copy of the model is ever built. With
+`sync.adapters_only` the learner sends `adapter_weights` instead: each wrapped layer's A and its scaled B, which the
+generators add beside their quantized base (rollout/backends/torch_backend.py: load_adapters).
 Checkpoints of the adapter modes are peft folders (adapter_config.json + adapter_model.safetensors, with the base's
 config.json beside them); `merge_checkpoint` writes the merged model folder that `qgrpo merge` and `qgrpo eval` use.
 """
@@ -142,6 +144,25 @@ def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
                     a, b = layer.lora_A[adapter].weight.float(), layer.lora_B[adapter].weight.float()
                     w = w + (b @ a) * layer.scaling[adapter]
         yield hf_name, w.to(torch.bfloat16)
+
+
+@torch.no_grad()
+def adapter_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, bf16 tensor) of the adapters alone, for generators that keep their own copy of the frozen base: for each
+    wrapped layer whose base weight is `<base>.weight` in the base model's names, `<base>.lora_A` [r, in] and
+    `<base>.lora_B` [out, r] with peft's scaling (alpha / r) already in B, so that W + B A is the layer's weight."""
+    from peft.tuners.lora import LoraLayer
+
+    for name, layer in unwrap(model).named_modules():
+        if not isinstance(layer, LoraLayer):
+            continue
+        active = [a for a in layer.active_adapters if a in layer.lora_A]
+        if len(active) != 1 or layer.merged:
+            raise ValueError(f"{name}: adapters-only export needs exactly one active, unmerged adapter, got "
+                             f"{active} (merged={layer.merged})")
+        a, b = layer.lora_A[active[0]].weight, layer.lora_B[active[0]].weight
+        yield f"{name}.lora_A", a.detach().to(torch.bfloat16)
+        yield f"{name}.lora_B", (b.float() * layer.scaling[active[0]]).to(torch.bfloat16)
 
 
 def save_adapters(model, out: Path) -> None:

@@ -19,7 +19,7 @@ from qgrpo.core import faults
 from qgrpo.core.devices import bind, collective_device, current_device, dist_backend
 from qgrpo.core.records import TrainStepResult
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.learner.adapters import merged_weights, save_adapters, unwrap
+from qgrpo.learner.adapters import adapter_weights, merged_weights, save_adapters, unwrap
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.learner.loss import aggregation_weights, grpo_loss, merge_stats
 from qgrpo.learner.settings import LearnerSettings
@@ -325,6 +325,13 @@ class Learner:
             with deepspeed.zero.GatheredParameters([p for _, p in bucket]):
                 full = [(name, p.data.detach().to(torch.bfloat16).clone()) for name, p in bucket]
             yield from full
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, bf16 tensor) of the adapters alone (learner/adapters.py: adapter_weights), for sync.adapters_only:
+        the generators keep the frozen base they started from."""
+        if self.mode == "full":
+            raise ValueError("adapters-only weights need learner.mode = \"lora\" or \"qlora\", got \"full\"")
+        return adapter_weights(self.engine.module)
 
     def save(self, out_dir: str | Path, rank: int = 0) -> None:
         """HF folder (model.safetensors + config + tokenizer) written by rank 0, and DeepSpeed's optimizer state

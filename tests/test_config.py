@@ -231,7 +231,23 @@ ALGO_COMBINATIONS = [
     (["sync.requantize='exact'"], "sync.requantize: must be"),
     (["learner.fake_quant='rollout'", "learner.mode='lora'"], "learner.fake_quant: \"rollout\" needs learner.mode"),
     (["learner.fake_quant='rollout'", "rollout.precision='nf4'"], "rollout.precision 'nf4' has none"),
+    (["sync.adapters_only=true"], "sync.adapters_only: needs learner.mode = \"lora\" or \"qlora\""),
+    (["sync.adapters_only=true", "learner.mode='lora'", "rollout.backend='vllm'", "rollout.precision='int8'"],
+     "sync.adapters_only: built for rollout.backend = \"torch\" only (vLLM's and MLX's adapter loading is not built)"),
+    (["sync.adapters_only=true", "learner.mode='qlora'", "rollout.backend='mlx'", "rollout.precision='int8'"],
+     "got 'mlx'; set sync.adapters_only = false or rollout.backend = \"torch\""),
+    (["sync.adapters_only=true", "learner.mode='lora'", "sync.transport='collective'"],
+     "sync.adapters_only: travels by sync.transport = \"object_store\" only"),
+    (["sync.adapters_only=true", "learner.mode='lora'", "sync.requantize='error_feedback'"],
+     "sync.adapters_only: the generators' quantized base never changes"),
+    (["sync.adapters_only=true", "learner.mode='lora'", "rollout.norm_noise=0.01"],
+     "sync.adapters_only: the norm weights are not sent"),
 ]
+
+
+def test_adapters_only_loads_with_an_adapter_learner():
+    for mode in ("lora", "qlora"):
+        assert load_config(TINY, ["sync.adapters_only=true", f"learner.mode='{mode}'"]).sync.adapters_only
 
 
 def test_fake_quant_reaches_the_learner_with_the_generators_grid():

@@ -170,7 +170,8 @@ class LearnerConfig:
     mode: choice(LEARNER_MODES) = "full"
     """"full": every weight trains (bf16 weights, fp32 masters in the optimizer). "lora": a frozen bf16 base plus
     trainable adapters ([learner.lora]). "qlora": the frozen base in bitsandbytes NF4 (double quantization, bf16
-    compute) plus adapters. Generators always receive the merged weights and quantize them as usual."""
+    compute) plus adapters. Generators receive the merged weights and quantize them as usual, or with
+    sync.adapters_only the adapters alone."""
     lora: LoraConfig = setting(default_factory=LoraConfig)
     """[learner.lora]: read when mode is lora or qlora."""
     optimizer: choice(OPTIMIZERS) = "adamw"
@@ -211,6 +212,11 @@ class SyncConfig:
     than this: the generators no longer follow the learner (try sync.requantize = "error_feedback")."""
     follow_window: Int = setting(10, ge=1)
     """Syncs that follow_floor looks back over."""
+    adapters_only: Bool = False
+    """learner.mode lora or qlora: send only the adapters (each layer's A and its B times alpha / rank) instead of the
+    merged model; the generators keep the quantized base they started from and add B A beside it in bf16
+    (docs/learner.md). Needs rollout.backend = "torch", sync.transport = "object_store", sync.requantize =
+    "nearest" and rollout.norm_noise = 0."""
 
 
 @dataclass(config=SECTION)
@@ -328,6 +334,28 @@ def _norm_noise(_, cfg) -> list[str]:
             "to keep norm_noise throughout"]
 
 
+def _adapters_only(_, cfg) -> list[str]:
+    sy, ro = cfg.sync, cfg.rollout
+    if not sy.adapters_only:
+        return []
+    if cfg.learner.mode == "full":
+        return ["sync.adapters_only: needs learner.mode = \"lora\" or \"qlora\" (a full fine-tune has no adapters), "
+                "got \"full\"; set sync.adapters_only = false or train adapters"]
+    if ro.backend != "torch":
+        return [f"sync.adapters_only: built for rollout.backend = \"torch\" only (vLLM's and MLX's adapter loading is "
+                f"not built), got {ro.backend!r}; set sync.adapters_only = false or rollout.backend = \"torch\""]
+    if sy.transport != "object_store":
+        return [f"sync.adapters_only: travels by sync.transport = \"object_store\" only, got {sy.transport!r}; set "
+                "sync.transport = \"object_store\" or sync.adapters_only = false"]
+    if sy.requantize != "nearest":
+        return [f"sync.adapters_only: the generators' quantized base never changes, so there is nothing to re-round, "
+                f"got sync.requantize = {sy.requantize!r}; set sync.requantize = \"nearest\" or adapters_only = false"]
+    if ro.norm_noise > 0:
+        return [f"sync.adapters_only: the norm weights are not sent, so rollout.norm_noise has nothing to perturb, got "
+                f"{ro.norm_noise:g}; set rollout.norm_noise = 0 or sync.adapters_only = false"]
+    return []
+
+
 ALGO_RULES = [
     (("algo.clip_low", "algo.clip_high"), _clip_order),
     (("algo.policy_loss", "algo.loss_agg"), _gspo_aggregation),
@@ -338,4 +366,6 @@ ALGO_RULES = [
     (("sync.requantize", "rollout.backend", "rollout.precision"), _requantize_format),  # [sync]'s, read the same way
     (("learner.fake_quant", "learner.mode", "rollout.backend", "rollout.precision"), _fake_quant),  # [learner]'s
     (("rollout.norm_noise", "rollout.norm_noise_end", "rollout.norm_noise_stages"), _norm_noise),  # [rollout]'s
+    (("sync.adapters_only", "learner.mode", "rollout.backend", "sync.transport", "sync.requantize",
+      "rollout.norm_noise"), _adapters_only),
 ]

@@ -334,7 +334,9 @@ class Workers:
         if self.cfg.sync.transport == "collective":
             update, acks = self.rollout.load_collective(self.learners, bucket_bytes, budget)
         else:
-            calls = {a.publish_weights.remote(bucket_bytes): f"learner rank {r}" for r, a in enumerate(self.learners)}
+            adapters = self.cfg.sync.adapters_only  # the LoRA adapters alone (the generators keep their base)
+            calls = {a.publish_weights.remote(bucket_bytes, "object_store", adapters): f"learner rank {r}"
+                     for r, a in enumerate(self.learners)}
             out = gather(calls, budget, "weight export", "sync.timeout_s")
             update = out[next(iter(calls))]
             acks = self.rollout.load(update, budget - (time.monotonic() - t0))

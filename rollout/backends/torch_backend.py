@@ -1,7 +1,9 @@
 """Generator backend on plain torch + transformers (CPU here, CUDA where present).
 
 Keeps a bf16 master copy of the policy and a quantized copy built from it; new weights go into the master and the
-quantized copy is rebuilt, so the sender never needs to know the receiver's format.
+quantized copy is rebuilt, so the sender never needs to know the receiver's format. With sync.adapters_only only LoRA
+adapters arrive (`load_adapters`): they sit beside the quantized base in bf16 (rollout/backends/torch_adapters.py)
+and the base is not rebuilt.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
+from qgrpo.rollout.backends import torch_adapters
 from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
 from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names
 from qgrpo.rollout.requantize import served_grid
@@ -51,12 +54,15 @@ class TorchGenerator:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
         self._master = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
+        self._master_is_base = True  # adapters-only updates are relative to this base (`load_adapters`)
         self._rebuild()
         self._seed = seed
         self._calls = 0
 
     def _rebuild(self) -> None:
+        """The served model: the master quantized afresh, without adapters (a full update replaces them)."""
         self.model = quantize_model(copy.deepcopy(self._master), self.precision, self.group_size_quant).eval()
+        self.adapters: dict[str, torch_adapters.LoraDelta] = {}
 
     @torch.inference_mode()
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
@@ -132,9 +138,24 @@ class TorchGenerator:
 
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_into(self._master, named_tensors)
+        self._master_is_base = False  # adapters, relative to the base this generator started from, no longer fit
         t0 = time.perf_counter()
         self._rebuild()
         self.requantize_seconds = time.perf_counter() - t0
+        self.policy_version = version
+
+    def load_adapters(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """An adapters-only update (`<linear>.lora_A` [r, in], `<linear>.lora_B` [out, r], B scaled): the first one
+        wraps the named linears of the served model, later ones copy A and B in place; the quantized base and the
+        master stay as they are. Strict and all-or-nothing like `load_weights` (WeightMismatchError). Adapters are
+        relative to the base model this generator was started from: after a full update they are refused."""
+        if not self._master_is_base:
+            raise RuntimeError(f"{self.generator_id}: adapters-only update after a full one; the adapters are relative "
+                               "to the base model the generator started from, which it no longer holds (start it "
+                               "again from the base)")
+        self.adapters = torch_adapters.load_adapters(self.model, self._master, self.adapters, named_tensors,
+                                                     self.device)
+        self.requantize_seconds = 0.0  # nothing is re-quantized
         self.policy_version = version
 
     def quant_grids(self) -> dict:
