@@ -92,15 +92,21 @@ class LocalCluster:
                 pass
         return list(found)
 
-    def worker_logs(self, text: str, chars: int = 3000) -> str:
-        """The tails of the log files of every worker process `text` names (Ray's "pid: N" in an actor's death
-        notice): a worker that died in native code says why only there."""
+    def worker_logs(self, text: str, lines: int = 40) -> str:
+        """What Ray's logs say of every worker process `text` names (Ray's "pid: N" in an actor's death notice): its
+        own stderr, and the lines of every node's logs (raylet.out: why it was killed) that name the pid or report an
+        error. A worker that died in native code, or was killed, says why only there."""
         out = []
         for pid in sorted(set(re.findall(r"pid: (\d+)", text))):
-            for f in sorted(Path(self.temp_dir).glob(f"session_*/logs/*{pid}*")):
-                if f.is_file() and f.stat().st_size:
-                    out.append(f"--- {f.name}\n{f.read_text(errors='replace')[-chars:]}")
-        return "\n".join(out) or "(no worker log names the pids in the output)"
+            for f in sorted(Path(self.temp_dir).glob("session_*/logs/*")):
+                if not f.is_file() or f.name.startswith("events"):
+                    continue
+                own = pid in f.name and f.suffix in (".err", ".out")
+                hits = [ln for ln in f.read_text(errors="replace").splitlines()
+                        if own or pid in ln or (f.name.startswith("raylet") and " E " in ln)]
+                if hits:
+                    out.append(f"--- {f.name}\n" + "\n".join(hits[-lines:]))
+        return "\n".join(out) or "(no Ray log names the pids in the output)"
 
     def stop(self) -> None:
         procs = self.processes()

@@ -4,6 +4,8 @@ reloaded into an int8 engine (no error from vLLM, garbage out), the CUDA-only pa
 and the tiny job learns with vLLM rollouts as it does with torch."""
 import json
 import math
+import os
+import subprocess
 import sys
 
 import pytest
@@ -21,6 +23,22 @@ ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12
 def generators(tiny_model_path):
     return {p: make_generator("vllm", model_path=tiny_model_path, precision=p, generator_id=f"vllm-{p}")
             for p in ("bf16", "int8")}
+
+
+def test_building_an_engine_leaves_the_environment_of_later_processes_alone(tiny_model_path):
+    """Importing vLLM sets LD_LIBRARY_PATH (OpenCV's loader) and a CPU engine LD_PRELOAD (torch's libgomp) and
+    LOCAL_WORLD_SIZE in os.environ (all three seen here without the backend's restore). A Ray node started afterwards
+    by the same process inherited them and its workers died at start ("Intel oneMKL FATAL ERROR: Cannot load
+    libtorch_cpu.so"). In a fresh process, as in a rollout actor: none of them is set once the engine is built."""
+    from qgrpo.rollout.backends.vllm_backend import ENGINE_ENV
+
+    code = (f"import json, os; from qgrpo.rollout.backends import make_generator; "
+            f"make_generator('vllm', model_path={tiny_model_path!r}, precision='int8', generator_id='env'); "
+            f"print(json.dumps({{k: os.environ.get(k) for k in {ENGINE_ENV!r}}}))")
+    env = {k: v for k, v in os.environ.items() if k not in ENGINE_ENV}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == dict.fromkeys(ENGINE_ENV)
 
 
 def test_vllm_and_torch_logprobs_agree_on_the_same_weights(generators, tiny_model_path):

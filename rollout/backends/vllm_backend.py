@@ -60,6 +60,21 @@ INT8_W8A8 = {
 }
 
 
+# Importing vLLM (OpenCV's loader sets LD_LIBRARY_PATH) and building a CPU engine (LD_PRELOAD gains torch's libgomp,
+# for the engine processes vLLM would start) write into os.environ. Our engine runs in-process, so these only reach
+# the processes this one starts later: a Ray node started afterwards by the same process had its workers die at
+# start with "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so". They are put back once the engine is built.
+ENGINE_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LOCAL_WORLD_SIZE")
+
+
+def restore_env(saved: dict[str, str | None]) -> None:
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def is_int8_target(name: str, shape: tuple[int, ...]) -> bool:
     """HF tensor names that the int8 engine holds as int8 + scale: the 2-D weights of the transformer's linear
     layers (not the embedding, not the output head, not norms or biases)."""
@@ -168,6 +183,7 @@ class VLLMGenerator:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not cuda:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_gb)
+        env = {k: os.environ.get(k) for k in ENGINE_ENV}
         from transformers import AutoTokenizer
         from vllm import LLM
 
@@ -194,6 +210,7 @@ class VLLMGenerator:
             self.llm = LLM(**kwargs)
         finally:  # vLLM's CPU worker replaces torch.set_num_threads process-wide with a no-op; keep the host's own
             torch.set_num_threads = set_threads
+            restore_env(env)
         # fp8 KV cache: scales from this engine's own keys and values, again after every load (vllm_kv.py)
         self.kv_cache_dtype, self._calibration = opts.kv_cache_dtype, probe_ids(self.tokenizer)
         self.kv_scales = recalibrate(self.llm, self.kv_cache_dtype, self._calibration)
