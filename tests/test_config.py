@@ -232,10 +232,9 @@ ALGO_COMBINATIONS = [
     (["learner.fake_quant='rollout'", "learner.mode='lora'"], "learner.fake_quant: \"rollout\" needs learner.mode"),
     (["learner.fake_quant='rollout'", "rollout.precision='nf4'"], "rollout.precision 'nf4' has none"),
     (["sync.adapters_only=true"], "sync.adapters_only: needs learner.mode = \"lora\" or \"qlora\""),
-    (["sync.adapters_only=true", "learner.mode='lora'", "rollout.backend='vllm'", "rollout.precision='int8'"],
-     "sync.adapters_only: built for rollout.backend = \"torch\" only (vLLM's and MLX's adapter loading is not built)"),
     (["sync.adapters_only=true", "learner.mode='qlora'", "rollout.backend='mlx'", "rollout.precision='int8'"],
-     "got 'mlx'; set sync.adapters_only = false or rollout.backend = \"torch\""),
+     "sync.adapters_only: built for rollout.backend = \"torch\" and \"vllm\" (MLX's adapter loading is not built), "
+     "got 'mlx'; set sync.adapters_only = false or another rollout.backend"),
     (["sync.adapters_only=true", "learner.mode='lora'", "sync.transport='collective'"],
      "sync.adapters_only: travels by sync.transport = \"object_store\" only"),
     (["sync.adapters_only=true", "learner.mode='lora'", "sync.requantize='error_feedback'"],
@@ -248,6 +247,12 @@ ALGO_COMBINATIONS = [
 def test_adapters_only_loads_with_an_adapter_learner():
     for mode in ("lora", "qlora"):
         assert load_config(TINY, ["sync.adapters_only=true", f"learner.mode='{mode}'"]).sync.adapters_only
+    cfg = load_config(TINY, ["sync.adapters_only=true", "learner.mode='lora'", "rollout.backend='vllm'",
+                             "rollout.precision='int8'"])
+    from qgrpo.cluster.run.workers import lora_engine
+
+    assert lora_engine(cfg) == {"lora_rank": cfg.learner.lora.rank}  # the vLLM engine starts with LoRA support
+    assert lora_engine(load_config(TINY, ["sync.adapters_only=true", "learner.mode='lora'"])) == {}  # torch
 
 
 def test_fake_quant_reaches_the_learner_with_the_generators_grid():

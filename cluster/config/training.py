@@ -214,9 +214,9 @@ class SyncConfig:
     """Syncs that follow_floor looks back over."""
     adapters_only: Bool = False
     """learner.mode lora or qlora: send only the adapters (each layer's A and its B times alpha / rank) instead of the
-    merged model; the generators keep the quantized base they started from and add B A beside it in bf16
-    (docs/learner.md). Needs rollout.backend = "torch", sync.transport = "object_store", sync.requantize =
-    "nearest" and rollout.norm_noise = 0."""
+    merged model; the generators keep the quantized base they started from and add B A beside it (torch: in bf16;
+    vLLM: its LoRA support; docs/learner.md). Needs rollout.backend = "torch" or "vllm", sync.transport =
+    "object_store", sync.requantize = "nearest" and rollout.norm_noise = 0."""
 
 
 @dataclass(config=SECTION)
@@ -341,9 +341,9 @@ def _adapters_only(_, cfg) -> list[str]:
     if cfg.learner.mode == "full":
         return ["sync.adapters_only: needs learner.mode = \"lora\" or \"qlora\" (a full fine-tune has no adapters), "
                 "got \"full\"; set sync.adapters_only = false or train adapters"]
-    if ro.backend != "torch":
-        return [f"sync.adapters_only: built for rollout.backend = \"torch\" only (vLLM's and MLX's adapter loading is "
-                f"not built), got {ro.backend!r}; set sync.adapters_only = false or rollout.backend = \"torch\""]
+    if ro.backend not in ("torch", "vllm"):
+        return [f"sync.adapters_only: built for rollout.backend = \"torch\" and \"vllm\" (MLX's adapter loading is not "
+                f"built), got {ro.backend!r}; set sync.adapters_only = false or another rollout.backend"]
     if sy.transport != "object_store":
         return [f"sync.adapters_only: travels by sync.transport = \"object_store\" only, got {sy.transport!r}; set "
                 "sync.transport = \"object_store\" or sync.adapters_only = false"]

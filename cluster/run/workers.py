@@ -83,6 +83,12 @@ def gather(calls: dict, seconds: float, stage: str, setting: str) -> dict:
     return out
 
 
+def lora_engine(cfg: Config) -> dict:
+    """A vLLM generator's LoRA support under sync.adapters_only (the learner's rank); nothing otherwise (the torch
+    generator wraps its layers as adapters arrive)."""
+    return {"lora_rank": cfg.learner.lora.rank} if cfg.sync.adapters_only and cfg.rollout.backend == "vllm" else {}
+
+
 class RolloutPool:
     """The rollout actors, replaced when they die, moved up the precision ladder on request."""
 
@@ -116,7 +122,8 @@ class RolloutPool:
             ro.backend,
             dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
                  generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
-                 chat_template=self.cfg.task.chat_template, **backend_options(ro.backend, ro)),
+                 chat_template=self.cfg.task.chat_template, **backend_options(ro.backend, ro),
+                 **lora_engine(self.cfg)),
             self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
             NormNoise(ro.norm_noise, ro.norm_noise_end, ro.norm_noise_stages,
                       horizon=self.cfg.run.steps * self.cfg.algo.updates_per_batch),

@@ -39,7 +39,15 @@ def expected_shapes(master: nn.Module, wrapped: dict[str, LoraDelta],
     B [out, r] of every base linear of `master` the stream names, r read from the stream's first lora_A."""
     if wrapped:
         return {f"{n}{s}": tuple(getattr(w, s[1:]).shape) for n, w in wrapped.items() for s in SUFFIXES}
-    linears = {n: m for n, m in master.named_modules() if isinstance(m, nn.Linear)}
+    return stream_shapes({n: tuple(m.weight.shape) for n, m in master.named_modules() if isinstance(m, nn.Linear)},
+                         received)
+
+
+def stream_shapes(linears: dict[str, tuple[int, int]],
+                  received: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a first adapters stream, for a model whose linear layers have weights of the shapes
+    `linears` ({layer name: (out, in)}): A [r, in] and B [out, r] of every layer the stream names, r read from its
+    first lora_A. WeightMismatchError for a name that is not `<linear>.lora_A` / `<linear>.lora_B`."""
     ranks = [t.shape[0] for n, t in received if n.endswith(".lora_A") and t.dim() == 2]
     if not ranks:
         raise WeightMismatchError("an adapters update without any lora_A tensor; is the stream a full model?")
@@ -49,7 +57,7 @@ def expected_shapes(master: nn.Module, wrapped: dict[str, LoraDelta],
         if f"{dot}{leaf}" not in SUFFIXES or base not in linears:
             raise WeightMismatchError(f"received adapter {name!r}, which names no linear layer of this model "
                                       "(expected <linear>.lora_A / <linear>.lora_B); is the stream from another model?")
-        out_f, in_f = linears[base].weight.shape
+        out_f, in_f = linears[base]
         shapes[f"{base}.lora_A"], shapes[f"{base}.lora_B"] = (ranks[0], in_f), (out_f, ranks[0])
     return shapes
 

@@ -16,6 +16,9 @@
   "fp8" is a deprecated alias for it in vLLM 0.32), which re-quantizes reloaded bf16 itself.
 - Weight updates go through vLLM's in-place `reload_weights` (`load_weights` fails on CPU, whose weights are repacked
   after loading); the stream is checked against the model's own tensor names and shapes first.
+- Adapters only (sync.adapters_only, `lora_rank` > 0): the engine starts with vLLM's LoRA support and keeps its
+  quantized base; each adapters update is written as a peft folder and served as a new LoRARequest with every
+  generation and score (`load_adapters`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import torch
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout.backends.common import (
+    WeightMismatchError,
     build_group,
     check_stream,
     format_prompt,
@@ -65,6 +69,11 @@ INT8_W8A8 = {
 # the processes this one starts later: a Ray node started afterwards by the same process had its workers die at
 # start with "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so". They are put back once the engine is built.
 ENGINE_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LOCAL_WORLD_SIZE")
+
+
+# vLLM's max_lora_rank must be one of these (vllm/config/lora.py: MaxLoRARanks); the engine takes the smallest that
+# holds the learner's rank.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def restore_env(saved: dict[str, str | None]) -> None:
@@ -122,6 +131,25 @@ def _seed_worker(worker, seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _lora_beside_onednn_int8() -> None:
+    """vLLM 0.32's LoRA layers place their adapters on the device of the base layer's `weight`, which the CPU int8
+    kernel sets to None once it has packed the weight into its oneDNN handler: engine start fails with "'NoneType'
+    object has no attribute 'device'". Such a layer's weight scale sits on the same device."""
+    from vllm.lora.layers import base_linear
+
+    if getattr(base_linear, "_qgrpo_patched", False):
+        return
+    original = base_linear._get_lora_device
+
+    def lora_device(base_layer):
+        if getattr(base_layer, "weight", 0) is None:
+            return next(p.device for p in base_layer.parameters())
+        return original(base_layer)
+
+    base_linear._get_lora_device = lora_device
+    base_linear._qgrpo_patched = True
+
+
 def _pin_onednn_inputs() -> None:
     """vLLM 0.32's CPU int8 kernel builds a oneDNN handler that keeps raw pointers to the weight-scale tensor it was
     built from. On `reload_weights` the handler is rebuilt from temporary tensors that are then freed, and every
@@ -155,9 +183,10 @@ class VLLMGenerator:
     def __init__(self, model_path: str, precision: str = "bf16", generator_id: str = "vllm-0", seed: int = 0,
                  initial_version: int = 0, chat_template: bool = True, options: dict | None = None,
                  group_size_quant: int = 64, device: torch.device | str | None = None, gpu_share: float | None = None,
-                 memory_wait_s: float = 120.0):
+                 memory_wait_s: float = 120.0, lora_rank: int = 0):
         """`device`/`gpu_share`: where the engine runs and the share of that GPU the actor holds (default: what Ray
-        assigned, core/devices.py). `memory_wait_s`: how long a CUDA engine waits for its share of memory to be free."""
+        assigned, core/devices.py). `memory_wait_s`: how long a CUDA engine waits for its share of memory to be free.
+        `lora_rank` > 0: the engine serves LoRA adapters of up to that rank beside its base (`load_adapters`)."""
         from qgrpo.core.devices import current_device, wait_for_gpu_memory
         from qgrpo.core.devices import gpu_share as assigned_share
         from qgrpo.rollout.backends import REGISTRY, VLLMOptions
@@ -172,6 +201,13 @@ class VLLMGenerator:
         self._seed = seed
         self._calls = 0
         self._expected = {k: v for k, v in hf_tensor_shapes(model_path).items()}
+        max_rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), None)
+        if max_rank is None:
+            raise ValueError(f"vllm backend: LoRA rank {lora_rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
+        # Adapters only: the request every generate and score passes (None: the base alone), the folder it names,
+        # whether the engine still holds the base it started from (adapters are relative to it)
+        self.lora_rank, self._lora, self._lora_dir, self._lora_names = lora_rank, None, None, None
+        self._base_only, self._lora_count = True, 0
         self.device = torch.device(device) if device is not None else current_device(f"rollout actor {generator_id}")
         cuda = self.device.type == "cuda"
         share = opts.memory_share(assigned_share() if gpu_share is None else gpu_share)
@@ -203,6 +239,10 @@ class VLLMGenerator:
                       kv_cache_dtype=opts.kv_cache_dtype)
         if opts.max_model_len:
             kwargs["max_model_len"] = opts.max_model_len
+        if lora_rank:
+            kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
+            if precision == "int8" and not cuda:
+                _lora_beside_onednn_int8()
         if cuda:
             kwargs["gpu_memory_utilization"] = share
         set_threads = torch.set_num_threads
@@ -233,7 +273,8 @@ class VLLMGenerator:
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
             stop_token_ids=self.stop_ids,
         )
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False)
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
+                                 lora_request=self._lora)
         groups = []
         for it, p, out in zip(items, prompts, outs, strict=True):
             samples = []
@@ -253,7 +294,8 @@ class VLLMGenerator:
         from vllm.inputs import TokensPrompt
 
         sp = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False)[0]
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False,
+                                lora_request=self._lora)[0]
         return [pos[t].logprob for t, pos in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)]
 
     def quant_grids(self) -> dict:
@@ -272,8 +314,59 @@ class VLLMGenerator:
             received = list(to_int8_stream(received))
         self.requantize_seconds = time.perf_counter() - t0
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": received})
+        self._lora, self._base_only = None, False  # a full update replaces any adapters
         self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
         self.kv_scales = recalibrate(self.llm, self.kv_cache_dtype, self._calibration)
+        self.policy_version = version
+
+    def load_adapters(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """An adapters-only update (`<linear>.lora_A` [r, in], `<linear>.lora_B` [out, r] with alpha / r in B): checked
+        whole (names, shapes, the same layers as the first update), written as a peft folder (alpha = r, so vLLM's
+        scaling is 1) and served from the next call on as a new LoRARequest; the quantized base is not touched.
+        Refused after a full update (the adapters are relative to the base the engine started with) and by an engine
+        started without `lora_rank`."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from qgrpo.rollout.backends.torch_adapters import stream_shapes
+
+        if not self.lora_rank:
+            raise RuntimeError(f"{self.generator_id}: this vLLM engine was started without LoRA support (lora_rank 0); "
+                               "sync.adapters_only starts it with the learner's rank")
+        if not self._base_only:
+            raise RuntimeError(f"{self.generator_id}: adapters-only update after a full one; the adapters are relative "
+                               "to the base model the engine started from, which it no longer holds")
+        received = list(named_tensors)
+        linears = {n.removesuffix(".weight"): tuple(v) for n, v in self._expected.items()
+                   if n.endswith(".weight") and len(v) == 2 and is_int8_target(n, tuple(v))}
+        expected = stream_shapes(linears, received)
+        if self._lora_names is not None and set(expected) != self._lora_names:
+            raise WeightMismatchError(f"{self.generator_id}: this adapters update names other layers than the first "
+                                      f"one ({len(expected)} tensors against {len(self._lora_names)})")
+        tensors = dict(check_stream(expected, received))
+        rank = next(t.shape[0] for n, t in tensors.items() if n.endswith(".lora_A"))
+        if rank > self.lora_rank:
+            raise WeightMismatchError(f"{self.generator_id}: adapters of rank {rank}, above the engine's "
+                                      f"{self.lora_rank}")
+        t0 = time.perf_counter()
+        self._lora_dir = self._lora_dir or tempfile.mkdtemp(prefix=f"qgrpo-{self.generator_id}-lora-")
+        folder = Path(self._lora_dir) / f"v{version}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file({f"base_model.model.{n.rpartition('.')[0]}.{n.rpartition('.')[2]}.weight": t.contiguous()
+                   for n, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
+        leaves = sorted({n.rpartition(".")[0].rpartition(".")[2] for n in tensors})
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+            "target_modules": leaves, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+            "modules_to_save": None, "base_model_name_or_path": None}))
+        previous = Path(self._lora.lora_path) if self._lora is not None else None
+        self._lora_count += 1  # a new id per update: vLLM caches adapters by id
+        self._lora = LoRARequest(f"{self.generator_id}-v{version}", self._lora_count, str(folder))
+        self._lora_names = set(expected)
+        self.llm.reset_prefix_cache()
+        if previous is not None and previous != folder:
+            shutil.rmtree(previous, ignore_errors=True)
+        self.requantize_seconds = time.perf_counter() - t0  # the folder's writing: nothing is re-quantized
         self.policy_version = version
 
     def memory_bytes(self) -> dict[str, int]:
@@ -306,6 +399,9 @@ class VLLMGenerator:
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        if getattr(self, "_lora_dir", None):
+            shutil.rmtree(self._lora_dir, ignore_errors=True)
+            self._lora_dir = None
 
     def __del__(self):
         try:
