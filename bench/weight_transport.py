@@ -18,9 +18,10 @@ alternating, median reported. Columns (seconds):
 With --adapters it compares instead what a sync of a learner.mode = "lora" learner sends (default [learner.lora]:
 rank 16, alpha 32, every linear layer; adapters random and non-zero): the merged model W + (alpha/r) B A
 (learner/adapters.py: merged_weights, the default) vs the adapters alone (sync.adapters_only: adapter_weights), over
-the object store to 1 torch rollout actor at int8 and int4. Columns: MB sent; export (the sender's merge or adapter
-gather + pack + ray.put), receive, load (re-quantization, or wrapping / copying the adapters, plus the fingerprint
-check), total; median of --repeats after one untimed sync per path (the adapters' first wraps the layers).
+the object store to 1 rollout actor: torch at int8 and int4, vLLM at int8 (Linux). Columns: MB sent; export (the
+sender's merge or adapter gather + pack + ray.put), receive, load (re-quantization, or wrapping / copying the
+adapters, or writing vLLM's peft folder, plus the fingerprint check), total; median of --repeats after one untimed
+sync per path (the adapters' first wraps the layers).
 
     .venv/bin/python bench/weight_transport.py --adapters --model builtin:tiny-digits --out /tmp/adapters.json
 
@@ -165,9 +166,14 @@ def _adapter_rows(args, path: str, bucket_bytes: int) -> list[dict]:
 
     lora = dataclasses.asdict(LoraConfig())
     sender, rows = _lora_sender_class().remote(path, lora), []
-    for precision, adapters_only in [(p, a) for p in ("int8", "int4") for a in (False, True)]:
-        # An actor per path: adapters are relative to the base, which a merged sync would have replaced.
-        actor = RolloutActor.remote("torch", dict(model_path=path, precision=precision, generator_id=precision), 1)
+    engines = [("torch", "int8"), ("torch", "int4")] + ([("vllm", "int8")] if sys.platform == "linux" else [])
+    for (backend, precision), adapters_only in [(e, a) for e in engines for a in (False, True)]:
+        # An actor per path: adapters are relative to the base, which a merged sync would have replaced. The vLLM
+        # engine of the adapters path starts with LoRA support (sync.adapters_only's lora_rank).
+        kwargs = dict(model_path=path, precision=precision, generator_id=f"{backend}-{precision}")
+        if backend == "vllm" and adapters_only:
+            kwargs["lora_rank"] = lora["rank"]
+        actor = RolloutActor.remote(backend, kwargs, 1)
         ray.get(actor.info.remote())
 
         def sync() -> dict:
@@ -181,7 +187,7 @@ def _adapter_rows(args, path: str, bucket_bytes: int) -> list[dict]:
         first = sync()
         samples = [sync() for _ in range(args.repeats)]
         med = {k: statistics.median(x[k] for x in samples) for k in ("export", "receive", "load", "total")}
-        rows.append({"precision": precision, "path": "adapters" if adapters_only else "merged",
+        rows.append({"backend": backend, "precision": precision, "path": "adapters" if adapters_only else "merged",
                      "rank": lora["rank"], "nbytes": first["nbytes"], **{k: round(v, 4) for k, v in med.items()},
                      "first_sync_total": round(first["total"], 4),
                      "fingerprint_gap_max": max(x["gap"] for x in [first, *samples])})
@@ -194,16 +200,16 @@ def print_adapter_table(result: dict) -> None:
     """The --adapters table of one run, from its JSON."""
     meta, a = result["meta"], result["meta"]["args"]
     print(f"\nLoRA sync of {Path(meta['model']).name} (learner.mode lora, rank {result['rows'][0]['rank']}, every "
-          f"linear layer): merged model vs sync.adapters_only, object store, 1 torch rollout actor (1 thread), median "
+          f"linear layer): merged model vs sync.adapters_only, object store, 1 rollout actor (1 thread), median "
           f"of {a['repeats']}, seconds; torch {meta['torch']}, {meta['cpu_count']} cores, load average "
           f"{meta['load_avg'][0]:.1f} / {meta['load_avg'][1]:.1f}")
-    head = ["precision", "path", "MB sent", "export", "receive", "load", "total", "first", "fp gap"]
-    cells = [[r["precision"], r["path"], f"{r['nbytes'] / 2**20:.3f}", f"{r['export']:.4f}", f"{r['receive']:.4f}",
-              f"{r['load']:.4f}", f"{r['total']:.4f}", f"{r['first_sync_total']:.4f}",
+    head = ["backend", "precision", "path", "MB sent", "export", "receive", "load", "total", "first", "fp gap"]
+    cells = [[r.get("backend", "torch"), r["precision"], r["path"], f"{r['nbytes'] / 2**20:.3f}", f"{r['export']:.4f}",
+              f"{r['receive']:.4f}", f"{r['load']:.4f}", f"{r['total']:.4f}", f"{r['first_sync_total']:.4f}",
               f"{r['fingerprint_gap_max']:.4f}"] for r in result["rows"]]
     widths = [max(len(h), *(len(c[k]) for c in cells)) + 2 for k, h in enumerate(head)]
     for cs in [head, *cells]:
-        print("".join(f"{c:<{w}}" if k < 2 else f"{c:>{w}}" for k, (c, w) in enumerate(zip(cs, widths))))
+        print("".join(f"{c:<{w}}" if k < 3 else f"{c:>{w}}" for k, (c, w) in enumerate(zip(cs, widths))))
 
 
 def _wait(calls, seconds, stage):
