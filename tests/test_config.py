@@ -249,10 +249,12 @@ def test_adapters_only_loads_with_an_adapter_learner():
         assert load_config(TINY, ["sync.adapters_only=true", f"learner.mode='{mode}'"]).sync.adapters_only
     cfg = load_config(TINY, ["sync.adapters_only=true", "learner.mode='lora'", "rollout.backend='vllm'",
                              "rollout.precision='int8'"])
-    from qgrpo.cluster.run.workers import lora_engine
+    from qgrpo.rollout.backends.vllm_lora import adapter_options
 
-    assert lora_engine(cfg) == {"lora_rank": cfg.learner.lora.rank}  # the vLLM engine starts with LoRA support
-    assert lora_engine(load_config(TINY, ["sync.adapters_only=true", "learner.mode='lora'"])) == {}  # torch
+    # the vLLM engine starts with LoRA support, the torch generator needs nothing
+    rank = cfg.learner.lora.rank
+    assert adapter_options("vllm", cfg.sync.adapters_only, rank) == {"lora_rank": rank}
+    assert adapter_options("torch", True, 16) == adapter_options("vllm", False, 16) == {}
 
 
 def test_fake_quant_reaches_the_learner_with_the_generators_grid():

@@ -37,6 +37,7 @@ from qgrpo.core.records import (
 )
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.rollout.backends import backend_options
+from qgrpo.rollout.backends.vllm_lora import adapter_options
 from qgrpo.rollout.models import BUILTIN_PREFIX, hub_cache_folder
 from qgrpo.rollout.noise import NormNoise
 
@@ -83,12 +84,6 @@ def gather(calls: dict, seconds: float, stage: str, setting: str) -> dict:
     return out
 
 
-def lora_engine(cfg: Config) -> dict:
-    """A vLLM generator's LoRA support under sync.adapters_only (the learner's rank); nothing otherwise (the torch
-    generator wraps its layers as adapters arrive)."""
-    return {"lora_rank": cfg.learner.lora.rank} if cfg.sync.adapters_only and cfg.rollout.backend == "vllm" else {}
-
-
 class RolloutPool:
     """The rollout actors, replaced when they die, moved up the precision ladder on request."""
 
@@ -123,7 +118,7 @@ class RolloutPool:
             dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
                  generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
                  chat_template=self.cfg.task.chat_template, **backend_options(ro.backend, ro),
-                 **lora_engine(self.cfg)),
+                 **adapter_options(ro.backend, self.cfg.sync.adapters_only, self.cfg.learner.lora.rank)),
             self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
             NormNoise(ro.norm_noise, ro.norm_noise_end, ro.norm_noise_stages,
                       horizon=self.cfg.run.steps * self.cfg.algo.updates_per_batch),

@@ -44,6 +44,7 @@ from qgrpo.rollout.backends.common import (
     stop_token_ids,
 )
 from qgrpo.rollout.backends.vllm_kv import recalibrate
+from qgrpo.rollout.backends.vllm_lora import engine_options, write_peft_folder
 from qgrpo.rollout.quant import int8_per_channel
 
 # vLLM's name for online per-tensor fp8 (weights quantized by the engine as it loads or reloads bf16 tensors).
@@ -69,11 +70,6 @@ INT8_W8A8 = {
 # the processes this one starts later: a Ray node started afterwards by the same process had its workers die at
 # start with "Intel oneMKL FATAL ERROR: Cannot load libtorch_cpu.so". They are put back once the engine is built.
 ENGINE_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "LOCAL_WORLD_SIZE")
-
-
-# vLLM's max_lora_rank must be one of these (vllm/config/lora.py: MaxLoRARanks); the engine takes the smallest that
-# holds the learner's rank.
-VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def restore_env(saved: dict[str, str | None]) -> None:
@@ -131,25 +127,6 @@ def _seed_worker(worker, seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _lora_beside_onednn_int8() -> None:
-    """vLLM 0.32's LoRA layers place their adapters on the device of the base layer's `weight`, which the CPU int8
-    kernel sets to None once it has packed the weight into its oneDNN handler: engine start fails with "'NoneType'
-    object has no attribute 'device'". Such a layer's weight scale sits on the same device."""
-    from vllm.lora.layers import base_linear
-
-    if getattr(base_linear, "_qgrpo_patched", False):
-        return
-    original = base_linear._get_lora_device
-
-    def lora_device(base_layer):
-        if getattr(base_layer, "weight", 0) is None:
-            return next(p.device for p in base_layer.parameters())
-        return original(base_layer)
-
-    base_linear._get_lora_device = lora_device
-    base_linear._qgrpo_patched = True
-
-
 def _pin_onednn_inputs() -> None:
     """vLLM 0.32's CPU int8 kernel builds a oneDNN handler that keeps raw pointers to the weight-scale tensor it was
     built from. On `reload_weights` the handler is rebuilt from temporary tensors that are then freed, and every
@@ -201,9 +178,6 @@ class VLLMGenerator:
         self._seed = seed
         self._calls = 0
         self._expected = {k: v for k, v in hf_tensor_shapes(model_path).items()}
-        max_rank = next((r for r in VLLM_LORA_RANKS if r >= lora_rank), None)
-        if max_rank is None:
-            raise ValueError(f"vllm backend: LoRA rank {lora_rank} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}")
         # Adapters only: the request every generate and score passes (None: the base alone), the folder it names,
         # whether the engine still holds the base it started from (adapters are relative to it)
         self.lora_rank, self._lora, self._lora_dir, self._lora_names = lora_rank, None, None, None
@@ -239,10 +213,7 @@ class VLLMGenerator:
                       kv_cache_dtype=opts.kv_cache_dtype)
         if opts.max_model_len:
             kwargs["max_model_len"] = opts.max_model_len
-        if lora_rank:
-            kwargs.update(enable_lora=True, max_lora_rank=max_rank, max_loras=1)
-            if precision == "int8" and not cuda:
-                _lora_beside_onednn_int8()
+        kwargs.update(engine_options(lora_rank, precision, cuda))  # adapters only: vLLM's LoRA support
         if cuda:
             kwargs["gpu_memory_utilization"] = share
         set_threads = torch.set_num_threads
@@ -325,7 +296,6 @@ class VLLMGenerator:
         scaling is 1) and served from the next call on as a new LoRARequest; the quantized base is not touched.
         Refused after a full update (the adapters are relative to the base the engine started with) and by an engine
         started without `lora_rank`."""
-        from safetensors.torch import save_file
         from vllm.lora.request import LoRARequest
 
         from qgrpo.rollout.backends.torch_adapters import stream_shapes
@@ -344,21 +314,13 @@ class VLLMGenerator:
             raise WeightMismatchError(f"{self.generator_id}: this adapters update names other layers than the first "
                                       f"one ({len(expected)} tensors against {len(self._lora_names)})")
         tensors = dict(check_stream(expected, received))
-        rank = next(t.shape[0] for n, t in tensors.items() if n.endswith(".lora_A"))
-        if rank > self.lora_rank:
+        if (rank := next(t.shape[0] for n, t in tensors.items() if n.endswith(".lora_A"))) > self.lora_rank:
             raise WeightMismatchError(f"{self.generator_id}: adapters of rank {rank}, above the engine's "
                                       f"{self.lora_rank}")
         t0 = time.perf_counter()
         self._lora_dir = self._lora_dir or tempfile.mkdtemp(prefix=f"qgrpo-{self.generator_id}-lora-")
         folder = Path(self._lora_dir) / f"v{version}"
-        folder.mkdir(parents=True, exist_ok=True)
-        save_file({f"base_model.model.{n.rpartition('.')[0]}.{n.rpartition('.')[2]}.weight": t.contiguous()
-                   for n, t in tensors.items()}, str(folder / "adapter_model.safetensors"))
-        leaves = sorted({n.rpartition(".")[0].rpartition(".")[2] for n in tensors})
-        (folder / "adapter_config.json").write_text(json.dumps({
-            "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
-            "target_modules": leaves, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-            "modules_to_save": None, "base_model_name_or_path": None}))
+        write_peft_folder(folder, tensors)
         previous = Path(self._lora.lora_path) if self._lora is not None else None
         self._lora_count += 1  # a new id per update: vLLM caches adapters by id
         self._lora = LoRARequest(f"{self.generator_id}-v{version}", self._lora_count, str(folder))
