@@ -12,6 +12,16 @@ the bytes of state the actor keeps, and the update visibility averaged over the 
 of bf16 weights changed, the served update's projection on the bf16 one). Writes bench/results/requantize_costs.json
 (`--publish`: bench/published/ too).
 
+`--generator-memory` measures instead the torch generator at a sync on the real SmolLM2-135M: one copy re-quantized
+in place (what the generator does) against a bf16 master plus a quantized copy rebuilt by deep copy at every sync
+(what it did before, reproduced here: load into the master, `quantize_model(copy.deepcopy(master))`). Each (variant,
+precision) runs in a fresh process so that its peak RSS (ru_maxrss) is its own: the generator is built, then takes
+--syncs full updates of random bf16 weights (the stream a rollout actor holds after receiving them, counted in both
+variants). Columns: RSS after start, peak RSS over the syncs, bytes of tensors held (the model, plus the master for
+"rebuild"), median seconds per sync. Writes bench/results/generator_memory.json (or --out).
+
+    .venv/bin/python bench/quant_bytes.py --generator-memory --out bench/published/generator_memory.json
+
 Timings depend on torch's thread count; when other jobs share the cores, OpenMP spinning can make 2 threads far
 slower than 1, so the thread count is an option and is recorded.
 """
@@ -91,13 +101,123 @@ def requantize_costs(base: LlamaForCausalLM) -> list[dict]:
     return rows
 
 
+VARIANTS = ("in_place", "rebuild")
+MEMORY_PRECISIONS = ("int8", "int4", "nf4")
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def _held_mb(*models) -> float:
+    seen, total = set(), 0
+    for m in models:
+        for t in [*m.parameters(), *m.buffers()]:
+            inner = [getattr(t, n) for n in t.__tensor_flatten__()[0]] if hasattr(t, "__tensor_flatten__") else [t]
+            for x in inner:
+                s = x.untyped_storage()
+                if s.data_ptr() not in seen:
+                    seen.add(s.data_ptr())
+                    total += s.nbytes()
+    return total / 2**20
+
+
+def measure(variant: str, precision: str, path: str, syncs: int) -> dict:
+    """One variant in this process (the child's side)."""
+    import copy
+    import resource
+
+    import torch
+
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator, load_into
+    from qgrpo.rollout.quant import quantize_model
+
+    torch.set_num_threads(1)
+    if variant == "in_place":
+        gen = TorchGenerator(path, precision=precision)
+        models, shapes = [gen.model], gen._shapes
+    else:  # the former generator: a bf16 master beside a quantized deep copy of it
+        from transformers import AutoModelForCausalLM
+
+        master = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+        model = quantize_model(copy.deepcopy(master), precision).eval()
+        models, shapes = [model, master], {n: tuple(p.shape) for n, p in master.named_parameters()}
+    start_rss, held = _rss_mb(), _held_mb(*models)
+    seconds = []
+    for k in range(syncs):
+        torch.manual_seed(k)
+        stream = [(n, torch.randn(s, dtype=torch.bfloat16) * 0.02) for n, s in shapes.items()]
+        t0 = time.perf_counter()
+        if variant == "in_place":
+            gen.load_weights(k + 1, stream)
+        else:
+            load_into(master, stream)
+            model = quantize_model(copy.deepcopy(master), precision).eval()
+        seconds.append(time.perf_counter() - t0)
+        del stream
+    return {"variant": variant, "precision": precision, "parameters": len(shapes), "start_rss_mb": round(start_rss, 1),
+            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "held_mb": round(held, 1), "sync_s": round(statistics.median(seconds), 3)}
+
+
+def generator_memory(args) -> None:
+    """--generator-memory: each (variant, precision) in a fresh process (module docstring)."""
+    import os
+    import subprocess
+
+    from qgrpo.rollout.models import resolve_model_path
+
+    path = resolve_model_path(args.model, args.cache_dir)
+    if args.child:
+        print(json.dumps(measure(*args.child, path, args.syncs)))
+        return
+    rows = []
+    for precision in MEMORY_PRECISIONS:
+        for variant in VARIANTS:  # side by side, each in a fresh process
+            r = subprocess.run([sys.executable, __file__, "--generator-memory", "--model", args.model, "--cache-dir",
+                                args.cache_dir, "--syncs", str(args.syncs), "--child", variant, precision],
+                               capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+            if r.returncode != 0:
+                raise SystemExit(f"{variant} {precision} failed:\n{r.stderr[-3000:]}")
+            rows.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    result = {"meta": {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "model": path, "torch": torch.__version__,
+                       "cpu_count": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()},
+                       "syncs": args.syncs, "load_avg": os.getloadavg()[0]}, "rows": rows}
+    out = args.out if args.out != OUT else OUT.parent / "generator_memory.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print_memory_table(result)
+    print(f"\nwrote {out}")
+
+
+def print_memory_table(result: dict) -> None:
+    meta = result["meta"]
+    print(f"torch generator at a sync, {Path(meta['model']).name}, {meta['syncs']} full updates, 1 thread; "
+          f"torch {meta['torch']}, {meta['cpu_count']} cores, load average {meta['load_avg']:.1f}")
+    head = ["precision", "variant", "start RSS MB", "peak RSS MB", "held MB", "s/sync"]
+    cells = [[r["precision"], r["variant"], f"{r['start_rss_mb']:.0f}", f"{r['peak_rss_mb']:.0f}",
+              f"{r['held_mb']:.0f}", f"{r['sync_s']:.2f}"] for r in result["rows"]]
+    widths = [max(len(h), *(len(c[k]) for c in cells)) + 2 for k, h in enumerate(head)]
+    for cs in [head, *cells]:
+        print("".join(f"{c:<{w}}" if k < 2 else f"{c:>{w}}" for k, (c, w) in enumerate(zip(cs, widths))))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's default)")
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--requantize", action="store_true", help="measure sync.requantize instead (module docstring)")
     ap.add_argument("--publish", action="store_true", help="with --requantize: also write bench/published/")
+    ap.add_argument("--generator-memory", action="store_true",
+                    help="the torch generator's memory and time at a sync, in place vs rebuilt (module docstring)")
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct", help="with --generator-memory")
+    ap.add_argument("--cache-dir", default="", help="with --generator-memory: builtin models' cache")
+    ap.add_argument("--syncs", type=int, default=3, help="with --generator-memory: full updates per variant")
+    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "PRECISION"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.generator_memory:
+        return generator_memory(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.requantize:

@@ -146,15 +146,14 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
     in_features with ``group_size`` (32, 64 or 128; 64 default, like MLX's nn.quantize): the CPU kernel on CPU,
     torch's tinygemm on CUDA. nf4: bitsandbytes NF4 ``Linear4bit`` with blocks of ``group_size`` weights along
     in_features. Layers that don't fit the kernel's shapes (``layer_fits``) stay bf16, as does a tied lm_head.
-    Activations stay bf16; ``model(input_ids)`` and ``model.generate`` keep working on the same device. Meant to be
-    called on a fresh copy of a bf16 model: ``quantize_model(copy.deepcopy(bf16_model), precision)``; a model is
-    quantized once.
+    Activations stay bf16; ``model(input_ids)`` and ``model.generate`` keep working on the same device. A model is
+    quantized once; new weights for its quantized layers go through ``requantize_in_place``.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     previous = getattr(model, "_qgrpo_quant", None)
     if previous is not None and previous[0] != "bf16":
-        raise ValueError(f"model is already quantized ({previous[0]}); quantize a deepcopy of the bf16 model")
+        raise ValueError(f"model is already quantized ({previous[0]}); give it new weights with requantize_in_place")
     device = _model_device(model)
     path = quant_path(precision, device.type)  # refuses a device this precision is not served on, before any change
     if path == "torchao.int4_tile_packed_cuda":
@@ -171,6 +170,13 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
         _quantize_nf4(model, layers, group_size, device)
         return model
 
+    _quantize_torchao(model, precision, group_size, device, {id(m) for _, m in layers})
+    return model
+
+
+def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device: torch.device,
+                      chosen: set[int]) -> None:
+    """torchao's weight-only int8 / int4 on the modules whose id is in `chosen`, in place."""
     from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
@@ -185,14 +191,37 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
         config = Int4WeightOnlyConfig(group_size=group_size, int4_packing_format=Int4PackingFormat.TILE_PACKED_TO_4D,
                                       int4_tile_packed_ntile=16 if torch.version.hip else 8,  # the kernel's N tile
                                       set_inductor_config=False)
-    chosen = {id(m) for _, m in layers}
     if device.type == "cuda":
         # torchao's tinygemm packer checks the *current* CUDA device's capability: make it the model's.
         with torch.cuda.device(device):
             quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
     else:
         quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
-    return model
+
+
+@torch.no_grad()
+def requantize_in_place(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """New bf16 weights ({layer name: [out, in]}) for layers that `quantize_model` quantized, quantized again at the
+    model's precision and group size in place: no second copy of the model is built (a sync's re-quantization).
+    The layers' biases are the caller's to update (they are plain parameters)."""
+    precision, group_size = getattr(model, "_qgrpo_quant", ("bf16", None))
+    if precision == "bf16":
+        raise ValueError("requantize_in_place: the model is not quantized; copy bf16 weights into it instead")
+    device = _model_device(model)
+    if precision == "nf4":  # a fresh Linear4bit per layer, built from a bf16 nn.Linear as at the start
+        layers = []
+        for name, w in weights.items():
+            old = model.get_submodule(name)
+            lin = nn.Linear(old.in_features, old.out_features, bias=False, device="meta")
+            lin.weight = nn.Parameter(w.to(device=device, dtype=torch.bfloat16), requires_grad=False)
+            lin.bias = old.bias
+            layers.append((name, lin))
+        _quantize_nf4(model, layers, group_size, device)
+        return
+    for name, w in weights.items():
+        model.get_submodule(name).weight = nn.Parameter(w.to(device=device, dtype=torch.bfloat16),
+                                                        requires_grad=False)
+    _quantize_torchao(model, precision, group_size, device, {id(model.get_submodule(n)) for n in weights})
 
 
 def _quantize_nf4(model: nn.Module, layers: list[tuple[str, nn.Linear]], group_size: int,

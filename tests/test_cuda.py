@@ -72,8 +72,10 @@ def test_torch_generator_quantizes_and_samples_on_its_gpu(tiny_model_path, preci
                           SamplingParams(group_size=4, max_new_tokens=3, temperature=1.0, seed=0))
     lps = [x for g in groups for c in g.completions for x in c.logprobs]
     assert len(groups) == 2 and lps and all(math.isfinite(x) and x <= 0 for x in lps)
-    # a sync: the master takes new weights and the quantized copy is rebuilt on the GPU
-    weights = [(n, p.detach().cpu()) for n, p in gen._master.named_parameters()]
+    # a sync: the received weights are quantized again in place, on the GPU
+    from transformers import AutoModelForCausalLM
+
+    weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).named_parameters())
     gen.load_weights(1, weights)
     assert gen.policy_version == 1 and {p.device.type for p in gen.model.parameters()} == {"cuda"}
 

@@ -21,6 +21,13 @@ def _seqs(groups):
     return rows, ids
 
 
+def _fp32(path):
+    """The generator's bf16 weights (the model file's) in a float32 model: the reference its log-probs approach."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).float().eval()
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logprobs_match_the_sampled_distribution(tiny_model_path, temperature):
     gen = TorchGenerator(tiny_model_path, precision="bf16")
@@ -35,7 +42,7 @@ def test_logprobs_match_the_sampled_distribution(tiny_model_path, temperature):
             assert all(lp <= 0 and lp == lp for lp in c.logprobs)
     rows, ids = _seqs(groups)
     # Reference: a float32 forward of the same weights, at the sampling temperature.
-    ref_model = gen._master.float()
+    ref_model = _fp32(tiny_model_path)
     ref = token_logprobs(ref_model, ids, temperature)
     diffs = []
     for i, (g, c) in enumerate([(g, c) for g in groups for c in g.completions]):
@@ -61,7 +68,7 @@ def test_seeded_generation_is_reproducible(tiny_model_path):
 
 def test_load_weights_is_strict(tiny_model_path):
     gen = TorchGenerator(tiny_model_path, precision="int8")
-    named = [(n, p.detach().clone()) for n, p in gen._master.named_parameters()]
+    named = [(n, p.detach().clone()) for n, p in _fp32(tiny_model_path).named_parameters()]
     with pytest.raises(WeightMismatchError, match="lacks 1 parameters"):
         gen.load_weights(1, named[:-1])
     with pytest.raises(WeightMismatchError, match="does not have"):
@@ -83,7 +90,7 @@ def test_top_k_samples_from_the_renormalised_top_k(tiny_model_path):
     groups = gen.generate(ITEMS, SamplingParams(group_size=4, max_new_tokens=6, temperature=0.8, top_k=3, seed=5))
     rows, ids = _seqs(groups)
     with torch.no_grad():
-        logits = gen._master.float()(input_ids=ids).logits.float() / 0.8  # [B, T, V]
+        logits = _fp32(tiny_model_path)(input_ids=ids).logits.float() / 0.8  # [B, T, V]
     diffs = []
     for i, (g, c) in enumerate([(g, c) for g in groups for c in g.completions]):
         p = len(g.prompt_ids)
@@ -107,3 +114,29 @@ def test_rows_stop_at_eos_and_the_rest_run_to_length(tiny_model_path):
             assert len(c.token_ids) <= 20
         else:
             assert len(c.token_ids) == 20 and gen.stop_ids[0] not in c.token_ids
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+def test_a_sync_quantizes_in_place_exactly_as_a_fresh_start(tiny_model_path, precision):
+    """load_weights quantizes the received weights again inside the one model the generator holds (no bf16 master,
+    no copy): its logits equal, bit for bit, those of the same weights quantized from scratch, and differ from the
+    base's."""
+    from transformers import AutoModelForCausalLM
+
+    from qgrpo.rollout.quant import quantize_model
+
+    gen = TorchGenerator(tiny_model_path, precision=precision)
+    assert not hasattr(gen, "_master")
+    base = _fp32(tiny_model_path).to(torch.bfloat16)
+    torch.manual_seed(0)
+    new = {n: (p.float() + 0.02 * torch.randn_like(p.float())).to(torch.bfloat16) for n, p in base.named_parameters()}
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        before = gen.model(ids).logits
+        gen.load_weights(1, new.items())
+        fresh = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).eval()  # as the generator
+        for n, p in fresh.named_parameters():
+            p.copy_(new[n])
+        fresh = quantize_model(fresh, precision)
+        assert torch.equal(gen.model(ids).logits, fresh(ids).logits)
+        assert not torch.equal(gen.model(ids).logits, before)

@@ -58,9 +58,9 @@ def _train_step(learner, rollout) -> int:
 
 
 def _master_weights(actor) -> dict[str, torch.Tensor]:
-    """The torch generator's bf16 master copy, read inside the actor (a test-only look, not an actor method)."""
+    """The weights a bf16 torch generator serves, read inside the actor (a test-only look, not an actor method)."""
     return ray.get(actor.__ray_call__.remote(
-        lambda self: {n: t.clone() for n, t in self.gen._master.state_dict().items()}))
+        lambda self: {n: t.clone() for n, t in self.gen.model.state_dict().items()}))
 
 
 @pytest.fixture(scope="module")

@@ -33,14 +33,14 @@ class LoraDelta(nn.Module):
         return y + delta.to(y.dtype)
 
 
-def expected_shapes(master: nn.Module, wrapped: dict[str, LoraDelta],
+def expected_shapes(linears: dict[str, tuple[int, int]], wrapped: dict[str, LoraDelta],
                     received: list[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
     """{name: shape} an adapters stream must hold: the wrapped layers' once wrapped; before that, A [r, in] and
-    B [out, r] of every base linear of `master` the stream names, r read from the stream's first lora_A."""
+    B [out, r] of every linear layer (`linears`: {name: (out, in)} of the bf16 model) the stream names, r read from
+    the stream's first lora_A."""
     if wrapped:
         return {f"{n}{s}": tuple(getattr(w, s[1:]).shape) for n, w in wrapped.items() for s in SUFFIXES}
-    return stream_shapes({n: tuple(m.weight.shape) for n, m in master.named_modules() if isinstance(m, nn.Linear)},
-                         received)
+    return stream_shapes(linears, received)
 
 
 def stream_shapes(linears: dict[str, tuple[int, int]],
@@ -62,12 +62,21 @@ def stream_shapes(linears: dict[str, tuple[int, int]],
     return shapes
 
 
-def load_adapters(model: nn.Module, master: nn.Module, wrapped: dict[str, LoraDelta],
+def unwrap(model: nn.Module, wrapped: dict[str, LoraDelta]) -> dict[str, LoraDelta]:
+    """Put each wrapped layer's own module back in its place (a full update replaces the adapters); returns {}."""
+    modules = dict(model.named_modules())
+    for name, w in wrapped.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(modules[parent] if parent else model, leaf, w.base)
+    return {}
+
+
+def load_adapters(model: nn.Module, linears: dict[str, tuple[int, int]], wrapped: dict[str, LoraDelta],
                   named_tensors: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> dict[str, LoraDelta]:
     """Check the whole stream (WeightMismatchError on an unknown name, a wrong shape, a name twice or missing), then
     wrap the named linears of `model` on the first call and copy A, B in place. Returns the wrappers by layer name."""
     received = list(named_tensors)
-    received = list(check_stream(expected_shapes(master, wrapped, received), received))
+    received = list(check_stream(expected_shapes(linears, wrapped, received), received))
     tensors = dict(received)
     if not wrapped:
         modules = dict(model.named_modules())

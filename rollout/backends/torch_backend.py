@@ -1,13 +1,13 @@
 """Generator backend on plain torch + transformers (CPU here, CUDA where present).
 
-Keeps a bf16 master copy of the policy and a quantized copy built from it; new weights go into the master and the
-quantized copy is rebuilt, so the sender never needs to know the receiver's format. With sync.adapters_only only LoRA
-adapters arrive (`load_adapters`): they sit beside the quantized base in bf16 (rollout/backends/torch_adapters.py)
-and the base is not rebuilt.
+Holds one copy of the policy, in the served format: the model is quantized in place once at the start, and at a sync
+each received bf16 weight of a quantized layer is quantized again in place (rollout/quant.py: requantize_in_place)
+while the other weights are copied in, so the sender never needs to know the receiver's format and no second copy of
+the model is ever built. With sync.adapters_only only LoRA adapters arrive (`load_adapters`): they sit beside the
+quantized base in bf16 (rollout/backends/torch_adapters.py) and the base is not touched.
 """
 from __future__ import annotations
 
-import copy
 import time
 import zlib
 from typing import Iterable
@@ -18,7 +18,7 @@ from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends import torch_adapters
 from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
-from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names
+from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names, requantize_in_place
 from qgrpo.rollout.requantize import served_grid
 
 
@@ -53,16 +53,17 @@ class TorchGenerator:
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
-        self._master = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
-        self._master_is_base = True  # adapters-only updates are relative to this base (`load_adapters`)
-        self._rebuild()
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
+        # What a full update must hold (the bf16 model's parameters), which of them are quantized, and the linear
+        # layers' shapes (for adapters); then the one copy is quantized in place.
+        self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self._quantized = quantized_weight_names(model, precision, group_size_quant, self.device.type)
+        self._linears = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.model = quantize_model(model, precision, group_size_quant).eval()
+        self.adapters: dict[str, torch_adapters.LoraDelta] = {}
+        self._base_only = True  # adapters-only updates are relative to the base the generator started from
         self._seed = seed
         self._calls = 0
-
-    def _rebuild(self) -> None:
-        """The served model: the master quantized afresh, without adapters (a full update replaces them)."""
-        self.model = quantize_model(copy.deepcopy(self._master), self.precision, self.group_size_quant).eval()
-        self.adapters: dict[str, torch_adapters.LoraDelta] = {}
 
     @torch.inference_mode()
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
@@ -136,24 +137,33 @@ class TorchGenerator:
             cache, logits = out.past_key_values, out.logits[:, -1].float()
         return toks[:, :step + 1].cpu(), lps[:, :step + 1].cpu()
 
+    @torch.no_grad()
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_into(self._master, named_tensors)
-        self._master_is_base = False  # adapters, relative to the base this generator started from, no longer fit
+        """A full update: strict and all-or-nothing (the stream is checked to its end before anything changes). The
+        weights of quantized layers are quantized again in place, the others copied in; adapters are removed."""
+        received = list(check_stream(self._shapes, named_tensors))
         t0 = time.perf_counter()
-        self._rebuild()
+        self.adapters = torch_adapters.unwrap(self.model, self.adapters)
+        params, quantized = dict(self.model.named_parameters()), set(self._quantized)
+        for name, t in received:
+            if name not in quantized:
+                params[name].copy_(t)
+        if self._quantized:
+            requantize_in_place(self.model, {n.removesuffix(".weight"): t for n, t in received if n in quantized})
+        self._base_only = False  # adapters, relative to the base this generator started from, no longer fit
         self.requantize_seconds = time.perf_counter() - t0
         self.policy_version = version
 
     def load_adapters(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """An adapters-only update (`<linear>.lora_A` [r, in], `<linear>.lora_B` [out, r], B scaled): the first one
-        wraps the named linears of the served model, later ones copy A and B in place; the quantized base and the
-        master stay as they are. Strict and all-or-nothing like `load_weights` (WeightMismatchError). Adapters are
-        relative to the base model this generator was started from: after a full update they are refused."""
-        if not self._master_is_base:
+        wraps the named linears of the served model, later ones copy A and B in place; the quantized base stays as
+        it is. Strict and all-or-nothing like `load_weights` (WeightMismatchError). Adapters are relative to the base
+        model this generator was started from: after a full update they are refused."""
+        if not self._base_only:
             raise RuntimeError(f"{self.generator_id}: adapters-only update after a full one; the adapters are relative "
                                "to the base model the generator started from, which it no longer holds (start it "
                                "again from the base)")
-        self.adapters = torch_adapters.load_adapters(self.model, self._master, self.adapters, named_tensors,
+        self.adapters = torch_adapters.load_adapters(self.model, self._linears, self.adapters, named_tensors,
                                                      self.device)
         self.requantize_seconds = 0.0  # nothing is re-quantized
         self.policy_version = version
@@ -162,15 +172,7 @@ class TorchGenerator:
         """{HF tensor name: core.grids.Grid} of the weights this generator quantizes onto a grid the rollout actor
         can emulate (rollout/requantize.py); {} at bf16 and nf4."""
         grid = served_grid("torch", self.precision, self.group_size_quant)
-        if grid is None:
-            return {}
-        names = quantized_weight_names(self._master, self.precision, self.group_size_quant, self.device.type)
-        return {name: grid for name in names}
-
-    def weights(self, names) -> list[tuple[str, torch.Tensor]]:
-        """(name, bf16 tensor) of the named weights as loaded (for the rollout actor's requantizer)."""
-        params = dict(self._master.named_parameters())
-        return [(n, params[n].detach()) for n in names if n in params]
+        return {} if grid is None else {name: grid for name in self._quantized}
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:
