@@ -18,6 +18,7 @@ from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends import torch_adapters
 from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
+from qgrpo.rollout.backends.torch_decode import StaticDecoder
 from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names, requantize_in_place
 from qgrpo.rollout.requantize import served_grid
 
@@ -60,6 +61,8 @@ class TorchGenerator:
         self._quantized = quantized_weight_names(model, precision, group_size_quant, self.device.type)
         self._linears = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.model = quantize_model(model, precision, group_size_quant).eval()
+        # Llama-family models decode on a preallocated cache (torch_decode.py); others through their own forward.
+        self.decoder = StaticDecoder(self.model) if StaticDecoder.supports(self.model) else None
         self.adapters: dict[str, torch_adapters.LoraDelta] = {}
         self._base_only = True  # adapters-only updates are relative to the base the generator started from
         self._seed = seed
@@ -112,30 +115,58 @@ class TorchGenerator:
         Rows that finished are padded after their stop token (log-prob 0)."""
         # Prefill each distinct prompt once, then copy its KV cache to its G rows (rows i*G .. i*G+G-1).
         out = self._prefill(ids, attn)
+        B, L = ids.shape[0] * G, sp.max_new_tokens
+        logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [B, V]
+        if self.decoder is not None and self.decoder.fits(ids.shape[1] + L):
+            self.decoder.start(out.past_key_values, attn, G, L)
+            return self._decode(logits, self.decoder.step, self.decoder.compact, B, L, sp, rng)
         cache = out.past_key_values
         cache.batch_repeat_interleave(G)
-        attn = attn.repeat_interleave(G, dim=0)
-        logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [B, V]
-        B, L = attn.shape[0], sp.max_new_tokens
-        toks = torch.full((B, L), self.pad_id, dtype=torch.long, device=ids.device)
-        lps = torch.zeros((B, L), device=ids.device)
-        rows = torch.arange(B, device=ids.device)  # output rows still decoding, in batch order
-        stop = torch.tensor(self.stop_ids, device=ids.device)
-        for step in range(L):
-            tok, lp = _pick(logits, sp, rng)
-            toks[rows, step], lps[rows, step] = tok, lp
-            live = ~torch.isin(tok, stop)
-            if step == L - 1 or not live.any():
-                break
-            if not live.all():  # drop finished rows from batch, mask and cache: they would only decode padding
-                rows, tok, attn = rows[live], tok[live], attn[live]
-                cache.batch_select_indices(live.nonzero().squeeze(-1))
+        state = {"attn": attn.repeat_interleave(G, dim=0), "cache": cache}
+
+        def step(tok: torch.Tensor) -> torch.Tensor:  # transformers' forward on its dynamic cache
             # One more mask column per step; the new token's position counts only real (unpadded) tokens.
-            attn = torch.cat([attn, attn.new_ones(len(rows), 1)], dim=1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=attn.sum(-1, keepdim=True) - 1,
-                             past_key_values=cache, use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
-        return toks[:, :step + 1].cpu(), lps[:, :step + 1].cpu()
+            a = state["attn"] = torch.cat([state["attn"], state["attn"].new_ones(len(tok), 1)], dim=1)
+            o = self.model(input_ids=tok[:, None], attention_mask=a, position_ids=a.sum(-1, keepdim=True) - 1,
+                           past_key_values=state["cache"], use_cache=True)
+            state["cache"] = o.past_key_values
+            return o.logits[:, -1].float()
+
+        def compact(live: torch.Tensor) -> torch.Tensor:  # drop finished rows from mask and cache at once
+            idx = live.nonzero().squeeze(-1)
+            state["attn"] = state["attn"][idx]
+            state["cache"].batch_select_indices(idx)
+            return idx
+
+        return self._decode(logits, step, compact, B, L, sp, rng)
+
+    def _decode(self, logits: torch.Tensor, step, compact, B: int, L: int, sp: SamplingParams,
+                rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling loop over a decoder: `step(tokens)` -> next logits for the decoder's rows; `compact(live)` ->
+        the indices of the rows it keeps, or None when finished rows stay in it (their samples unread)."""
+        dev = logits.device
+        toks = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)
+        lps = torch.zeros((B, L), device=dev)
+        rows = torch.arange(B, device=dev)  # the output row of each decoder row
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        stop = torch.tensor(self.stop_ids, device=dev)
+        for i in range(L):
+            go = ~done
+            # Draw for the live rows only: finished rows riding along cost no sampling, and the generator's random
+            # stream is the same whichever decoder runs.
+            tok, lp = _pick(logits if go.all() else logits[go], sp, rng)
+            toks[rows[go], i], lps[rows[go], i] = tok, lp
+            if not go.all():  # finished rows are fed padding; their output is never read
+                tok = torch.full_like(rows, self.pad_id).masked_scatter(go, tok)
+            done = done | (torch.isin(tok, stop) & go)
+            if i == L - 1 or done.all():
+                break
+            if done.any():
+                idx = compact(~done)
+                if idx is not None:
+                    rows, done, tok = rows[idx], done[idx], tok[idx]
+            logits = step(tok)
+        return toks[:, :i + 1].cpu(), lps[:, :i + 1].cpu()
 
     @torch.no_grad()
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
