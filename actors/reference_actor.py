@@ -15,8 +15,8 @@ class ReferenceActor:
         self.scorer = make_reference_scorer(backend, local_model(model_path), precision, group_size_quant)
 
     def score(self, input_ids: torch.Tensor, temperature: float, prompt_lens: torch.Tensor | None = None,
-              group_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.scorer.score(input_ids, temperature, prompt_lens, group_ids)
+              group_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        return self.scorer.score(input_ids, temperature, prompt_lens, group_ids, seq_lens)
 
     def node(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -12,7 +12,9 @@ machine is shared and noisy.
 Variants: `full logits` is the learner before the chunked head (the model's own forward: [B, T, vocab] float32
 logits at once); `chunked` is the default; `eager` swaps SDPA attention for the eager one; `micro 16` splits the 32
 sequences into two micro-batches of 16 (gradient accumulation), longest first; `full prompts` runs every row's
-prompt (learner.shared_prompt = false: one causal forward without a cache or a mask, as TRL does); `plain torch`
+prompt (learner.shared_prompt = false: one causal forward without a cache or a mask, as TRL does); `padded
+suffixes` runs the completions right-padded to the longest (the shared-prompt pass before packing: no seq_lens);
+`plain torch`
 is the same model, batch, log-probs and loss with a torch AdamW on bf16 weights and no DeepSpeed (no fp32 master
 weights): what the DeepSpeed engine costs.
 """
@@ -35,6 +37,7 @@ VARIANTS = {
     "full logits": {"chunked": False},
     "chunked": {"attn": "sdpa"},
     "chunked + eager attention": {"attn": "eager"},  # the default on CPU (learner.attention = "auto")
+    "eager, padded suffixes": {"attn": "eager", "packed": False},  # before packing: rows padded to the longest
     "chunked + micro 16": {"micro": 16},
     "chunked + full prompts": {"shared": False},
     "plain torch (no DeepSpeed)": {"plain": True},
@@ -42,7 +45,8 @@ VARIANTS = {
 
 
 def batch(args, vocab: int):
-    """A GRPO batch: `groups` prompts x `group_size` completions, completion lengths spread over 75-100% of max."""
+    """A GRPO batch: `groups` prompts x `group_size` completions, completion lengths spread uniformly over
+    `len_spread`-100% of max."""
     import torch
 
     from qgrpo.learner.batch import TrainBatch
@@ -52,28 +56,30 @@ def batch(args, vocab: int):
     B, T = N * G, P + C
     ids = torch.randint(100, vocab, (B, T), generator=g)
     ids[:, :P] = ids[::G, :P].repeat_interleave(G, dim=0)
-    lens = (C * (0.75 + 0.25 * torch.rand(B, generator=g))).long()
+    lens = (C * (args.len_spread + (1 - args.len_spread) * torch.rand(B, generator=g))).long().clamp(min=1)
     mask = torch.zeros(B, T)
     for b in range(B):
         mask[b, P:P + int(lens[b])] = 1
         ids[b, P + int(lens[b]):] = 0
     return TrainBatch(input_ids=ids, completion_mask=mask, mu_logp=-torch.rand(B, T) * mask,
                       advantages=torch.randn(B, generator=g), policy_versions=torch.zeros(B, dtype=torch.long),
-                      prompt_lens=torch.full((B,), P), group_ids=torch.arange(B) // G, total_sequences=B,
+                      prompt_lens=torch.full((B,), P), group_ids=torch.arange(B) // G, seq_lens=P + lens,
+                      total_sequences=B,
                       total_tokens=float(mask.sum()), max_new_tokens=C), lens
 
 
 def useful_flops(cfg, args, lens) -> float:
     """Forward + backward (2x forward) matmul FLOPs of one step with shared prompts: each prompt's prefix through the
     trunk once, each completion (+ its last prompt token) through the trunk and the head. Attention scores included;
-    the head's recomputation in the backward pass is not counted (it is overhead, not useful work)."""
+    padding, and the head's recomputation in the backward pass, are not counted (overhead, not useful work)."""
     H, I, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size
     kv = H * cfg.num_key_value_heads // cfg.num_attention_heads
     per_token_trunk = 2 * L * (H * H * 2 + 2 * H * kv + 3 * H * I)  # q, o, k, v projections and the gated MLP
-    P, C, N, G = args.prompt_len, args.completion_len, args.groups, args.group_size
+    P, N = args.prompt_len, args.groups
     prefix = N * (P - 1)
-    suffix = N * G * (C + 1)  # rows are padded to the longest completion: the padded positions run too
-    attn = 2 * 2 * L * H * (N * (P - 1) ** 2 / 2 + N * G * ((C + 1) * (P - 1) + (C + 1) ** 2 / 2))
+    seg = (lens + 1).double()  # each completion and its last prompt token
+    suffix = float(seg.sum())
+    attn = 2 * 2 * L * H * (N * (P - 1) ** 2 / 2 + float((seg * (P - 1) + seg ** 2 / 2).sum()))
     fwd = (prefix + suffix) * per_token_trunk + suffix * 2 * H * V + attn
     return 3 * fwd
 
@@ -106,6 +112,7 @@ def batch_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--group-size", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=70)
     ap.add_argument("--completion-len", type=int, default=64)
+    ap.add_argument("--len-spread", type=float, default=0.75, help="shortest completion, as a share of the longest")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     return ap
@@ -155,6 +162,8 @@ def run_variant(args) -> None:
     b, lens = batch(args, cfg.vocab_size)
     order = lens.argsort(descending=True)  # longest first: the micro-batches' padding follows their own longest row
     b = b.select(order)
+    if v.get("packed", True) is False:
+        b.seq_lens = None
     if v.get("plain"):
         return print(json.dumps(plain_torch(path, b, args.steps)))
     learner = Learner(path, LearnerSettings(lr=1e-6, micro_batch_per_rank=v.get("micro", 64), sequences_per_rank=len(b),
@@ -183,7 +192,7 @@ def plain_torch(path: str, b, steps: int) -> dict:
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        logp = token_logprobs(model, b.input_ids, 1.0, b.prompt_lens, b.group_ids)
+        logp = token_logprobs(model, b.input_ids, 1.0, b.prompt_lens, b.group_ids, seq_lens=b.seq_lens)
         w = aggregation_weights(b.completion_mask, "token_mean", num_sequences=b.total_sequences,
                                 num_tokens=b.total_tokens, max_len=b.max_new_tokens)
         loss, _ = grpo_loss(logp, logp.detach(), b.mu_logp, None, b.advantages, b.completion_mask, w,
@@ -228,7 +237,8 @@ def main() -> None:
         print(f"  {name}: {med['total']:.2f} s/step", file=sys.stderr, flush=True)
     load1 = os.getloadavg()[0]
     head = (f"learner: {args.model}, {args.groups} prompts x {args.group_size} completions, prompt {args.prompt_len} + "
-            f"completion <= {args.completion_len} tokens, bf16, DeepSpeed ZeRO-0, 1 rank, {args.threads} threads; "
+            f"completion {args.len_spread:.0%}-100% of {args.completion_len} tokens, bf16, DeepSpeed ZeRO-0, 1 rank, "
+            f"{args.threads} threads; "
             f"median of steps 2-{args.steps}\nuseful work {flops / 1e12:.2f} TFLOP per step; bf16 matmul ceiling "
             f"measured here {best / 1e12:.2f} TFLOP/s (" + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in ceiling.items())
             + f"); load average {load0:.1f} -> {load1:.1f}")

@@ -113,20 +113,21 @@ def _forward_logprobs(model, input_ids: torch.Tensor, targets: torch.Tensor, tem
 
 
 def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
-                   group_ids: torch.Tensor | None = None, pad_id: int = 0, *,
-                   with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                   group_ids: torch.Tensor | None = None, pad_id: int = 0, *, with_entropy: bool = False,
+                   seq_lens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """input_ids [B, T] (right-padded) -> log-probs [B, T] float32; position j = log p(token j | tokens < j) of the
     distribution softmax(logits / temperature), the one the generators sample from. Position 0 has no prediction.
 
     With `prompt_lens` [B] (and optionally `group_ids` [B]: rows with equal ids have the same prompt), positions before
-    a row's prompt end are 0 and only completion positions are scored, through `shared_prompt_logprobs`.
+    a row's prompt end are 0 and only completion positions are scored, through `shared_prompt_logprobs`; with
+    `seq_lens` [B] too (each row's prompt + completion tokens), a group's completions are packed into one row there.
 
     `with_entropy`: (log-probs, entropies), both [B, T] float32; entropy j is that of the distribution predicting
     token j, 0 wherever the log-prob is 0 by construction (position 0, prompt positions), with gradients.
     """
     if prompt_lens is not None:
         return shared_prompt_logprobs(model, input_ids, prompt_lens, group_ids, temperature, pad_id,
-                                      with_entropy=with_entropy)
+                                      with_entropy=with_entropy, seq_lens=seq_lens)
     picked, _ = _forward_logprobs(model, input_ids, input_ids[:, 1:], temperature, with_entropy)  # [B, T-1]
     if with_entropy:
         return tuple(torch.nn.functional.pad(x, (1, 0)) for x in picked)
@@ -135,8 +136,8 @@ def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, pro
 
 def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
                            group_ids: torch.Tensor | None = None, temperature: float = 1.0,
-                           pad_id: int = 0, *,
-                           with_entropy: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                           pad_id: int = 0, *, with_entropy: bool = False,
+                           seq_lens: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Completion log-probs with each distinct prompt run once.
 
     1. prefix pass: prompt tokens but the last, one row per group, left-padded, `use_cache=True`;
@@ -145,6 +146,12 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
        completion tokens, so the output projection never runs on prompt positions.
     Rows of one group must have identical prompts (checked on lengths; the tokens are the caller's contract).
     `with_entropy`: (log-probs, entropies), both [B, T], entropies placed (and 0) as the log-probs are.
+
+    With `seq_lens` (each row's prompt + completion tokens, right padding excluded), step 3 is padding-free where the
+    model allows (`packs`): each group's suffixes are laid end to end in one row on top of its own cache entry, a
+    block-causal mask keeping each completion to its prompt and itself (`_packed_suffix`). No FLOP goes to the right
+    padding of short completions, only to the difference between groups' total lengths. Same values (within the
+    arithmetic's rounding) and gradients as the padded suffix pass.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -175,6 +182,10 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
         kw = dict(input_ids=prefix, attention_mask=prefix_mask, position_ids=pos, use_cache=True)
         out = parts[0](**kw) if parts else model(**kw, logits_to_keep=1)
         cache = out.past_key_values
+    if seq_lens is not None and packs(model, K + T):
+        return _packed_suffix(model, input_ids, prompt_lens, seq_lens.to(dev).long(), row_group, N, cache,
+                              prefix_mask, temperature, pad_id, with_entropy)
+    if cache is not None:
         cache.batch_select_indices(row_group)  # [N, ...] -> [B, ...]
 
     L = T - int(prompt_lens.min()) + 1  # longest suffix: last prompt token + completion (+ right padding)
@@ -193,5 +204,76 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
 
     def place(x: torch.Tensor) -> torch.Tensor:
         return torch.zeros((B, T + L), dtype=x.dtype, device=dev).scatter(1, idx, x)[:, :T]
+
+    return tuple(place(x) for x in picked) if with_entropy else place(picked)
+
+
+# Model types whose transformers implementation takes a custom 4D attention mask as given (masking_utils), under the
+# eager and SDPA attention implementations; flash-attention kernels take no such mask, so those pad instead.
+_PACKS = {"llama", "qwen2", "qwen3", "mistral", "smollm3"}
+
+
+def packs(model, width: int) -> bool:
+    """Whether `shared_prompt_logprobs` may pack `model`'s suffixes (contexts up to `width` tokens): a model type in
+    _PACKS, eager or SDPA attention, every layer attending in full (no sliding window within `width`)."""
+    m = getattr(model, "module", model)
+    if hasattr(m, "get_base_model"):
+        m = m.get_base_model()
+    cfg = getattr(m, "config", None)
+    if getattr(cfg, "model_type", None) not in _PACKS or getattr(cfg, "_attn_implementation", None) not in (
+            "eager", "sdpa"):
+        return False
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
+        return False
+    window = getattr(cfg, "sliding_window", None)
+    return window is None or width <= window
+
+
+def _packed_suffix(model, input_ids, prompt_lens, seq_lens, row_group, N, cache, prefix_mask, temperature, pad_id,
+                   with_entropy):
+    """Step 3 of `shared_prompt_logprobs` without padding: group g's rows (in row order) each contribute their last
+    prompt token + completion, end to end in row g of a [N, S] batch on top of the group's cache [N, K]. Token i of
+    row g sees the prefix's real tokens and the tokens of its own segment up to itself; positions continue each
+    row's prompt. Padding queries (past a group's end) see only themselves."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    if bool((seq_lens < prompt_lens).any()) or int(seq_lens.max()) > T:
+        raise ValueError(f"shared_prompt_logprobs: seq_lens must lie between the prompt lengths and {T}")
+    seg_len = seq_lens - prompt_lens + 1  # last prompt token + completion
+    offset, fill = [0] * B, [0] * N
+    for b in range(B):  # rows keep their order within the group
+        g = int(row_group[b])
+        offset[b], fill[g] = fill[g], fill[g] + int(seg_len[b])
+    S = max(fill)
+    packed = torch.full((N, S), pad_id, dtype=torch.long, device=dev)
+    pos = torch.zeros((N, S), dtype=torch.long, device=dev)
+    seg = torch.full((N, S), -1, dtype=torch.long, device=dev)
+    for b in range(B):
+        g, o, n, p = int(row_group[b]), offset[b], int(seg_len[b]), int(prompt_lens[b])
+        packed[g, o:o + n] = input_ids[b, p - 1:p - 1 + n]
+        pos[g, o:o + n] = torch.arange(p - 1, p - 1 + n, device=dev)
+        seg[g, o:o + n] = b
+    real = seg >= 0
+    own = (seg[:, :, None] == seg[:, None, :]) & real[:, :, None] & torch.ones(S, S, dtype=torch.bool,
+                                                                                 device=dev).tril()
+    own |= torch.eye(S, dtype=torch.bool, device=dev)  # padding queries attend to themselves alone
+    allowed = torch.cat([prefix_mask.bool()[:, None, :] & real[:, :, None], own], dim=-1)  # [N, S, K + S]
+    dtype = getattr(getattr(model, "module", model), "dtype", torch.float32)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=dev).masked_fill(~allowed, torch.finfo(dtype).min)
+    kwargs = {"past_key_values": cache} if cache is not None else {}
+    picked, _ = _forward_logprobs(model, packed, packed[:, 1:], temperature, with_entropy,
+                                  attention_mask=mask[:, None], position_ids=pos, use_cache=cache is not None,
+                                  **kwargs)  # [N, S-1]: picked[g, i] scores packed[g, i + 1]
+    # Row b's completion token j (column P_b + j) is scored at packed column offset_b + j of its group's row.
+    src, dst = [], []
+    for b in range(B):
+        g, o, p, c = int(row_group[b]), offset[b], int(prompt_lens[b]), int(seg_len[b]) - 1
+        src += range(g * (S - 1) + o, g * (S - 1) + o + c)
+        dst += range(b * T + p, b * T + p + c)
+    src_t, dst_t = torch.tensor(src, device=dev, dtype=torch.long), torch.tensor(dst, device=dev, dtype=torch.long)
+
+    def place(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1).index_select(0, src_t)
+        return torch.zeros(B * T, dtype=x.dtype, device=dev).index_add(0, dst_t, flat).reshape(B, T)
 
     return tuple(place(x) for x in picked) if with_entropy else place(picked)

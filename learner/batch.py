@@ -23,6 +23,7 @@ class TrainBatch:
     ref_logp: torch.Tensor | None = None  # [B, T] float32, filled by the reference scorer when kl_coeff > 0
     prompt_lens: torch.Tensor | None = None  # [B] int64, tokens of each row's prompt
     group_ids: torch.Tensor | None = None  # [B] int64, rows with equal ids are completions of the same prompt
+    seq_lens: torch.Tensor | None = None  # [B] int64, tokens of each row's prompt + completion (padding excluded)
     # Global sizes of the whole step's batch, kept when sharding so every rank and micro-batch normalises alike.
     total_sequences: int = 0
     total_tokens: float = 0.0
@@ -81,6 +82,7 @@ def build_train_batch(groups: list[GroupRollout], pad_id: int, max_new_tokens: i
         policy_versions=torch.tensor(versions, dtype=torch.long),
         prompt_lens=torch.tensor(plens, dtype=torch.long),
         group_ids=torch.tensor(gids, dtype=torch.long),
+        seq_lens=torch.tensor([len(r) for r in rows], dtype=torch.long),
         total_sequences=B,
         total_tokens=float(mask.sum()),
         max_new_tokens=max_new_tokens,

@@ -181,7 +181,7 @@ class Learner:
         `with_entropy`: (log-probs, per-token entropy of softmax(logits / temperature)), both [B, T]."""
         if self.shared_prompt and mb.prompt_lens is not None:
             return token_logprobs(self.engine, mb.input_ids, self.temperature, mb.prompt_lens, mb.group_ids,
-                                  with_entropy=with_entropy)
+                                  with_entropy=with_entropy, seq_lens=mb.seq_lens)
         return token_logprobs(self.engine, mb.input_ids, self.temperature, with_entropy=with_entropy)
 
     def _micro_batches(self, batch: TrainBatch) -> list[TrainBatch]:

@@ -36,9 +36,10 @@ class ReferenceScorer:
 
     @torch.no_grad()
     def score(self, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
-              group_ids: torch.Tensor | None = None) -> torch.Tensor:
+              group_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> log-probs [B, T] (position j: token j), computed in micro-batches. With `prompt_lens`
-        (and `group_ids`) only completion positions are scored and each group's prompt is run once."""
+        (and `group_ids`) only completion positions are scored and each group's prompt is run once; with
+        `seq_lens` too, each group's completions are packed without padding (core/scoring.py)."""
         parts = []
         def on(t):
             return None if t is None else t.to(self.device)
@@ -47,7 +48,9 @@ class ReferenceScorer:
             sl = slice(i, i + self.micro_batch)
             parts.append(token_logprobs(self.model, on(input_ids[sl]), temperature,
                                         None if prompt_lens is None else on(prompt_lens[sl]),
-                                        None if group_ids is None else on(group_ids[sl])).cpu())
+                                        None if group_ids is None else on(group_ids[sl]),
+                                        seq_lens=None if seq_lens is None or prompt_lens is None
+                                        else on(seq_lens[sl])).cpu())
         return torch.cat(parts)
 
 
@@ -65,7 +68,8 @@ class MLXReferenceScorer:
         self.micro_batch = micro_batch
 
     def score(self, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
-              group_ids: torch.Tensor | None = None) -> torch.Tensor:
+              group_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
+        """As the torch scorer's; `seq_lens` is accepted and not used (MLX pads each group's suffixes)."""
         import numpy as np
 
         from qgrpo.rollout.backends.mlx_backend import import_mlx

@@ -242,3 +242,68 @@ def test_entropy_no_nan_with_large_logits():
         with torch.no_grad():
             want = _reference_entropy(model, ids, 0.7, torch.float64).float() * (ent != 0)
         torch.testing.assert_close(ent.detach(), want, atol=1e-4, rtol=0)
+
+
+def _seq_lens(mask, plens):
+    return plens + mask.sum(-1).long()
+
+
+@pytest.mark.parametrize("impl", ["eager", "sdpa"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_packed_suffixes_equal_the_full_forward(impl, temperature):
+    """With seq_lens each group's completions run end to end in one row (no right padding): log-probs, entropies
+    and the zeros outside the completions as the full forward and the padded shared-prompt pass have them."""
+    from qgrpo.core.scoring import packs
+
+    model = _model()
+    model.config._attn_implementation = impl
+    ids, mask, plens, gids = _groups(pad=5)  # padding with a real token id: only seq_lens says where rows end
+    seq_lens = _seq_lens(mask, plens)
+    assert packs(model, ids.shape[1] + 8)
+    full = token_logprobs(model, ids, temperature) * mask
+    packed, ent = token_logprobs(model, ids, temperature, prompt_lens=plens, group_ids=gids, seq_lens=seq_lens,
+                                 with_entropy=True)
+    assert torch.isfinite(packed).all() and (packed[mask == 0] == 0).all() and (ent[mask == 0] == 0).all()
+    torch.testing.assert_close(packed, full, atol=2e-5, rtol=0)
+    _, ent_padded = token_logprobs(model, ids, temperature, prompt_lens=plens, group_ids=gids, with_entropy=True)
+    torch.testing.assert_close(ent, ent_padded * mask, atol=2e-5, rtol=0)
+
+
+def test_packed_suffixes_give_the_full_forwards_gradients():
+    ids, mask, plens, gids = _groups(1)
+    adv = torch.linspace(-1, 1, ids.shape[0])[:, None]
+    grads = []
+    for kw in ({}, {"prompt_lens": plens, "group_ids": gids, "seq_lens": _seq_lens(mask, plens)}):
+        model = _model()
+        model.config._attn_implementation = "eager"
+        loss = (token_logprobs(model, ids, 1.0, **kw) * mask * adv).sum()
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_packing_is_skipped_where_the_model_takes_no_custom_mask():
+    """Models outside the list, flash attention, or a sliding window inside the context: the padded suffix pass,
+    same numbers."""
+    from qgrpo.core.scoring import packs
+
+    ids, mask, plens, gids = _groups()
+    seq_lens = _seq_lens(mask, plens)
+    nano = _nanochat()
+    assert not packs(nano, 64)
+    got = token_logprobs(nano, ids, 1.0, prompt_lens=plens, group_ids=gids, seq_lens=seq_lens) * mask
+    torch.testing.assert_close(got, token_logprobs(nano, ids, 1.0) * mask, atol=2e-5, rtol=0)
+    model = _model()
+    model.config._attn_implementation = "flash_attention_2"
+    assert not packs(model, 64)
+    model.config._attn_implementation = "sdpa"
+    model.config.sliding_window = 16
+    assert packs(model, 16) and not packs(model, 17)
+
+
+def test_packed_suffixes_refuse_lengths_outside_the_rows():
+    ids, mask, plens, gids = _groups()
+    with pytest.raises(ValueError, match="seq_lens"):
+        token_logprobs(_model(), ids, prompt_lens=plens, group_ids=gids, seq_lens=plens - 1)
