@@ -51,12 +51,17 @@ def test_shared_prompt_matches_full_forward(temperature):
     torch.testing.assert_close(alone * mask, full, atol=2e-5, rtol=0)
 
 
-def test_shared_prompt_gradients_match_full_forward():
+@pytest.mark.parametrize("packed", [False, True])
+def test_shared_prompt_gradients_match_full_forward(packed):
+    """The shared-prompt pass, padded or with each group's completions packed into one row (seq_lens): the full
+    forward's gradients."""
     ids, mask, plens, gids = _groups(1)
     adv = torch.linspace(-1, 1, ids.shape[0])[:, None]
     grads = []
-    for kw in ({}, {"prompt_lens": plens, "group_ids": gids}):
+    shared = {"prompt_lens": plens, "group_ids": gids}
+    for kw in ({}, {**shared, "seq_lens": plens + mask.sum(-1).long()} if packed else shared):
         model = _model()
+        model.config._attn_implementation = "eager"
         loss = (token_logprobs(model, ids, 1.0, **kw) * mask * adv).sum()
         loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -267,21 +272,6 @@ def test_packed_suffixes_equal_the_full_forward(impl, temperature):
     torch.testing.assert_close(packed, full, atol=2e-5, rtol=0)
     _, ent_padded = token_logprobs(model, ids, temperature, prompt_lens=plens, group_ids=gids, with_entropy=True)
     torch.testing.assert_close(ent, ent_padded * mask, atol=2e-5, rtol=0)
-
-
-def test_packed_suffixes_give_the_full_forwards_gradients():
-    ids, mask, plens, gids = _groups(1)
-    adv = torch.linspace(-1, 1, ids.shape[0])[:, None]
-    grads = []
-    for kw in ({}, {"prompt_lens": plens, "group_ids": gids, "seq_lens": _seq_lens(mask, plens)}):
-        model = _model()
-        model.config._attn_implementation = "eager"
-        loss = (token_logprobs(model, ids, 1.0, **kw) * mask * adv).sum()
-        loss.backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-    for name, g in grads[0].items():
-        assert g.abs().sum() > 0, name
-        torch.testing.assert_close(grads[1][name], g, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_packing_is_skipped_where_the_model_takes_no_custom_mask():

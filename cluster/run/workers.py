@@ -316,10 +316,8 @@ class Workers:
         return self.rollout.generate(items, sampling, step)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        shared = self.cfg.learner.shared_prompt
-        ref = self.reference.score.remote(batch.input_ids, self.cfg.rollout.temperature,
-                                          batch.prompt_lens if shared else None, batch.group_ids if shared else None,
-                                          batch.seq_lens if shared else None)
+        rows = (batch.prompt_lens, batch.group_ids, batch.seq_lens) if self.cfg.learner.shared_prompt else ()
+        ref = self.reference.score.remote(batch.input_ids, self.cfg.rollout.temperature, *rows)
         return gather({ref: "the reference actor"}, self.cfg.faults.reference_timeout_s, "reference scoring",
                       "faults.reference_timeout_s")[ref]
 
