@@ -9,7 +9,8 @@ Prompts and sampling: those of --config (default: the default job, configs/smoll
 completions = batch 64, its max_new_tokens and temperature); with --model, reasoning-gym arithmetic prompts at T=1.
 Variants are precision x decode loop: `static` is the generator's own (rollout/backends/torch_decode.py: preallocated
 KV cache, grouped-query attention as batched products), `forward` is transformers' forward on its dynamic cache (the
-fallback for other architectures). Each variant is warmed up once, then the variants are timed in turn, `--repeats`
+fallback for other architectures); `int8/torchao` is int8 through torchao's own linear instead of torch's int8
+kernel (rollout/quant.py: INT8_KERNEL). Each variant is warmed up once, then the variants are timed in turn, `--repeats`
 rounds, and the median kept, so load from other jobs falls on all of them alike.
 
 The bound: a decode step is, in its matrix products, one [batch, in] x [in, out] product per linear layer of the
@@ -68,7 +69,7 @@ def _parse() -> argparse.Namespace:
     ap.add_argument("--config", default=str(ROOT / "configs" / "smollm2_arith.toml"),
                     help="take model, task, group size, max_new_tokens, temperature from this config")
     ap.add_argument("--model", default="", help="instead of --config: this model on arithmetic prompts")
-    ap.add_argument("--precisions", default="bf16,int8")
+    ap.add_argument("--precisions", default="bf16,int8,int8/torchao")
     ap.add_argument("--decode", default="static,forward")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group-size", type=int, default=8, help="with --model")
@@ -112,8 +113,13 @@ def main() -> None:
     batch = len(items) * sampling.group_size
     bound = matmul_bound(path, batch)
     gens, runs = {}, {}
+    import qgrpo.rollout.quant as quant
+
     for precision in args.precisions.split(","):
-        gen = TorchGenerator(path, precision=precision)
+        # "int8/torchao": int8 with torchao's own linear (a bf16 copy of the weight per product) instead of torch's
+        # int8 kernel (rollout/quant.py: INT8_KERNEL).
+        quant.INT8_KERNEL = "torchao" if precision.endswith("/torchao") else "int8pack"
+        gen = TorchGenerator(path, precision=precision.removesuffix("/torchao"))
         static = gen.decoder
         for decode in args.decode.split(","):
             gens[(precision, decode)] = (gen, static if decode == "static" else None)
@@ -145,10 +151,10 @@ def main() -> None:
     print(f"bound: bf16 products of the model's linear layers at {batch} rows: {bound['gflop_per_step']:.1f} GFLOP "
           f"per step in {bound['step_s'] * 1e3:.1f} ms ({bound['gflops']:.0f} GFLOP/s) = "
           f"{bound['tokens_per_s']:.0f} tokens/s")
-    print(f"{'precision':<10}{'decode':<9}{'seconds':>8}{'prefill s':>10}{'tokens':>8}{'tok/s':>7}"
+    print(f"{'precision':<13}{'decode':<9}{'seconds':>8}{'prefill s':>10}{'tokens':>8}{'tok/s':>7}"
           f"{'decode tok/s':>13}{'of bound':>9}")
     for r in rows:
-        print(f"{r['precision']:<10}{r['decode']:<9}{r['seconds']:>8.2f}{r['prefill_s']:>10.2f}{r['tokens']:>8.0f}"
+        print(f"{r['precision']:<13}{r['decode']:<9}{r['seconds']:>8.2f}{r['prefill_s']:>10.2f}{r['tokens']:>8.0f}"
               f"{r['tokens_per_s']:>7.0f}{r['decode_tokens_per_s']:>13.0f}{r['share_of_bound']:>9.0%}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -197,6 +197,39 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
             quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
     else:
         quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
+        if precision == "int8":
+            for m in model.modules():
+                if id(m) in chosen:
+                    _int8pack(m)
+
+
+# CPU int8 products. torchao's weight-only int8 linear casts the whole int8 weight to bf16 at every call (a copy of
+# the weight per product, then a bf16 product and a scaling); torch's own CPU kernel `_weight_int8pack_mm` reads the
+# int8 weight and applies the per-row scale inside the product. "int8pack" uses it for the CPU layers torchao
+# quantized (symmetric: zero points all 0, checked at each quantization), "torchao" keeps torchao's linear. Same
+# storage either way; the outputs differ by bf16 rounding (tests/test_quant.py).
+INT8_KERNEL = "int8pack"
+
+
+def _int8pack(module: nn.Module) -> None:
+    """Route `module`'s forward through `_weight_int8pack_mm` with the weight torchao just gave it (INT8_KERNEL =
+    "int8pack"), else through torchao's linear, as a module whose weight is not symmetric per row always is."""
+    w = module.weight
+    if INT8_KERNEL != "int8pack" or not hasattr(w, "qdata") or w.qdata.dim() != 2 or bool(w.zero_point.any()) \
+            or w.scale.numel() != w.shape[0]:
+        module.__dict__.pop("forward", None)
+        module.__dict__.pop("_int8pack", None)
+        return
+    module._int8pack = (w.qdata.contiguous(), w.scale.reshape(-1).to(torch.bfloat16))
+    module.forward = _int8pack_forward.__get__(module)
+
+
+def _int8pack_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.bfloat16 or x.device.type != "cpu":  # torchao's linear takes any other input
+        return nn.functional.linear(x, self.weight, self.bias)
+    qdata, scale = self._int8pack
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
+    return y if self.bias is None else y + self.bias
 
 
 @torch.no_grad()
