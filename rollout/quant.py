@@ -5,9 +5,10 @@ it, ``serves`` says whether the torch backend serves it (the registry's ``precis
 
 - bf16, cpu | cuda: no-op.
 - int8, cpu | cuda (``torchao.int8``): torchao ``Int8WeightOnlyConfig`` -> ``Int8Tensor`` (per output channel).
-  Storage: int8 ``qdata`` [N, K], fp32 scale and int8 zero point per row (~8 bits/weight). Its linear casts the int8
-  weight to the activation dtype, runs a plain ``torch.mm`` and scales per row: plain torch ops, no device-specific
-  kernel, so the same path runs on CUDA.
+  Storage: int8 ``qdata`` [N, K], fp32 scale and int8 zero point per row (~8 bits/weight). torchao's linear casts the
+  int8 weight to the activation dtype, runs a plain ``torch.mm`` and scales per row: plain torch ops, no
+  device-specific kernel, so the same path runs on CUDA. On CPU the layers multiply instead with torch's own
+  ``_weight_int8pack_mm`` (the int8 weight read inside the kernel, no bf16 copy of it per call; ``INT8_KERNEL``).
 - int4, cpu (``torchao.int4_opaque_cpu``): torchao ``PrototypeInt4WeightOnlyConfig(group_size)`` ->
   ``Int4OpaqueTensor``: asymmetric int4, two nibbles per byte in uint8 ``qdata`` [N, K/2] plus bf16 (scale, zero)
   pairs [K/group, N, 2] (~4.5 bits/weight at group 64); matmul by torch's own CPU kernel
