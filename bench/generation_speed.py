@@ -9,9 +9,9 @@ Prompts and sampling: those of --config (default: the default job, configs/smoll
 completions = batch 64, its max_new_tokens and temperature); with --model, reasoning-gym arithmetic prompts at T=1.
 Variants are precision x decode loop: `static` is the generator's own (rollout/backends/torch_decode.py: preallocated
 KV cache, grouped-query attention as batched products), `forward` is transformers' forward on its dynamic cache (the
-fallback for other architectures); `int8/torchao` is int8 through torchao's own linear instead of torch's int8
-kernel (rollout/quant.py: INT8_KERNEL). Each variant is warmed up once, then the variants are timed in turn, `--repeats`
-rounds, and the median kept, so load from other jobs falls on all of them alike.
+fallback for other architectures); `int8/torchao` is int8 through torchao's own linear instead of the same
+arithmetic as plain torch ops (rollout/quant.py: INT8_LINEAR). Each variant is warmed up once, then the variants are
+timed in turn, `--repeats` rounds, and the median kept, so load from other jobs falls on all of them alike.
 
 The bound: a decode step is, in its matrix products, one [batch, in] x [in, out] product per linear layer of the
 model (lm_head included). Each distinct shape is timed here as a bf16 `F.linear` at the batch's rows (median of 20
@@ -116,9 +116,9 @@ def main() -> None:
     import qgrpo.rollout.quant as quant
 
     for precision in args.precisions.split(","):
-        # "int8/torchao": int8 with torchao's own linear (a bf16 copy of the weight per product) instead of torch's
-        # int8 kernel (rollout/quant.py: INT8_KERNEL).
-        quant.INT8_KERNEL = "torchao" if precision.endswith("/torchao") else "int8pack"
+        # "int8/torchao": int8 through torchao's own linear (its Python dispatch at every call) instead of the same
+        # arithmetic as plain torch ops (rollout/quant.py: INT8_LINEAR).
+        quant.INT8_LINEAR = "torchao" if precision.endswith("/torchao") else "direct"
         gen = TorchGenerator(path, precision=precision.removesuffix("/torchao"))
         static = gen.decoder
         for decode in args.decode.split(","):

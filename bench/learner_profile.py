@@ -37,7 +37,7 @@ VARIANTS = {
     "full logits": {"chunked": False},
     "chunked": {"attn": "sdpa"},
     "chunked + eager attention": {"attn": "eager"},  # the default on CPU (learner.attention = "auto")
-    "eager, padded suffixes": {"attn": "eager", "packed": False},  # before packing: rows padded to the longest
+    "eager + padded suffixes": {"attn": "eager", "packed": False},  # before packing: rows padded to the longest
     "chunked + micro 16": {"micro": 16},
     "chunked + full prompts": {"shared": False},
     "plain torch (no DeepSpeed)": {"plain": True},

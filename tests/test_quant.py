@@ -162,31 +162,35 @@ def test_import_is_light():
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
 
 
-def test_int8_products_read_int8_and_match_torchaos_linear(base, batch, ref_logprobs, monkeypatch):
-    """CPU int8 layers run torch's `_weight_int8pack_mm` on the int8 weight (no bf16 copy per call): its outputs are
-    those of torchao's own linear and of the dequantized weight in float32, within bf16 rounding; float32 inputs
-    still go through torchao's linear; a re-quantization keeps the kernel on the new weights."""
+@pytest.mark.parametrize("rows", [4, 35])  # through torch's int8 kernel (<= INT8PACK_ROWS) and through a bf16 product
+def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, monkeypatch, rows):
+    """CPU int8 layers run on the layer's int8 data with plain torch ops (few rows: torch's int8 kernel; more:
+    torchao's arithmetic, bit for bit): within bf16 rounding of the dequantized weight's float32 product and of
+    torchao's own linear; the model's log-probs inside int8's bounds; a re-quantization moves the layer to the new
+    codes."""
     import qgrpo.rollout.quant as quant
     from qgrpo.rollout.quant import requantize_in_place
 
     fast = quantize_model(copy.deepcopy(base), "int8")
-    monkeypatch.setattr(quant, "INT8_KERNEL", "torchao")
+    monkeypatch.setattr(quant, "INT8_LINEAR", "torchao")
     slow = quantize_model(copy.deepcopy(base), "int8")
     lin, ref_lin = fast.model.layers[0].mlp.up_proj, slow.model.layers[0].mlp.up_proj
-    assert hasattr(lin, "_int8pack") and not hasattr(ref_lin, "_int8pack")
-    x = torch.randn(5, 7, 128, dtype=torch.bfloat16)
-    w = lin.weight.qdata.float() * lin.weight.scale.float()  # the dequantized weight
-    exact = x.float() @ w.T
-    for y in (lin(x), ref_lin(x)):
-        assert y.shape == (5, 7, 256) and y.dtype == torch.bfloat16
-        assert ((y.float() - exact).abs().max() / exact.abs().max()) < 0.01  # bf16 rounding of the output
-    torch.testing.assert_close(lin(x.float()), ref_lin(x.float()))  # float32 input: torchao's linear, same numbers
+    assert "forward" in vars(lin) and "forward" not in vars(ref_lin)
+    monkeypatch.setattr(quant, "INT8PACK_ROWS", 16)
+    x = torch.randn(rows // 5 or 1, min(rows, 5) if rows < 10 else 7, 128, dtype=torch.bfloat16)
+    exact = x.float() @ (lin.weight.qdata.float() * lin.weight.scale.float()).T  # the dequantized weight
+    y = lin(x)
+    assert y.shape == (*x.shape[:-1], 256) and y.dtype == torch.bfloat16
+    if x.shape[0] * x.shape[1] > 16:
+        assert torch.equal(y, ref_lin(x))  # torchao's arithmetic
+    for out in (y, ref_lin(x)):
+        assert ((out.float() - exact).abs().max() / exact.abs().max()) < 0.01  # bf16 rounding of the output
     err = (token_logprobs(fast, batch) - ref_logprobs).abs()  # the whole model, against float32: int8's bounds
     assert torch.isfinite(err).all() and err.mean() < LOGPROB_BOUNDS["int8"][0]
     assert err.max() < LOGPROB_BOUNDS["int8"][1]
-    monkeypatch.setattr(quant, "INT8_KERNEL", "int8pack")
+    monkeypatch.setattr(quant, "INT8_LINEAR", "direct")
     new = torch.randn(256, 128, dtype=torch.bfloat16) * 0.1
     requantize_in_place(fast, {"model.layers.0.mlp.up_proj": new})
     lin = fast.model.layers[0].mlp.up_proj
-    assert lin._int8pack[0].data_ptr() == lin.weight.qdata.data_ptr()  # the kernel reads the new codes
-    assert ((lin(x).float() - x.float() @ new.float().T).abs().max() / (x.float() @ new.float().T).abs().max()) < 0.02
+    want = x.float() @ new.float().T
+    assert ((lin(x).float() - want).abs().max() / want.abs().max()) < 0.02
