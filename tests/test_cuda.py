@@ -2,7 +2,8 @@
 
 In-process first (no Ray needed: the device machine has torch + CUDA and may have nothing else): the learner trains
 on its GPU with the guard on (inputs moved, guard collectives on CUDA under NCCL), QLoRA quantizes its base on the GPU,
-the torch generator quantizes and samples on the GPU at each precision, and the reference scores there. Then, with
+the torch generator quantizes and samples on the GPU at each precision (its static-cache decode loop sampling the
+served model's distribution), and the reference scores there (packed completions equal to the padded pass). Then, with
 Ray (and vLLM where installed): the tiny job learns on one shared GPU with the torch generator (int8, int4, nf4) and
 with vLLM (int8, fp8); two learner ranks at ZeRO-2 on two GPUs match one. The NCCL weight broadcast between two GPUs
 is tests/test_transport.py::test_nccl_broadcast_between_two_gpus; the quantized layers against a float32 reference
@@ -78,6 +79,49 @@ def test_torch_generator_quantizes_and_samples_on_its_gpu(tiny_model_path, preci
     weights = list(AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).named_parameters())
     gen.load_weights(1, weights)
     assert gen.policy_version == 1 and {p.device.type for p in gen.model.parameters()} == {"cuda"}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_static_decode_on_the_gpu_samples_the_served_models_distribution(tiny_model_path, precision):
+    """The preallocated-cache decode loop on CUDA: each sampled token's log-prob is the served model's own full
+    forward's, rows finishing at different steps."""
+    from qgrpo.core.records import PromptItem, SamplingParams
+    from qgrpo.core.scoring import token_logprobs
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False)
+    assert gen.decoder is not None
+    groups = gen.generate([PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)],
+                          SamplingParams(group_size=8, max_new_tokens=12, temperature=1.0, seed=7))
+    diffs = []
+    for g in groups:
+        for c in g.completions:
+            ids = torch.tensor([g.prompt_ids + c.token_ids], device="cuda:0")
+            ref = token_logprobs(gen.model, ids)[0, len(g.prompt_ids):].float().cpu()
+            diffs += (ref - torch.tensor(c.logprobs)).abs().tolist()
+    assert diffs and max(diffs) < 0.05, max(diffs)
+
+
+def test_packed_scoring_on_the_gpu_equals_the_padded_pass(tiny_model_path):
+    """Completions packed per group (seq_lens) under SDPA on CUDA give the padded shared-prompt pass's log-probs."""
+    from qgrpo.rollout.reference import ReferenceScorer
+
+    g = torch.Generator().manual_seed(1)
+    rows, plens, gids = [], [], []
+    for gid, plen in enumerate((4, 7)):
+        prompt = torch.randint(3, 20, (plen,), generator=g).tolist()
+        for n in (1, 3, 5):
+            rows.append(prompt + torch.randint(3, 20, (n,), generator=g).tolist())
+            plens.append(plen)
+            gids.append(gid)
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r)
+    scorer = ReferenceScorer(tiny_model_path, "bf16", device="cuda:0")
+    plens, gids, lens = torch.tensor(plens), torch.tensor(gids), torch.tensor(list(map(len, rows)))
+    padded = scorer.score(ids, 1.0, plens, gids)
+    packed = scorer.score(ids, 1.0, plens, gids, lens)
+    assert torch.isfinite(packed).all() and (packed - padded).abs().max() < 0.05
 
 
 def test_reference_scores_on_its_gpu_like_the_cpu(tiny_model_path):
