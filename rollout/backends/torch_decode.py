@@ -24,6 +24,7 @@ The logits agree with that forward's to bf16 rounding (tests/test_torch_decode.p
 from __future__ import annotations
 
 import torch
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's and Mistral's are the same
 
 # Model types whose decoder layers are Llama's: input_layernorm -> self_attn (q/k/v/o_proj, rotary, GQA) -> residual
 # -> post_attention_layernorm -> mlp -> residual; model.norm, lm_head. Qwen2 adds q/k/v biases (inside the Linear).
@@ -97,10 +98,8 @@ class StaticDecoder:
         m = self.model.model
         x = m.embed_tokens(tokens[:, None])  # [B, 1, hidden]
         cos, sin = m.rotary_emb(x, self.pos[:, None])  # [B, 1, head_dim]
-        cos, sin = cos[:, None], sin[:, None]  # [B, 1, 1, head_dim], broadcast over heads
         col = self.col
-        self.bias[:, :, :, col] = 0.0
-        bias = self.bias[..., :col + 1]
+        bias = self.bias[..., :col + 1]  # generated columns were never masked
         b, g = x.shape[0], self.q_heads // self.kv_heads
         for i, layer in enumerate(self.layers):
             att = layer.self_attn
@@ -108,7 +107,7 @@ class StaticDecoder:
             q = att.q_proj(h).view(b, self.q_heads, 1, self.head_dim)
             k = att.k_proj(h).view(b, self.kv_heads, 1, self.head_dim)
             v = att.v_proj(h).view(b, self.kv_heads, 1, self.head_dim)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
             self.keys[i][:, :, col:col + 1] = k
             self.values[i][:, :, col:col + 1] = v
             keys, values = self.keys[i][:, :, :col + 1], self.values[i][:, :, :col + 1]
@@ -121,9 +120,3 @@ class StaticDecoder:
         self.pos = self.pos + 1
         return self.model.lm_head(m.norm(x))[:, 0].float()
 
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding as transformers' Llama applies it (rotate_half convention)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
