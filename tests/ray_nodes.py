@@ -3,7 +3,12 @@ ports, and stopped by killing only its own processes (never `ray stop`, which st
 
 Ray 2.60 turns token authentication on for a head when a token exists (~/.ray/auth_token, which a local `ray.init()`
 creates), and then every node and client must present it. The cluster here always runs with a token of its own:
-`client_env()` is what a process needs to talk to it (RAY_AUTH_TOKEN; plus RAY_AUTH_MODE=token for the nodes)."""
+`client_env()` is what a process needs to talk to it (RAY_AUTH_TOKEN; plus RAY_AUTH_MODE=token for the nodes).
+
+Each node has a temp dir of its own, as on separate hosts. Nodes sharing one would share its runtime_resources/ folder,
+and Ray's runtime-env agent (one per node) deletes and re-extracts a job's working_dir there the first time one of its
+own workers needs it: workers of other nodes already running in that folder lost their current directory, and those
+that import torch then died at start ("Intel oneMKL FATAL ERROR: Cannot load .../libtorch_cpu.so", exit code 2)."""
 from __future__ import annotations
 
 import json
@@ -33,6 +38,7 @@ class LocalCluster:
         self.token = secrets.token_hex(16)
         # Unix socket paths must stay under 108 characters: a short folder of its own.
         self.temp_dir = tempfile.mkdtemp(prefix="qgrpo-ray-", dir="/tmp")
+        self.node_dirs = [self.temp_dir]
         self.dashboard = f"http://127.0.0.1:{free_port()}" if dashboard else None
         port = free_port()
         args = ["--head", f"--port={port}", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}",
@@ -67,7 +73,8 @@ class LocalCluster:
         return {**os.environ, "RAY_AUTH_TOKEN": self.token}
 
     def add_node(self, num_cpus: int = 1, resources: dict | None = None, labels: dict | None = None) -> None:
-        self._start([f"--address={self.address}", "--node-ip-address=127.0.0.1", f"--temp-dir={self.temp_dir}",
+        self.node_dirs.append(tempfile.mkdtemp(prefix="qgrpo-ray-", dir="/tmp"))
+        self._start([f"--address={self.address}", "--node-ip-address=127.0.0.1", f"--temp-dir={self.node_dirs[-1]}",
                      *self._node_ports()], num_cpus, resources, labels)
 
     def wait_nodes(self, n: int, timeout: float = 60) -> None:
@@ -81,11 +88,12 @@ class LocalCluster:
         raise RuntimeError(f"the cluster did not reach {n} nodes:\n{r.stdout}\n{r.stderr}")
 
     def processes(self) -> list[psutil.Process]:
-        """This cluster's processes: every process whose command line names its temp dir, and their children."""
+        """This cluster's processes: every process whose command line names one of its temp dirs, and their
+        children."""
         found: set[psutil.Process] = set()
         for p in psutil.process_iter(["cmdline"]):
             try:
-                if any(self.temp_dir in a for a in p.info["cmdline"] or ()):
+                if any(d in a for a in p.info["cmdline"] or () for d in self.node_dirs):
                     found.add(p)
                     found.update(p.children(recursive=True))
             except psutil.Error:
@@ -98,7 +106,7 @@ class LocalCluster:
         error. A worker that died in native code, or was killed, says why only there."""
         out = []
         for pid in sorted(set(re.findall(r"pid: (\d+)", text))):
-            for f in sorted(Path(self.temp_dir).glob("session_*/logs/*")):
+            for f in sorted(f for d in self.node_dirs for f in Path(d).glob("session_*/logs/*")):
                 if not f.is_file() or f.name.startswith("events"):
                     continue
                 own = pid in f.name and f.suffix in (".err", ".out")
@@ -121,4 +129,5 @@ class LocalCluster:
                 p.kill()
             except psutil.Error:
                 pass
-        shutil.rmtree(self.temp_dir, ignore_errors=True)
+        for d in self.node_dirs:
+            shutil.rmtree(d, ignore_errors=True)
