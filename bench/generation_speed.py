@@ -2,14 +2,15 @@
 measured in the same run.
 
     .venv/bin/python bench/generation_speed.py                                  # the default job's prompts
-    .venv/bin/python bench/generation_speed.py --precisions bf16,int8,int4 --decode static,forward --repeats 3
+    .venv/bin/python bench/generation_speed.py --precisions bf16,int8,int4 --decode static,compiled,forward --repeats 3
     .venv/bin/python bench/generation_speed.py --model builtin:smollm2-135m-instruct --prompts 16 --max-new-tokens 64
 
 Prompts and sampling: those of --config (default: the default job, configs/smollm2_arith.toml: 8 prompts x 8
 completions = batch 64, its max_new_tokens and temperature); with --model, reasoning-gym arithmetic prompts at T=1.
 Variants are precision x decode loop: `static` is the generator's own (rollout/backends/torch_decode.py: preallocated
-KV cache, grouped-query attention as batched products), `forward` is transformers' forward on its dynamic cache (the
-fallback for other architectures); `int8/torchao` is int8 through torchao's own linear instead of the same
+KV cache, grouped-query attention as batched products), `compiled` the same step through torch.compile (inductor;
+its compile and recompile time is the variant's `warmup_s`), `forward` is transformers' forward on its dynamic cache
+(the fallback for other architectures); `int8/torchao` is int8 through torchao's own linear instead of the same
 arithmetic as plain torch ops (rollout/quant.py: INT8_LINEAR). Each variant is warmed up once, then the variants are
 timed in turn, `--repeats` rounds, and the median kept, so load from other jobs falls on all of them alike.
 
@@ -107,6 +108,7 @@ def main() -> None:
 
     from qgrpo.core.records import SamplingParams
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
+    from qgrpo.rollout.backends.torch_decode import StaticDecoder
 
     torch.set_num_threads(args.threads)
     path, items, sampling = _setup(args)
@@ -120,10 +122,13 @@ def main() -> None:
         # arithmetic as plain torch ops (rollout/quant.py: INT8_LINEAR).
         quant.INT8_LINEAR = "torchao" if precision.endswith("/torchao") else "direct"
         gen = TorchGenerator(path, precision=precision.removesuffix("/torchao"))
-        static = gen.decoder
+        decoders = {"static": gen.decoder, "forward": None}
         for decode in args.decode.split(","):
-            gens[(precision, decode)] = (gen, static if decode == "static" else None)
+            if decode == "compiled":
+                decoders[decode] = StaticDecoder(gen.model, compiled=True)
+            gens[(precision, decode)] = (gen, decoders[decode])
             runs[(precision, decode)] = []
+    warmup = {}
     for r in range(args.repeats + 1):  # round 0 warms every variant up (kernels, allocator) and is not kept
         for (precision, decode), (gen, decoder) in gens.items():
             gen.decoder = decoder
@@ -135,12 +140,17 @@ def main() -> None:
             tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
             if r:
                 runs[(precision, decode)].append({"seconds": seconds, "prefill_s": prefill, "tokens": tokens})
+            else:
+                warmup[(precision, decode)] = seconds
     rows = []
     for (precision, decode), rs in runs.items():
         sec = statistics.median(x["seconds"] for x in rs)
         pre = statistics.median(x["prefill_s"] for x in rs)
         decode_tps = statistics.median(x["tokens"] / max(x["seconds"] - x["prefill_s"], 1e-9) for x in rs)
+        decoder = gens[(precision, decode)][1]
         rows.append({"precision": precision, "decode": decode, "seconds": sec, "prefill_s": pre,
+                     "warmup_s": warmup[(precision, decode)],
+                     "compile_error": getattr(decoder, "compile_error", None),
                      "tokens": statistics.median(x["tokens"] for x in rs),
                      "tokens_per_s": statistics.median(x["tokens"] / x["seconds"] for x in rs),
                      "decode_tokens_per_s": decode_tps, "share_of_bound": decode_tps / bound["tokens_per_s"],
@@ -152,10 +162,12 @@ def main() -> None:
           f"per step in {bound['step_s'] * 1e3:.1f} ms ({bound['gflops']:.0f} GFLOP/s) = "
           f"{bound['tokens_per_s']:.0f} tokens/s")
     print(f"{'precision':<13}{'decode':<9}{'seconds':>8}{'prefill s':>10}{'tokens':>8}{'tok/s':>7}"
-          f"{'decode tok/s':>13}{'of bound':>9}")
+          f"{'decode tok/s':>13}{'of bound':>9}{'warm-up s':>10}")
     for r in rows:
         print(f"{r['precision']:<13}{r['decode']:<9}{r['seconds']:>8.2f}{r['prefill_s']:>10.2f}{r['tokens']:>8.0f}"
-              f"{r['tokens_per_s']:>7.0f}{r['decode_tokens_per_s']:>13.0f}{r['share_of_bound']:>9.0%}")
+              f"{r['tokens_per_s']:>7.0f}{r['decode_tokens_per_s']:>13.0f}{r['share_of_bound']:>9.0%}"
+              f"{r['warmup_s']:>10.1f}" + (f"  (compile failed, ran eager: {r['compile_error']})"
+                                          if r["compile_error"] else ""))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "torch": torch.__version__, "model": path, "batch": batch,

@@ -57,13 +57,19 @@ def _reference(model, ids, attn, new):
     return out[:, ids.shape[1]:].float()
 
 
-def _decode(model, ids, attn, new, G):
-    """The decoder's logits after each of `new`'s tokens, [B, S, V]."""
-    dec = StaticDecoder(model)
+def _started(model, ids, attn, G, S, dec=None) -> StaticDecoder:
+    """A decoder (`dec` or a new eager one) started on the prompts' prefill, for G rows each and S new tokens."""
+    dec = dec or StaticDecoder(model)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
                     use_cache=True, logits_to_keep=1)
-    dec.start(out.past_key_values, attn, G, new.shape[1])
+    dec.start(out.past_key_values, attn, G, S)
+    return dec
+
+
+def _decode(model, ids, attn, new, G, dec=None):
+    """The decoder's logits after each of `new`'s tokens, [B, S, V]."""
+    dec = _started(model, ids, attn, G, new.shape[1], dec)
     return torch.stack([dec.step(new[:, s]) for s in range(new.shape[1])], 1)
 
 
@@ -84,39 +90,52 @@ def test_decode_logits_equal_the_full_forward(kind):
                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits[:, ids.shape[1]:].float()
     assert _off(got, ref) < max(2 * _off(hf, ref), TOL), (_off(got, ref), _off(hf, ref))
     # A wrong decode is clearly detectable: position ids one off (rotary) moves the logits by far more.
-    dec = StaticDecoder(model)
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1)
-    dec.start(out.past_key_values, attn, G, S)
+    dec = _started(model, ids, attn, G, S)
     dec.pos = dec.pos + 1
     assert _off(dec.step(new[:, 0]), ref[:, 0]) > 5 * TOL
 
 
-def test_compaction_keeps_each_live_rows_logits():
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_compaction_keeps_each_live_rows_logits(compiled):
+    """Rows dropped from the buffers mid-way: the others' logits stay those of the full forward. Compiled
+    (torch.compile, inductor: slow to compile), the batch size changes under the compiled step without a fallback."""
     model = _model("llama")
     ids, attn = _prompts()
     G, S = 4, 5
     B = ids.shape[0] * G
     new = torch.randint(1, 96, (B, S), generator=torch.Generator().manual_seed(3))
     ref = _reference(model, ids, attn, new)
-    dec = StaticDecoder(model)
-    with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),
-                    use_cache=True, logits_to_keep=1)
-    dec.start(out.past_key_values, attn, G, S)
+    dec = _started(model, ids, attn, G, S, StaticDecoder(model, compiled=compiled))
     rows = torch.arange(B)
     few = torch.zeros(B, dtype=torch.bool)
     few[:B - 1] = True  # one row of 12 finished: above COMPACT_AT, it rides along
     assert dec.compact(few) is None and dec.keys[0].shape[0] == B
     for s in range(S):
         logits = dec.step(new[rows, s])
+        assert dec.compile_error is None and torch.isfinite(logits).all()
         assert _off(logits, ref[rows, s]) < TOL
         if s == 1:  # half the rows finish: the buffers keep the other half
             live = torch.arange(len(rows)) % 2 == 0
             idx = dec.compact(live)
             assert idx is not None and dec.keys[0].shape[0] == len(idx) == B // 2
             rows = rows[idx]
+
+
+def test_a_compile_that_fails_falls_back_to_the_eager_step():
+    """Where torch.compile cannot run (no C++ compiler, an op inductor lacks), the first step says why and every step
+    runs eager, with the eager decoder's logits."""
+    model = _model("llama")
+    ids, attn = _prompts()
+    new = torch.randint(1, 96, (ids.shape[0] * 2, 4), generator=torch.Generator().manual_seed(4))
+    dec = StaticDecoder(model, compiled=True)
+
+    def no_compiler(*args):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    dec.compiled = no_compiler
+    got = _decode(model, ids, attn, new, 2, dec)
+    assert dec.compiled is None and "No working C++ compiler" in dec.compile_error
+    assert torch.equal(got, _decode(model, ids, attn, new, 2))
 
 
 def test_which_models_take_the_path():

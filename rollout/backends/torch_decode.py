@@ -6,9 +6,12 @@ cache, 30% in the products; docs/performance.md). Here, as in gpt-fast:
 
 - the cache is one [rows, kv_heads, prompt + max_new_tokens, head_dim] buffer per layer and side, written in place
   at the step's column: no concatenation;
-- attention of the step's one token is two batched matrix products per layer over the filled columns, the query heads
-  of a key/value head grouped into one product (grouped-query attention without repeating the keys), the softmax in
-  float32, left padding and finished prompts' columns masked by an additive bias;
+- attention of the step's one token is two batched matrix products per layer over all the buffer's columns, the
+  query heads of a key/value head grouped into one product (grouped-query attention without repeating the keys), the
+  softmax in float32, left padding and the columns not yet written masked by an additive bias: every step has the
+  same shapes (and reads the cache contiguously, which ran faster than attending over a slice of it), so that
+  torch.compile can take a step whole. `compiled=True` does; it is off: on a 2-core CPU inductor compiled the 135M
+  model's step in ~2 minutes for 12% at bf16 and failed on the int8 kernel (docs/performance.md);
 - the layers' own modules (norms, projections, MLP; quantized or wrapped with adapters, whatever the generator holds)
   do the rest, so the decode computes what the model's forward computes.
 
@@ -33,7 +36,8 @@ COMPACT_AT = 0.75  # compact the cache when live rows fall to this share of its 
 
 
 class StaticDecoder:
-    def __init__(self, model):
+    def __init__(self, model, compiled: bool = False):
+        """`compiled`: decode steps through one torch.compile'd graph (`_fixed_step`), else eager (`step`'s own)."""
         cfg = model.config
         self.model = model
         self.layers = list(model.model.layers)
@@ -42,6 +46,8 @@ class StaticDecoder:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.scale = self.head_dim ** -0.5
         self.window = getattr(cfg, "sliding_window", None)  # Mistral's; Qwen2 sets it only when layers use it
+        self.compiled = torch.compile(_fixed_step, fullgraph=True, dynamic=True) if compiled else None
+        self.compile_error: str | None = None  # why a compiled decoder fell back to eager steps
 
     def fits(self, width: int) -> bool:
         """Whether a prompt + completion of `width` tokens stays inside the attention window (if any), where full
@@ -71,10 +77,11 @@ class StaticDecoder:
             for src, dst in ((layer.keys, self.keys), (layer.values, self.values)):
                 buf = src.new_empty((rows, self.kv_heads, width, self.head_dim))
                 buf[:, :, :p] = src.repeat_interleave(group, dim=0)
+                buf[:, :, p:] = 0  # attention reads every column: no garbage (NaN) behind the mask
                 dst.append(buf)
-        # Additive mask over the columns, [rows, 1, 1, width]: -inf on left padding; generated columns open as they
-        # are written.
-        self.bias = torch.zeros((rows, 1, 1, width), dtype=torch.float32, device=attn.device)
+        # Additive mask over the columns, [rows, 1, 1, width]: -inf on left padding and on the generated columns
+        # until each is written.
+        self.bias = torch.full((rows, 1, 1, width), float("-inf"), dtype=torch.float32, device=attn.device)
         self.bias[:, 0, 0, :p] = torch.where(attn.repeat_interleave(group, dim=0) > 0, 0.0, float("-inf"))
         self.pos = attn.sum(-1).repeat_interleave(group)  # each row's next position (real tokens before it)
         self.col = p  # the column the next token's keys and values go to
@@ -95,28 +102,44 @@ class StaticDecoder:
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """One decode step: `tokens` [rows] (one per buffer row) -> float32 logits [rows, vocab] of the next token."""
-        m = self.model.model
-        x = m.embed_tokens(tokens[:, None])  # [B, 1, hidden]
-        cos, sin = m.rotary_emb(x, self.pos[:, None])  # [B, 1, head_dim]
-        col = self.col
-        bias = self.bias[..., :col + 1]  # generated columns were never masked
-        b, g = x.shape[0], self.q_heads // self.kv_heads
-        for i, layer in enumerate(self.layers):
-            att = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = att.q_proj(h).view(b, self.q_heads, 1, self.head_dim)
-            k = att.k_proj(h).view(b, self.kv_heads, 1, self.head_dim)
-            v = att.v_proj(h).view(b, self.kv_heads, 1, self.head_dim)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            self.keys[i][:, :, col:col + 1] = k
-            self.values[i][:, :, col:col + 1] = v
-            keys, values = self.keys[i][:, :, :col + 1], self.values[i][:, :, :col + 1]
-            q = q.view(b, self.kv_heads, g, self.head_dim)  # the query heads of each key/value head, together
-            scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale + bias  # [B, kv, g, col+1]
-            o = torch.matmul(scores.softmax(-1).to(values.dtype), values)  # [B, kv, g, head_dim]
-            x = x + att.o_proj(o.reshape(b, 1, self.q_heads * self.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        col = torch.tensor([self.col], device=tokens.device)
+        args = (self.model, self.layers, tokens, col, self.pos, self.keys, self.values, self.bias, self.q_heads,
+                self.kv_heads, self.head_dim, self.scale)
+        logits = None
+        if self.compiled is not None:
+            try:
+                logits = self.compiled(*args)
+            except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op: the eager step computes the same
+                self.compile_error = f"{type(e).__name__}: {e}"
+                self.compiled = None
+        if logits is None:
+            logits = _fixed_step(*args)
         self.col += 1
         self.pos = self.pos + 1
-        return self.model.lm_head(m.norm(x))[:, 0].float()
+        return logits
 
+
+def _fixed_step(model, layers, tokens, col, pos, keys, values, bias, q_heads, kv_heads, head_dim, scale):
+    """One decode step (StaticDecoder.step), written as a graph of fixed shapes that torch.compile takes whole: the
+    step's keys, values and mask column are written at `col` (a 1-element tensor, not a Python int: no recompile per
+    column) and attention runs over every column of the buffers, those not yet written masked by `bias`."""
+    m = model.model
+    x = m.embed_tokens(tokens[:, None])
+    cos, sin = m.rotary_emb(x, pos[:, None])
+    bias.index_fill_(-1, col, 0.0)
+    b, g = x.shape[0], q_heads // kv_heads
+    for i, layer in enumerate(layers):
+        att = layer.self_attn
+        h = layer.input_layernorm(x)
+        q = att.q_proj(h).view(b, q_heads, 1, head_dim)
+        k = att.k_proj(h).view(b, kv_heads, 1, head_dim)
+        v = att.v_proj(h).view(b, kv_heads, 1, head_dim)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys[i].index_copy_(2, col, k)
+        values[i].index_copy_(2, col, v)
+        q = q.view(b, kv_heads, g, head_dim)
+        scores = torch.matmul(q, keys[i].transpose(-1, -2)).float() * scale + bias
+        o = torch.matmul(scores.softmax(-1).to(values[i].dtype), values[i])
+        x = x + att.o_proj(o.reshape(b, 1, q_heads * head_dim))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(m.norm(x))[:, 0].float()
