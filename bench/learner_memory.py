@@ -4,13 +4,13 @@ one rank, in-process) in each learner.mode / learner.optimizer / learner.gradien
     .venv/bin/python bench/learner_memory.py [--groups 4 --group-size 8 --prompt-len 70 --completion-len 64]
 
 The batch is bench/learner_profile.py's (the TRL comparison's: 4 prompts x 8 completions x 64 tokens, prompts of
-~70 tokens, shared-prompt forward). Gradient checkpointing needs learner.shared_prompt = false (the shared-prompt
-forward passes a KV cache between its passes, which checkpointed layers drop), so each checkpointed variant has a
-"no GC" partner with full prompts too. Each variant runs in its own process, so its peak RSS is its own (Python,
-torch and DeepSpeed included: the `idle` row is that floor, nothing built). Columns: trainable parameters, bytes of
-the model's tensors (weights in their stored format, NF4 packed plus its scales for QLoRA), of the optimizer state
-(moments, plus DeepSpeed's fp32 master copy of what trains), peak RSS, RSS after building the engine, and the median
-s/step of the steps after the first. Writes bench/results/learner_memory.json; ratios are what to read.
+~70 tokens, shared-prompt forward). Gradient checkpointing runs with the shared-prompt forward (its prompt cache
+replayed: core/kv_replay.py) and with full prompts, each beside its "no GC" partner. Each variant runs in its own
+process, so its peak RSS is its own (Python, torch and DeepSpeed included: the `idle` row is that floor, nothing
+built). Columns: trainable parameters, bytes of the model's tensors (weights in their stored format, NF4 packed
+plus its scales for QLoRA), of the optimizer state (moments, plus DeepSpeed's fp32 master copy of what trains), peak
+RSS, RSS after building the engine, and the median s/step of the steps after the first. Writes
+bench/results/learner_memory.json; ratios are what to read.
 """
 from __future__ import annotations
 
@@ -35,6 +35,10 @@ VARIANTS = {
     "lora / adamw": ("lora", "adamw", False, True),
     "qlora / adamw": ("qlora", "adamw", False, True),
     "qlora / adamw8bit": ("qlora", "adamw8bit", False, True),
+    "full / adamw + GC": ("full", "adamw", True, True),
+    "full / adamw8bit + GC": ("full", "adamw8bit", True, True),
+    "lora + GC": ("lora", "adamw", True, True),
+    "qlora + GC": ("qlora", "adamw", True, True),
     "full / adamw, full prompts": ("full", "adamw", False, False),
     "full / adamw, full prompts + GC": ("full", "adamw", True, False),
     "lora, full prompts": ("lora", "adamw", False, False),

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from qgrpo.core import kv_replay
+
 CHUNK_TOKENS = 1024  # positions per chunk of the output projection: [1024, vocab] fp32 logits (~200 MB at 49k)
 # Causal LMs whose forward is `lm_head(trunk(...))` (with an optional final tanh soft-cap); any other model is scored
 # through its own forward, full logits at once.
@@ -168,6 +170,7 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
         raise ValueError(f"shared_prompt_logprobs: prompt lengths must be in 1..{T}")
 
     K = int(group_len.max()) - 1  # prefix width: longest prompt minus its last token
+    replay = kv_replay.replayable(model)  # caches that gradient checkpointing may replay (core/kv_replay.py)
     cache, prefix_mask = None, torch.zeros((N, 0), dtype=torch.long, device=dev)
     if K > 0:
         prefix = torch.full((N, K), pad_id, dtype=torch.long, device=dev)
@@ -179,14 +182,20 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
                 prefix_mask[g, K - n:] = 1
         pos = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
         parts = split_head(model)  # the prefix's logits are never needed: run the trunk alone where possible
-        kw = dict(input_ids=prefix, attention_mask=prefix_mask, position_ids=pos, use_cache=True)
+        kw = dict(input_ids=prefix, attention_mask=prefix_mask, position_ids=pos, use_cache=True,
+                  **({"past_key_values": kv_replay.prefix_cache()} if replay else {}))
         out = parts[0](**kw) if parts else model(**kw, logits_to_keep=1)
         cache = out.past_key_values
     if seq_lens is not None and packs(model, K + T):
+        if replay and cache is not None:
+            cache = kv_replay.suffix_cache(cache)
         return _packed_suffix(model, input_ids, prompt_lens, seq_lens.to(dev).long(), row_group, N, cache,
                               prefix_mask, temperature, pad_id, with_entropy)
-    if cache is not None:
-        cache.batch_select_indices(row_group)  # [N, ...] -> [B, ...]
+    if cache is not None:  # [N, ...] -> [B, ...]
+        if replay:
+            cache = kv_replay.suffix_cache(cache, row_group)
+        else:
+            cache.batch_select_indices(row_group)
 
     L = T - int(prompt_lens.min()) + 1  # longest suffix: last prompt token + completion (+ right padding)
     suffix = torch.full((B, L), pad_id, dtype=torch.long, device=dev)

@@ -133,6 +133,7 @@ class Learner:
         tensor the learner makes (batch, probe, guard flags) goes there."""
         import deepspeed
 
+        from qgrpo.core import kv_replay
         from qgrpo.learner.adapters import load_model
         from qgrpo.learner.fake_quant import fake_quant_layers
 
@@ -158,6 +159,8 @@ class Learner:
         attention = s.attention if s.attention != "auto" else ("sdpa" if self.device.type == "cuda" else "eager")
         model = load_model(model_path, s.mode, lora=s.lora, attention=attention,
                            gradient_checkpointing=s.gradient_checkpointing, device=self.device)
+        if s.gradient_checkpointing and s.shared_prompt:  # the prompt cache survives the layers' replay
+            kv_replay.keep_cache_under_checkpointing(model)
         if s.fake_quant_grid is not None:  # learner.fake_quant = "rollout": the generators' rounding in the forward
             fake_quant_layers(model, s.fake_quant_grid, s.fake_quant_head)
         # Our own optimizer object: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.

@@ -288,15 +288,6 @@ def _zero_stage_of_mode(cfg: Config) -> list[str]:
             "do not allow); set learner.zero_stage = 2"]
 
 
-@rule("learner.gradient_checkpointing", "learner.shared_prompt")
-def _checkpointing(cfg: Config) -> list[str]:
-    if not (cfg.learner.gradient_checkpointing and cfg.learner.shared_prompt):
-        return []
-    return ["learner.gradient_checkpointing: needs learner.shared_prompt = false (the shared-prompt forward hands a "
-            "KV cache from its prompt pass to its completion pass, and checkpointed layers drop it); set "
-            "learner.shared_prompt = false, or gradient_checkpointing = false"]
-
-
 @rule("reference.from_learner", "learner.mode")
 def _reference_from_learner(cfg: Config) -> list[str]:
     if not (cfg.reference.from_learner and cfg.learner.mode == "full"):

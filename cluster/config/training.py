@@ -183,8 +183,8 @@ class LearnerConfig:
     emulates: rollout.backend torch at int8 or int4, or vllm at int8."""
     gradient_checkpointing: Bool = False
     """Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~1 more
-    forward). Needs shared_prompt = false: checkpointed layers drop the KV cache the shared-prompt forward passes
-    along."""
+    forward). With shared_prompt, the prompt pass's KV cache is replayed with the layers (core/kv_replay.py); that
+    needs a model whose layers all attend in full (no sliding window), else the learner refuses at start."""
 
 
 @dataclass(config=SECTION)
