@@ -55,7 +55,8 @@ def suffix_cache(prefix: DynamicCache, rows: torch.Tensor | None = None) -> Dyna
     return cache
 
 
-def _config(model):
+def model_config(model):
+    """The transformers config of `model`, through a DeepSpeed engine (`.module`) and a peft wrapper; None if none."""
     m = getattr(model, "module", model)
     if hasattr(m, "get_base_model"):
         m = m.get_base_model()
@@ -64,7 +65,7 @@ def _config(model):
 
 def replayable(model) -> bool:
     """Whether every layer of `model` attends in full (no sliding window, no other layer types)."""
-    cfg = _config(model)
+    cfg = model_config(model)
     if cfg is None or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or ()):
         return False
     return getattr(cfg, "sliding_window", None) is None
@@ -76,7 +77,7 @@ def keep_cache_under_checkpointing(model) -> None:
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     if not replayable(model):
-        cfg = _config(model)
+        cfg = model_config(model)
         raise ValueError(
             f"learner.gradient_checkpointing with learner.shared_prompt: {getattr(cfg, 'model_type', 'this model')} "
             "has sliding-window or mixed attention layers, whose prompt cache cannot be replayed under "

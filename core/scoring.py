@@ -225,10 +225,7 @@ _PACKS = {"llama", "qwen2", "qwen3", "mistral", "smollm3"}
 def packs(model, width: int) -> bool:
     """Whether `shared_prompt_logprobs` may pack `model`'s suffixes (contexts up to `width` tokens): a model type in
     _PACKS, eager or SDPA attention, every layer attending in full (no sliding window within `width`)."""
-    m = getattr(model, "module", model)
-    if hasattr(m, "get_base_model"):
-        m = m.get_base_model()
-    cfg = getattr(m, "config", None)
+    cfg = kv_replay.model_config(model)
     if getattr(cfg, "model_type", None) not in _PACKS or getattr(cfg, "_attn_implementation", None) not in (
             "eager", "sdpa"):
         return False
