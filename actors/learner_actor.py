@@ -57,7 +57,7 @@ class LearnerActor(CollectiveMember):
         self.learner = Learner(local_model(self.model_path), self.settings)
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
                 "address": ray.util.get_node_ip_address(), "threads": torch_threads(),
-                "device": str(self.learner.device)}
+                "device": str(self.learner.device), "compute_dtype": self.learner.compute_dtype}
 
     def train_step(self, shard: TrainBatch, step: int = 0) -> TrainStepResult:
         if self.rank == 0 and faults.fires("learner.kill", step):

@@ -34,12 +34,12 @@ def is_adapter_checkpoint(folder: str | Path) -> bool:
         and not (f / "model.safetensors.index.json").is_file()
 
 
-def quantization_config():
-    """QLoRA's base: NF4 weights, double quantization (the block scales quantized too), bf16 compute."""
+def quantization_config(dtype: torch.dtype = torch.bfloat16):
+    """QLoRA's base: NF4 weights, double quantization (the block scales quantized too), compute in `dtype`."""
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=torch.bfloat16)
+                              bnb_4bit_compute_dtype=dtype)
 
 
 def _lora_config(rank: int, alpha: float, dropout: float, target_modules: list[str]):
@@ -52,16 +52,17 @@ def _lora_config(rank: int, alpha: float, dropout: float, target_modules: list[s
 
 def load_model(model_path: str, mode: str = "full", *, lora: dict | None = None, attention: str = "eager",
                gradient_checkpointing: bool = False, adapter_path: str | None = None,
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16):
     """The learner's model for `mode` (see the module docstring). `lora`: rank, alpha, dropout, target_modules.
     `adapter_path`: a peft folder whose adapters are loaded (trainable) instead of new ones. `device`: the rank's
     (core/devices.py); QLoRA's base is quantized there by bitsandbytes as it loads, the other modes are moved there
-    by DeepSpeed."""
+    by DeepSpeed. `dtype`: what it computes in (model.compute_dtype resolved, core/cpu.py): bf16, or fp32 where bf16
+    is emulated; the weights are read from the bf16 folder either way, so fp32 holds them exactly."""
     from transformers import AutoModelForCausalLM
 
-    kwargs: dict = dict(dtype=torch.bfloat16, attn_implementation=attention)
+    kwargs: dict = dict(dtype=dtype, attn_implementation=attention)
     if mode == "qlora":
-        kwargs.update(quantization_config=quantization_config(),
+        kwargs.update(quantization_config=quantization_config(dtype),
                       device_map={"": str(device)})
     model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.config.use_cache = False
@@ -90,11 +91,11 @@ def load_model(model_path: str, mode: str = "full", *, lora: dict | None = None,
         # named_parameters) names a tied tensor once: the head's update would be lost on the way to the generators.
         raise ValueError("learner.lora.target_modules: this model's output head is tied to its input embeddings; "
                          "an adapter on it would untie them. Leave the head out (\"all-linear\" does)")
-    # peft keeps adapters in fp32 on a bf16 base; the learner's adapters are bf16 like a full model's weights
-    # (DeepSpeed's bf16 mode keeps their fp32 masters in the optimizer).
+    # peft keeps adapters in fp32 on a bf16 base; the learner's adapters are in its compute dtype like a full
+    # model's weights (DeepSpeed's bf16 mode keeps their fp32 masters in the optimizer).
     for name, p in model.named_parameters():
         if p.requires_grad:
-            p.data = p.data.to(torch.bfloat16)
+            p.data = p.data.to(dtype)
     return model
 
 

@@ -1,4 +1,5 @@
-"""The BF16 policy under DeepSpeed: GRPO updates, weight export, checkpoints.
+"""The policy under DeepSpeed: GRPO updates, weight export, checkpoints. It computes in bf16 where the rank's device
+does so natively, else in fp32 (model.compute_dtype, core/cpu.py); the weights it streams and saves are bf16 either way.
 
 A plain object: the Ray actor in actors/learner_actor.py sets the process-group environment and wraps it, and a
 unit test can build it in-process with world_size 1.
@@ -8,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -16,6 +18,7 @@ from typing import Iterator
 import torch
 
 from qgrpo.core import faults
+from qgrpo.core.cpu import compute_dtype, torch_dtype
 from qgrpo.core.devices import bind, collective_device, current_device, dist_backend
 from qgrpo.core.records import TrainStepResult
 from qgrpo.core.scoring import token_logprobs
@@ -145,20 +148,21 @@ class Learner:
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         _init_distributed(self.device)
         torch.manual_seed(s.seed)
-        self.model_path, self.settings = model_path, s
+        self.model_path, self.settings, self.guard = model_path, s, s.guard
         # What train_step reads, as attributes a test (or a later step) may adjust on a built learner.
         self.world_size, self.zero_stage, self.micro_batch, self.mode = (s.world_size, s.zero_stage,
                                                                           s.micro_batch_per_rank, s.mode)
         self.loss_cfg, self.loss_agg, self.temperature = s.loss_cfg, s.loss_agg, s.temperature
         self.updates_per_batch, self.shared_prompt = s.updates_per_batch, s.shared_prompt
         self.reference_from_learner = s.reference_from_learner and s.mode != "full" and s.loss_cfg.kl_coeff > 0
-        self.guard = s.guard
         self.max_mismatch_kl = s.max_mismatch_kl  # skip the update when mismatch/kl_mu_old exceeds it (0 = no bound)
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
         attention = s.attention if s.attention != "auto" else ("sdpa" if self.device.type == "cuda" else "eager")
+        self.compute_dtype, self.compute_why = compute_dtype(s.compute_dtype, self.device)
         model = load_model(model_path, s.mode, lora=s.lora, attention=attention,
-                           gradient_checkpointing=s.gradient_checkpointing, device=self.device)
+                           gradient_checkpointing=s.gradient_checkpointing, device=self.device,
+                           dtype=torch_dtype(self.compute_dtype))
         if s.gradient_checkpointing and s.shared_prompt:  # the prompt cache survives the layers' replay
             kv_replay.keep_cache_under_checkpointing(model)
         if s.fake_quant_grid is not None:  # learner.fake_quant = "rollout": the generators' rounding in the forward
@@ -170,8 +174,8 @@ class Learner:
         scheduler = GuardedLambdaLR(self.inner_optimizer,
                                     lambda u: lr_factor(u, s.warmup_steps, s.lr_schedule, s.total_updates))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=s.deepspeed_config()
-        )
+            model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=s.deepspeed_config(
+                self.compute_dtype))
         self.engine.checkpoint_engine = _safe_checkpoint_engine()
         if torch.device(self.engine.device).type != self.device.type:  # DeepSpeed chose another accelerator
             raise RuntimeError(f"learner: DeepSpeed placed the model on {self.engine.device}, the rank's device is "
@@ -349,8 +353,10 @@ class Learner:
                 config = unwrap(self.engine.module).config.to_dict()
                 config.pop("quantization_config", None)  # the base as model.path holds it (bf16), not as QLoRA loads it
                 (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-            else:
+            else:  # bf16 tensors, and a config that says so, whatever the learner computes in
                 self.engine.module.save_pretrained(out, state_dict=state, safe_serialization=True)
+                saved = json.loads((out / "config.json").read_text())
+                (out / "config.json").write_text(json.dumps({**saved, "dtype": "bfloat16"}, indent=2, sort_keys=True))
             _copy_tokenizer(self.model_path, out)
         # Adapter modes keep the frozen base out of DeepSpeed's state: it is model.path, loaded again on resume.
         self.engine.save_checkpoint(str(out / "optimizer"), tag="state", save_latest=False,
@@ -387,8 +393,6 @@ def _buckets(params: list, bucket_bytes: int) -> Iterator[list]:
 
 
 def _copy_tokenizer(src: str, dst: Path) -> None:
-    import shutil
-
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                  "vocab.json", "merges.txt", "chat_template.jinja", "generation_config.json"):
         f = Path(src) / name

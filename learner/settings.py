@@ -39,6 +39,9 @@ class LearnerSettings:
     mode: str = "full"  # "full" | "lora" | "qlora"
     lora: dict | None = None  # rank, alpha, dropout, target_modules: the adapters of lora/qlora
     attention: str = "auto"  # transformers' attn_implementation; "auto": sdpa on CUDA, eager elsewhere
+    # model.compute_dtype: "auto" (bf16 where the rank's device computes it natively, else fp32: core/cpu.py), "bf16"
+    # or "fp32". The weights the learner streams and saves are bf16 either way.
+    compute_dtype: str = "auto"
     gradient_checkpointing: bool = False
     # lora/qlora with a KL term: the reference log-probs are the learner's own base with its adapters off
     reference_from_learner: bool = False
@@ -52,14 +55,16 @@ class LearnerSettings:
         """Micro-batches per optimizer update on each rank."""
         return math.ceil(self.sequences_per_rank / self.micro_batch_per_rank)
 
-    def deepspeed_config(self) -> dict:
+    def deepspeed_config(self, dtype: str = "bf16") -> dict:
         """DeepSpeed's config: every micro-batch is one micro-step, the optimizer steps at the accumulation
-        boundary. The optimizer and scheduler are the learner's own objects, not named here."""
+        boundary. The optimizer and scheduler are the learner's own objects, not named here. `dtype`: the resolved
+        compute dtype, "bf16" (bf16 weights and activations, fp32 masters in the optimizer) or "fp32" (fp32
+        throughout)."""
         return {
             "train_micro_batch_size_per_gpu": self.micro_batch_per_rank,
             "gradient_accumulation_steps": self.grad_accum,
             "train_batch_size": self.micro_batch_per_rank * self.grad_accum * self.world_size,
-            "bf16": {"enabled": True},  # bf16 weights and activations, fp32 master weights in the optimizer
+            "bf16": {"enabled": dtype == "bf16"},
             "zero_optimization": {"stage": self.zero_stage},
             "zero_allow_untested_optimizer": True,  # GuardedAdamW: torch's AdamW plus a veto (ZeRO checks the type)
             "gradient_clipping": self.grad_clip,

@@ -9,11 +9,12 @@ from qgrpo.rollout.quant import quantize_model
 
 
 def make_reference_scorer(backend: str, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
-                          device: torch.device | str | None = None):
+                          device: torch.device | str | None = None, compute_dtype: str = "auto"):
+    """`compute_dtype` (model.compute_dtype) applies to the torch scorer; MLX computes as its precision says."""
     if backend == "mlx":
         return MLXReferenceScorer(model_path, precision, group_size_quant)
     if backend == "torch":
-        return ReferenceScorer(model_path, precision, group_size_quant, device=device)
+        return ReferenceScorer(model_path, precision, group_size_quant, device=device, compute_dtype=compute_dtype)
     raise ValueError(f"unknown reference backend {backend!r}; choose one of {', '.join(REFERENCE_BACKENDS)}")
 
 
@@ -21,16 +22,22 @@ class ReferenceScorer:
     """Frozen copy of the initial policy, optionally quantized like the generators (as the original MLX design did)."""
 
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64, micro_batch: int = 64,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, compute_dtype: str = "auto"):
         """`device`: where it scores (default: the GPU Ray assigned the reference actor, else the CPU); the model is
-        quantized there, and sequences come in and log-probs go out as CPU tensors."""
+        quantized there, and sequences come in and log-probs go out as CPU tensors. `compute_dtype`:
+        model.compute_dtype, resolved on that device (core/cpu.py; rollout/backends/compute.py)."""
         from transformers import AutoModelForCausalLM
 
+        from qgrpo.core.cpu import compute_dtype as choose
+        from qgrpo.core.cpu import torch_dtype
         from qgrpo.core.devices import bind, current_device
+        from qgrpo.rollout.backends.compute import compute_in
 
         self.device = bind(torch.device(device) if device is not None else current_device("the reference actor"))
+        self.compute_dtype, self.compute_why = choose(compute_dtype, self.device)
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
-        self.model = quantize_model(model, precision, group_size_quant).eval()
+        self.model = compute_in(quantize_model(model, precision, group_size_quant), torch_dtype(self.compute_dtype))
+        self.model.eval()
         self.precision = precision
         self.micro_batch = micro_batch
 

@@ -1,4 +1,5 @@
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -25,3 +26,27 @@ def ray_session():
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def dist_env():
+    """The environment of a one-rank gloo process group, for learners built in-process."""
+    import torch
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
+               LOCAL_WORLD_SIZE="1")
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    # ZeRO-3 replaces torch.nn.functional.linear process-wide with its own wrapper, which quantized tensor subclasses
+    # cannot run; the learner lives in its own process in real runs, so restore it for the tests that follow.
+    linear = torch.nn.functional.linear
+    yield
+    torch.nn.functional.linear = linear
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

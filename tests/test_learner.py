@@ -1,7 +1,5 @@
 """The DeepSpeed learner in-process (one gloo rank): gradient accumulation over micro-batches gives the same update
 statistics as one big micro-batch, ZeRO stages train, and the exported weights are what the engine holds."""
-import os
-import socket
 
 import pytest
 import torch
@@ -13,24 +11,9 @@ from qgrpo.learner.settings import LearnerSettings
 
 
 @pytest.fixture(scope="module", autouse=True)
-def dist_env():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1",
-               LOCAL_WORLD_SIZE="1")
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    # ZeRO-3 replaces torch.nn.functional.linear process-wide with its own wrapper, which quantized tensor subclasses
-    # cannot run; the learner lives in its own process in real runs, so restore it for the tests that follow.
-    linear = torch.nn.functional.linear
+def _process_group(dist_env):
+    """Every test here builds learners in-process (tests/conftest.py: dist_env)."""
     yield
-    torch.nn.functional.linear = linear
-    for k, v in old.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
 
 
 def _batch(vocab: int, B: int = 16, P: int = 4, L: int = 5) -> TrainBatch:

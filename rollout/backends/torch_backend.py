@@ -18,6 +18,7 @@ from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends import torch_adapters
 from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
+from qgrpo.rollout.backends.compute import compute_in
 from qgrpo.rollout.backends.torch_decode import StaticDecoder
 from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names, requantize_in_place
 from qgrpo.rollout.requantize import served_grid
@@ -37,8 +38,13 @@ def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.T
 class TorchGenerator:
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                  generator_id: str = "torch-0", seed: int = 0, device: str | None = None, initial_version: int = 0,
-                 chat_template: bool = True):
+                 chat_template: bool = True, compute_dtype: str = "auto"):
+        """`compute_dtype`: model.compute_dtype ("auto": bf16 where the device computes it natively, else fp32;
+        core/cpu.py); the weights are bf16 values either way, quantized from bf16 (rollout/backends/compute.py)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from qgrpo.core.cpu import compute_dtype as choose
+        from qgrpo.core.cpu import torch_dtype
 
         self.generator_id = generator_id
         self.precision = precision
@@ -60,7 +66,9 @@ class TorchGenerator:
         self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         self._quantized = quantized_weight_names(model, precision, group_size_quant, self.device.type)
         self._linears = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        self.model = quantize_model(model, precision, group_size_quant).eval()
+        self.compute_dtype, self.compute_why = choose(compute_dtype, self.device)
+        self._dtype = torch_dtype(self.compute_dtype)
+        self.model = compute_in(quantize_model(model, precision, group_size_quant), self._dtype).eval()
         # Llama-family models decode on a preallocated cache (torch_decode.py); others through their own forward.
         self.decoder = StaticDecoder(self.model) if StaticDecoder.supports(self.model) else None
         self.adapters: dict[str, torch_adapters.LoraDelta] = {}
@@ -181,6 +189,7 @@ class TorchGenerator:
                 params[name].copy_(t)
         if self._quantized:
             requantize_in_place(self.model, {n.removesuffix(".weight"): t for n, t in received if n in quantized})
+            compute_in(self.model, self._dtype)  # layers made anew (nf4) compute as before
         self._base_only = False  # adapters, relative to the base this generator started from, no longer fit
         self.requantize_seconds = time.perf_counter() - t0
         self.policy_version = version
