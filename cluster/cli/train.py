@@ -318,31 +318,55 @@ def train_command(args) -> int:
     except Refused as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    except KeyboardInterrupt:  # Ctrl-C before Ray starts: nothing of the run exists yet
+        print("qgrpo: interrupted (SIGINT) before the run started; nothing was written", file=sys.stderr)
+        return 130  # 128 + SIGINT, as a stopped run (cluster/run/stopping.py)
+    from qgrpo.cluster.run.stopping import StopRequest
+
+    stop = StopRequest()
+    with stop.handling():  # the first SIGINT or SIGTERM stops at a step boundary, a second at once (run/stopping.py)
+        return _train(cfg, model_path, resume, address, stop)
+
+
+def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
+    """Ray, the run directory and the run itself; the exit status."""
     import ray
 
     from qgrpo.cluster.run.driver import train
+    from qgrpo.cluster.run.stopping import local_ray_killer, stop_line
     from qgrpo.cluster.run.workers import RunFailed
 
     started = _start_ray(cfg, address)
+    stop.install()  # again: ray.init put Ray's own SIGTERM handlers in place (a stack dump, then an abort)
+    stop.on_exit = local_ray_killer() if started else None
     try:
         _check_cluster(cfg, address, started)
-        run_dir = _open_run_dir(cfg, resume)
+        run_dir = None if stop.requested else _open_run_dir(cfg, resume)
     except Refused as e:
         if started:
             ray.shutdown()
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
+    if run_dir is None:  # a signal while Ray started
+        if started:
+            ray.shutdown()
+        print(f"qgrpo: stopped ({stop.name}) before the run started; nothing was written", file=sys.stderr)
+        return stop.status
     print(f"qgrpo: run directory {run_dir}" + (f" (logs staged in {run_dir.local})" if run_dir.local != run_dir.root
                                                else ""), file=sys.stderr)
     t0 = time.monotonic()
     try:
-        result = train(cfg, run_dir, model_path, resume)
+        result = train(cfg, run_dir, model_path, resume, stop)
     except (RunFailed, storage.StorageError) as e:  # StorageError: the last copy of the logs to a URI failed
         print(f"qgrpo: {e}", file=sys.stderr)
-        return EXIT_FAILED
+        return stop.status or EXIT_FAILED  # after a signal: it may have reached the actors too (a process group's)
     finally:
         if started:
             ray.shutdown()
+    if result["stopped"]:
+        print(stop_line(stop, result["stopped"]["step"], cfg.run.steps, run_dir.root, result["checkpoint"]),
+              file=sys.stderr)
+        return stop.status
     print(summary(result, run_dir.root, time.monotonic() - t0), file=sys.stderr)
     return 0
 

@@ -21,6 +21,7 @@ from qgrpo.cluster.run.follow import FollowWatch
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
 from qgrpo.cluster.run.overlap import RolloutSource, StepRollouts
 from qgrpo.cluster.run.sampling import dynamic_rollouts, filter_truncated, shape_rewards
+from qgrpo.cluster.run.stopping import StopRequest
 from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, complete_checkpoints, save_checkpoint
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
 from qgrpo.cluster.rundir.rollout_log import RolloutWriter
@@ -157,21 +158,28 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
     return m
 
 
-def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None) -> dict:
+def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None,
+          stop: StopRequest | None = None) -> dict:
     """Run the job; returns the last step's metrics, the held-out evaluations by step, the majority baseline
     (rollout/answer_stats.py) and the final checkpoint.
     `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
     `run_dir`: a folder, or a RunDir whose logs are staged locally and mirrored to a URI (core/storage.py).
+    `stop`: set by SIGINT/SIGTERM (cluster/run/stopping.py): the run stops after the step in progress, checkpointed
+    where exact, and "stopped" in the result holds the step reached and the latest checkpoint ("checkpoint" too).
     Raises RunFailed (cluster/run/workers.py) with what happened and how to resume when a fault ends the run."""
     from qgrpo.cluster.run.workers import RunFailed
 
     run = TrainingRun(cfg, run_dir, model_path, resume)  # the actors started (and resumed), the logs open
     workers, m, step = run.workers, {}, run.state.step
     make_batch = dynamic_batch if cfg.algo.dynamic_sampling else plain_batch  # DAPO's dynamic sampling, or not
+    stopped = None
     try:
         if run.eval_task and step == 0:
             run.evaluate(0)
         for step in range(run.state.step, cfg.run.steps):
+            if stop is not None and stop.requested:  # a step boundary: `step` steps done, checkpointed if exact
+                stopped = run.stopped(step, stop.name)
+                break
             if faults.fires("driver.slow", step + 1):
                 time.sleep(faults.SLOW_SECONDS)
             run.scale(step)
@@ -187,14 +195,14 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             metrics = step_metrics(rollouts, batch, results, sync, clock)
             m = run.log_step(step + 1, rollouts, reward_metrics, metrics, results[0], climbed)
             run.evaluate_if_due(step + 1)
-            run.checkpoint_if_due(step + 1, results[0], rollouts.cursor)
+            run.checkpoint_if_due(step + 1, results[0], rollouts.cursor, stopping=stop is not None and stop.requested)
     except (RunFailed, GuardStop, StorageError, RewardError) as e:  # StorageError: the URI, or a run_dir the
         # nodes do not share
         raise run.failed(e, step + 1) from None
     finally:
-        run.close(failing=sys.exc_info()[0] is not None)
-    return {"last": m, "evals": run.evals, "baseline": run.baseline,
-            "checkpoint": str(checkpoint_dir(run.dir.root, cfg.run.steps))}
+        run.close(failing=sys.exc_info()[0] is not None, stopping=stop is not None and stop.requested)
+    return {"last": m, "evals": run.evals, "baseline": run.baseline, "stopped": stopped,
+            "checkpoint": stopped["checkpoint"] if stopped else str(checkpoint_dir(run.dir.root, cfg.run.steps))}
 
 
 class TrainingRun:
@@ -306,10 +314,13 @@ class TrainingRun:
         if self.eval_task and (self._last(done) or (every and done % every == 0)):
             self.evaluate(done)
 
-    def checkpoint_if_due(self, done: int, result: TrainStepResult, cursor: int) -> None:
-        """Every run.save_every steps and at the end; `cursor`: the sampler's after this step's prompts."""
+    def checkpoint_if_due(self, done: int, result: TrainStepResult, cursor: int, stopping: bool = False) -> None:
+        """Every run.save_every steps and at the end; `cursor`: the sampler's after this step's prompts. `stopping`
+        (a signal asked the run to stop): also here if the step is a multiple of algo.update_every, where the
+        generators hold the weights checkpointed (elsewhere a resume would not repeat the run: the latest stands)."""
         every = self.cfg.run.save_every
-        if not (self._last(done) or (every and done % every == 0)):
+        exact_stop = stopping and done % self.cfg.algo.update_every == 0
+        if not (self._last(done) or (every and done % every == 0) or exact_stop):
             return
         self.samples.flush()  # samples up to a checkpoint are on disk with it
         self.dir.sync()  # and, for a URI run, on the URI before the checkpoint is marked complete
@@ -331,6 +342,13 @@ class TrainingRun:
         self.log.write({"event": "failed", "step": step, "error": str(err)})
         return RunFailed(f"{err}\n  the run stopped at step {step}; {how}")
 
+    def stopped(self, done: int, why: str) -> dict:
+        """A signal stopped the run after step `done`: logged with the latest complete checkpoint (None: none yet)."""
+        ckpts = complete_checkpoints(self.dir.root)
+        latest = str(ckpts[-1][1]) if ckpts else None
+        self.log.write({"event": "stopped", "step": done, "signal": why, "checkpoint": latest})
+        return {"step": done, "signal": why, "checkpoint": latest}
+
     def reward_model_path(self) -> str:
         """[reward_model].path resolved here (a builtin: materialised, a Hub id found in the cache), or ""."""
         from qgrpo.rollout.models import resolve_model_path
@@ -338,10 +356,13 @@ class TrainingRun:
         path = getattr(getattr(self.cfg, "reward_model", None), "path", "")
         return resolve_model_path(path, self.cfg.model.cache_dir) if path else ""
 
-    def close(self, failing: bool) -> None:
+    def close(self, failing: bool, stopping: bool = False) -> None:
         self.rewards.close()
         self.source.close()
         self.samples.close()
         self.log.close()
-        self.workers.shutdown()
+        # Stopping on a signal: the learners' placement group is left to Ray, which removes it with the job. A
+        # signal sent to the whole process group reaches Ray's own processes too, and with the GCS gone its removal
+        # would wait a minute for it.
+        self.workers.shutdown(remove_group=not stopping)
         self.dir.close(failing=failing)  # a URI run: the logs reach it on failure too

@@ -378,12 +378,11 @@ class Workers:
         return {role: [{**{k: v for k, v in a.items() if k != "node_id"}, **where(a["node_id"])} for a in actors]
                 for role, actors in self.placed.items()}
 
-    def shutdown(self) -> None:
+    def shutdown(self, remove_group: bool = True) -> None:  # False: left to the job's end (driver.TrainingRun.close)
         for a in self.rollout.actors + self.learners + ([self.reference] if self.reference else []):
             ray.kill(a)
-        ray.util.remove_placement_group(self.learner_group)
-
-
+        if remove_group:
+            ray.util.remove_placement_group(self.learner_group)
 
 
 def _single_node() -> bool:
