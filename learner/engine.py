@@ -7,7 +7,6 @@ unit test can build it in-process with world_size 1.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sys
@@ -25,6 +24,7 @@ from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.adapters import adapter_weights, merged_weights, save_adapters, unwrap
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.learner.loss import aggregation_weights, grpo_loss, merge_stats
+from qgrpo.learner.optim import GuardedLambdaLR, guarded_optimizer, lr_factor
 from qgrpo.learner.settings import LearnerSettings
 
 # DeepSpeed's ZeRO optimizer states hold these plain-data objects besides tensors; nothing else is unpickled.
@@ -47,71 +47,6 @@ def _safe_checkpoint_engine():
                 return torch.load(path, map_location=map_location, weights_only=True)
 
     return WeightsOnlyCheckpointEngine()
-
-
-class OptimizerGuard:
-    """A mixin for an optimizer that can refuse a step. DeepSpeed calls it on the fp32 master weights at the
-    accumulation boundary; when `veto` is set, or any gradient on any rank is non-finite, it returns without touching
-    weights or moments, so the bf16 weights DeepSpeed copies back from the masters are bit-identical. The decision is
-    all-reduced, so every rank takes it together. `applied` says whether the last boundary really stepped."""
-
-    veto: str = ""
-    enabled: bool = True
-    applied: bool = False
-    reason: str = ""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        if not self.enabled:
-            self.applied = True
-            return super().step(closure)
-        # On the device the process group serves (NCCL: CUDA only), even at world size 1.
-        bad = torch.tensor([0.0 if self.veto else 1.0], device=collective_device())
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None and not torch.isfinite(p.grad).all():
-                    bad[0] = 0.0
-                    break
-        if torch.distributed.is_initialized():
-            torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MIN)
-        if bad.item() < 1.0:
-            self.applied, self.reason = False, self.veto or "grad_norm"
-            return None
-        self.applied, self.reason = True, ""
-        return super().step(closure)
-
-
-class GuardedAdamW(OptimizerGuard, torch.optim.AdamW):
-    """torch's AdamW with the guard."""
-
-
-def guarded_optimizer(kind: str, params, **kwargs) -> OptimizerGuard:
-    """learner.optimizer: "adamw" (torch) or "adamw8bit" (bitsandbytes' blockwise 8-bit moments; tensors under 4,096
-    elements keep 32-bit moments, as bitsandbytes does), both with the guard."""
-    if kind == "adamw8bit":
-        import bitsandbytes as bnb
-
-        cls = type("GuardedAdamW8bit", (OptimizerGuard, bnb.optim.AdamW8bit), {})
-        return cls(params, **kwargs)
-    return GuardedAdamW(params, **kwargs)
-
-
-def lr_factor(update: int, warmup_steps: int, schedule: str = "constant", total_updates: int = 0) -> float:
-    """The learning rate of optimizer update `update` (0-based) over the configured lr: a linear warm-up ramp
-    ((update + 1) / warmup_steps, up to 1), times 1 ("constant") or, for "cosine", (1 + cos(pi * update / total)) / 2,
-    which decays towards 0 at the last update (MLX-GRPO's cosine_decay times its warm-up)."""
-    warm = min(1.0, (update + 1) / warmup_steps) if warmup_steps > 0 else 1.0
-    if schedule == "cosine" and total_updates > 0:
-        return warm * 0.5 * (1.0 + math.cos(math.pi * min(update, total_updates) / total_updates))
-    return warm
-
-
-class GuardedLambdaLR(torch.optim.lr_scheduler.LambdaLR):
-    """The LR schedule advances only with optimizer steps that were really taken."""
-
-    def step(self, epoch=None):
-        if getattr(self.optimizer, "applied", True) or self.last_epoch < 0:
-            super().step(epoch)
 
 
 def _init_distributed(device: torch.device) -> None:
@@ -169,8 +104,10 @@ class Learner:
             fake_quant_layers(model, s.fake_quant_grid, s.fake_quant_head)
         # Our own optimizer object: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
         # Only trainable tensors reach it (the adapters in lora/qlora).
+        # An fp32 learner keeps bf16 weights over fp32 masters, as DeepSpeed's bf16 mode does (learner/optim.py).
         self.inner_optimizer = guarded_optimizer(s.optimizer, [p for p in model.parameters() if p.requires_grad],
-                                                 lr=s.lr, betas=s.betas, weight_decay=s.weight_decay)
+                                                 round_weights=self.compute_dtype == "fp32", lr=s.lr, betas=s.betas,
+                                                 weight_decay=s.weight_decay)
         scheduler = GuardedLambdaLR(self.inner_optimizer,
                                     lambda u: lr_factor(u, s.warmup_steps, s.lr_schedule, s.total_updates))
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
@@ -244,6 +181,8 @@ class Learner:
                     # DeepSpeed's bf16 wrapper skips the inner step by itself on a non-finite gradient norm.
                     opt.veto, opt.applied = self._veto(checks), False
                     opt.reason = opt.veto or "grad_norm"
+                    norm = _grad_norm(self.engine.module) if self.compute_dtype == "fp32" and not self.zero_stage \
+                        else None  # DeepSpeed's fp32 path clips without keeping the norm (ZeRO keeps it)
                 self.engine.step()
                 _lap(clock, "optimizer", t)
                 loss_total += loss.detach().item()
@@ -251,6 +190,7 @@ class Learner:
                 stats_acc = merge_stats(stats_acc, stats)
             self.inner_optimizer.veto = ""
             gn = self.engine.get_global_grad_norm()
+            gn = gn if gn is not None else norm
             grad_norms.append(float(gn) if gn is not None else float("nan"))
             if not self.inner_optimizer.applied:
                 skipped = self.inner_optimizer.reason
@@ -370,6 +310,12 @@ class Learner:
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed optimizer state under {ckpt_dir}/optimizer")
         self.version = version
+
+
+def _grad_norm(module) -> float:
+    """The global norm of the gradients as the backward left them (before clipping)."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
 
 def _lap(clock: dict, stage: str, since: float) -> float:

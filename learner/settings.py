@@ -24,7 +24,7 @@ class LearnerSettings:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
     warmup_steps: int = 0  # optimizer updates of the linear warm-up
-    lr_schedule: str = "constant"  # "constant" or "cosine" (engine.lr_factor)
+    lr_schedule: str = "constant"  # "constant" or "cosine" (optim.lr_factor)
     total_updates: int = 0  # optimizer updates of the whole run: where the cosine schedule reaches 0
     # The GRPO update
     loss_cfg: GRPOLossConfig = field(default_factory=GRPOLossConfig)

@@ -189,7 +189,7 @@ def test_step_estimate_counts_the_steps_products():
     assert step_flops(cfg, 10**8, 93) == 2.0 * 10**8 * tokens * 4
     lines = MachineReport("AMD EPYC, AVX2, no native bf16", "fp32", "auto: ...", {"bf16": 7.5, "fp32": 44.0},
                           42.0).lines(30)
-    assert lines[0].startswith("compute: fp32") and "bf16 8 and fp32 44 GFLOP/s" in lines[1]
+    assert lines[0].startswith("compute: fp32") and "AMD EPYC" in lines[1] and "bf16 8 and fp32 44 GFLOP/s" in lines[1]
     assert "about 42 s per step, 21 min for 30 steps" in lines[2]
     assert len(MachineReport("x", "bf16", "", {"bf16": 1.0, "fp32": 1.0}, float("nan")).lines(30)) == 2
 
@@ -208,3 +208,37 @@ def test_the_runs_config_records_the_choice_and_a_resume_reads_past_it(monkeypat
                                                          "would be emulated, several times slower than fp32)"
     assert tomllib.loads(text)["model"]["compute_dtype"] == "auto"
     assert train._unnoted(text) == train._unnoted(text.replace("fp32 (", "bf16 ("))
+
+
+def test_fp32_learner_keeps_bf16_weights_over_fp32_masters(tiny_model_path, dist_env, tmp_path):
+    """At the default job's lr most Adam steps are smaller than half a bf16 spacing: the bf16 learner's weights hold
+    still until its fp32 master has moved that far. The fp32 learner does the same (learner/optim.py: Bf16Weights):
+    its weights stay bf16 values, its masters carry the rest, its streamed weights move about as often as the bf16
+    learner's, and the masters survive a checkpoint."""
+    from qgrpo.learner.engine import Learner
+    from qgrpo.learner.loss import GRPOLossConfig
+    from qgrpo.learner.settings import LearnerSettings
+
+    batch, moved = None, {}
+    for d in ("fp32", "bf16"):
+        learner = Learner(tiny_model_path, LearnerSettings(lr=2e-5, micro_batch_per_rank=8, sequences_per_rank=8,
+                                                           loss_cfg=GRPOLossConfig(kl_coeff=0.0), compute_dtype=d))
+        batch = batch or _batch(learner.engine.module.config.vocab_size)
+        before = {n: t.clone() for n, t in learner.named_weights()}
+        for _ in range(3):
+            assert learner.train_step(batch).skipped == ""
+        after = dict(learner.named_weights())
+        moved[d] = sum(int((before[n] != after[n]).sum()) for n in before) / sum(t.numel() for t in before.values())
+        if d == "fp32":
+            fp32 = learner
+    params = list(fp32.engine.module.parameters())
+    assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in params)
+    masters = fp32.inner_optimizer._masters()
+    assert sum(int((masters[p] != p).sum()) for p in params) > 0.5 * sum(p.numel() for p in params)
+    # measured: 56.4% of the streamed weights moved in both (the masters moved every weight)
+    assert abs(moved["fp32"] - moved["bf16"]) < 0.1 * moved["bf16"] and moved["bf16"] < 0.9, moved
+    state = fp32.inner_optimizer.state_dict()
+    assert len(state["bf16_masters"]) == len(params)
+    fp32.inner_optimizer._master_of = {}
+    fp32.inner_optimizer.load_state_dict(state)
+    assert all(torch.equal(masters[p], fp32.inner_optimizer._masters()[p]) for p in params)

@@ -18,7 +18,7 @@ import torch
 
 from qgrpo.learner.loss import GRPOLossConfig
 from qgrpo.learner.settings import LearnerSettings
-from tests.test_learner import _batch, dist_env  # noqa: F401 (dist_env: the one-rank process-group environment)
+from tests.test_learner import _batch, _process_group  # noqa: F401 (the one-rank process-group environment)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("deepspeed") is None,

@@ -218,7 +218,7 @@ def test_process_group_backend_follows_the_learners_device(monkeypatch):
 def test_guard_collectives_get_tensors_of_the_groups_device(cpu_learner, monkeypatch):
     """NCCL serves only CUDA tensors: the guard's flags and statistics are all-reduced on the device the process
     group serves (`collective_device`), asked at every collective."""
-    from qgrpo.learner import engine
+    from qgrpo.learner import engine, optim
 
     asked, got = [], []
 
@@ -226,7 +226,8 @@ def test_guard_collectives_get_tensors_of_the_groups_device(cpu_learner, monkeyp
         asked.append(1)
         return torch.device("cpu")
 
-    monkeypatch.setattr(engine, "collective_device", where)
+    monkeypatch.setattr(engine, "collective_device", where)  # the veto's statistics
+    monkeypatch.setattr(optim, "collective_device", where)  # the guard's flag
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: got.append(t.device.type))
     cpu_learner.guard = True
     assert cpu_learner._veto(torch.zeros(5, dtype=torch.float64)) == ""

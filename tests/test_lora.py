@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_learner import _batch, _group_batch, dist_env  # noqa: F401  (dist_env: the gloo rank, autouse)
+from test_learner import _batch, _group_batch, _process_group  # noqa: F401  (the gloo rank, autouse)
 from test_sync import ITEMS, SAMPLING, _mean_gap
 
 from qgrpo.cluster.config.schema import ConfigError, load_config

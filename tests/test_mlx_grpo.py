@@ -9,7 +9,7 @@ import pytest
 from qgrpo.cluster.cli.app import main
 from qgrpo.cluster.config.mlx_grpo import translate
 from qgrpo.cluster.config.schema import ConfigError, load_config
-from qgrpo.learner.engine import lr_factor
+from qgrpo.learner.optim import lr_factor
 
 # MLX-GRPO's own configs/nanochat_d32.toml, with a model that exists here
 D32 = """model_name = "builtin:tiny-digits"

@@ -27,7 +27,8 @@ class MachineReport:
 
     def lines(self, steps: int) -> list[str]:
         rate = f"bf16 {self.rates['bf16']:.0f} and fp32 {self.rates['fp32']:.0f} GFLOP/s measured"
-        out = [f"compute: {self.dtype} on the CPU roles ({self.why})", f"machine: {self.cpu}; {rate}"]
+        cpu = "" if self.cpu in self.why else f"{self.cpu}; "
+        out = [f"compute: {self.dtype} on the CPU roles ({self.why})", f"machine: {cpu}{rate} on this CPU"]
         if self.step_s == self.step_s:
             total = self.step_s * steps
             out.append(f"expected: about {_span(self.step_s)} per step, {_span(total)} for {steps} steps "
