@@ -23,6 +23,11 @@ long session can be split (a full 30-step run takes 30-60 min on a 2-core CPU wi
     .venv/bin/python bench/default_job.py --seeds 0 --precisions bf16 int8 int4 --steps 6 --no-eval --tag profile
     .venv/bin/python bench/default_job.py --resume --publish                # add the runs not done yet, then publish
     .venv/bin/python bench/default_job.py --report --publish                # tabulate the runs done so far
+    .venv/bin/python bench/default_job.py --from-run RUN_DIR --tag NAME --note "how it was run" --publish
+
+`--from-run` tabulates one run made by hand (`make train`, e.g. on a CPU or under an emulation the runs here do not
+cover): held-out accuracy at each evaluation, mean step time by stage (steps 2..N), what the learner computed in and
+the compute-dtype note of the run's config.toml.
 
 Writes bench/results/default_job[_TAG].json and prints a table; `--publish` also writes bench/published/
 default_job[_TAG].{json,txt}.
@@ -221,8 +226,36 @@ def save(stem: str, result: dict, text: str, publish: bool) -> None:
         print(f"published bench/published/{stem}.{{json,txt}}")
 
 
+RUN_STAGES = ("step", "generate", "reference", "learn", "learn_forward", "learn_backward", "learn_optimizer", "sync")
+
+
+def from_run(run_dir: Path, note: str, wall_min: float) -> tuple[dict, str]:
+    """(result, table) of one finished run directory (--from-run)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    steps = [m for m in lines if "time/step" in m]
+    later = [m for m in steps if m["step"] >= 2] or steps
+    start = next((m for m in lines if m.get("event") == "start"), {})
+    result = {"run": run_dir.name, "command": note, "wall_min": wall_min or None, "steps": len(steps),
+              "evals": {str(m["step"]): m["accuracy"] for m in lines if m.get("event") == "eval"},
+              "seconds_per_stage": {s: round(mean([m[f"time/{s}"] for m in later]), 2) for s in RUN_STAGES
+                                    if all(f"time/{s}" in m for m in later)},
+              "learner_compute_dtype": [r.get("compute_dtype") for r in start.get("placement", {}).get("learner", [])],
+              "config_note": [x for x in (run_dir / "config.toml").read_text().splitlines()
+                              if x.startswith("# model.compute_dtype")],
+              "final_reward": steps[-1].get("reward/mean") if steps else None, "summarised_with": versions()}
+    text = "\n".join([f"{result['run']}: {result['steps']} steps, learner in {result['learner_compute_dtype']}",
+                      *result["config_note"],
+                      "held-out accuracy: " + ", ".join(f"step {k} {v:.0%}" for k, v in result["evals"].items()),
+                      "| stage | s per step |", "|---|---|",
+                      *(f"| {k} | {v} |" for k, v in result["seconds_per_stage"].items())])
+    return result, text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--from-run", type=Path, default=None, help="tabulate this finished run directory, run nothing")
+    ap.add_argument("--note", default="", help="--from-run: how the run was made, kept with its figures")
+    ap.add_argument("--wall-min", type=float, default=0.0, help="--from-run: its wall time as `qgrpo train` said")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--precisions", nargs="+", default=["int8", "bf16"], help="rollout.precision values")
     ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's 30)")
@@ -230,6 +263,9 @@ def main() -> None:
     session_options(ap, "default_job")
     args = ap.parse_args()
     stem = results_folder(args, "default_job")
+    if args.from_run:
+        save(stem, *from_run(args.from_run, args.note, args.wall_min), args.publish)
+        return
     started = datetime.datetime.now().isoformat(timespec="seconds")
     runs, missing = [], []
     for seed in args.seeds:

@@ -47,9 +47,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def dist_env():
-    """The environment of a one-rank gloo process group, for learners built in-process."""
+    """The environment of a one-rank gloo process group, for learners built in-process. DeepSpeed caches a clone of
+    the world group from the first learner on; an in-process vLLM engine of another module may have destroyed that
+    world since (its shutdown does), so the cache is dropped first and the next learner clones the live world."""
     import torch
+    from deepspeed.utils import groups
 
+    groups._release_process_group_references(None)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

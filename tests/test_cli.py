@@ -66,10 +66,12 @@ def test_check_of_the_tiny_preset_says_what_it_checked_and_ok(tiny_model_path, t
     assert rc == 0, err
     lines = err.strip().splitlines()
     assert lines[-1] == "qgrpo check: OK: train would start"
-    assert len(lines) <= 10, err  # short: no config dump
+    assert len(lines) <= 11, err  # short: no config dump
     assert out == ""
     labels = [line.split(":")[0].strip() for line in lines[1:-1]]
-    assert labels == ["config", "dataset", "rewards", "model", "preflight", "GPU plan"], err
+    # then what the run will compute in here, the machine's rates and the expected time (cluster/config/machine.py)
+    assert labels == ["config", "dataset", "rewards", "model", "preflight", "GPU plan", "compute", "machine",
+                      "expected"], err
     assert f"  model:     builtin:tiny-digits -> {tiny_model_path}\n" in err
     assert "held-out 100 prompts" in err and "no role asks for a GPU" in err
     assert not (tmp_path / "runs").exists()  # checked, not created

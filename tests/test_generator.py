@@ -123,6 +123,7 @@ def test_a_sync_quantizes_in_place_exactly_as_a_fresh_start(tiny_model_path, pre
     base's."""
     from transformers import AutoModelForCausalLM
 
+    from qgrpo.rollout.backends.compute import compute_in
     from qgrpo.rollout.quant import quantize_model
 
     gen = TorchGenerator(tiny_model_path, precision=precision)
@@ -137,6 +138,6 @@ def test_a_sync_quantizes_in_place_exactly_as_a_fresh_start(tiny_model_path, pre
         fresh = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).eval()  # as the generator
         for n, p in fresh.named_parameters():
             p.copy_(new[n])
-        fresh = quantize_model(fresh, precision)
+        fresh = compute_in(quantize_model(fresh, precision), gen.model.dtype)  # as the generator computes here
         assert torch.equal(gen.model(ids).logits, fresh(ids).logits)
         assert not torch.equal(gen.model(ids).logits, before)

@@ -26,6 +26,7 @@ from qgrpo.cluster.rundir.checkpoint import (
 )
 from qgrpo.cluster.rundir.resume import find_checkpoint
 from qgrpo.core import storage
+from qgrpo.core.cpu import compute_dtype
 from tests.test_faults import TINY, _args, _metrics, _run_dir, _steps, faults  # noqa: F401 (faults: a fixture)
 
 
@@ -243,12 +244,14 @@ def test_every_learner_rank_uploads_its_part_and_loads_it_back(ray_session, tiny
         ray.get([a.train_step.remote(_batch(32).shard(i, 2)) for i, a in enumerate(ranks)])
         run = _uri(tmp_path / "bucket" / "run")
         save_checkpoint(run, 1, lambda out: ray.get([a.save.remote(out) for a in ranks]), {"step": 1}, keep_last=1)
+        # DeepSpeed names a bf16 learner's ZeRO shards bf16_zero_*, an fp32 one's zero_* (model.compute_dtype)
+        zero = "bf16_zero" if compute_dtype("auto", "cpu")[0] == "bf16" else "zero"
         ckpt = tmp_path / "bucket" / "run" / "checkpoints" / "step_000001"
         files = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()}
         assert {"config.json", "model.safetensors", "tokenizer.json", STATE_FILE,
                 "optimizer/state/mp_rank_00_model_states.pt",
-                "optimizer/state/bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",  # uploaded by rank 0
-                "optimizer/state/bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= files, files  # by rank 1
+                f"optimizer/state/{zero}_pp_rank_0_mp_rank_00_optim_states.pt",  # uploaded by rank 0
+                f"optimizer/state/{zero}_pp_rank_1_mp_rank_00_optim_states.pt"} <= files, files  # by rank 1
         ray.get([a.load.remote(f"{run}/checkpoints/step_000001", 1) for a in ranks])
         assert ray.get([a.version.remote() for a in ranks]) == [1, 1]
     finally:

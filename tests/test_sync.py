@@ -21,8 +21,13 @@ ITEMS = [PromptItem(f"p{i}", f"{i % 5}+{(3 * i) % 5}=", str(i % 5 + (3 * i) % 5)
 SAMPLING = SamplingParams(group_size=4, max_new_tokens=4, temperature=1.0, seed=7)
 # Mean |log mu - log pi| over sampled tokens between a generator and a float32 forward of the weights it should hold.
 # int4 group-64 on this tiny random model measured ~0.02-0.05; bound with margin. The old-vs-new gap must be larger.
-# vLLM's int8 is W8A8 (activations quantized too): measured ~0.002 here, inside the int8 bound.
-BOUND = {"bf16": 0.02, "int8": 0.05, "int4": 0.15}
+# vLLM's int8 is W8A8 (activations quantized too, by oneDNN kernels that differ by ISA): its fingerprint gap measured
+# 0.003 with AVX-512 and 0.097 with ONEDNN_MAX_CPU_ISA=AVX2, so it gets the bound of a 4-bit weight format.
+BOUND = {"bf16": 0.02, "int8": 0.05, "int4": 0.15, ("vllm", "int8"): 0.15}
+
+
+def _bound(backend: str, precision: str) -> float:
+    return BOUND.get((backend, precision), BOUND[precision])
 GREEDY = SamplingParams(group_size=1, max_new_tokens=6, temperature=0.0)
 
 
@@ -72,7 +77,8 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
     assert update.version == 1 and len(update.buckets) > 1
     acks = wait_all([a.load_weights.remote(update) for a in rollouts.values()], 60, "sync")
     assert [a.version for a in acks] == [1] * len(KINDS)
-    assert all(a.fingerprint_gap < BOUND[p] for a, (_, p) in zip(acks, rollouts)), acks
+    print("fingerprint gaps:", {a.generator_id: round(a.fingerprint_gap, 4) for a in acks})
+    assert all(a.fingerprint_gap < _bound(b, p) for a, (b, p) in zip(acks, rollouts)), acks
     assert all(ray.get(a.info.remote())["version"] == 1 for a in rollouts.values())
 
     new_model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
@@ -84,10 +90,10 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
         assert all(g.policy_version == 1 for g in after)
         gap_new, gap_old = _mean_gap(after, new_model), _mean_gap(after, old_model)
         print(f"{b} {p}: mean |log mu - log pi| vs new weights {gap_new:.4f}, vs old weights {gap_old:.4f}")
-        assert gap_new < BOUND[p], (b, p, gap_new)
+        assert gap_new < _bound(b, p), (b, p, gap_new)
         assert gap_old > 2 * gap_new, (b, p, gap_old, gap_new)
         # before the sync the same generator matched the old weights
-        assert _mean_gap(before[(b, p)], old_model) < BOUND[p]
+        assert _mean_gap(before[(b, p)], old_model) < _bound(b, p)
 
     # Sync the original weights back (as version 2, fingerprinted like any update): the original greedy outputs return.
     from safetensors.torch import load_file

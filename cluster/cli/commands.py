@@ -28,6 +28,8 @@ class CheckReport(Progress):
     def passed(self, what: str, found: str) -> None:
         print(f"  {what + ':':<10} {found}", file=sys.stderr)
 
+    told = passed
+
 
 def check_command(args) -> int:
     """`qgrpo check`: every check `qgrpo train` runs before Ray starts (the same function, `before_ray`), one line per

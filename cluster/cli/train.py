@@ -43,6 +43,10 @@ class Progress:
     def passed(self, what: str, found: str) -> None:
         """A check passed: its name, and what it found, in a few words."""
 
+    def told(self, what: str, found: str) -> None:
+        """What the run will do here (compute dtype, the machine's rates, the expected time): train prints it."""
+        print(f"qgrpo: {what}: {found}", file=sys.stderr)
+
 
 def resume_point(args):
     """The checkpoint `--resume` names (its run's newest complete one for a run directory), or None."""
@@ -207,7 +211,7 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
         from qgrpo.cluster.config.machine import machine_report
 
         for line in machine_report(cfg, model_path).lines(cfg.run.steps):
-            print(f"qgrpo: {line}", file=sys.stderr)
+            progress.told(*line.split(": ", 1))
     return model_path
 
 

@@ -37,6 +37,8 @@ class MachineReport:
 
 
 def _span(seconds: float) -> str:
+    if seconds < 1:
+        return "under 1 s"
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:
