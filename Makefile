@@ -10,7 +10,7 @@ ARGS   ?=
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PYTHONWARNINGS := ignore
-export QGRPO_CACHE ?= $(CURDIR)/.cache/qgrpo
+# No QGRPO_CACHE here: `make` and a bare `qgrpo` share one model cache, $QGRPO_CACHE when set, else ~/.cache/qgrpo.
 
 .PHONY: install train test test-slow lint docs bench bench-trl clean
 

@@ -14,6 +14,9 @@ from qgrpo.rollout.rewards.scoring import CallResult, RewardEntry, make_callable
 @ray.remote
 class RewardWorker:
     def __init__(self, entries: list[RewardEntry]):
+        from qgrpo.actors.common import quiet_libraries
+
+        quiet_libraries()  # before the user's files are imported (they may import torch or DeepSpeed)
         self.entries = entries
         self.fns = {e.label: make_callable(e) for e in entries if e.kind != "model"}
         problems = [p for e in entries if e.kind == "function"

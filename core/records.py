@@ -24,6 +24,9 @@ class PromptItem:
     # JSON-safe, by column name; None = none. File tasks: every column of the row; rg: tasks: question, answer,
     # metadata and rg_entry (what rebuilds the reasoning-gym entry in another process, see rollout/tasks.RGTask)
     columns: dict | None = None
+    # the row's prompt column held chat turns: reward functions then get `prompts[i]` as the whole message list and
+    # `completions[i]` as [{"role": "assistant", "content": TEXT}], as TRL passes conversational rows
+    chat: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class GroupRollout:
     precision: str  # generator precision, e.g. "int4"
     rewards: list[float] = field(default_factory=list)  # [G], filled by the driver
     advantages: list[float] = field(default_factory=list)  # [G], filled by the driver
+    # each reward entry's own score, label -> [G] (None where it returned None or its call failed), unweighted;
+    # filled by the driver with the rewards
+    scores: dict[str, list[float | None]] = field(default_factory=dict)
 
 
 @dataclass

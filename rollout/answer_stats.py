@@ -1,11 +1,11 @@
 """Is a held-out accuracy gain real? Trivial baselines, answer diversity and plain-word warnings.
 
 - Majority baseline: the accuracy of always giving the most common reference answer of the TRAIN split, scored on
-  the held-out prompts by the run's own accuracy reward (the answer is written as a completion that reward reads, so
-  "4.0" counts against "4" exactly as it would for the policy). The train split can be large or unbounded: its first
-  MAJORITY_SAMPLE items are counted (the whole split when it is smaller).
-- Answer diversity: answers are read from completions by the accuracy reward's own reader
-  (`rollout.rewards.ANSWER_READERS`) and compared by `answer_key`. `distinct` counts the different answers given;
+  the held-out prompts by the run's own judge of accuracy (rollout/rewards/judge.py; the answer is written as a
+  completion the judge reads, so "4.0" counts against "4" exactly as it would for the policy). The train split can
+  be large or unbounded: its first MAJORITY_SAMPLE items are counted (the whole split when it is smaller).
+- Answer diversity: answers are read from completions by the judge's own reader (`Judge.read`) and compared by
+  `answer_key`. `distinct` counts the different answers given;
   `top_share` is the share of the most common answer among ALL completions, those without an answer included, so a
   policy that mostly gives no answer does not look collapsed.
 - Warnings, when
@@ -23,8 +23,8 @@ from collections import Counter
 from typing import Any, Sequence
 
 from qgrpo.core.records import GroupRollout, PromptItem
-from qgrpo.rollout.rewards import ANSWER_READERS, answer_key, completion_with_answer
-from qgrpo.rollout.rewards.scoring import score_texts
+from qgrpo.rollout.rewards import answer_key
+from qgrpo.rollout.rewards.judge import Judge, as_judge
 
 MAJORITY_SAMPLE = 2_000  # train items whose references are counted for the majority answer
 BEAT_MARGIN = 0.02  # held-out accuracy <= majority baseline + 2 points: no better than the baseline
@@ -45,19 +45,19 @@ def diversity(answers: Sequence[str | None]) -> dict[str, Any]:
     return {"given": sum(counts.values()), "distinct": len(counts), "top": top, "top_share": count / len(answers)}
 
 
-def read_answers(texts: Sequence[str], metric: str) -> list[str | None]:
-    """The answers of `texts` as the accuracy reward `metric` reads them."""
-    read = ANSWER_READERS[metric]
+def read_answers(texts: Sequence[str], metric: "str | Judge") -> list[str | None]:
+    """The answers of `texts` as the judge `metric` (or the built-in of that name) reads them."""
+    read = as_judge(metric).read
     return [read(t) for t in texts]
 
 
-def step_answer_metrics(groups: list[GroupRollout], metric: str) -> dict[str, float]:
+def step_answer_metrics(groups: list[GroupRollout], metric: "str | Judge") -> dict[str, float]:
     """`answers/distinct` and `answers/top_share` over every completion of a training step (the whole batch)."""
     d = diversity(read_answers([c.text for g in groups for c in g.completions], metric))
     return {"answers/distinct": d["distinct"], "answers/top_share": d["top_share"]}
 
 
-def eval_answer_stats(groups: list[GroupRollout], metric: str) -> dict[str, Any]:
+def eval_answer_stats(groups: list[GroupRollout], metric: "str | Judge") -> dict[str, Any]:
     """Diversity of the held-out answers (one greedy completion per prompt), and of the references they answer."""
     policy = diversity(read_answers([g.completions[0].text for g in groups], metric))
     refs = diversity([g.item.reference for g in groups])
@@ -66,20 +66,22 @@ def eval_answer_stats(groups: list[GroupRollout], metric: str) -> dict[str, Any]
             "references_top_share": refs["top_share"]}
 
 
-def majority_baseline(train_task, eval_items: list[PromptItem], metric: str,
+def majority_baseline(train_task, eval_items: list[PromptItem], metric: "str | Judge",
                       sample: int = MAJORITY_SAMPLE) -> dict[str, Any]:
     """Accuracy on `eval_items` of always answering the most common reference of the train split's first `sample`
-    items, scored by the reward `metric` on a completion it reads as that answer."""
+    items, judged by `metric` (a Judge, or a built-in's name) on a completion it reads as that answer. Raises
+    JudgeError when the judge (a user's function, a URL) fails."""
+    judge = as_judge(metric)
     try:
         size = len(train_task)
     except TypeError:  # digit_sum is unbounded
         size = None
     n = sample if size is None else min(sample, size)
     train = diversity([train_task.item(i).reference for i in range(n)])
-    completion = completion_with_answer(metric, train["top"] or "")
-    accuracy = sum(score_texts(metric, [completion] * len(eval_items), eval_items)) / max(len(eval_items), 1)
+    completion = judge.as_completion(train["top"] or "")
+    accuracy = sum(judge.correct([completion] * len(eval_items), eval_items)) / max(len(eval_items), 1)
     return {"majority_answer": train["top"], "majority_accuracy": accuracy, "majority_train_share": train["top_share"],
-            "train_items": n, "train_size": size, "metric": metric, "n": len(eval_items)}
+            "train_items": n, "train_size": size, "metric": judge.name, "n": len(eval_items)}
 
 
 # ---------------------------------------------------------------------------------------------------- words

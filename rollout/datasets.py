@@ -7,9 +7,10 @@ bad row stops the run with its line or row number instead of failing hours later
 - a missing file or folder; a folder that is not a saved dataset; a missing split or column (the message names the
   splits or columns present); a column named like a reward keyword argument (`RESERVED_COLUMNS`);
 - JSONL: a line that is not valid JSON, or not a JSON object (line N, counted from 1, blank lines skipped);
-- a row whose answer is missing, null, empty, or not a string or number, or whose prompt is none of: a string, a
-  number, a list of chat turns (JSONL "line N", Parquet and hf_disk "row N" counted from 0). All malformed rows are
-  reported at once, the first `MAX_REPORTED` of them by number.
+- a row whose answer is missing, null, empty, or not a string or number (`task.answer_column = ""`: the rows have no
+  answer column, and every reference is ""), or whose prompt is none of: a string, a number, a list of chat turns
+  (JSONL "line N", Parquet and hf_disk "row N" counted from 0). All malformed rows are reported at once, the first
+  `MAX_REPORTED` of them by number.
 
 Numbers are read as text ("7", "2.5"); the reward functions compare numbers by value.
 
@@ -80,7 +81,7 @@ def json_safe(x: Any) -> Any:
 @dataclass(frozen=True)
 class Row:
     prompt: str  # the question: the prompt column's text, or the content of its last (user) turn
-    answer: str
+    answer: str  # "" when task.answer_column = "" (no answer column)
     number: int  # JSONL: line number (from 1); Parquet and hf_disk: row index (from 0)
     history: tuple[tuple[str, str], ...] = ()  # the row's system turn, then its earlier chat turns
     columns: dict = _field(default_factory=dict)  # every column of the row, JSON-safe
@@ -146,7 +147,7 @@ def _row_parts(rec: dict, names: tuple[str, str, str]) -> tuple[dict, list[tuple
     else:
         text, p_err = _cell(rec, prompt_column, "a string, a number or a list of chat turns")
         turns = None if p_err else (("user", text),)
-    answer, a_err = _cell(rec, answer_column)
+    answer, a_err = _cell(rec, answer_column) if answer_column else ("", None)  # "": rows without answers
     system, s_err = rec.get(system_column) if system_column else None, None
     if system is not None and not isinstance(system, str):
         s_err = f"{system_column!r} is a {type(system).__name__}, expected a string (null: no system turn)"
@@ -288,7 +289,8 @@ def read_rows(path: str, fmt: str, prompt_column: str = "prompt", answer_column:
         raise ValueError(f"unknown dataset format {fmt!r}; choose one of {', '.join(FORMATS)}")
     what = "folder written by save_to_disk" if fmt == "hf_disk" else f"{fmt} file"
     if not path:
-        return (), [f"{field}: missing; set the path of a {what} with {prompt_column!r} and {answer_column!r} columns"]
+        cols = f"{prompt_column!r} and {answer_column!r} columns" if answer_column else f"a {prompt_column!r} column"
+        return (), [f"{field}: missing; set the path of a {what} with {cols}"]
     problem = path_problem(path, fmt, field)
     if problem:
         return (), [problem]
@@ -374,4 +376,5 @@ class FileTask:
             meta={"split": self.split, "task": self.name, where: row.number},
             history=row.history,
             columns=dict(row.columns),
+            chat=row.chat,
         )

@@ -1,5 +1,6 @@
-"""Held-out accuracy: greedy completions of the task's eval split, scored by a correctness reward, with how diverse
-the answers were (rollout/answer_stats.py).
+"""Held-out accuracy: greedy completions of the task's eval split, each correct or not by the run's judge
+(rollout/rewards/judge.py: a built-in, or any reward entry with a threshold), with how diverse the answers were
+(rollout/answer_stats.py).
 
 During training the rollout actors answer (at their own precision, recorded with the result); `qgrpo eval` builds a
 generator in-process for any checkpoint or model folder.
@@ -8,20 +9,46 @@ from __future__ import annotations
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
+from qgrpo.rollout.rewards.judge import Judge, as_judge, choose_judge, numeric
 from qgrpo.rollout.rewards.scoring import score_texts
 
-# The first of these configured is the accuracy metric (verifiers first: they know the task's answers best).
-ACCURACY_REWARDS = ("rg_score", "math_verify", "answer_correct", "correct", "exact")
+REFERENCE_SAMPLE = 200  # eval references looked at to tell a task of numbers from one of words
 
 
-def accuracy_reward(rewards_cfg) -> str:
-    """The built-in reward that scores held-out accuracy: rewards.eval_metric, else the first of ACCURACY_REWARDS
-    configured, else lenient_correct (the answer in tags, or the last number): a run whose rewards are all the user's
-    own still gets a held-out number, read the way most answers are written."""
-    if rewards_cfg.eval_metric:
-        return rewards_cfg.eval_metric
-    configured = [s.name for s in rewards_cfg.functions]
-    return next((name for name in ACCURACY_REWARDS if name in configured), "lenient_correct")
+def task_judge(rewards_cfg, eval_task, n: int, model=None) -> Judge:
+    """The judge of held-out accuracy for `eval_task`'s first `n` items (its references decide the default)."""
+    refs = [eval_task.item(i).reference for i in range(min(n, REFERENCE_SAMPLE))] if eval_task is not None else None
+    return choose_judge(rewards_cfg, refs, model)
+
+
+def judge_check(cfg) -> tuple[str, list[str], list[str]]:
+    """For `check` and `train` before anything starts: (the held-out judge in words, problems, warnings). A config
+    whose every reward reads integers only (`correct`, `integer_format`: the default is `correct`) on references
+    that are words is a problem: no completion could ever score."""
+    from qgrpo.rollout.rewards.builtin import NUMBER_READERS
+    from qgrpo.rollout.rewards.judge import is_number, judge_problems
+    from qgrpo.rollout.tasks import make_task
+
+    task = make_task(cfg.task, cfg.run.seed, split="eval" if cfg.run.eval else "train")
+    refs = [task.item(i).reference for i in range(min(cfg.task.eval_size or REFERENCE_SAMPLE, REFERENCE_SAMPLE))]
+    judge = choose_judge(cfg.rewards, refs)
+    words = [r for r in refs if r is not None and not is_number(r)]
+    problems = []
+    fns = cfg.rewards.functions
+    if words and all(s.name in NUMBER_READERS for s in fns):
+        default = " (not set, so the default)" if [s.name for s in fns] == ["correct"] and fns[0].weight == 1 else ""
+        problems.append(
+            f"rewards.functions{default}: {', '.join(s.name for s in fns)} read integers only, and {len(words)} of "
+            f"{len(refs)} references are words (e.g. {str(words[0])[:40]!r}): no completion could ever score; set "
+            "rewards.functions, e.g. [{name = \"text_match\"}] (the reference as the answer or named in it) or "
+            "[{function = \"my_rewards.py:NAME\"}]")
+    if cfg.run.eval and judge.builtin and not any(str(r or "").strip() for r in refs):
+        problems.append(f"run.eval: the held-out rows have no reference answers (task.answer_column = "
+                        f"{cfg.task.answer_column!r}), so {judge.name} can never count an answer correct; set "
+                        "rewards.eval_metric to the label of a reward of your own that needs no reference, or "
+                        "run.eval = false")
+    found = judge.describe() if cfg.run.eval else f"off (run.eval = false); training accuracy by {judge.name}"
+    return found, problems, judge_problems(judge, refs) if cfg.run.eval else []
 
 
 def eval_items(task, n: int) -> list[PromptItem]:
@@ -32,17 +59,28 @@ def greedy(max_new_tokens: int) -> SamplingParams:
     return SamplingParams(group_size=1, max_new_tokens=max_new_tokens, temperature=0.0, seed=0)
 
 
-def score_eval(groups: list[GroupRollout], metric: str) -> dict:
+def score_eval(groups: list[GroupRollout], metric: "str | Judge", details: bool = False) -> dict:
+    """Accuracy (the share the judge counts correct), the judge's mean score, the answers' diversity and three
+    samples. `lenient_accuracy` (the answer in tags, else the last number) only where the references are numbers.
+    `details`: also every answer with its score, under "details". Raises JudgeError when the judge fails."""
+    judge = as_judge(metric)
     texts, items = [g.completions[0].text for g in groups], [g.item for g in groups]
-    out = {k: sum(score_texts(name, texts, items)) / len(groups)
-           for k, name in (("accuracy", metric), ("lenient_accuracy", "lenient_correct"))}
-    out.update(n=len(groups), metric=metric, precision=groups[0].precision, **eval_answer_stats(groups, metric),
+    scores = judge.scores(texts, items)
+    out = {"accuracy": sum(float(s is not None and s >= judge.threshold) for s in scores) / len(groups),
+           "score_mean": sum(s or 0.0 for s in scores) / len(groups)}
+    if numeric([it.reference for it in items]):
+        out["lenient_accuracy"] = sum(score_texts("lenient_correct", texts, items)) / len(groups)
+    out.update(n=len(groups), metric=judge.name, precision=groups[0].precision, **eval_answer_stats(groups, judge),
                samples=[{"prompt": g.item.prompt, "reference": g.item.reference, "completion": g.completions[0].text}
                         for g in groups[:3]])
+    if details:
+        out["details"] = [{"prompt_id": g.item.prompt_id, "prompt": g.item.prompt, "reference": g.item.reference,
+                           "completion": t, "score": sc, "correct": sc is not None and sc >= judge.threshold}
+                          for g, t, sc in zip(groups, texts, scores)]
     return out
 
 
-def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: str = "correct",
+def evaluate_model(model_path: str, task, n: int, max_new_tokens: int, metric: "str | Judge" = "correct",
                    precision: str = "bf16", batch: int = 32, chat_template: bool = True, backend: str = "torch",
                    options: dict | None = None, train_task=None) -> dict:
     """In-process evaluation of a checkpoint or model folder (used by `qgrpo eval`), on any registered backend.

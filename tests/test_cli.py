@@ -62,18 +62,19 @@ def _problems(err: str) -> str:
 
 
 def test_check_of_the_tiny_preset_says_what_it_checked_and_ok(tiny_model_path, tmp_path, capsys):
+    """The report and its verdict are check's output: on stdout; stderr keeps only what libraries say."""
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path))
-    assert rc == 0, err
-    lines = err.strip().splitlines()
+    assert rc == 0, out + err
+    lines = out.strip().splitlines()
     assert lines[-1] == "qgrpo check: OK: train would start"
-    assert len(lines) <= 11, err  # short: no config dump
-    assert out == ""
+    assert len(lines) <= 13, out  # short: no config dump
+    assert "qgrpo" not in err
     labels = [line.split(":")[0].strip() for line in lines[1:-1]]
     # then what the run will compute in here, the machine's rates and the expected time (cluster/config/machine.py)
-    assert labels == ["config", "dataset", "rewards", "model", "preflight", "GPU plan", "compute", "machine",
-                      "expected"], err
-    assert f"  model:     builtin:tiny-digits -> {tiny_model_path}\n" in err
-    assert "held-out 100 prompts" in err and "no role asks for a GPU" in err
+    assert labels == ["config", "dataset", "rewards", "held-out", "calls", "model", "preflight", "GPU plan", "compute",
+                      "machine", "expected"], out
+    assert f"  model:     builtin:tiny-digits -> {tiny_model_path}\n" in out
+    assert "held-out 100 prompts" in out and "no role asks for a GPU" in out
     assert not (tmp_path / "runs").exists()  # checked, not created
 
 
@@ -83,8 +84,8 @@ def test_check_show_config_prints_the_effective_config(tiny_model_path, tmp_path
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, "rollout.max_new_tokens=4"),
                         "--show-config")
     assert rc == 0, err
-    assert tomllib.loads(out)["rollout"]["max_new_tokens"] == 4
-    assert err.strip().endswith("qgrpo check: OK: train would start")
+    assert tomllib.loads(out)["rollout"]["max_new_tokens"] == 4  # stdout is the TOML alone: `> effective.toml`
+    assert err.strip().endswith("qgrpo check: OK: train would start") and "qgrpo check" not in out
 
 
 @pytest.mark.parametrize("case", ["output_dir", "cpus", "context", "all"])
@@ -100,16 +101,16 @@ def test_check_refuses_what_train_refuses(case, tiny_model_path, tmp_path, capsy
     fields["all"] = ["run.output_dir", "rollout.max_new_tokens", "rollout.num_cpus"]
     args = _tiny_args(tiny_model_path, tmp_path, *sets[case])
     rc_train, _, err_train = _run(capsys, "train", *args)
-    rc_check, out, err_check = _run(capsys, "check", *args)
-    assert rc_train == rc_check == 2, (err_train, err_check)
+    rc_check, out_check, err_check = _run(capsys, "check", *args)
+    assert rc_train == rc_check == 2, (err_train, out_check)
     assert err_train.startswith("qgrpo: invalid config")
-    assert _problems(err_check) == _problems(err_train) == err_train
+    assert _problems(out_check) == _problems(err_train) == err_train  # train: stderr; check: its report, stdout
     listed = [line[4:].split(":")[0] for line in err_train.splitlines() if line.startswith("  - ")]
     assert listed == fields[case], err_train
     n = len(listed)
-    assert err_check.strip().splitlines()[-1] == f"qgrpo check: REFUSED: {n} problem{'s' * (n != 1)}"
-    assert "  model:     builtin:tiny-digits" in err_check and "  preflight:" not in err_check
-    assert out == "" and not (tmp_path / "runs").exists() and not list(tmp_path.glob("afile/*"))
+    assert out_check.strip().splitlines()[-1] == f"qgrpo check: REFUSED: {n} problem{'s' * (n != 1)}"
+    assert "  model:     builtin:tiny-digits" in out_check and "  preflight:" not in out_check
+    assert "qgrpo" not in err_check and not (tmp_path / "runs").exists() and not list(tmp_path.glob("afile/*"))
 
 
 def test_check_refuses_a_dataset_as_train_does(tiny_model_path, tmp_path, capsys):
@@ -117,22 +118,22 @@ def test_check_refuses_a_dataset_as_train_does(tiny_model_path, tmp_path, capsys
     data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3)))
     args = _tiny_args(tiny_model_path, tmp_path, "task.name='jsonl'", f"task.path='{data}'", "task.eval_size=10")
     rc_train, _, err_train = _run(capsys, "train", *args)
-    rc_check, _, err_check = _run(capsys, "check", *args)
+    rc_check, out_check, _ = _run(capsys, "check", *args)
     assert rc_train == rc_check == 2
-    assert _problems(err_check) == err_train and "task.eval_size" in err_train
-    assert "  config:" in err_check and "  dataset:" not in err_check and "  model:" not in err_check
-    assert err_check.strip().endswith("qgrpo check: REFUSED: 1 problem")
+    assert _problems(out_check) == err_train and "task.eval_size" in err_train
+    assert "  config:" in out_check and "  dataset:" not in out_check and "  model:" not in out_check
+    assert out_check.strip().endswith("qgrpo check: REFUSED: 1 problem")
 
 
 def test_check_suggests_the_key_meant(tmp_path, capsys):
     """A misspelt key: the schema names the nearest one (cluster/config/errors.unknown_key), through `qgrpo check`."""
     cfg = tmp_path / "typo.toml"
     cfg.write_text(TINY.read_text().replace("max_new_tokens = 3", "max_new_token = 3"))
-    rc, _, err = _run(capsys, "check", str(cfg))
+    rc, out, _ = _run(capsys, "check", str(cfg))
     assert rc == 2
-    assert "rollout.max_new_token: unknown key" in err and "did you mean rollout.max_new_tokens?" in err
-    assert err.strip().endswith("qgrpo check: REFUSED: 1 problem")
-    assert _run(capsys, "train", str(cfg))[2] == _problems(err)
+    assert "rollout.max_new_token: unknown key" in out and "did you mean rollout.max_new_tokens?" in out
+    assert out.strip().endswith("qgrpo check: REFUSED: 1 problem")
+    assert _run(capsys, "train", str(cfg))[2] == _problems(out)
 
 
 def test_hint_on_a_short_generation_from_check_and_train(tiny_model_path, tmp_path, capsys):
@@ -142,7 +143,8 @@ def test_hint_on_a_short_generation_from_check_and_train(tiny_model_path, tmp_pa
     args = _tiny_args(tiny_model_path, tmp_path, "task.name='jsonl'", f"task.path='{data}'", "task.eval_size=5",
                       "task.instruction='Give the final answer inside <answer></answer>.'", "rollout.max_new_tokens=8")
     for command in ("check", "train"):
-        rc, _, err = _run(capsys, command, *args)
+        rc, out, err = _run(capsys, command, *args)
+        err = out if command == "check" else err  # check's report is its output; train's messages go to stderr
         hint = next(line for line in err.splitlines() if line.startswith("qgrpo: hint: "))
         assert hint.startswith("qgrpo: hint: rollout.max_new_tokens: 8 new tokens are fewer than")
         assert "set rollout.max_new_tokens = 24 or more" in hint  # '<answer>10</answer>' + EOS: 20 characters
@@ -167,11 +169,11 @@ def test_a_model_that_cannot_be_built_is_refused_by_both(tmp_path, capsys, monke
     args = [str(TINY), "--set", f"model.cache_dir='{tmp_path / 'empty-cache'}'", "--set",
             f"run.output_dir='{tmp_path / 'runs'}'"]
     rc_train, _, err_train = _run(capsys, "train", *args)
-    rc_check, _, err_check = _run(capsys, "check", *args)
+    rc_check, out_check, err_check = _run(capsys, "check", *args)
     assert rc_train == rc_check == 2
     msg = "qgrpo: model.path: 'builtin:tiny-digits' could not be made a local model folder (RuntimeError: the weights'"
-    assert msg in err_train and msg in err_check and "Traceback" not in err_check
-    assert err_check.strip().endswith("qgrpo check: REFUSED: 1 problem")
+    assert msg in err_train and msg in out_check and "Traceback" not in out_check + err_check
+    assert out_check.strip().endswith("qgrpo check: REFUSED: 1 problem")
     assert not (tmp_path / "runs").exists()
 
 
@@ -180,6 +182,19 @@ def test_check_for_a_cluster_leaves_its_cpus_and_gpus_to_train(tiny_model_path, 
     many = _tiny_args(tiny_model_path, tmp_path, f"rollout.num_cpus={2 * (os.cpu_count() or 1) + 1}",
                       "learner.num_gpus=1")
     assert _run(capsys, "check", *many)[0] == 2  # this machine: too few CPUs (and GPUs, without one)
-    rc, _, err = _run(capsys, "check", *many, "--ray-address", "ray://head:10001")
+    rc, out, _ = _run(capsys, "check", *many, "--ray-address", "ray://head:10001")
+    assert rc == 0, out
+    assert "CPUs not checked (by train once connected)" in out and "GPU plan:  checked once connected" in out
+
+
+def test_export_again_names_the_flag_that_replaces_it(tiny_model_path, tmp_path, capsys):
+    """A second export into the same folder is refused with the CLI's own flag as the fix; --overwrite replaces it."""
+    out = tmp_path / "mlx"
+    assert _run(capsys, "export", tiny_model_path, str(out))[0] == 0
+    (out / "stale.txt").write_text("from before")
+    rc, _, err = _run(capsys, "export", tiny_model_path, str(out))
+    assert rc == 2 and "already exists" in err and "`qgrpo export --overwrite`" in err
+    assert (out / "stale.txt").exists()  # refused: untouched
+    rc, stdout, err = _run(capsys, "export", tiny_model_path, str(out), "--overwrite")
     assert rc == 0, err
-    assert "CPUs not checked (by train once connected)" in err and "GPU plan:  checked once connected" in err
+    assert stdout.strip() == str(out.resolve()) and (out / "config.json").is_file() and not (out / "stale.txt").exists()

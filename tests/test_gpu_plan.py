@@ -73,18 +73,18 @@ def test_no_gpu_asked_no_plan():
 def test_gpu_presets_pass_qgrpo_check(preset, gpus):
     proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", f"configs/{preset}", "--gpus", gpus],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert f"  GPU plan:  on --gpus {gpus}:\n    node 0 GPU 0: " in proc.stderr
-    assert proc.stderr.endswith("qgrpo check: OK: train would start\n")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"  GPU plan:  on --gpus {gpus}:\n    node 0 GPU 0: " in proc.stdout  # check's report: stdout
+    assert proc.stdout.endswith("qgrpo check: OK: train would start\n")
 
 
 def test_check_refuses_an_oversubscribed_gpu_plan():
     proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml", "--gpus", "1",
                            "--set", "rollout.num_gpus=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stderr
-    assert "the GPU plan oversubscribes GPU 0 of node 0" in proc.stderr
-    assert "learner rank 0 (0.5)" in proc.stderr and "rollout actor 0 (0.5)" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "the GPU plan oversubscribes GPU 0 of node 0" in proc.stdout
+    assert "learner rank 0 (0.5)" in proc.stdout and "rollout actor 0 (0.5)" in proc.stdout
+    assert "Traceback" not in proc.stdout + proc.stderr
 
 
 def test_check_without_gpus_here_refuses_as_train_would_and_points_at_gpus():
@@ -94,9 +94,9 @@ def test_check_without_gpus_here_refuses_as_train_would_and_points_at_gpus():
                            "rollout.num_cpus=0", "--set", "learner.num_cpus=0", "--set", "reference.num_cpus=0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 2, proc.stderr
-    assert "(node 0: 0 GPUs)" in proc.stderr and "this machine has no GPU: `qgrpo check CONFIG --gpus N`" in proc.stderr
-    assert proc.stderr.endswith("qgrpo check: REFUSED: 1 problem\n")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "(node 0: 0 GPUs)" in proc.stdout and "this machine has no GPU: `qgrpo check CONFIG --gpus N`" in proc.stdout
+    assert proc.stdout.endswith("qgrpo check: REFUSED: 1 problem\n")
 
 
 def test_the_one_gpu_preset_shares_its_gpu_within_vllms_memory_share():

@@ -144,8 +144,8 @@ def test_check_prints_the_mapping(files, capsys):
     # The translated config keeps the tiny model, whose character tokenizer cannot write GSM questions: check refuses
     # it at pre-flight, as train would; the mapping comes first all the same.
     assert main(["check", str(files / "flat.toml")]) == 2
-    err = capsys.readouterr().err
-    assert err.endswith("qgrpo check: REFUSED: 2 problems\n") and "contain the unknown token" in err
+    out, err = capsys.readouterr()  # check's report on stdout; the mapping, from the config's loading, on stderr
+    assert out.endswith("qgrpo check: REFUSED: 2 problems\n") and "contain the unknown token" in out
     assert "is an MLX-GRPO config, read as ours" in err
     assert "batch_size = 1 + gradient_accumulation_steps = 4 -> rollout.prompts_per_step = 4" in err
     assert "quantize_for_rollouts = False -> rollout.precision = 'bf16'" in err

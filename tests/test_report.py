@@ -202,3 +202,99 @@ def test_moving_average_skips_nan():
     ma = moving_average(y, window=2)
     np.testing.assert_allclose(ma[:6], [1.0, 1.0, 3.0, 4.0, 5.0, np.nan])
     assert np.isnan(ma[6])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# short runs, no KL term, reward entries whose calls failed
+
+
+def _short_run(run_dir: Path, steps: int = 3, kl_coeff: float = 0.001, extra: dict | None = None,
+               events: list[dict] | None = None) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = [{"time": 10.0 + s, "step": s, "reward/mean": 0.1 * s, "reward/correct": 0.2 * s, "loss/kl": 0.001 * s,
+              **(extra or {}).get(s, {})} for s in range(1, steps + 1)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines + (events or [])))
+    (run_dir / "config.toml").write_text(CONFIG.replace("kl_coeff = 0.001", f"kl_coeff = {kl_coeff}"))
+
+
+def test_a_three_step_run_has_whole_step_ticks(tmp_path):
+    from qgrpo.cluster.report.plots import plot_kl, plot_reward
+    from qgrpo.cluster.report.run_data import RunData, load_metrics, read_run_config
+
+    _short_run(tmp_path / "run")
+    data = RunData()
+    load_metrics(tmp_path / "run" / "metrics.jsonl", data)
+    read_run_config(tmp_path / "run" / "config.toml", data)
+    for plot in (plot_reward, plot_kl):
+        ax = plot(data, tmp_path / "p.png").axes[0]
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_no_kl_panel_when_the_run_had_no_kl_term(tmp_path):
+    _short_run(tmp_path / "with", kl_coeff=0.001)
+    _short_run(tmp_path / "without", kl_coeff=0.0)
+    assert_png(report(tmp_path / "with") / "kl.png")
+    out = report(tmp_path / "without")
+    assert not (out / "kl.png").exists()
+    md = (out / "summary.md").read_text()
+    assert "kl.png" not in md and "algo.kl_coeff = 0" in md
+
+
+FAILED_EVENTS = [
+    {"time": 12.5, "event": "reward_errors", "step": 2, "label": "answer_format", "field": "rewards.functions[1]",
+     "failed": 3, "of": 32, "error": "ValueError: no digits", "where": "rewards.py:12 in fmt: int(text)",
+     "log": "reward_errors.log"},
+    {"time": 13.5, "event": "reward_errors", "step": 3, "label": "answer_format", "field": "rewards.functions[1]",
+     "failed": 32, "of": 32, "error": "ValueError: no digits again", "where": "", "log": "reward_errors.log"},
+]
+
+
+def test_failed_reward_entries_are_reported_not_drawn_as_zero(tmp_path):
+    """Step 2: 3 of 32 calls of answer_format failed (its mean is over the other 29); step 3: all 32 failed, so the
+    step has no reward/answer_format at all. The summary says so; the averages use what exists."""
+    run = tmp_path / "run"
+    _short_run(run, steps=4, events=FAILED_EVENTS, extra={
+        1: {"reward/answer_format": 0.5}, 2: {"reward/answer_format": 0.7, "reward/errors/answer_format": 3},
+        3: {"reward/errors/answer_format": 32}, 4: {"reward/answer_format": 0.9}})
+    (run / "reward_errors.log").write_text("Traceback ...\nValueError: no digits\n")
+    out = report(run)
+    assert_png(out / "reward.png")
+    md = (out / "summary.md").read_text()
+    section = md.split("## Reward failures", 1)[1].split("\n## ", 1)[0]
+    row = next(line for line in section.splitlines() if line.startswith("| answer_format"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == ["answer_format (rewards.functions[1])", "35 of 64", "29 in those steps; all in the other 2",
+                     "2 of 4 (steps 2-3)", "ValueError: no digits", "rewards.py:12 in fmt: int(text)"], row
+    assert f"`{run / 'reward_errors.log'}`" in section
+    # first/last 10 of a 4-step run: the mean of the three values that exist (0.5, 0.7, 0.9), not of a 0 for step 3
+    assert "| answer_format (calls failed in 2 steps: see Reward failures) | 0.700 | 0.700 |" in md
+    assert "errors/answer_format" not in md.split("## Reward failures")[0]  # a count, not a reward entry
+
+
+def test_failures_without_events_still_count(tmp_path):
+    """Step lines with counts but no events (a log cut short): counted, the error unknown; no section without any."""
+    _short_run(tmp_path / "run", extra={2: {"reward/errors/correct": 4}})
+    md = (report(tmp_path / "run") / "summary.md").read_text()
+    assert "## Reward failures" in md
+    assert "| correct | 4 | n/a; all in the other 2 | 1 of 3 (step 2) | n/a | n/a |" in md
+    assert "is not in the run directory" in md
+    _short_run(tmp_path / "clean")
+    assert "Reward failures" not in (report(tmp_path / "clean") / "summary.md").read_text()
+
+
+def test_the_reward_plot_marks_the_failed_steps(tmp_path):
+    from qgrpo.cluster.report.plots import plot_reward
+    from qgrpo.cluster.report.run_data import RunData, load_metrics, read_run_config
+
+    _short_run(tmp_path / "run", steps=4, events=FAILED_EVENTS, extra={
+        2: {"reward/answer_format": 0.7, "reward/errors/answer_format": 3}, 3: {"reward/errors/answer_format": 32}})
+    data = RunData()
+    load_metrics(tmp_path / "run" / "metrics.jsonl", data)
+    read_run_config(tmp_path / "run" / "config.toml", data)
+    lines = {line.get_label(): line for line in plot_reward(data, tmp_path / "r.png").axes[0].get_lines()}
+    assert list(lines["answer_format: calls failed"].get_xdata()) == [2, 3]
+    assert "correct: calls failed" not in lines
+    drawn = lines["answer_format (trailing avg)"].get_ydata()
+    assert np.isnan(drawn[0]) and drawn[2] == pytest.approx(0.7)  # nothing before step 2; step 3 draws no 0

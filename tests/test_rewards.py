@@ -286,7 +286,8 @@ def test_pool_worker_that_cannot_load_fails_first_step(ray_session, tmp_path):
 
 def test_run_trains_on_rewards_from_a_user_file(ray_session, tiny_model_path, tmp_path, monkeypatch):
     """A two-step run on a chat-format JSONL of the user's with a reward file in a temporary folder: each function's
-    mean is logged, and the function saw the row's extra column."""
+    mean is logged, and the function saw the row's extra column. Chat rows give conversational completions, as in
+    TRL: [{"role": "assistant", "content": TEXT}]."""
     from qgrpo.cluster.cli.app import main
 
     monkeypatch.chdir(tmp_path)
@@ -298,7 +299,7 @@ def test_run_trains_on_rewards_from_a_user_file(ray_session, tiny_model_path, tm
         def near(completions, references, tolerance, **kwargs):
             out = []
             for c, r, t in zip(completions, references, tolerance):
-                digits = "".join(ch for ch in c if ch.isdigit())[:3]
+                digits = "".join(ch for ch in c[0]["content"] if ch.isdigit())[:3]
                 out.append(float(bool(digits) and abs(int(digits) - int(r)) <= t))
             return out
 
@@ -384,7 +385,8 @@ def test_check_and_train_refuse_bad_rewards_before_ray(tiny_model_path, tmp_path
     outputs = []
     for command in ("check", "train"):
         assert main([command, str(ROOT / "configs" / "tiny.toml"), *args]) == 2
-        outputs.append(capsys.readouterr().err)
+        out, err = capsys.readouterr()
+        outputs.append(out if command == "check" else err)  # check's report is on stdout, train's on stderr
     for err in outputs:
         assert "rewards.functions[0].function: cannot read 'gone.py'" in err
         assert "rewards.functions[1].function: mine.py has no 'nope'; its functions: needs_rubric" in err

@@ -11,7 +11,8 @@ import argparse
 
 from qgrpo import __version__
 from qgrpo.cluster.cli import commands
-from qgrpo.cluster.cli.train import EXIT_CONFIG, EXIT_FAILED, summary, train_command
+from qgrpo.cluster.cli.summary import summary  # noqa: F401  (re-exported for callers of app)
+from qgrpo.cluster.cli.train import EXIT_CONFIG, EXIT_FAILED, train_command
 
 __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "main", "summary"]  # summary: what tests and callers imported from here
 
@@ -75,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     x = sub.add_parser("export", help="copy a checkpoint into a folder that mlx-lm loads")
     x.add_argument("checkpoint")
     x.add_argument("out")
+    x.add_argument("--overwrite", action="store_true", help="replace OUT when it exists (only once the new copy is "
+                   "complete)")
     g = sub.add_parser("merge", help="write a LoRA/QLoRA checkpoint's merged model (base + adapters) as an HF folder")
     g.add_argument("checkpoint", help="runs/NAME/checkpoints/step_N of a run with learner.mode = lora or qlora")
     g.add_argument("-o", "--out", required=True, help="a new folder (an existing one is not overwritten)")
@@ -83,5 +86,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from qgrpo.actors.common import quiet_libraries
+
     args = _parser().parse_args(argv)
+    quiet_libraries()  # before any command imports a library (a user's reward file may import torch or DeepSpeed)
     return COMMANDS[args.command](args)

@@ -13,22 +13,30 @@ from qgrpo.core import storage
 
 
 class CheckReport(Progress):
-    """`qgrpo check`'s lines: each check that passed and what it found, on stderr like train's messages; the
-    effective config on stdout with --show-config."""
+    """`qgrpo check`'s report: each check that passed and what it found, the hints, the problems and the verdict, on
+    stdout (check's output; library messages go to stderr). With --show-config stdout is the effective config alone
+    (TOML, to redirect into a file) and the report goes to stderr."""
 
     def __init__(self, show_config: bool):
         self.show_config = show_config
+        self.stream = sys.stderr if show_config else sys.stdout
+
+    def say(self, line: str) -> None:
+        print(line, file=self.stream, flush=True)
 
     def loaded(self, cfg) -> None:
         if self.show_config:
             from qgrpo.cluster.config.tomlio import to_toml
 
-            print(to_toml(cfg))
+            print(to_toml(cfg), flush=True)
 
     def passed(self, what: str, found: str) -> None:
-        print(f"  {what + ':':<10} {found}", file=sys.stderr)
+        self.say(f"  {what + ':':<10} {found}")
 
     told = passed
+
+    def hint(self, text: str) -> None:
+        self.say(f"qgrpo: hint: {text}")
 
 
 def check_command(args) -> int:
@@ -46,15 +54,16 @@ def check_command(args) -> int:
                   file=sys.stderr)
             return EXIT_CONFIG
     address = args.ray_address or os.environ.get("RAY_ADDRESS")
-    print(f"qgrpo check: {args.config}" + (f" on --gpus {args.gpus}" if gpus else f" for the cluster at {address}"
-                                          if address else " on this machine"), file=sys.stderr)
+    report = CheckReport(args.show_config)
+    report.say(f"qgrpo check: {args.config}" + (f" on --gpus {args.gpus}" if gpus else f" for the cluster at {address}"
+                                               if address else " on this machine"))
     try:
-        before_ray(args, address=address, gpus=gpus, progress=CheckReport(args.show_config))
+        before_ray(args, address=address, gpus=gpus, progress=report)
     except Refused as e:
-        print(f"qgrpo: {e}", file=sys.stderr)
-        print(f"qgrpo check: REFUSED: {e.count} problem{'s' * (e.count != 1)}", file=sys.stderr)
+        report.say(f"qgrpo: {e}")
+        report.say(f"qgrpo check: REFUSED: {e.count} problem{'s' * (e.count != 1)}")
         return EXIT_CONFIG
-    print("qgrpo check: OK: train would start", file=sys.stderr)
+    report.say("qgrpo check: OK: train would start")
     return 0
 
 
@@ -90,7 +99,7 @@ def eval_command(args) -> int:
         return EXIT_CONFIG
     from qgrpo.rollout.answer_stats import verdict_lines
     from qgrpo.rollout.backends import backend_options
-    from qgrpo.rollout.evaluate import accuracy_reward, evaluate_model
+    from qgrpo.rollout.evaluate import evaluate_model, task_judge
     from qgrpo.rollout.tasks import make_task
 
     n = args.n or cfg.task.eval_size
@@ -100,9 +109,10 @@ def eval_command(args) -> int:
         return EXIT_CONFIG
     from qgrpo.learner.adapters import as_model_folder
 
+    eval_task = make_task(cfg.task, cfg.run.seed, split="eval")
+    judge = task_judge(cfg.rewards, eval_task, n, _reward_model_scorer(cfg))
     with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
-        res = evaluate_model(path, make_task(cfg.task, cfg.run.seed, split="eval"), n,
-                             cfg.rollout.max_new_tokens, accuracy_reward(cfg.rewards),
+        res = evaluate_model(path, eval_task, n, cfg.rollout.max_new_tokens, judge,
                              precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
                              backend=cfg.rollout.backend,
                              options=backend_options(cfg.rollout.backend, cfg.rollout, cfg.model.compute_dtype),
@@ -114,6 +124,22 @@ def eval_command(args) -> int:
     for line in verdict_lines(res, res["baseline"]):
         print(f"qgrpo eval: {line}", file=sys.stderr)
     return 0
+
+
+def _reward_model_scorer(cfg):
+    """A scorer for a judge that is the reward model: the classifier loaded in this process on first use."""
+    loaded: list = []
+
+    def score(prompts: list, completions: list, histories: list) -> list[float]:
+        if not loaded:
+            from qgrpo.rollout.rewards.classifier import RewardClassifier
+
+            rm = cfg.reward_model
+            loaded.append(RewardClassifier(rm.path, rm.precision, max_length=rm.max_length,
+                                           cache_dir=cfg.model.cache_dir))
+        return loaded[0].score(prompts, completions, histories)
+
+    return score if cfg.reward_model.path else None
 
 
 def _run_config(model: Path) -> dict | None:
@@ -213,7 +239,7 @@ def export_command(args) -> int:
 
     try:
         with as_model_folder(args.checkpoint) as src:  # a LoRA/QLoRA checkpoint: its merged model is exported
-            print(export_for_mlx(src, args.out))
+            print(export_for_mlx(src, args.out, overwrite=args.overwrite))
     except (ValueError, FileNotFoundError) as e:
         print(f"qgrpo export: {e}", file=sys.stderr)
         return EXIT_CONFIG

@@ -109,8 +109,8 @@ def export_for_mlx(src: str | Path, dst: str | Path, *, overwrite: bool = False)
     if dst.exists() and not dst.is_dir():
         raise ValueError(f"export: {dst} exists and is not a folder")
     if dst.is_dir() and any(dst.iterdir()) and not overwrite:
-        raise ValueError(f"export: {dst} already exists and is not empty; choose a new folder, delete it, or pass "
-                         f"overwrite=True")
+        raise ValueError(f"export: {dst} already exists and is not empty; choose a new folder, delete it, or replace "
+                         "it (`qgrpo export --overwrite`, overwrite=True from Python)")
 
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))

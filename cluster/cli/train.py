@@ -35,7 +35,7 @@ def _refuse(problems: list[str]) -> None:
 
 class Progress:
     """What the checks found, told as each passes: `qgrpo train` keeps quiet until Ray starts (this class), `qgrpo
-    check` prints a line each (commands.CheckReport). Hints are printed by `before_ray` itself, for both."""
+    check` prints a line each (commands.CheckReport). Hints are told to both."""
 
     def loaded(self, cfg) -> None:
         """The effective config, once it is valid."""
@@ -46,6 +46,10 @@ class Progress:
     def told(self, what: str, found: str) -> None:
         """What the run will do here (compute dtype, the machine's rates, the expected time): train prints it."""
         print(f"qgrpo: {what}: {found}", file=sys.stderr)
+
+    def hint(self, text: str) -> None:
+        """What would run but likely waste the run: train prints it on stderr, check in its report."""
+        print(f"qgrpo: hint: {text}", file=sys.stderr)
 
 
 def resume_point(args):
@@ -88,11 +92,14 @@ def _load(args, resume):
 def before_ray(args, resume=None, address: str | None = None, gpus: list[int] | None = None,
                progress: Progress | None = None):
     """(config, local model folder) after every check `qgrpo train` runs before Ray starts; raises Refused listing
-    every problem of the first stage that has any (config; dataset and rewards; model and machine). `address`: a
-    cluster, whose CPUs and GPUs are checked once connected; `gpus` (`qgrpo check --gpus`): the GPU counts of the nodes
-    of another machine, whose GPU plan is checked instead of this one's, and whose CPUs are not known."""
+    every problem of the first stage that has any (config; dataset and rewards; reward calls; model and machine).
+    `address`: a cluster, whose CPUs and GPUs are checked once connected; `gpus` (`qgrpo check --gpus`): the GPU counts
+    of the nodes of another machine, whose GPU plan is checked instead of this one's, and whose CPUs are not known."""
     progress = progress or Progress()
     cfg = checked_config(args, resume, progress)
+    from qgrpo.rollout.rewards.probe import probe_checks  # each reward called once on stand-ins of two train rows
+
+    _refuse(probe_checks(cfg, here=address is None and gpus is None, progress=progress))
     return cfg, _preflight(cfg, resume, address, gpus, progress)
 
 
@@ -153,6 +160,14 @@ def checked_config(args, resume=None, progress: Progress | None = None):
         progress.passed("rewards", " + ".join(f"{s.weight:g} x {entry_label(s)}" for s in cfg.rewards.functions)
                         + ("; functions import, signatures fit the columns" if any(
                             s.function for s in cfg.rewards.functions) else ""))
+    if not problems:  # the task's rows can be read: who will judge held-out accuracy, and can the rewards score
+        from qgrpo.rollout.evaluate import judge_check
+
+        judged, more, warnings = judge_check(cfg)
+        reward_problems += more
+        progress.passed("held-out", judged)
+        for w in warnings:
+            progress.hint(w)
     _refuse(problems + reward_problems)
     return cfg
 
@@ -197,7 +212,7 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
     cpus = (os.cpu_count() or 1) if here else None
     problems = preflight(cfg, model_path, cpus, resuming=resume is not None)
     for hint in length_hints(cfg, model_path):
-        print(f"qgrpo: hint: {hint}", file=sys.stderr)
+        progress.hint(hint)
     if not problems:
         cpu_words = (f"actors fit the {cpus} CPUs here" if here else "CPUs not checked ("
                      + ("by train once connected)" if gpus is None else "--gpus: another machine)"))
@@ -371,25 +386,7 @@ def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
         print(stop_line(stop, result["stopped"]["step"], cfg.run.steps, run_dir.root, result["checkpoint"]),
               file=sys.stderr)
         return stop.status
+    from qgrpo.cluster.cli.summary import summary
+
     print(summary(result, run_dir.root, time.monotonic() - t0), file=sys.stderr)
     return 0
-
-
-def summary(result: dict, run_dir, seconds: float) -> str:
-    """What `qgrpo train` prints at the end: the held-out accuracy before and after, and where to look next."""
-    from qgrpo.rollout.answer_stats import verdict_lines
-
-    m, evals = result["last"], result["evals"]
-    lines = [f"qgrpo: done in {seconds / 60:.1f} min, {m.get('step')} steps; "
-             f"last step reward {m.get('reward/mean', float('nan')):.3f}"]
-    if evals:
-        first, last = evals[min(evals)], evals[max(evals)]
-        before = "base model" if min(evals) == 0 else f"step {min(evals)}"
-        lines.append(f"  held-out accuracy ({first['metric']}, {first['n']} prompts, greedy, {first['precision']} "
-                     f"generator): {first['accuracy']:.1%} before ({before}) -> {last['accuracy']:.1%} after")
-        lines += [f"  {line}" for line in verdict_lines(last, result.get("baseline"))]
-    lines += [f"  run directory:    {run_dir}",
-              f"  final checkpoint: {result['checkpoint']}  (loads with transformers.AutoModelForCausalLM)",
-              f"  look at it:       qgrpo report {run_dir}   |   tensorboard --logdir {run_dir}/tensorboard",
-              f"  samples:          {run_dir}/rollouts/*.parquet (pandas / DuckDB / pyarrow)"]
-    return "\n".join(lines)

@@ -152,15 +152,25 @@ def _file_task(cfg: Config) -> list[str]:
                 "them" for key, value in (("path", t.path), ("eval_path", t.eval_path),
                                           ("system_column", t.system_column)) if value]
     what = "folder written by save_to_disk" if t.name == "hf_disk" else f"{t.name} file"
-    out = [] if t.path else [f"task.path: missing; set the {what} with {t.prompt_column!r} and "
-                             f"{t.answer_column!r} columns"]
-    if not (t.prompt_column and t.answer_column and t.prompt_column != t.answer_column):
-        out.append(f"task.prompt_column/answer_column: must be two different non-empty names, got "
-                   f"{t.prompt_column!r} and {t.answer_column!r}")
+    out = [] if t.path else [f"task.path: missing; set the {what} with a {t.prompt_column!r} column"]
+    if not t.prompt_column or t.prompt_column == t.answer_column:
+        out.append(f"task.prompt_column/answer_column: must be two different names, the prompt column's not empty "
+                   f"(answer_column \"\" = no answers), got {t.prompt_column!r} and {t.answer_column!r}")
     if t.system_column and t.system_column in (t.prompt_column, t.answer_column):
         out.append(f"task.system_column: {t.system_column!r} is also the prompt or answer column; name the column "
                    "holding each row's system prompt, or \"\" for none")
     return out  # whether the files exist here is an environment check; rollout.tasks.check_task reads the rows
+
+
+@rule("task.name", "task.answer_column", "rewards.functions")
+def _references_needed(cfg: Config) -> list[str]:  # built-ins that compare completions with the reference answer
+    if cfg.task.name not in ("jsonl", "parquet", "hf_disk") or cfg.task.answer_column:
+        return []
+    return [f"rewards.functions[{i}]: {s.name} compares completions with the reference answer, but task.answer_column "
+            '= "" (the rows have none); set task.answer_column to the column of answers, or use rewards that need none '
+            "(answer_format, integer_format, reward_model, a function or a url)" for i, s in enumerate(
+                cfg.rewards.functions) if s.name in ("correct", "exact", "answer_correct", "lenient_correct",
+                                                     "text_match", "rg_score", "math_verify")]
 
 
 @rule("task.name", "task.split", "task.eval_split")
@@ -206,6 +216,26 @@ def _reward_entries(cfg: Config) -> list[str]:
                        "distinct label = \"...\" on one of them")
         labels.setdefault(label, i)
     return out
+
+
+@rule("rewards.eval_metric", "rewards.functions")
+def _eval_metric(cfg: Config) -> list[str]:
+    """rewards.eval_metric names an accuracy built-in or a rewards.functions entry by its label."""
+    from qgrpo.rollout.rewards.builtin import EVAL_METRICS
+    from qgrpo.rollout.rewards.scoring import entry_label
+
+    name = cfg.rewards.eval_metric
+    if not name or name in EVAL_METRICS:
+        return []
+    try:
+        labels = [entry_label(s) for s in cfg.rewards.functions]
+    except ValueError:  # a malformed entry: _reward_entries names it
+        return []
+    if name in labels:
+        return []
+    return [f"rewards.eval_metric: {name!r} is neither a built-in accuracy reward ({', '.join(EVAL_METRICS)}) nor "
+            f"the label of a rewards.functions entry ({', '.join(labels)}); name one of them, or leave it \"\" to "
+            "let the references decide"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ class RunConfig:
     uploaded by the learner ranks."""
     seed: Int = 0
     """Seeds prompts, sampling, and model init of builtin models."""
-    steps: Int = setting(100, ge=1, fix="set e.g. run.steps=100")
+    steps: Int = setting(30, ge=1, fix="set e.g. run.steps=100")
     """Learner steps (one optimizer update per step unless algo.updates_per_batch > 1)."""
     save_every: Int = setting(10, ge=0, why="0 = only at the end")
     """Checkpoint every N steps and at the end (0 = only at the end); a multiple of algo.update_every, so a
@@ -59,9 +59,9 @@ class RunConfig:
     """Log to Weights & Biases under this project ("" = off; needs `pip install wandb`)."""
     rollouts_flush_every: Int = setting(10, ge=1)
     """Write RUN_DIR/rollouts/*.parquet every N steps (and at every checkpoint)."""
-    eval_every: Int = setting(0, ge=0, why="0 = before and after only")
+    eval_every: Int = setting(10, ge=0, why="0 = before and after only")
     """Held-out accuracy (task.eval_size prompts, greedy) every N steps; 0 = before and after only."""
-    eval: Bool = False
+    eval: Bool = True
     """Measure held-out accuracy before and after training (and every eval_every steps)."""
     eval_max_new_tokens: Int = setting(0, ge=0, why="0 = rollout.max_new_tokens")
     """Generation length of the held-out evaluation (0 = rollout.max_new_tokens)."""
@@ -136,7 +136,8 @@ class TaskConfig:
     (roles system, user, assistant; a system turn only first; the last turn the user's question, earlier ones shown
     before it)."""
     answer_column: Str = "answer"
-    """File tasks: the column with the reference answer (string or number)."""
+    """File tasks: the column with the reference answer (string or number); "" = the rows have none (open-ended
+    tasks: every reference is "", and the built-ins that compare with it are refused)."""
     system_column: Str = ""
     """File tasks: a column whose text is that row's system turn (null or empty: none); "" = no such column."""
     system_prompt: Str = ""
@@ -181,19 +182,30 @@ class RewardsConfig:
     weight = 0.1}]. Where every one returns None for a completion, that is an error (rewards.on_error)."""
     on_error: choice(ON_ERROR, "must be {quoted}") = "fail"
     """A reward call that raises, passes its timeout or returns the wrong count: "fail" stops the run naming the
-    reward and the prompt; "zero" scores those completions 0 for that reward and counts them (reward/errors)."""
+    reward, the prompt and the line that raised; "zero" scores those completions 0 for that reward, counts them
+    (reward/errors, reward/errors/LABEL), prints a warning line each step and keeps the tracebacks in
+    RUN_DIR/reward_errors.log (and max_failed_steps still stops a reward that always fails)."""
     timeout_s: Float = setting(60.0, gt=0)
     """Seconds one reward call on a batch may take, unless its entry sets timeout_s."""
+    max_failed_steps: Int = setting(3, ge=0, why="0 = never")
+    """Stop the run when one entry has failed on every call (raised, hung, returned garbage) for this many steps in a
+    row, whatever on_error says: a broken reward is not trained on for long (0 = never stop for it)."""
     num_workers: Int = setting(1, ge=0, why="0 = in the driver, without a way to stop a hung call")
     """Ray reward workers: a step's completions are split among them (whole prompts) and scored in parallel, while
     the reference scores the same step. A worker whose call timed out is replaced. 0 = in the driver process (a hung
     call's thread cannot be stopped there)."""
     num_cpus: Float = setting(0.0, ge=0)
     """Ray CPU resource per reward worker."""
-    eval_metric: choice(("",) + EVAL_METRICS, "must be {either}") = ""
-    """The built-in reward that scores held-out accuracy (run.eval): "" = the first of rg_score, math_verify,
-    answer_correct, correct, exact in rewards.functions, else lenient_correct (the answer in <answer> tags, or else
-    the last number)."""
+    eval_metric: Str = setting("", allowed="\"\", a built-in accuracy reward (" + ", ".join(EVAL_METRICS)
+                               + ") or the label of a rewards.functions entry")
+    """What scores held-out accuracy (run.eval): a built-in accuracy reward, or any rewards.functions entry by its
+    label (a function of your own, a URL, reward_model). "" = the first of rg_score, math_verify, answer_correct,
+    correct, exact in rewards.functions that can read the references (correct reads integers), else lenient_correct
+    (the answer in <answer> tags, else the last number) when the references are numbers and text_match (the reference
+    as the answer or a phrase of it) when they are words."""
+    eval_threshold: Float = setting(0.5, allow_inf_nan=False, why="a finite score")
+    """A held-out answer counts as correct when the eval_metric's score is at or above this (a 0/1 reward is
+    unaffected; set it for a graded reward or a reward model's logits)."""
 
 
 @dataclass(config=SECTION)
@@ -224,7 +236,7 @@ class VLLMSection(VLLMOptions):
 class RolloutConfig:
     backend: choice(tuple(REGISTRY), UNKNOWN_BACKEND) = "torch"
     """Generator backend (rollout/backends: what each serves and needs)."""
-    precision: Str = setting("int4", allowed=_precisions(REGISTRY))
+    precision: Str = setting("int8", allowed=_precisions(REGISTRY))
     """Weights of the generators' linear layers; what is served depends on rollout.backend and the device."""
     group_size_quant: choice((32, 64, 128), "must be {either}") = 64
     """int4 quantization group along in_features."""
@@ -243,11 +255,11 @@ class RolloutConfig:
     """Labels its node must carry (`ray start --labels`)."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """Torch threads per rollout actor (0 = cores / num_actors locally; num_cpus on a cluster)."""
-    prompts_per_step: Int = setting(16, ge=1)
+    prompts_per_step: Int = setting(8, ge=1)
     """Prompts sampled per learner step (global)."""
     group_size: Int = setting(8, ge=2, why="advantages compare completions within a group")
     """Completions per prompt (G)."""
-    max_new_tokens: Int = setting(8, ge=1)
+    max_new_tokens: Int = setting(24, ge=1)
     """Completion length bound, in tokens."""
     temperature: Float = setting(1.0, gt=0, why="sampling; greedy gives a group no variance")
     """Sampling temperature."""

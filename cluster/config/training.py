@@ -49,7 +49,7 @@ class AlgoConfig:
     """policy_loss = "sapo": the gate's temperature for tokens of positive advantage (SAPO's paper: 1.0)."""
     sapo_tau_neg: Float = setting(1.05, gt=0)
     """policy_loss = "sapo": the gate's temperature for tokens of zero or negative advantage (SAPO's paper: 1.05)."""
-    kl_coeff: Float = setting(0.0, ge=0)
+    kl_coeff: Float = setting(0.005, ge=0)
     """Weight of the KL-to-reference term; 0 disables the reference actor."""
     kl_estimator: choice(KL_ESTIMATORS, EITHER) = "k3"
     """Per-token estimate of KL(pi_theta || ref): k1 (unbiased), k2 (low variance) or k3 (unbiased, >= 0)."""
@@ -126,7 +126,7 @@ class LearnerConfig:
     """DeepSpeed ranks, one Ray actor each."""
     zero_stage: choice(ZERO_STAGES, EITHER) = 0
     """DeepSpeed ZeRO stage 0-3 (lora and qlora: at most 2)."""
-    lr: Float = setting(1e-6, gt=0, lt=1, fix="typical values are 1e-6 .. 1e-3")
+    lr: Float = setting(1e-5, gt=0, lt=1, fix="typical values are 1e-6 .. 1e-3")
     """Learning rate."""
     weight_decay: Float = setting(0.0, ge=0)
     """AdamW's decoupled weight decay."""
@@ -181,7 +181,7 @@ class LearnerConfig:
     the rollout generators' grid (round to nearest, straight-through gradients), so the policy it optimises is the
     one the generators sample from (docs/quantization.md). Needs learner.mode = "full" and a grid the project
     emulates: rollout.backend torch at int8 or int4, or vllm at int8."""
-    gradient_checkpointing: Bool = False
+    gradient_checkpointing: Bool = True
     """Recompute each layer's activations in the backward pass instead of keeping them (less memory, ~1 more
     forward). With shared_prompt, the prompt pass's KV cache is replayed with the layers (core/kv_replay.py); that
     needs a model whose layers all attend in full (no sliding window), else the learner refuses at start."""

@@ -4,15 +4,17 @@ and rollouts/*.parquet. Nothing here needs Ray, torch or a display.
     from qgrpo.cluster.report.build import report
     out = report("runs/tiny-20260101-120000")    # -> runs/.../report/{summary.md, reward.png, ...}
 
-Whatever is missing from the run (no eval events, no KL because there is no reference, no rollouts, a crashed run
-with a half-written last line) only removes the matching plot or section; the summary says what was left out and
-why. NaN and +-inf values are plotted as gaps and ignored by the averages.
+Whatever is missing from the run (no eval events, no KL because there is no reference or algo.kl_coeff = 0, no
+rollouts, a crashed run with a half-written last line) only removes the matching plot or section; the summary says
+what was left out and why. NaN and +-inf values are plotted as gaps and ignored by the averages. Reward entries whose
+calls failed get a section of their own (failures.py).
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from qgrpo.cluster.report.failures import failures_section, reward_failures
 from qgrpo.cluster.report.plots import (
     plot_accuracy,
     plot_kl,
@@ -114,10 +116,13 @@ def _reward(data: RunData) -> list[str]:
         return []
     k = HEAD_TAIL
     md = ["## Reward", "", f"| reward | first {k} steps | last {k} steps | change |", "|---|---|---|---|"]
+    failures = reward_failures(data)
     for key in ["reward/mean"] + reward_functions(data):
-        y = data.y(key)
+        y, name = data.y(key), key.split('/', 1)[1]
         a, b = nanmean(y[:k]), nanmean(y[-k:])
-        md.append(f"| {key.split('/', 1)[1]} | {fmt(a)} | {fmt(b)} | {_signed(b - a)} |")
+        failed = failures[name].steps if name in failures else []
+        note = f" (calls failed in {len(failed)} step{'s' * (len(failed) != 1)}: see Reward failures)" if failed else ""
+        md.append(f"| {name}{note} | {fmt(a)} | {fmt(b)} | {_signed(b - a)} |")
     if len(data.steps) < 2 * k:
         md.append(f"\n(Only {len(data.steps)} steps: the first and last {k} overlap.)")
     if data.has("answers/top_share"):
@@ -204,6 +209,7 @@ def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollout
     md = [f"# Run report: {name}", "", f"Run directory: `{run_dir}`", ""]
     points, baseline = eval_points(data), last_event(data, "baseline")
     md += _warnings(points, baseline) + _settings(data.config) + _progress(data) + _reward(data)
+    md += failures_section(data, run_dir)
     md += _accuracy(points, baseline) + _mismatch(data) + _step_time(data)
     if plots:
         md += ["## Plots", ""]
@@ -231,13 +237,15 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     load_metrics(run_dir / "metrics.jsonl", data)
     read_run_config(run_dir / "config.toml", data)
     rollouts = load_rollouts(run_dir, data.notes)
+    no_kl = _num(_cfg(data.config, "algo", "kl_coeff")) == 0.0  # the run's effective config (config.toml)
 
     plan = [
         ("reward.png", "Training reward", plot_reward, data.steps and data.has("reward/mean"),
          "reward plot: no reward/mean values"),
         ("accuracy.png", "Held-out accuracy", plot_accuracy, bool(eval_points(data)),
          "held-out accuracy: no eval events (enable run.eval)"),
-        ("kl.png", "KL to reference", plot_kl, data.steps and data.has("loss/kl"),
+        ("kl.png", "KL to reference", plot_kl, data.steps and data.has("loss/kl") and not no_kl,
+         "KL plot: algo.kl_coeff = 0 (no KL term in the loss)" if no_kl else
          "KL plot: no loss/kl values (no reference model?)"),
         ("mismatch.png", "Sampler vs policy mismatch", plot_mismatch,
          data.steps and any(data.has(k) for k in ("mismatch/kl_mu_old",) + MISMATCH_RATIO_KEYS),

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
+from qgrpo.cluster.report.failures import failed_steps
 from qgrpo.cluster.report.run_data import (
     DPI,
     FIGSIZE,
@@ -26,11 +27,13 @@ from qgrpo.cluster.report.run_data import (
 def _figure(nrows: int = 1, height: float = FIGSIZE[1]):
     # Figure + savefig without pyplot: no global backend switch, no display needed, nothing left open.
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     fig = Figure(figsize=(FIGSIZE[0], height), dpi=DPI, layout="constrained")  # fits outside legends
     axes = fig.subplots(nrows, 1, sharex=True, squeeze=False)[:, 0]
     for ax in axes:
         ax.grid(True, alpha=0.3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no 0.5 ticks on a short run
     return fig, axes
 
 
@@ -44,11 +47,13 @@ def _legend(ax, where: str = "best", ncol: int = 1) -> None:
         ax.legend(fontsize=8, loc=where)
 
 
-def _save(fig, path: Path) -> None:
+def _save(fig, path: Path):
+    """Write the PNG; the Figure is returned, for a caller (or a test) that looks at it."""
     fig.savefig(path, dpi=DPI, format="png")
+    return fig
 
 
-def plot_reward(data: RunData, path: Path) -> None:
+def plot_reward(data: RunData, path: Path):  # -> the Figure written
     fig, (ax,) = _figure(height=4.5)  # room for the legend below the axes
     x, mean = data.x(), data.y("reward/mean")
     if data.has("reward/std"):
@@ -60,16 +65,21 @@ def plot_reward(data: RunData, path: Path) -> None:
     ax.plot(x, mean, color="C0", linewidth=0.8, alpha=alpha, label="mean")
     ax.plot(x, moving_average(mean, w), color="C0", linewidth=2.2, label=f"mean, trailing avg ({w} steps)")
     for i, key in enumerate(reward_functions(data)):
+        # The mean over the completions the entry scored: a step where every call failed is a gap, not a 0.
         ax.plot(x, moving_average(data.y(key), w), color=f"C{i + 1}", linewidth=1.4, linestyle="--",
                 label=f"{key.split('/', 1)[1]} (trailing avg)")
+        failed = failed_steps(data, key)
+        if failed:  # marked along the bottom of the axes, in the entry's colour
+            ax.plot(failed, [0.02] * len(failed), linestyle="none", marker="x", color=f"C{i + 1}",
+                    transform=ax.get_xaxis_transform(), label=f"{key.split('/', 1)[1]}: calls failed")
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_title("Training reward per step")
     _legend(ax, "below", ncol=3)
-    _save(fig, path)
+    return _save(fig, path)
 
 
-def plot_accuracy(data: RunData, path: Path) -> None:
+def plot_accuracy(data: RunData, path: Path):  # -> the Figure written
     fig, (ax,) = _figure()
     points = eval_points(data)
     ns = [int(_num(p.get("n"))) for pts in points.values() for p in pts if _num(p.get("n")) == _num(p.get("n"))]
@@ -94,10 +104,10 @@ def plot_accuracy(data: RunData, path: Path) -> None:
     ax.set_ylabel("accuracy (fraction correct)")
     ax.set_title("Held-out accuracy (greedy)" + (f", n = {n_total} prompts" if n_total else ""))
     ax.legend(fontsize=8, loc="best")
-    _save(fig, path)
+    return _save(fig, path)
 
 
-def plot_kl(data: RunData, path: Path) -> None:
+def plot_kl(data: RunData, path: Path):  # -> the Figure written
     fig, (ax,) = _figure()
     x, kl = data.x(), data.y("loss/kl")
     w = _window(len(x))
@@ -109,10 +119,10 @@ def plot_kl(data: RunData, path: Path) -> None:
     coeff = _cfg(data.config, "algo", "kl_coeff")
     ax.set_title("KL to the reference model" + (f" (kl_coeff = {coeff:g})" if isinstance(coeff, (int, float)) else ""))
     ax.legend(fontsize=8, loc="best")
-    _save(fig, path)
+    return _save(fig, path)
 
 
-def plot_mismatch(data: RunData, path: Path) -> None:
+def plot_mismatch(data: RunData, path: Path):  # -> the Figure written
     # Two scales: the per-token averages (KL(mu || pi_old) and mean log(pi_old / mu), about -KL under mu) are
     # ~1e-3, the extremes over a batch's tokens ~1: one axis would flatten the averages to a line at 0.
     avg = [k for k in ("mismatch/kl_mu_old", "mismatch/log_ratio_mean") if data.has(k)]
@@ -145,7 +155,7 @@ def plot_mismatch(data: RunData, path: Path) -> None:
     sampler = f"{precision} sampler" if isinstance(precision, str) else "quantized sampler"
     fig.suptitle("Rollout mismatch: quantized sampler vs BF16 policy\n"
                  f"mu = {sampler}, pi_old = BF16 learner policy; 0 = identical token probabilities", fontsize=10)
-    _save(fig, path)
+    return _save(fig, path)
 
 
 def stage_times(data: RunData) -> dict[str, np.ndarray]:
@@ -160,7 +170,7 @@ def stage_times(data: RunData) -> dict[str, np.ndarray]:
     return out
 
 
-def plot_time(data: RunData, path: Path) -> None:
+def plot_time(data: RunData, path: Path):  # -> the Figure written
     fig, (ax,) = _figure()
     x, parts = data.x(), stage_times(data)
     # Every stage the driver may lap (STAGES) needs a colour; the first four keep theirs from older reports.
@@ -176,7 +186,7 @@ def plot_time(data: RunData, path: Path) -> None:
               borderaxespad=0.0)
     if len(x) > 1:
         ax.set_xlim(x.min(), x.max())
-    _save(fig, path)
+    return _save(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------------- summary

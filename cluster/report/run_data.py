@@ -229,7 +229,7 @@ def reward_functions(data: RunData) -> list[str]:
     named = [_label(f) for f in fns if isinstance(f, dict)] if isinstance(fns, list) else []
     if any(named):
         return [f"reward/{n}" for n in named if f"reward/{n}" in keys]
-    return sorted(k for k in keys if k.split("/", 1)[1] not in REWARD_STATS)
+    return sorted(k for k in keys if k.split("/", 1)[1] not in REWARD_STATS and not k.startswith("reward/errors/"))
 
 
 def eval_points(data: RunData) -> dict[str, list[dict]]:

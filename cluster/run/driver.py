@@ -9,12 +9,14 @@ DAPO's dynamic sampling, overlong reward shaping and overlong filtering are opti
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from qgrpo.actors.common import END_WAIT_S
 from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.control import wanted_rollout_actors
 from qgrpo.cluster.run.follow import FollowWatch
@@ -33,8 +35,9 @@ from qgrpo.learner.batch import TrainBatch, build_train_batch
 from qgrpo.learner.loss import finalize_stats, merge_stats
 from qgrpo.rollout.advantages import group_advantages
 from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
-from qgrpo.rollout.evaluate import accuracy_reward, eval_items, greedy, score_eval
+from qgrpo.rollout.evaluate import eval_items, greedy, score_eval, task_judge
 from qgrpo.rollout.rewards import RewardError
+from qgrpo.rollout.rewards.judge import JudgeError
 from qgrpo.rollout.tasks import PromptSampler, make_task
 
 PAD_ID = 0  # right padding is never attended to (causal attention), so any valid id will do
@@ -183,7 +186,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             if faults.fires("driver.slow", step + 1):
                 time.sleep(faults.SLOW_SECONDS)
             run.scale(step)
-            clock = StageClock()
+            clock, run.rewards.step = StageClock(), step + 1
             rollouts, batch, reward_metrics = make_batch(run, step, clock)  # sample, generate, score, reference
             results = workers.learn(batch, step + 1)
             clock.lap("learn")
@@ -202,6 +205,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     finally:
         run.close(failing=sys.exc_info()[0] is not None, stopping=stop is not None and stop.requested)
     return {"last": m, "evals": run.evals, "baseline": run.baseline, "stopped": stopped,
+            "reward_failures": run.rewards.health.failures(),
             "checkpoint": stopped["checkpoint"] if stopped else str(checkpoint_dir(run.dir.root, cfg.run.steps))}
 
 
@@ -234,8 +238,7 @@ class TrainingRun:
         sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=self.state.cursor)
         from qgrpo.cluster.run.rewarding import RewardPool
 
-        self.rewards = RewardPool(cfg, self.reward_model_path())
-        self.metric = accuracy_reward(cfg.rewards)
+        self.rewards = RewardPool(cfg, self.reward_model_path(), self.dir.local)
         self.log = RunLog(self.dir.local, cfg.run.steps, self.state.step, cfg.run.progress, cfg.run.tensorboard,
                           cfg.run.wandb_project, cfg.to_dict())
         self.samples = RolloutWriter(self.dir.local, cfg.run.rollouts_flush_every)
@@ -245,13 +248,21 @@ class TrainingRun:
                         **self.ladder.state()})
         self.eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
         self.source = RolloutSource(self.workers, sampler, ro, cfg.run.seed, cfg.algo.overlap)
+        self.metric = task_judge(cfg.rewards, self.eval_task or sampler.task, cfg.task.eval_size, self.rewards.model)
+        self.log.write({"event": "judge", "metric": self.metric.name, "judge": self.metric.describe()})
         # What always giving the train split's most common answer scores on the held-out prompts (no step: not a
         # scalar)
-        self.baseline = majority_baseline(sampler.task, eval_items(self.eval_task, cfg.task.eval_size),
-                                          self.metric) if self.eval_task else None
+        self.baseline = self._baseline(sampler.task) if self.eval_task else None
         if self.baseline:
             self.log.write({"event": "baseline", **self.baseline})
         self.published = self.state.published_version  # the policy version the rollout actors hold
+
+    def _baseline(self, train_task) -> dict | None:
+        try:
+            return majority_baseline(train_task, eval_items(self.eval_task, self.cfg.task.eval_size), self.metric)
+        except JudgeError as e:
+            self.log.write({"event": "warning", "step": self.state.step, "message": f"no majority baseline: {e}"})
+            return None
 
     def scale(self, done: int) -> None:
         """`qgrpo scale`: applied between steps, when nothing is in flight."""
@@ -289,22 +300,31 @@ class TrainingRun:
         sampling its first round, not the batch kept (biased towards groups of mixed results: ~50% accuracy)."""
         m = {"step": done, **reward_metrics, **step_answer_metrics(rollouts.sample, self.metric), **metrics,
              **self.ladder.metrics(result.skipped)}
-        if f"reward/{self.metric}" in m:
-            m["train/accuracy"] = m[f"reward/{self.metric}"]
-        for event in self.workers.events() + ([{"event": "ladder", "reason": result.skipped, **self.ladder.state()}]
-                                              if climbed else []):
+        accuracy = self.metric.sample_accuracy(rollouts.sample)  # the held-out judge on the step's fresh sample
+        if accuracy is not None:
+            m["train/accuracy"] = accuracy
+        for event in self.rewards.health.end_step(done) + self.workers.events() + (
+                [{"event": "ladder", "reason": result.skipped, **self.ladder.state()}] if climbed else []):
             self.log.write({"step": done, **event})
         self.samples.add(done, rollouts.groups, result.version_before)
         if done % self.cfg.run.log_every == 0 or self._last(done) or result.skipped:
             self.log.write(m)
         self.log.progress(m)
+        self.rewards.health.stop_if_broken()
         return m
 
     def evaluate(self, done: int) -> None:
         """Held-out accuracy of the policy the rollout actors hold (greedy, task.eval_size prompts)."""
         tokens = self.cfg.run.eval_max_new_tokens or self.cfg.rollout.max_new_tokens
         groups, _ = self.workers.generate(eval_items(self.eval_task, self.cfg.task.eval_size), greedy(tokens))
-        self.evals[done] = score_eval(groups, self.metric)
+        try:
+            self.evals[done] = score_eval(groups, self.metric, details=True)
+        except JudgeError as e:
+            self.log.write({"event": "warning", "step": done, "message": f"no held-out accuracy at step {done}: {e}"})
+            return
+        answers = self.dir.local / "evals" / f"step_{done:06d}.jsonl"  # every held-out answer, as the judge scored it
+        answers.parent.mkdir(exist_ok=True)
+        answers.write_text("".join(json.dumps(d) + "\n" for d in self.evals[done].pop("details")))
         self.log.write({"event": "eval", "step": done, "split": "eval", **self.evals[done]})
         for warning in hollow_warnings(self.evals[done], self.baseline) if done else []:  # step 0: the base model
             self.log.write({"event": "warning", "step": done, "message": warning})
@@ -357,7 +377,7 @@ class TrainingRun:
         return resolve_model_path(path, self.cfg.model.cache_dir) if path else ""
 
     def close(self, failing: bool, stopping: bool = False) -> None:
-        self.rewards.close()
+        self.rewards.close(wait_s=0 if stopping else END_WAIT_S)
         self.source.close()
         self.samples.close()
         self.log.close()

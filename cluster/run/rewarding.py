@@ -12,14 +12,18 @@ from __future__ import annotations
 import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import ray
 
+from qgrpo.actors.common import END_WAIT_S, end_actors
 from qgrpo.cluster.run.workers import RunFailed
 from qgrpo.core.records import GroupRollout
+from qgrpo.rollout.rewards.builtin import RewardError
 from qgrpo.rollout.rewards.calls import group_kwargs, slice_kwargs
 from qgrpo.rollout.rewards.scoring import (
     CallResult,
+    RewardEntry,
     Scores,
     combine,
     entries_from_config,
@@ -46,10 +50,83 @@ def _slices(groups: list[GroupRollout], n: int) -> list[tuple[int, int, int, int
     return out
 
 
+ERROR_LOG = "reward_errors.log"  # in the run directory: the tracebacks of failed reward calls
+
+
+class RewardHealth:
+    """Failing rewards made loud. Every step, each entry's failed calls are counted (`record`, before the failures
+    are zeroed or raised); `end_step` returns one event per entry that failed (a warning line for the terminal and
+    metrics.jsonl) and stops the run when an entry has failed on every call for rewards.max_failed_steps steps in a
+    row, whatever rewards.on_error says. Each distinct error's traceback goes to RUN_DIR/reward_errors.log once."""
+
+    def __init__(self, entries: list[RewardEntry], max_failed_steps: int, run_dir: Path | None):
+        self.entries = {e.label: e for e in entries}
+        self.limit = max_failed_steps
+        self.log = run_dir / ERROR_LOG if run_dir is not None else None
+        self.streak = dict.fromkeys(self.entries, 0)
+        self.totals = {label: {"failed": 0, "of": 0, "steps": 0, "error": "", "where": ""} for label in self.entries}
+        self.step: dict[str, list] = {}  # label -> [failed, of, first failed CallResult] of the step in progress
+        self.logged: set[tuple[str, str]] = set()
+        self.broken: str | None = None
+
+    def record(self, scores: Scores, step: int) -> None:
+        for label in self.entries:
+            self.step.setdefault(label, [0, 0, None])[1] += scores.n
+        for r, start, stop in scores.failures:
+            now = self.step[r.label]
+            now[0] += stop - start
+            now[2] = now[2] or r
+            if self.log is not None and (r.label, r.error) not in self.logged:
+                self.logged.add((r.label, r.error))
+                with self.log.open("a") as f:
+                    f.write(f"step {step}: reward {r.label!r} ({self.entries[r.label].field}): {r.error}\n"
+                            f"{r.trace or '(no traceback: the call did not raise)'}\n\n")
+
+    def where(self) -> str:
+        return f"; tracebacks in {self.log}" if self.log is not None and self.log.is_file() else ""
+
+    def end_step(self, step: int) -> list[dict]:
+        """The step's reward_errors events (with a warning message each); `broken` says why the run must stop when
+        an entry failed on every call for the last max_failed_steps steps (`stop_if_broken` raises it)."""
+        events, stop = [], None
+        for label, (failed, of, first) in self.step.items():
+            total = self.totals[label]
+            total["of"] += of
+            self.streak[label] = self.streak[label] + 1 if of and failed == of else 0
+            if not failed:
+                continue
+            e = self.entries[label]
+            total.update(failed=total["failed"] + failed, steps=total["steps"] + 1)
+            total["error"], total["where"] = total["error"] or first.error, total["where"] or first.where
+            at = f" at {first.where}" if first.where else ""
+            events.append({"event": "reward_errors", "step": step, "label": label, "field": e.field, "failed": failed,
+                           "of": of, "error": first.error, "where": first.where, "log": ERROR_LOG,
+                           "message": f"reward {label!r} ({e.field}) failed on {failed} of {of} completions "
+                                      f"({first.error}{at}); they scored 0 for it (rewards.on_error = \"zero\")"
+                                      f"{self.where()}"})
+            if self.limit and self.streak[label] >= self.limit and stop is None:
+                stop = (f"reward {label!r} ({e.field}) failed on every call for {self.streak[label]} steps in a row "
+                        f"({first.error}{at}){self.where()}; fix it (rewards.max_failed_steps = {self.limit} stops a "
+                        "run whose reward is broken, whatever rewards.on_error says)")
+        self.step, self.broken = {}, stop
+        return events
+
+    def stop_if_broken(self) -> None:
+        """Raises RunFailed naming an entry that failed on every call for max_failed_steps steps in a row."""
+        if self.broken:
+            raise RunFailed(self.broken)
+
+    def failures(self) -> dict[str, dict]:
+        """label -> totals of the entries that failed at least once in this process's steps."""
+        return {label: {"field": self.entries[label].field, **t} for label, t in self.totals.items() if t["failed"]}
+
+
 class RewardPool:
-    def __init__(self, cfg, reward_model_path: str | None = None):
+    def __init__(self, cfg, reward_model_path: str | None = None, run_dir: Path | None = None):
         self.cfg = cfg
         self.entries = entries_from_config(cfg.rewards)
+        self.health = RewardHealth(self.entries, cfg.rewards.max_failed_steps, run_dir)
+        self.step = 0  # the step being scored (1-based), for the error log
         self.on_error = cfg.rewards.on_error
         self.calls = [e for e in self.entries if e.kind != "model"]
         self.workers = [self._spawn() for _ in range(cfg.rewards.num_workers)] if self.calls else []
@@ -78,11 +155,21 @@ class RewardPool:
             pending.refs[self.workers[slot].score.remote(slice_kwargs(kwargs, c0, c1))] = ("worker", slot, c0, c1)
         if self.models:
             histories = [list(g.item.history) for g in groups for _ in g.completions]
+            prompts = [g.item.prompt for g in groups for _ in g.completions]  # texts, whatever shape kwargs hold
+            texts = [c.text for g in groups for c in g.completions]
             for slot, (_, _, c0, c1) in enumerate(_slices(groups, len(self.models))):
-                ref = self.models[slot].score.remote(kwargs["prompts"][c0:c1], kwargs["completions"][c0:c1],
-                                                     histories[c0:c1])
+                ref = self.models[slot].score.remote(prompts[c0:c1], texts[c0:c1], histories[c0:c1])
                 pending.refs[ref] = ("model", slot, c0, c1)
         return pending
+
+    def model(self, prompts: list, completions: list, histories: list) -> list[float]:
+        """The reward model's scores of a batch (rewards.eval_metric may name it), on this pool's actors."""
+        from qgrpo.actors.reward_model_actor import score_on
+
+        if not self.models:
+            raise RuntimeError("the reward model is not loaded: no rewards.functions entry is reward_model")
+        timeout = max(e.timeout_s for e in self.entries if e.kind == "model")
+        return score_on(self.models, prompts, completions, histories, timeout)
 
     def replace(self, slot: int) -> None:
         """Kill a worker that timed out or died (a hung call's thread cannot be stopped otherwise) and start another."""
@@ -90,11 +177,11 @@ class RewardPool:
         self.workers[slot] = self._spawn()
         self.replaced += 1
 
-    def close(self) -> None:
+    def close(self, wait_s: float = END_WAIT_S) -> None:
+        """The actors exit by themselves within `wait_s` (0: killed at once, as on a signal), unreported by Ray."""
         if self.inline is not None:
             self.inline.shutdown(wait=False, cancel_futures=True)
-        for a in self.workers + self.models:
-            ray.kill(a, no_restart=True)
+        end_actors(self.workers + self.models, wait_s)
 
 
 class PendingRewards:
@@ -151,10 +238,17 @@ class PendingRewards:
                 scores.add(r, 0, n)
         for slot in sorted(self._collect(scores)):
             self.pool.replace(slot)
-        totals, metrics = combine(self.pool.entries, scores, self.kwargs["item_ids"], self.pool.on_error)
+        self.pool.health.record(scores, self.pool.step)
+        try:
+            totals, metrics = combine(self.pool.entries, scores, self.kwargs["item_ids"], self.pool.on_error)
+        except RewardError as e:
+            raise RewardError(f"{e}{self.pool.health.where()}", e.failure) from None
         i = 0
         for g in self.groups:
-            g.rewards, i = totals[i:i + len(g.completions)], i + len(g.completions)
+            j = i + len(g.completions)
+            g.rewards = totals[i:j]
+            g.scores = {e.label: scores.values[e.label][i:j] for e in self.pool.entries}  # None: not applied, failed
+            i = j
         mixed = sum(1 for g in self.groups if max(g.rewards) > min(g.rewards))
         return {"reward/mean": statistics.fmean(totals), "reward/std": statistics.pstdev(totals),
                 "reward/groups_with_signal": mixed / len(self.groups), "reward/workers_replaced": self.pool.replaced,

@@ -17,7 +17,7 @@ import ray
 import torch
 
 from qgrpo.actors.collective import CollectiveGroup
-from qgrpo.actors.common import thread_env
+from qgrpo.actors.common import END_WAIT_S, end_actors, thread_env
 from qgrpo.actors.reference_actor import ReferenceActor
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
@@ -379,8 +379,8 @@ class Workers:
                 for role, actors in self.placed.items()}
 
     def shutdown(self, remove_group: bool = True) -> None:  # False: left to the job's end (driver.TrainingRun.close)
-        for a in self.rollout.actors + self.learners + ([self.reference] if self.reference else []):
-            ray.kill(a)
+        end_actors(self.rollout.actors + self.learners + ([self.reference] if self.reference else []),
+                   END_WAIT_S if remove_group else 0)  # a clean end: they exit by themselves; a signal: killed now
         if remove_group:
             ray.util.remove_placement_group(self.learner_group)
 

@@ -1,13 +1,24 @@
 """Every rollout of a run as Parquet files under RUN_DIR/rollouts/, readable with pandas, DuckDB or pyarrow:
-`pyarrow.parquet.read_table(run_dir / "rollouts")` reads them all as one table."""
+`pyarrow.parquet.read_table(run_dir / "rollouts")` reads them all as one table.
+
+Besides SCHEMA_FIELDS, each reward entry's own score (GroupRollout.scores: unweighted, before reward shaping) is a
+float column `reward_LABEL` (`score_column`), null where the entry returned None or its call failed. The entries
+are fixed for a run, so every file of a run (a resumed one's included) has the same columns."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from qgrpo.core.records import GroupRollout
 
 SCHEMA_FIELDS = ("step", "prompt_id", "prompt", "reference", "completion", "reward", "advantage", "finish_reason",
                  "num_tokens", "mean_logprob", "policy_version", "staleness", "precision", "generator_id")
+
+
+def score_column(label: str) -> str:
+    """The column of a reward entry's scores: "reward_" + its label, every character other than a letter, a digit or
+    "_" made "_", so pandas (df.reward_answer_correct) and DuckDB (SELECT reward_answer_correct) take it unquoted."""
+    return "reward_" + re.sub(r"[^0-9A-Za-z_]", "_", label)
 
 
 class RolloutWriter:
@@ -18,6 +29,7 @@ class RolloutWriter:
         self.dir = run_dir / "rollouts"
         self.flush_every = flush_every
         self.rows: dict[str, list] = {k: [] for k in SCHEMA_FIELDS}
+        self.scores: dict[str, list] = {}  # score_column(label) -> one value per row
         self.first_step: int | None = None
         self.last_step: int | None = None
 
@@ -30,10 +42,27 @@ class RolloutWriter:
                        trained_from - g.policy_version, g.precision, g.generator_id)
                 for k, v in zip(SCHEMA_FIELDS, row):
                     self.rows[k].append(v)
+            self._add_scores(g)
         self.first_step = step if self.first_step is None else self.first_step
         self.last_step = step
         if (step - self.first_step + 1) >= self.flush_every:
             self.flush()
+
+    def _add_scores(self, g: GroupRollout) -> None:
+        """The group's per-entry scores; a column first seen now is null for the rows before, one the group lacks is
+        null for its rows (every column keeps one value per row)."""
+        n, before = len(g.completions), len(self.rows["step"]) - len(g.completions)
+        got: dict[str, list] = {}
+        for label, values in g.scores.items():  # labels are unique; two that read alike get _2, _3, ... in order
+            column = base = score_column(label)
+            while column in got:
+                column = f"{base}_{int(column[len(base) + 1:] or 1) + 1}"
+            got[column] = values
+        for column in got:
+            if column not in self.scores:
+                self.scores[column] = [None] * before
+        for column, values in self.scores.items():
+            values.extend(got.get(column) or [None] * n)
 
     def flush(self) -> None:
         if self.first_step is None:
@@ -44,9 +73,11 @@ class RolloutWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"steps_{self.first_step:06d}-{self.last_step:06d}.parquet"
         tmp = self.dir / f".{name}.tmp"
-        pq.write_table(pa.table(self.rows), tmp)
+        table = pa.table({**self.rows, **{k: pa.array(v, pa.float64()) for k, v in self.scores.items()}})
+        pq.write_table(table, tmp)
         tmp.rename(self.dir / name)
         self.rows = {k: [] for k in SCHEMA_FIELDS}
+        self.scores = {}
         self.first_step = self.last_step = None
 
     close = flush

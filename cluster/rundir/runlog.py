@@ -3,9 +3,12 @@ cluster/config/tomlio.py)."""
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
+
+LOUD = ("warning", "reward_errors")  # events whose message is also printed on the terminal
 
 
 class RunLog:
@@ -35,9 +38,13 @@ class RunLog:
                                     id=run_dir.name.replace("/", "-"))
 
     def write(self, record: dict[str, Any]) -> None:
+        """A line of metrics.jsonl (scalars of a step also to TensorBoard / W&B); a warning is also printed."""
         record = {"time": time.time(), **record}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if record.get("event") in LOUD and record.get("message"):
+            message = record["message"].removeprefix("warning: ")
+            self.say(f"qgrpo: warning: step {record.get('step', '?')}: {message}")
         step = record.get("step")
         if step is None:
             return
@@ -48,6 +55,13 @@ class RunLog:
                 self.tb.add_scalar(k, v, step)
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
+
+    def say(self, line: str) -> None:
+        """A line on stderr, above the progress bar."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
 
     def progress(self, m: dict[str, Any]) -> None:
         if self.bar is None:

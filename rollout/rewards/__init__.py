@@ -19,6 +19,8 @@ from qgrpo.rollout.rewards.builtin import (  # noqa: F401
     last_number,
     lenient_answer,
     lenient_correct,
+    text_answer,
+    text_match,
 )
 from qgrpo.rollout.rewards.verifiers import math_verify, rg_score
 

@@ -15,7 +15,8 @@ from typing import Callable
 
 Check = Callable[[str, str], float]  # (completion text, reference) -> score
 # rewards.eval_metric: built-ins that read one answer per completion, so held-out accuracy is their mean
-EVAL_METRICS = ("rg_score", "math_verify", "answer_correct", "lenient_correct", "correct", "exact")
+EVAL_METRICS = ("rg_score", "math_verify", "answer_correct", "lenient_correct", "text_match", "correct", "exact")
+NUMBER_READERS = ("correct", "integer_format")  # read integers only: can never score a word answer such as "Brussels"
 ON_ERROR = ("fail", "zero")  # rewards.on_error: a reward call that raises, hangs or returns garbage
 
 _INT = re.compile(r"-?\d+")
@@ -130,6 +131,26 @@ def lenient_correct(completion: str, reference: str) -> float:
     return float(answers_match(lenient_answer(completion), reference))
 
 
+def text_answer(text: str | None) -> str | None:
+    """The answer in the last `<answer>` block, or without tags the whole completion, stripped; None if empty."""
+    got = extract_answer(text)
+    got = (text or "").strip() if got is None else got
+    return got or None
+
+
+def text_match(completion: str, reference: str) -> float:
+    """1 if the answer (the last `<answer>` block, or without tags the whole completion) is the reference
+    (`answers_match`: numbers by value, text ignoring case, spacing and a final full stop) or names it as a whole
+    phrase: "The capital of Belgium is Brussels." matches "Brussels", "Brusselsprout" does not. An empty reference
+    never matches. The held-out accuracy of a task whose references are words, unless rewards.eval_metric says."""
+    answer, ref = text_answer(completion), _normalise(str(reference or ""))
+    if answer is None or not ref:
+        return 0.0
+    if answers_match(answer, reference):
+        return 1.0
+    return float(re.search(rf"(?<!\w){re.escape(ref)}(?!\w)", " ".join(answer.split()).casefold()) is not None)
+
+
 # The answer a correctness reward reads from a completion (None: no answer), and a completion it reads as a given
 # answer. Answer statistics and the majority baseline (rollout/answer_stats.py) go through these, so they see answers
 # exactly as the reward does.
@@ -140,6 +161,7 @@ ANSWER_READERS: dict[str, Callable[[str], str | None]] = {
     "lenient_correct": lenient_answer,
     "rg_score": extract_answer,
     "math_verify": extract_answer,
+    "text_match": text_answer,
 }
 
 
@@ -161,10 +183,12 @@ def answer_key(answer: str | None) -> str | None:
 
 
 def batched(check: Check) -> Callable[..., list[float]]:
-    """The per-completion `check` as a reward function of the calling convention."""
+    """The per-completion `check` as a reward function of the calling convention. A completion is read in either
+    shape (a string, or a chat row's [{"role": "assistant", "content": TEXT}]: calls.completion_text)."""
+    from qgrpo.rollout.rewards.calls import completion_text
 
-    def reward(completions: list[str], references: list[str], **kwargs) -> list[float]:
-        return [float(check(c, r)) for c, r in zip(completions, references, strict=True)]
+    def reward(completions: list, references: list[str], **kwargs) -> list[float]:
+        return [float(check(completion_text(c), r)) for c, r in zip(completions, references, strict=True)]
 
     reward.__name__, reward.__qualname__, reward.__doc__ = check.__name__, check.__name__, check.__doc__
     return reward
@@ -177,10 +201,16 @@ CHECKS: dict[str, Check] = {
     "answer_correct": answer_correct,
     "answer_format": answer_format,
     "lenient_correct": lenient_correct,
+    "text_match": text_match,
 }
 # name -> reward function; verifiers (rollout/rewards/verifiers.py) and "reward_model" join it in rewards/__init__.py
 REWARD_FUNCTIONS: dict[str, Callable[..., list]] = {name: batched(check) for name, check in CHECKS.items()}
 
 
 class RewardError(RuntimeError):
-    """A reward that failed under rewards.on_error = "fail": says which function, which prompt and what to do."""
+    """A reward that failed under rewards.on_error = "fail": says which function, which prompt and what to do.
+    `failure` is the failed call (rollout/rewards/scoring.py's CallResult, its traceback included), if one was."""
+
+    def __init__(self, message: str, failure=None):
+        super().__init__(message)
+        self.failure = failure

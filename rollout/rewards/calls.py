@@ -4,14 +4,19 @@ The calling convention is TRL's: a reward function gets a batch of completions a
 list with one entry per completion (a prompt's row is repeated for each of its completions), and returns one float
 per completion, or None where it does not apply (a math verifier on a row that is not math):
 
-    prompts         the question as the model saw it (its last user turn, task.instruction included)
-    completions     the completion texts
+    prompts         the question as the model saw it (its last user turn, task.instruction included); for a chat
+                    row (PromptItem.chat), the whole conversation: [{"role", "content"}, ...], the system turn, the
+                    worked examples and earlier turns, then that last user turn
+    completions     the completion texts; for a chat row [{"role": "assistant", "content": TEXT}]
     completion_ids  the sampled token ids
     references      the reference answers
     item_ids        qgrpo's prompt ids ("jsonl-train-12")
     finish_reasons  "stop" (the model ended it) or "length" (cut at rollout.max_new_tokens)
     COLUMN          every column of the dataset row under its own name (reasoning-gym: question, answer, metadata,
                     rg_entry)
+
+Chat rows get TRL's conversational shape, plain rows (and every row of digit_sum and rg: tasks) its standard one
+(strings); `completion_text` reads a completion's text in either shape, as the built-ins do.
 
 A function with **kwargs gets them all; one without gets only the keywords it names, and each of its parameters
 without a default must be one of them. `async def` functions are awaited.
@@ -28,6 +33,7 @@ import importlib
 import inspect
 import math
 import sys
+import traceback
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +42,27 @@ from typing import Any, Callable
 from qgrpo.rollout.datasets import RESERVED_COLUMNS as RESERVED  # the keywords of the convention: no column may use one
 
 
+def messages(item) -> list[dict[str, str]]:
+    """The conversation `item` (a PromptItem) puts before its completions, as the generators give it to the chat
+    template: its history turns, then the question as the last user turn."""
+    return [{"role": r, "content": c} for r, c in item.history] + [{"role": "user", "content": item.prompt}]
+
+
+def completion_text(completion: Any) -> Any:
+    """The text of one entry of `completions`, in either shape: a string as it is; a conversational completion
+    [{"role": "assistant", "content": TEXT}] -> TEXT (its last message's content)."""
+    if isinstance(completion, (list, tuple)):
+        completion = completion[-1] if completion else ""
+    return completion.get("content") if isinstance(completion, dict) else completion
+
+
 def reward_kwargs(items: list, completions: list) -> dict[str, list]:
-    """The keyword arguments of one call: `items[i]` (a PromptItem) is the row of `completions[i]` (a Completion)."""
+    """The keyword arguments of one call: `items[i]` (a PromptItem) is the row of `completions[i]` (a Completion).
+    Chat rows get the conversational shape (every entry a list of its own, so a function may change it)."""
     kwargs: dict[str, list] = {
-        "prompts": [it.prompt for it in items],
-        "completions": [c.text for c in completions],
+        "prompts": [messages(it) if it.chat else it.prompt for it in items],
+        "completions": [[{"role": "assistant", "content": c.text}] if it.chat else c.text
+                        for it, c in zip(items, completions, strict=True)],
         "completion_ids": [list(c.token_ids) for c in completions],
         "references": [it.reference for it in items],
         "item_ids": [it.prompt_id for it in items],
@@ -223,3 +245,26 @@ def call_reward(fn: Callable, kwargs: dict[str, list]) -> list[float | None]:
 
 async def _awaited(awaitable):
     return await awaitable
+
+
+_ROOT = Path(__file__).resolve().parents[2]
+_OURS = tuple(str(_ROOT / d) + "/" for d in ("actors", "cluster", "core", "learner", "rollout"))
+
+
+def _users(filename: str) -> bool:
+    """A frame of the user's code: not qgrpo's, not Python's library, not an installed package."""
+    return not (filename.startswith(_OURS) or "site-packages" in filename or "dist-packages" in filename
+                or filename.startswith((sys.base_prefix, sys.prefix)) or filename.startswith("<"))
+
+
+def failure_trace(exc: BaseException) -> tuple[str, str]:
+    """(where, traceback) of a reward call that raised: `where` is the innermost frame outside qgrpo, the Python
+    library and installed packages ("my_rewards.py:12 in tolerant: float(text)"; "" when every frame is ours), so a
+    message can point at the user's own line; `traceback` is the whole formatted traceback."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    mine = [f for f in frames if _users(f.filename)]
+    where = ""
+    if mine:
+        f = mine[-1]
+        where = f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+    return where, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))

@@ -2,8 +2,11 @@
 
 The request is one POST of a JSON object holding every keyword of the calling convention (rollout/rewards/calls.py):
 prompts, completions, completion_ids, references, item_ids, finish_reasons and the dataset's columns, each a list with
-one entry per completion. The answer is a JSON list of numbers or nulls (null: does not apply), or {"rewards": [...]}.
-Standard library only, so it adds nothing to install on the reward workers.
+one entry per completion. They are sent as a function receives them: on a chat row a prompt is a JSON array of
+{"role", "content"} objects and a completion [{"role": "assistant", "content": TEXT}] (TRL's conversational shape),
+so one endpoint serves what a TRL reward function would; elsewhere both are strings. The answer is a JSON list of
+numbers or nulls (null: does not apply), or {"rewards": [...]}. Standard library only, so it adds nothing to
+install on the reward workers.
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from qgrpo.rollout.rewards.builtin import REWARD_FUNCTIONS, RewardError
-from qgrpo.rollout.rewards.calls import Source, call_reward, load_function, read_source, split_spec
+from qgrpo.rollout.rewards.calls import Source, call_reward, failure_trace, load_function, read_source, split_spec
 
 KINDS = ("builtin", "function", "url", "model")
 
@@ -47,20 +47,21 @@ def entry_label(spec) -> str:
 
 def entries_from_config(rewards_cfg, base=None) -> list[RewardEntry]:
     """The entries of [rewards]; user files are read here (RewardLoadError names the entry when one cannot be)."""
-    out = []
-    for i, s in enumerate(rewards_cfg.functions):
-        where = f"rewards.functions[{i}]"
-        timeout = s.timeout_s or rewards_cfg.timeout_s
-        if s.function:
-            out.append(RewardEntry(entry_label(s), s.weight, "function", s.function, timeout,
-                                   source=read_source(s.function, f"{where}.function", base), field=where))
-        elif s.url:
-            out.append(RewardEntry(entry_label(s), s.weight, "url", s.url, timeout, retries=s.retries, field=where))
-        elif s.name == "reward_model":
-            out.append(RewardEntry(entry_label(s), s.weight, "model", "", timeout, field=where))
-        else:
-            out.append(RewardEntry(entry_label(s), s.weight, "builtin", s.name, timeout, field=where))
-    return out
+    return [make_entry(rewards_cfg, i, base) for i in range(len(rewards_cfg.functions))]
+
+
+def make_entry(rewards_cfg, i: int, base=None) -> RewardEntry:
+    """rewards.functions[i] as an entry (a user's file is read here)."""
+    s, where = rewards_cfg.functions[i], f"rewards.functions[{i}]"
+    timeout = s.timeout_s or rewards_cfg.timeout_s
+    if s.function:
+        return RewardEntry(entry_label(s), s.weight, "function", s.function, timeout,
+                           source=read_source(s.function, f"{where}.function", base), field=where)
+    if s.url:
+        return RewardEntry(entry_label(s), s.weight, "url", s.url, timeout, retries=s.retries, field=where)
+    if s.name == "reward_model":
+        return RewardEntry(entry_label(s), s.weight, "model", "", timeout, field=where)
+    return RewardEntry(entry_label(s), s.weight, "builtin", s.name, timeout, field=where)
 
 
 def make_callable(entry: RewardEntry) -> Callable:
@@ -86,6 +87,8 @@ class CallResult:
     error: str = ""
     timed_out: bool = False
     seconds: float = 0.0
+    where: str = ""  # the user's line that raised ("rewards.py:12 in tolerant: ..."), "" if none
+    trace: str = ""  # the whole traceback of a call that raised
 
 
 def call_with_deadline(label: str, fn: Callable, kwargs: dict[str, list], timeout_s: float) -> CallResult:
@@ -97,6 +100,7 @@ def call_with_deadline(label: str, fn: Callable, kwargs: dict[str, list], timeou
             box["values"] = call_reward(fn, kwargs)
         except BaseException as e:  # a user's function may raise anything, SystemExit included
             box["error"] = f"{type(e).__name__}: {e}"
+            box["where"], box["trace"] = failure_trace(e)
 
     t0 = time.perf_counter()
     thread = threading.Thread(target=run, name=f"reward-{label}", daemon=True)
@@ -106,7 +110,7 @@ def call_with_deadline(label: str, fn: Callable, kwargs: dict[str, list], timeou
     if thread.is_alive():
         return CallResult(label, None, f"did not return within its timeout of {timeout_s:g} s", True, seconds)
     if "error" in box:
-        return CallResult(label, None, box["error"], seconds=seconds)
+        return CallResult(label, None, box["error"], seconds=seconds, where=box["where"], trace=box["trace"])
     return CallResult(label, box["values"], seconds=seconds)
 
 
@@ -121,47 +125,58 @@ class Scores:
 
     n: int
     values: dict[str, list[float | None]] = field(default_factory=dict)  # label -> one per completion
-    failures: list[tuple[str, int, int, str]] = field(default_factory=list)  # (label, start, stop, error)
+    failures: list[tuple[CallResult, int, int]] = field(default_factory=list)  # (failed call, start, stop)
     seconds: dict[str, float] = field(default_factory=dict)  # label -> longest call
 
     def add(self, result: CallResult, start: int, stop: int) -> None:
         column = self.values.setdefault(result.label, [None] * self.n)
         self.seconds[result.label] = max(self.seconds.get(result.label, 0.0), result.seconds)
         if result.values is None:
-            self.failures.append((result.label, start, stop, result.error))
+            self.failures.append((result, start, stop))
         else:
             column[start:stop] = result.values
+
+    def failed(self) -> dict[str, int]:
+        """label -> completions whose call for that entry failed."""
+        out: dict[str, int] = {}
+        for r, start, stop in self.failures:
+            out[r.label] = out.get(r.label, 0) + stop - start
+        return out
 
 
 def combine(entries: list[RewardEntry], scores: Scores, item_ids: list[str], on_error: str
             ) -> tuple[list[float], dict[str, float]]:
     """(total reward per completion, metrics). Failed calls follow `on_error`: "fail" raises RewardError naming the
-    reward and the prompt, "zero" scores those completions 0 for that reward and counts them in reward/errors. A
-    completion no reward applies to (all None) is the same kind of failure."""
-    errors = 0
-    for label, start, stop, error in scores.failures:
-        entry = next(e for e in entries if e.label == label)
+    reward, the prompt and the user's line that raised; "zero" adds 0 to those completions' totals for that reward
+    (their entry's values stay None: the entry's mean is of the completions it scored) and counts them in
+    reward/errors and reward/errors/LABEL. A completion no reward applies to (all None) is the same kind of failure."""
+    for result, start, stop in scores.failures:
         if on_error == "fail":
+            entry = next(e for e in entries if e.label == result.label)
             ids = list(dict.fromkeys(item_ids[start:stop]))
-            raise RewardError(f"reward {label!r} ({entry.field}) failed on prompt {ids[0]!r}"
-                              f"{f' and {len(ids) - 1} more' if len(ids) > 1 else ''}: {error}; fix it, or set "
-                              "rewards.on_error = \"zero\" to score such completions 0 and count them")
-        scores.values[label][start:stop] = [0.0] * (stop - start)
-        errors += stop - start
+            at = f" (at {result.where})" if result.where else ""
+            raise RewardError(f"reward {result.label!r} ({entry.field}) failed on prompt {ids[0]!r}"
+                              f"{f' and {len(ids) - 1} more' if len(ids) > 1 else ''}: {result.error}{at}; fix it, "
+                              "or set rewards.on_error = \"zero\" to score such completions 0 and count them",
+                              failure=result)
+    failed = scores.failed()
+    hit = {i for _, start, stop in scores.failures for i in range(start, stop)}  # completions of a failed call
     totals, not_applicable = [], 0
     for i in range(scores.n):
         parts = [(e.weight, scores.values[e.label][i]) for e in entries]
-        if all(v is None for _, v in parts):
+        if all(v is None for _, v in parts) and i not in hit:
             if on_error == "fail":
                 raise RewardError(f"no reward applies to a completion of prompt {item_ids[i]!r}: every function "
                                   "returned None; add a reward that scores it, or set rewards.on_error = \"zero\"")
             not_applicable += 1
         totals.append(sum(w * v for w, v in parts if v is not None))
-    metrics = {"reward/errors": errors, "reward/not_applicable": not_applicable}
+    metrics = {"reward/errors": sum(failed.values()), "reward/not_applicable": not_applicable}
     for e in entries:
         got = [v for v in scores.values[e.label] if v is not None]
         if got:
             metrics[f"reward/{e.label}"] = statistics.fmean(got)
+        if failed.get(e.label):
+            metrics[f"reward/errors/{e.label}"] = failed[e.label]
         metrics[f"time/reward_{e.label}"] = scores.seconds.get(e.label, 0.0)
     return totals, metrics
 

@@ -1,7 +1,8 @@
 """Verifiers out of the box: reasoning-gym's own scorer (`rg_score`) and a math answer verifier (`math_verify`).
 
 Both are reward functions of the calling convention (rollout/rewards/calls.py) and return None for a row they do not
-apply to, so they can be listed for a mixed dataset. reasoning_gym, math_verify and sympy are imported on first call:
+apply to, so they can be listed for a mixed dataset. They read completions in either shape (strings, or a chat row's
+[{"role": "assistant", "content": TEXT}]). reasoning_gym, math_verify and sympy are imported on first call:
 importing qgrpo.rollout.rewards stays light.
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, Callable
 
 from qgrpo.rollout.rewards.builtin import extract_answer
+from qgrpo.rollout.rewards.calls import completion_text
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ def _rg_rebuilt(entry: dict, i: int, question: Any) -> tuple[Any, dict]:
     return ds, rebuilt
 
 
-def rg_score(completions: list[str], rg_entry: list[dict | None], **kwargs) -> list[float | None]:
+def rg_score(completions: list, rg_entry: list[dict | None], **kwargs) -> list[float | None]:
     """reasoning-gym's own `score_answer` for the answer in the completion's last `<answer>` block: tasks whose
     answers are not numbers, several correct answers (countdown) and partial credit (spell_backward) score as the
     task defines. No block -> `score_answer(None, entry)` (0 for the tasks seen). None for a row without `rg_entry`
@@ -77,7 +79,7 @@ def rg_score(completions: list[str], rg_entry: list[dict | None], **kwargs) -> l
         if key not in seen:
             seen[key] = _rg_rebuilt(entry, i, questions[i])
         ds, rebuilt = seen[key]
-        answer = extract_answer(text)
+        answer = extract_answer(completion_text(text))
         try:
             score = ds.score_answer(answer, rebuilt)
         except Exception as e:
@@ -174,7 +176,7 @@ def math_verifier(float_rounding: int = FLOAT_ROUNDING, numeric_precision: int =
     """A `math_verify` reward with other precision settings, e.g. `loose = math_verifier(float_rounding=3)` in a
     user's reward file."""
 
-    def math_verify(completions: list[str], references: list[str], **kwargs) -> list[float | None]:
+    def math_verify(completions: list, references: list[str], **kwargs) -> list[float | None]:
         """1.0 if the answer equals the reference as math (math-verify: LaTeX, fractions, sets, intervals, equations
         "x=2" vs "2", percentages), else 0.0; None where the reference is not math (does not parse, or is text).
 
@@ -197,6 +199,7 @@ def math_verifier(float_rounding: int = FLOAT_ROUNDING, numeric_precision: int =
             if gold is None:
                 out.append(None)
                 continue
+            text = completion_text(text)
             block = extract_answer(text)
             answer = _parsed(block) if block is not None else _parsed(text or "", whole=True)
             timeout = _timeouts()["parsing_timeout"]

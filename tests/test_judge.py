@@ -1,0 +1,202 @@
+"""Held-out accuracy by the task's own judge (rollout/rewards/judge.py): text_match for word answers, any reward entry
+by its label with a threshold, the default chosen from the references, and what `check` says about it."""
+import json
+import textwrap
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from qgrpo.cluster.config.schema import ConfigError, config_from_dict
+from qgrpo.core.records import Completion, GroupRollout, PromptItem
+from qgrpo.rollout.answer_stats import majority_baseline
+from qgrpo.rollout.evaluate import score_eval
+from qgrpo.rollout.rewards import text_match
+from qgrpo.rollout.rewards.judge import choose_judge, numeric
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cfg(rewards: dict, **task) -> object:
+    return config_from_dict({"model": {"path": "builtin:tiny-digits"}, "rewards": rewards, "task": task},
+                            check_environment=False)
+
+
+def _items(refs: list[str]) -> list[PromptItem]:
+    return [PromptItem(f"p{i}", f"q{i}", r) for i, r in enumerate(refs)]
+
+
+def _groups(items: list[PromptItem], texts: list[str]) -> list[GroupRollout]:
+    return [GroupRollout(item=it, prompt_ids=[1], completions=[Completion([1], [0.0], "stop", t)], policy_version=0,
+                         generator_id="test", precision="bf16") for it, t in zip(items, texts)]
+
+
+@pytest.mark.parametrize("completion, reference, want", [
+    ("The capital of Belgium is Brussels.", "Brussels", 1.0),
+    ("brussels", "Brussels", 1.0),
+    ("<answer> Paris </answer>", "paris", 1.0),
+    ("<answer>Lyon</answer> The capital is Paris.", "Paris", 0.0),  # tags present: only their answer counts
+    ("Brusselsprout", "Brussels", 0.0),
+    ("It is in New York City.", "New York", 1.0),
+    ("Washington", "Washington, D.C.", 0.0),
+    ("7.0", "7", 1.0),
+    ("17", "7", 0.0),
+    ("", "Paris", 0.0),
+    ("anything", "", 0.0),
+])
+def test_text_match_reads_a_sentence_the_way_a_user_would(completion, reference, want):
+    assert text_match(completion, reference) == want
+
+
+def test_the_default_judge_follows_the_references():
+    words, numbers = ["Brussels", "Paris"], ["4", "1,234", "-2.5"]
+    assert numeric(numbers) and not numeric(words) and not numeric([])
+    assert choose_judge(_cfg({}).rewards, words).name == "text_match"  # the default reward `correct` reads integers
+    assert choose_judge(_cfg({}).rewards, numbers).name == "correct"
+    mine = {"functions": [{"function": "mine.py:score"}]}
+    assert choose_judge(_cfg(mine).rewards, numbers).name == "lenient_correct"
+    assert choose_judge(_cfg(mine).rewards, words).name == "text_match"
+    tagged = {"functions": [{"name": "answer_format"}, {"name": "answer_correct"}]}
+    assert choose_judge(_cfg(tagged).rewards, words).name == "answer_correct"  # it compares words as text
+
+
+def test_eval_metric_names_any_entry_by_its_label_and_is_checked(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("def score(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    cfg = _cfg({"functions": [{"function": "mine.py:score", "label": "judge"}, {"name": "answer_format"}],
+                "eval_metric": "judge", "eval_threshold": 0.8})
+    judge = choose_judge(cfg.rewards, ["Paris"])
+    assert (judge.name, judge.builtin, judge.entry.kind, judge.threshold) == ("judge", "", "function", 0.8)
+    fmt = choose_judge(_cfg({"functions": [{"name": "answer_correct", "label": "acc"}], "eval_metric": "acc"}).rewards)
+    assert (fmt.name, fmt.builtin) == ("acc", "answer_correct")
+    with pytest.raises(ConfigError, match=r"rewards.eval_metric: 'jugde' is neither a built-in accuracy reward .* "
+                                          r"nor the label of a rewards.functions entry \(judge, answer_format\)"):
+        _cfg({"functions": [{"function": "mine.py:score", "label": "judge"}, {"name": "answer_format"}],
+              "eval_metric": "jugde"})
+
+
+def test_a_user_function_judges_held_out_answers_with_its_threshold(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text(textwrap.dedent('''
+        def closeness(completions, references, **kwargs):
+            # 1.0 for the reference itself, 0.6 when it is named in a sentence, 0.0 otherwise
+            return [1.0 if c.strip() == r else 0.6 if r in c else 0.0 for c, r in zip(completions, references)]
+    '''))
+    items = _items(["Paris", "Rome", "Oslo", "Bern"])
+    texts = ["Paris", "It is Rome.", "Madrid", "Bern"]
+    for threshold, accuracy in ((0.5, 0.75), (0.9, 0.5)):
+        cfg = _cfg({"functions": [{"function": "mine.py:closeness"}], "eval_metric": "closeness",
+                    "eval_threshold": threshold})
+        judge = choose_judge(cfg.rewards, [it.reference for it in items])
+        ev = score_eval(_groups(items, texts), judge, details=True)
+        assert ev["accuracy"] == accuracy and ev["metric"] == "closeness"
+        assert ev["score_mean"] == pytest.approx((1.0 + 0.6 + 0.0 + 1.0) / 4)
+        assert [d["correct"] for d in ev["details"]] == [s >= threshold for s in (1.0, 0.6, 0.0, 1.0)]
+        assert "lenient_accuracy" not in ev  # a number reader says nothing about words
+    # The majority baseline asks the same judge: always answering "Rome" is right once in four
+    train = type("Listed", (), {"__len__": lambda self: 3, "item": lambda self, i: _items(["Rome", "Rome", "Oslo"])[i]})
+    assert majority_baseline(train(), items, judge)["majority_accuracy"] == 0.25
+
+
+def _write(tmp_path: Path, rows: list[dict], toml: str) -> Path:
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    path = tmp_path / "config.toml"
+    path.write_text(textwrap.dedent(toml))
+    return path
+
+
+CAPITALS = [{"question": f"What is the capital of {c}?", "answer": a}
+            for c, a in [("France", "Paris"), ("Italy", "Rome"), ("Norway", "Oslo"), ("Peru", "Lima"),
+                         ("Japan", "Tokyo"), ("Kenya", "Nairobi")] * 3]
+
+
+def test_check_refuses_a_number_reward_on_word_answers_and_names_the_judge(tmp_path, monkeypatch, capsys):
+    """No [rewards] on word references: the default `correct` could never score one, so check refuses before the
+    model is touched, naming the field and the fix; with a reward that reads words it names the held-out judge."""
+    from qgrpo.cluster.cli.app import main
+
+    monkeypatch.chdir(tmp_path)
+    base = '''
+        [model]
+        path = "builtin:smollm2-135m-instruct"
+        [task]
+        name = "jsonl"
+        path = "data.jsonl"
+        prompt_column = "question"
+        eval_size = 6
+    '''
+    config = _write(tmp_path, CAPITALS, base)
+    assert main(["check", str(config)]) == 2
+    out = capsys.readouterr()
+    said = out.out + out.err
+    assert "rewards.functions (not set, so the default): correct read integers only, and 6 of 6 references are " \
+           "words (e.g. 'Paris')" in said and '[{name = "text_match"}]' in said
+    config = _write(tmp_path, CAPITALS, base + '''
+        [rewards]
+        functions = [{ name = "text_match" }, { name = "correct", weight = 0.1 }]
+        eval_metric = "correct"
+    ''')
+    main(["check", str(config), "--set", "rewards.eval_metric=''"])
+    said = "".join(capsys.readouterr())
+    assert "held-out:  text_match (built-in text_match; correct when its score >= 0.5); the references are words" \
+           in said
+    main(["check", str(config)])
+    said = "".join(capsys.readouterr())
+    assert "hint: held-out accuracy is scored by correct, which reads numbers, but 6 of 6 references are words " \
+           "(e.g. 'Paris'): it can never count them correct" in said
+
+
+def test_a_user_config_inherits_the_default_jobs_settings():
+    """Every learning setting the default job sets (all but its model, task, rewards and names) is the schema's
+    default, so a config of one's own that leaves them out trains as the default job does."""
+    job = tomllib.loads((ROOT / "configs" / "smollm2_arith.toml").read_text())
+    cfg = config_from_dict({"model": {"path": "builtin:smollm2-135m-instruct"}}, check_environment=False).to_dict()
+    own = {"model", "task", "rewards"}
+    differ = {f"{section}.{key}": (value, cfg[section][key]) for section, table in job.items() if section not in own
+              for key, value in table.items() if key != "name" and cfg[section][key] != value}
+    assert differ == {}
+    assert (cfg["run"]["steps"], cfg["rollout"]["precision"], cfg["learner"]["lr"], cfg["run"]["eval"]) == \
+        (30, "int8", 1e-5, True)
+
+
+def test_rows_without_answers_need_a_judge_of_ones_own(tmp_path, monkeypatch, capsys):
+    """task.answer_column = "": a built-in judge has nothing to compare with, so held-out accuracy needs the user's
+    own reward named as its judge (or run.eval = false)."""
+    from qgrpo.cluster.cli.app import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("def short(completions, **kwargs):\n    return [float(len(c) < 40) for c in "
+                                      "completions]\n")
+    rows = [{"question": f"Say something about {c['answer']}."} for c in CAPITALS]
+    config = _write(tmp_path, rows, '''
+        [model]
+        path = "builtin:smollm2-135m-instruct"
+        [task]
+        name = "jsonl"
+        path = "data.jsonl"
+        prompt_column = "question"
+        answer_column = ""
+        eval_size = 6
+        [rewards]
+        functions = [{ function = "mine.py:short" }]
+    ''')
+    assert main(["check", str(config)]) == 2
+    said = "".join(capsys.readouterr())
+    assert "run.eval: the held-out rows have no reference answers (task.answer_column = ''), so text_match can never " \
+           "count an answer correct; set rewards.eval_metric to the label of a reward of your own" in said
+    main(["check", str(config), "--set", "rewards.eval_metric='short'"])
+    said = "".join(capsys.readouterr())
+    assert "run.eval: the held-out rows" not in said and "held-out:  short (rewards.functions[0] (function)" in said
+
+
+def test_the_readme_snippet_is_the_word_answers_example(monkeypatch):
+    """The README's own-task snippet, as written, is examples/word_answers/config.toml, whose run is quoted there."""
+    import re
+
+    from qgrpo.cluster.config.schema import load_config
+
+    monkeypatch.chdir(ROOT)
+    readme = (ROOT / "README.md").read_text()
+    snippet = re.search(r"```toml\n(.*?)```", readme[readme.index("## Your own task"):], re.S).group(1)
+    assert config_from_dict(tomllib.loads(snippet)).to_dict() == \
+        load_config("examples/word_answers/config.toml").to_dict()
