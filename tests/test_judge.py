@@ -200,3 +200,46 @@ def test_the_readme_snippet_is_the_word_answers_example(monkeypatch):
     snippet = re.search(r"```toml\n(.*?)```", readme[readme.index("## Your own task"):], re.S).group(1)
     assert config_from_dict(tomllib.loads(snippet)).to_dict() == \
         load_config("examples/word_answers/config.toml").to_dict()
+
+
+def test_a_run_judges_held_out_answers_by_the_users_function(ray_session, tiny_model_path, tmp_path, monkeypatch,
+                                                            capsys):
+    """A real run of the tiny model whose held-out judge is a graded function of the user's: the accuracy it logs is
+    the share of answers that function scores at or above the threshold, and the baseline asks the same function."""
+    from qgrpo.cluster.cli.app import main
+    from qgrpo.rollout.rewards.calls import load_function, read_source
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text(textwrap.dedent('''
+        def near(completions, references, **kwargs):
+            # 1.0 for the sum, 0.6 one off, else 0.0
+            out = []
+            for c, r in zip(completions, references):
+                digits = "".join(ch for ch in c if ch.isdigit())[:2]
+                off = abs(int(digits) - int(r)) if digits else 99
+                out.append(1.0 if off == 0 else 0.6 if off == 1 else 0.0)
+            return out
+    '''))
+    rc = main(["train", str(ROOT / "configs" / "tiny.toml"), "--set", f"model.path='{tiny_model_path}'",
+               "--set", f"run.output_dir='{tmp_path / 'runs'}'", "--set", "run.steps=2", "--set", "run.progress=false",
+               "--set", "run.save_every=0", "--set", "task.eval_size=40", "--set", "rewards.eval_metric='near'",
+               "--set", "rewards.eval_threshold=0.5",
+               "--set", "rewards.functions=[{name='correct'}, {function='mine.py:near', weight=0.5}]"])
+    assert rc == 0
+    err = capsys.readouterr().err
+    (run_dir,) = (tmp_path / "runs").iterdir()
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    near = load_function(read_source("mine.py:near", "test"), "test")
+    evals = {r["step"]: r for r in rows if r.get("event") == "eval"}
+    assert sorted(evals) == [0, 2]
+    for step, ev in evals.items():
+        answers = [json.loads(line) for line in (run_dir / "evals" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+        scores = near([a["completion"] for a in answers], [a["reference"] for a in answers])
+        assert [a["score"] for a in answers] == scores and len(scores) == 40
+        assert ev["metric"] == "near" and ev["accuracy"] == sum(s >= 0.5 for s in scores) / 40
+        assert ev["score_mean"] == pytest.approx(sum(scores) / 40)
+    (baseline,) = [r for r in rows if r.get("event") == "baseline"]
+    assert baseline["metric"] == "near"
+    (judge,) = [r for r in rows if r.get("event") == "judge"]
+    assert judge["judge"].startswith("near (rewards.functions[1] (function); correct when its score >= 0.5)")
+    assert f"held-out accuracy (near, 40 prompts, greedy, int4 generator): {evals[0]['accuracy']:.1%} before" in err
