@@ -147,13 +147,53 @@ def message(err: dict, schema: type, unknown: Callable[[str, tuple, list[str]], 
     return f"{at_loc}: {err['msg']}, got {got!r}"
 
 
+# GRPOConfig's names (TRL) for what our fields set, wherever in the file they are written: an unknown key with one
+# of these names is told its equivalent (docs/from_trl.md has the whole mapping)
+TRL_KEYS = {
+    "num_generations": "rollout.group_size",
+    "learning_rate": "learner.lr",
+    "beta": "algo.kl_coeff",
+    "epsilon": "algo.clip_low and algo.clip_high",
+    "epsilon_high": "algo.clip_high (algo.cispo_cap for CISPO)",
+    "max_completion_length": "rollout.max_new_tokens",
+    "per_device_train_batch_size": "rollout.prompts_per_step (x rollout.group_size completions per step)",
+    "num_iterations": "algo.updates_per_batch",
+    "loss_type": "algo.loss_agg (and algo.policy_loss for cispo, sapo)",
+    "scale_rewards": "algo.advantage_scale",
+    "importance_sampling_level": "algo.policy_loss = \"gspo\"",
+    "mask_truncated_completions": "algo.overlong_filter",
+    "off_policy_mask_threshold": "algo.offpolicy_mask_kl",
+    "use_bias_correction_kl": "algo.kl_bias_correction",
+    "vllm_importance_sampling_mode": "algo.is_level and algo.is_mode",
+    "vllm_importance_sampling_cap": "algo.is_cap",
+    "reward_weights": "the weight of each rewards.functions entry",
+    "lr_scheduler_type": "learner.lr_schedule",
+    "max_grad_norm": "learner.grad_clip",
+    "adam_beta1": "learner.beta1",
+    "adam_beta2": "learner.beta2",
+    "optim": "learner.optimizer",
+    "bf16": "model.compute_dtype",
+    "max_steps": "run.steps",
+    "num_train_epochs": "run.steps (epochs x train rows / rollout.prompts_per_step)",
+    "logging_steps": "run.log_every",
+    "save_steps": "run.save_every",
+    "save_total_limit": "run.keep_last",
+    "eval_steps": "run.eval_every",
+    "run_name": "run.name",
+}
+
+
 def unknown_key(at_loc: str, loc: tuple, known: list[str]) -> str:
-    """Our sections: the key, where it was looked for, the keys there are, and the nearest one."""
-    parent = where(loc[:-1])
+    """Our sections: the key and what it is called here when it is TRL's name for one of our fields; else the nearest
+    key of its table; else every key there is."""
+    parent, key = where(loc[:-1]), str(loc[-1])
+    if key in TRL_KEYS:
+        return f"{at_loc}: unknown key; {key!r} is TRL's name: here it is {TRL_KEYS[key]} (docs/from_trl.md)"
+    near = difflib.get_close_matches(key, known, n=1)
+    if near:
+        return f"{at_loc}: unknown key; did you mean {(parent + '.') if parent else ''}{near[0]}?"
     scope = f"keys of [{parent}]" if parent else "sections"
-    near = difflib.get_close_matches(str(loc[-1]), known, n=1)
-    return (f"{at_loc}: unknown key; known {scope} are: {', '.join(sorted(known))}"
-            + (f"; did you mean {(parent + '.') if parent else ''}{near[0]}?" if near else ""))
+    return f"{at_loc}: unknown key; known {scope} are: {', '.join(sorted(known))}"
 
 
 def problems_of(error: ValidationError, schema: type, unknown: Callable = unknown_key,
