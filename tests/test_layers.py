@@ -1,6 +1,8 @@
 """The layout's rules, checked on the source: no module imports from a layer above its own (lazy imports inside
-functions included), folders and files stay small enough to read, and pyproject.toml installs every package folder
-under `qgrpo`.
+functions included), no two modules import each other through any chain (lazy imports and `import_module("...")` of
+a constant included; imports for type checkers only are not imports at run time), pyproject.toml installs every
+package folder under `qgrpo`. Sizes (modules per folder, lines per file and per function) are guides, not rules: a
+test warns past them, so that files are split by concept, not cut to a ruler.
 
 Layers, lowest first: the package root (`qgrpo/__init__`, its version) and core < rollout, learner (siblings: neither
 imports the other) < actors < cluster.config < cluster.rundir < cluster.run < cluster.report < cluster.cli <
@@ -19,9 +21,9 @@ PACKAGES = ("core", "rollout", "learner", "actors", "cluster")
 # "" is the package root (qgrpo/__init__: __version__ only, imports nothing); __main__ runs the CLI, above it all.
 LAYERS = {"": 0, "core": 0, "rollout": 1, "learner": 1, "actors": 2, "cluster": 3, "cluster.config": 3,
           "cluster.rundir": 4, "cluster.run": 5, "cluster.report": 6, "cluster.cli": 7, "__main__": 8}
-MAX_MODULES = 12  # per folder
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 80
+MAX_MODULES = 12  # per folder: past it, a warning
+MAX_FILE_LINES = 400  # past it, a warning
+MAX_FUNCTION_LINES = 80  # past it, a warning
 
 
 def _sources(*tops: str) -> list[Path]:
@@ -101,24 +103,96 @@ def test_no_own_code_imports_top_level_names():
     assert bad == [], "imports without the qgrpo. prefix:\n" + "\n".join(bad)
 
 
-def test_folders_and_files_stay_small():
+def test_sizes_past_the_guides_are_reported():
+    """Not a rule: a warning per folder, file or function past its guide (pytest's warnings summary lists them)."""
+    import warnings
+
     folders = {p.parent for p in _sources(*PACKAGES, "bench")}
-    crowded = [f"{d.relative_to(ROOT)}: {n} modules" for d in sorted(folders)
-               if (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES]
-    long_files = [f"{p.relative_to(ROOT)}: {n} lines" for p in _sources(*PACKAGES, "bench")
-                  if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
-    assert crowded == [] and long_files == [], f"over {MAX_MODULES} modules / {MAX_FILE_LINES} lines: " \
-                                               f"{crowded + long_files}"
-
-
-def test_functions_stay_short():
-    long_functions = []
+    big = [f"{d.relative_to(ROOT)}: {n} modules (guide {MAX_MODULES})" for d in sorted(folders)
+           if (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > MAX_MODULES]
+    big += [f"{p.relative_to(ROOT)}: {n} lines (guide {MAX_FILE_LINES})" for p in _sources(*PACKAGES, "bench")
+            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
     for p in _sources(*PACKAGES, "bench"):
         for node in ast.walk(ast.parse(p.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 if (n := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES:
-                    long_functions.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines")
-    assert long_functions == [], f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(long_functions)
+                    big.append(f"{p.relative_to(ROOT)}:{node.lineno} {node.name}: {n} lines (guide "
+                               f"{MAX_FUNCTION_LINES})")
+    for line in big:
+        warnings.warn(line, UserWarning, stacklevel=1)
+
+
+def _runtime_imports(path: Path) -> set[str]:
+    """The modules of ours (without `qgrpo.`) `path` imports when it runs: at the top, inside functions, and by
+    `importlib.import_module` of a constant; not what an `if TYPE_CHECKING:` block imports for type checkers."""
+    tree = ast.parse(path.read_text(), str(path))
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
+                   for stmt in node.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args
+              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+            names = [node.args[0].value]
+        else:
+            continue
+        found |= {n.removeprefix("qgrpo.") for n in names if n.startswith("qgrpo.")}
+    return found
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of `graph` (module -> the modules it imports): its strongly connected parts of two or more
+    modules, each sorted (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while True:
+                w = stack.pop()
+                part.append(w)
+                if w == v:
+                    break
+            if len(part) > 1:
+                out.append(sorted(part))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    modules = {_module(p): p for p in _sources(*PACKAGES)}
+    graph = {m: {t for t in _runtime_imports(p) if t in modules and t != m} for m, p in modules.items()}
+    assert circles(graph) == [], "modules that import each other:\n" + "\n".join(map(str, circles(graph)))
+
+
+def test_the_circle_check_can_fail(tmp_path):
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("def f():\n    from qgrpo.x.b import g\n")
+    b.write_text("import importlib\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qgrpo.x.c import h\n"
+                 "m = importlib.import_module('qgrpo.x.a')\n")
+    assert _runtime_imports(a) == {"x.b", "x.b.g"} and _runtime_imports(b) == {"x.a"}  # the type-only one left out
+    assert circles({"x.a": {"x.b"}, "x.b": {"x.a"}, "x.c": {"x.a"}}) == [["x.a", "x.b"]]
+    assert circles({"x.a": {"x.b"}, "x.b": {"x.c"}}) == []
 
 
 def test_pyproject_installs_every_package_folder():

@@ -225,7 +225,7 @@ def test_a_field_only_our_section_writes_is_ours_not_a_conflict(tmp_path):
 def test_migrate_writes_the_translation_when_the_model_folder_is_not_here_yet(tmp_path):
     import tomllib
 
-    from qgrpo.cluster.config.mlx_grpo import migrate
+    from qgrpo.cluster.cli.migrate import migrate
     from qgrpo.cluster.config.schema import config_from_dict
 
     model = tmp_path / "models" / "d32"  # where the user will put the model, later or on another machine

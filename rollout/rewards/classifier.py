@@ -17,38 +17,14 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from qgrpo.rollout.models import build_char_tokenizer, resolve_model_path
+from qgrpo.rollout.models import TINY_CHAT_TEMPLATE, build_tiny_reward, resolve_model_path  # noqa: F401 (re-exported)
 
 RM_PRECISIONS = ("bf16", "fp32", "int8")
 CLASSIFIER_BUILTINS = ("tiny-reward",)  # the builtin models (rollout/models.py) that are reward models
 FIELD = "reward_model.path"
-# The tiny classifier's chat template, in the characters of the tiny tokenizer: "<bos>3+4=7<eos>" for the question
-# "3+4" answered "7" (earlier turns come first the same way; a system turn is written as it is).
-TINY_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'assistant' %}={{ m['content'] }}{{ eos_token }}"
-    "{% else %}{{ m['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}={% endif %}"
-)
 _FIX = ("point reward_model.path at a sequence classifier with one output (a folder saved from "
         "AutoModelForSequenceClassification with num_labels = 1, e.g. a reward model trained by TRL's RewardTrainer), "
         "or builtin:tiny-reward for a test")
-
-
-def build_tiny_reward(out_dir: Path, seed: int = 0) -> None:
-    """A randomly initialised 2-layer LlamaForSequenceClassification (num_labels 1, ~70k parameters) on tiny-digits'
-    character tokenizer, with a chat template in that tokenizer's characters. Deterministic from `seed`."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForSequenceClassification
-
-    build_char_tokenizer(out_dir)
-    tok = AutoTokenizer.from_pretrained(out_dir)
-    tok.chat_template = TINY_CHAT_TEMPLATE
-    tok.save_pretrained(out_dir)
-    config = LlamaConfig(vocab_size=-(-len(tok) // 16) * 16, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128, num_labels=1,
-                         pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         rope_theta=10000.0, initializer_range=0.2)  # a wider init: scores that differ visibly
-    torch.manual_seed(seed)
-    LlamaForSequenceClassification(config).to(torch.bfloat16).save_pretrained(out_dir, safe_serialization=True)
 
 
 def _labels(cfg: dict) -> int:
