@@ -323,3 +323,27 @@ def test_trls_names_are_told_their_field_here():
     with pytest.raises(ConfigError, match=r"learning_rate: unknown key; 'learning_rate' is TRL's name: here it is "
                                           r"learner.lr"):
         config_from_dict({**cfg, "learning_rate": 1e-6}, check_environment=False)
+
+
+def test_a_configs_paths_are_read_against_its_own_folder(tmp_path, monkeypatch):
+    """An example checks from any directory: its data and reward files are next to it. A path that exists only from
+    the working directory (a config written before the rule) still loads; --set values stay the working directory's."""
+    from qgrpo.cluster.config.tomlio import anchor_paths
+
+    folder = ROOT / "examples" / "own_rewards"
+    for where in (tmp_path, folder, ROOT):
+        monkeypatch.chdir(where)
+        cfg = load_config(folder / "config.toml")
+        assert cfg.task.path == str(folder / "problems.jsonl")
+        assert cfg.rewards.functions[0].function == f"{folder / 'rewards.py'}:within_tolerance"
+    monkeypatch.chdir(ROOT)
+    old = {"task": {"path": "examples/own_rewards/problems.jsonl"}, "rewards": {"functions": [{"name": "correct"}]}}
+    anchor_paths(old, folder)
+    assert old["task"]["path"] == "examples/own_rewards/problems.jsonl"  # found from here only: left as written
+    gone = {"task": {"path": "nowhere.jsonl", "eval_path": "s3://bucket/eval.jsonl"}}
+    anchor_paths(gone, folder)
+    assert gone["task"] == {"path": str(folder / "nowhere.jsonl"), "eval_path": "s3://bucket/eval.jsonl"}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.jsonl").write_text('{"question": "1+1", "answer": 2}\n' * 4)
+    cfg = load_config(folder / "config.toml", ["task.path='mine.jsonl'", "task.eval_size=1"])
+    assert cfg.task.path == "mine.jsonl"  # an override is the command line's: the working directory's

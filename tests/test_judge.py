@@ -189,7 +189,7 @@ def test_rows_without_answers_need_a_judge_of_ones_own(tmp_path, monkeypatch, ca
     assert "run.eval: the held-out rows" not in said and "held-out:  short (rewards.functions[0] (function)" in said
 
 
-def test_the_readme_snippet_is_the_word_answers_example(monkeypatch):
+def test_the_readme_snippet_is_the_word_answers_example(monkeypatch, tmp_path):
     """The README's own-task snippet, as written, is examples/word_answers/config.toml, whose run is quoted there."""
     import re
 
@@ -198,8 +198,10 @@ def test_the_readme_snippet_is_the_word_answers_example(monkeypatch):
     monkeypatch.chdir(ROOT)
     readme = (ROOT / "README.md").read_text()
     snippet = re.search(r"```toml\n(.*?)```", readme[readme.index("## Your own task"):], re.S).group(1)
-    assert config_from_dict(tomllib.loads(snippet)).to_dict() == \
-        load_config("examples/word_answers/config.toml").to_dict()
+    (tmp_path / "my_task.toml").write_text(snippet)  # saved in the project folder, as the README says: its
+    (tmp_path / "examples").symlink_to(ROOT / "examples")  # paths are read against the file's own folder
+    assert load_config(tmp_path / "my_task.toml").to_dict() == \
+        load_config(ROOT / "examples" / "word_answers" / "config.toml").to_dict()
 
 
 def test_a_run_judges_held_out_answers_by_the_users_function(ray_session, tiny_model_path, tmp_path, monkeypatch,

@@ -8,6 +8,7 @@ import json
 import math
 import re
 import tomllib
+from pathlib import Path
 from typing import Any
 
 from qgrpo.cluster.config.errors import field_at
@@ -109,3 +110,30 @@ def to_toml(data: Any, schema: type | None = None) -> str:
     for section, table in data.items():
         lines += _table(section, table, schema)
     return "\n".join(lines)
+
+
+def anchor_paths(data: dict, folder: Path, cwd: Path | None = None) -> None:
+    """In place: the relative paths a config file names (task.path, task.eval_path, a reward function's FILE.py) are
+    read against the file's own folder, as tools that read config files do, so a config works from any directory.
+    A path found only against the working directory (a config written before this rule) is left as it is; one found
+    nowhere is anchored at the file's folder, so the error names where it was looked for."""
+    cwd = cwd or Path.cwd()
+
+    def anchored(value: str) -> str:
+        if not value or "://" in value or Path(value).expanduser().is_absolute():
+            return value
+        here = folder / value
+        return value if not here.exists() and (cwd / value).exists() else str(here.resolve())
+
+    task = data.get("task")
+    if isinstance(task, dict):
+        for key in ("path", "eval_path"):
+            if isinstance(task.get(key), str):
+                task[key] = anchored(task[key])
+    rewards = data.get("rewards")
+    for entry in rewards.get("functions", []) if isinstance(rewards, dict) else []:
+        spec = entry.get("function") if isinstance(entry, dict) else None
+        if isinstance(spec, str) and ".py:" in spec:
+            target, name = spec.rsplit(":", 1)
+            entry["function"] = f"{anchored(target)}:{name}"
+
