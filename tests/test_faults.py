@@ -198,6 +198,7 @@ def _run_own_group(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+@pytest.mark.ray  # a qgrpo process of its own
 def test_kill_during_checkpoint_write_then_resume(tiny_model_path, tmp_path):
     """The whole run (driver, Ray, actors: one process group) is SIGKILLed after step 4's model files are written
     and before the checkpoint is complete; `--resume RUN_DIR` continues from step 2 and completes."""

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 NOISE = ("Failed to load", "Setting accelerator to CPU", "Token authentication is enabled", "is an Enum subclass",
@@ -65,6 +67,7 @@ def _qgrpo(*argv: str, timeout: int = 600) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout)
 
 
+@pytest.mark.ray  # a qgrpo process of its own
 def test_check_of_a_task_whose_rewards_import_noisy_libraries(tmp_path, tiny_model_path):
     proc = _qgrpo("check", *_noisy_rewards(tmp_path, tiny_model_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -73,6 +76,7 @@ def test_check_of_a_task_whose_rewards_import_noisy_libraries(tmp_path, tiny_mod
     assert not [n for n in NOISE if n in both], both
 
 
+@pytest.mark.ray  # a qgrpo process of its own
 def test_a_short_run_prints_no_library_noise_and_no_dead_worker(tmp_path, tiny_model_path):
     """Driver, rollout, reference and learner actors and a reward worker that imports the noisy libraries: a clean
     two-step run, and Ray does not report any of its actors as dead at the end."""

@@ -12,6 +12,9 @@ from collections import Counter
 from pathlib import Path
 
 import pyarrow.parquet as pq
+import pytest
+
+pytestmark = pytest.mark.ray  # runs `qgrpo train` in subprocesses: left out of `make test-fast`
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPTS, GROUP, STEPS = 8, 8, 14

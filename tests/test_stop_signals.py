@@ -24,8 +24,11 @@ from pathlib import Path
 
 import psutil
 import pyarrow.parquet as pq
+import pytest
 
 from qgrpo.cluster.rundir.checkpoint import complete_checkpoints
+
+pytestmark = pytest.mark.ray  # runs `qgrpo train` in subprocesses: left out of `make test-fast`
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, PROMPTS, GROUP = 8, 8, 8

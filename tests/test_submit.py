@@ -156,7 +156,7 @@ def test_config_outside_the_project_is_uploaded_with_its_data(dashboard, tmp_pat
     assert sets["task.eval_path"] == '"_submitted/task.eval_path/held.jsonl"'
     assert sets["run.output_dir"] == "'/shared/runs'" and "--no-wait" in call["argv"]
     err = capsys.readouterr().err
-    assert "task.path 'data/train.jsonl' is uploaded with the job" in err
+    assert f"task.path '{tmp_path / 'data' / 'train.jsonl'}' is uploaded with the job" in err  # read next to mine.toml
     assert cfg.read_bytes() == before  # the user's config is never rewritten
     assert not wd.exists()  # the staging copy is gone once `ray job submit` returned
 
