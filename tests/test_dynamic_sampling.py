@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.run.driver import StageClock, dynamic_batch, scored_batch
 from qgrpo.cluster.run.overlap import ROUND_SEED_STRIDE, RolloutSource, StepRollouts
 from qgrpo.cluster.run.sampling import (
@@ -163,11 +164,14 @@ class _Rewards:
 
 
 def _run(spec, rounds=3, buffer=0, overlong_filter=False, per_step=4, max_new_tokens=4):
-    ro = SimpleNamespace(prompts_per_step=per_step, group_size=2, max_new_tokens=max_new_tokens, temperature=1.0,
-                         top_p=1.0, top_k=0)
-    algo = SimpleNamespace(dynamic_sampling=True, dynamic_sampling_rounds=rounds, advantage_scale="none",
-                           overlong_buffer=buffer, overlong_penalty=1.0, overlong_filter=overlong_filter)
-    cfg = SimpleNamespace(rollout=ro, algo=algo, run=SimpleNamespace(steps=10))
+    # the real Config: a field the driver reads that the schema renamed breaks this test, not only the driver
+    cfg = load_config(ROOT / "configs" / "tiny.toml", [
+        f"rollout.prompts_per_step={per_step}", "rollout.group_size=2", f"rollout.max_new_tokens={max_new_tokens}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "algo.dynamic_sampling=true",
+        f"algo.dynamic_sampling_rounds={rounds}", "algo.advantage_scale='none'", f"algo.overlong_buffer={buffer}",
+        "algo.overlong_penalty=1.0", f"algo.overlong_filter={str(overlong_filter).lower()}", "run.steps=10"],
+        check_environment=False)
+    ro = cfg.rollout
     log: list[str] = []
     workers = _Workers(spec, log)
     return SimpleNamespace(cfg=cfg, workers=workers, rewards=_Rewards(log),

@@ -156,10 +156,11 @@ def test_requantize_follows_new_weights(precision, batch):
     assert type(master.model.layers[1].mlp.down_proj.weight) is torch.nn.Parameter  # master left untouched
 
 
-def test_import_is_light():
-    code = ("import sys, rollout.quant; bad = [m for m in ('torchao', 'bitsandbytes') if m in sys.modules]; "
-            "assert not bad, bad")
-    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
+def test_import_is_light(tmp_path):
+    # from a folder other than the checkout, so the installed `qgrpo` package is what is imported, as users import it
+    code = ("import sys, qgrpo.rollout.quant; bad = [m for m in ('torchao', 'bitsandbytes') if m in sys.modules]; "
+            "assert not bad, bad; assert 'rollout' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=60)
 
 
 @pytest.mark.parametrize("rows", [4, 35])  # through torch's int8 kernel (<= INT8PACK_ROWS) and through a bf16 product

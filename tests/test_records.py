@@ -18,13 +18,23 @@ def _ack(gap: float, seconds: float = 0.5, changed: float = 1e-3) -> SyncAck:
                    update_norm_ratio=changed * 100, update_projection=1.0)
 
 
-def test_records_pickle():
+def test_records_cross_into_a_fresh_process(tmp_path):
+    """Records reach other Ray processes by pickling: a fresh interpreter, which has imported none of our modules,
+    loads them and pickles them back unchanged (a record defined in a test or holding a lambda would fail here)."""
+    import subprocess
+    import sys
+
     result = TrainStepResult(stats={"tokens": 12.0}, loss=0.5, grad_norm=1.5, lr=1e-6, policy_version=3,
                              version_before=2, staleness=0.0, timing={"forward": 0.1, "backward": 0.2,
                                                                       "optimizer": 0.01}, skipped="mismatch")
-    for record in (result, _ack(0.01), LearnerSettings(world_size=2, lora={"rank": 4}),
-                   CheckpointState(step=1, policy_version=1)):
-        assert pickle.loads(pickle.dumps(record)) == record
+    records = [result, _ack(0.01), LearnerSettings(world_size=2, lora={"rank": 4}),
+               CheckpointState(step=1, policy_version=1)]
+    (tmp_path / "in.pkl").write_bytes(pickle.dumps(records))
+    code = ("import pickle, sys; r = pickle.load(open(sys.argv[1], 'rb')); "
+            "assert all(type(x).__module__.startswith('qgrpo.') for x in r); pickle.dump(r, open(sys.argv[2], 'wb'))")
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "in.pkl"), str(tmp_path / "out.pkl")], check=True,
+                   cwd=tmp_path, timeout=120)
+    assert pickle.loads((tmp_path / "out.pkl").read_bytes()) == records
 
 
 def test_weight_sync_metrics_keep_their_names():
