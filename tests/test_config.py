@@ -233,7 +233,7 @@ ALGO_COMBINATIONS = [
     (["learner.fake_quant='rollout'", "rollout.precision='nf4'"], "rollout.precision 'nf4' has none"),
     (["sync.adapters_only=true"], "sync.adapters_only: needs learner.mode = \"lora\" or \"qlora\""),
     (["sync.adapters_only=true", "learner.mode='qlora'", "rollout.backend='mlx'", "rollout.precision='int8'"],
-     "sync.adapters_only: built for rollout.backend = \"torch\" and \"vllm\" (MLX's adapter loading is not built), "
+     "sync.adapters_only: built for rollout.backend = \"torch\" and \"vllm\" (mlx's adapter loading is not built), "
      "got 'mlx'; set sync.adapters_only = false or another rollout.backend"),
     (["sync.adapters_only=true", "learner.mode='lora'", "sync.transport='collective'"],
      "sync.adapters_only: travels by sync.transport = \"object_store\" only"),

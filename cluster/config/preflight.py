@@ -251,17 +251,21 @@ def _context_problems(cfg: Config, model_path: str, longest: int) -> list[str]:
                    "task.instruction) or use a model with a longer context")
         out.append(f"{key}: {n} new tokens + the longest prompt ({longest} tokens) exceed the "
                    f"model's context of {ctx} positions ({where}); {fix}")
-    limit = ro.vllm.max_model_len
-    if ro.backend == "vllm" and limit > 0:
+    from qgrpo.rollout.backends import REGISTRY
+
+    length = REGISTRY[ro.backend].length_field  # an engine's own cap on prompt + completion (vLLM's max_model_len)
+    limit = getattr(getattr(ro, ro.backend, None), length, 0) if length else 0
+    name = f"rollout.{ro.backend}.{length}"
+    if limit > 0:
         if ctx is not None and limit > ctx:  # vLLM refuses an engine longer than the model's context
-            out.append(f"rollout.vllm.max_model_len: {limit} tokens is more than the model's context of {ctx} "
-                       f"positions ({where}); set rollout.vllm.max_model_len <= {ctx}, or 0 for the model's context")
+            out.append(f"{name}: {limit} tokens is more than the model's context of {ctx} "
+                       f"positions ({where}); set {name} <= {ctx}, or 0 for the model's context")
         elif n + longest > limit:
-            fix = (f"set rollout.vllm.max_model_len >= {n + longest}" + (f" (at most {ctx})" if ctx else "")
+            fix = (f"set {name} >= {n + longest}" + (f" (at most {ctx})" if ctx else "")
                    + " or 0 for the model's context" + (f", or {key} <= {limit - longest}"
                                                          if longest < limit else ""))
-            out.append(f"rollout.vllm.max_model_len: {n} new tokens ({key}) + the longest prompt "
-                       f"({longest} tokens) exceed the vLLM engine's max_model_len of {limit} tokens; {fix}")
+            out.append(f"{name}: {n} new tokens ({key}) + the longest prompt "
+                       f"({longest} tokens) exceed the {ro.backend} engine's {length} of {limit} tokens; {fix}")
     return out
 
 

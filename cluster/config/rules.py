@@ -289,9 +289,10 @@ def gpu_problems(cfg: Config) -> list[str]:
         p.append(f"learner.num_gpus: {le.num_gpus:g} of a GPU per rank with learner.world_size = {le.world_size}: two "
                  "ranks could land on one GPU, which NCCL refuses; give each rank a whole GPU (learner.num_gpus = 1) "
                  "or train on one rank (learner.world_size = 1)")
-    if cfg.reference_actor and ref.backend == "mlx" and ref.num_gpus > 0:
-        p.append("reference.num_gpus: the mlx reference runs on Apple silicon or the CPU, never on CUDA; set "
-                 "reference.num_gpus = 0, or reference.backend = \"torch\" to score on a GPU")
+    if cfg.reference_actor and ref.num_gpus > 0 and not REGISTRY[ref.backend].served("cuda"):
+        cuda = next(n for n in REFERENCE_BACKENDS if REGISTRY[n].served("cuda"))
+        p.append(f"reference.num_gpus: the {ref.backend} reference runs on Apple silicon or the CPU, never on CUDA; "
+                 f"set reference.num_gpus = 0, or reference.backend = \"{cuda}\" to score on a GPU")
     return p
 
 

@@ -14,6 +14,7 @@ from pydantic.dataclasses import dataclass
 from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
 from qgrpo.cluster.config.plan import STRATEGIES
 from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_LEVELS, IS_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from qgrpo.rollout.backends import REGISTRY
 from qgrpo.rollout.options import REQUANTIZE_FORMATS, REQUANTIZE_MODES, SCALES
 
 LR_SCHEDULES = ("constant", "cosine")  # learner.lr_schedule (learner/engine.py: lr_factor)
@@ -341,8 +342,9 @@ def _adapters_only(_, cfg) -> list[str]:
     if cfg.learner.mode == "full":
         return ["sync.adapters_only: needs learner.mode = \"lora\" or \"qlora\" (a full fine-tune has no adapters), "
                 "got \"full\"; set sync.adapters_only = false or train adapters"]
-    if ro.backend not in ("torch", "vllm"):
-        return [f"sync.adapters_only: built for rollout.backend = \"torch\" and \"vllm\" (MLX's adapter loading is not "
+    if not REGISTRY[ro.backend].adapters_only:
+        able = " and ".join(f"\"{n}\"" for n, spec in REGISTRY.items() if spec.adapters_only)
+        return [f"sync.adapters_only: built for rollout.backend = {able} ({ro.backend}'s adapter loading is not "
                 f"built), got {ro.backend!r}; set sync.adapters_only = false or another rollout.backend"]
     if sy.transport != "object_store":
         return [f"sync.adapters_only: travels by sync.transport = \"object_store\" only, got {sy.transport!r}; set "

@@ -14,6 +14,7 @@ from qgrpo.core import storage
 from qgrpo.core.devices import role_env
 from qgrpo.learner.loss import GRPOLossConfig
 from qgrpo.learner.settings import LearnerSettings
+from qgrpo.rollout.backends import REGISTRY
 from qgrpo.rollout.requantize import served_grid
 
 
@@ -38,7 +39,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
                   target_modules=list(le.lora.target_modules)),
         reference_from_learner=cfg.reference.from_learner,
         fake_quant_grid=served_grid(ro.backend, ro.precision, ro.group_size_quant) if le.fake_quant == "rollout"
-        else None, fake_quant_head=ro.backend == "torch",
+        else None, fake_quant_head=REGISTRY[ro.backend].fake_quant_head,
     )
 
 

