@@ -245,3 +245,15 @@ def test_a_run_judges_held_out_answers_by_the_users_function(ray_session, tiny_m
     (judge,) = [r for r in rows if r.get("event") == "judge"]
     assert judge["judge"].startswith("near (rewards.functions[1] (function); correct when its score >= 0.5)")
     assert f"held-out accuracy (near, 40 prompts, greedy, int4 generator): {evals[0]['accuracy']:.1%} before" in err
+
+
+def test_the_step_accuracy_reads_back_an_entrys_scores_and_judges_the_rest():
+    """A judge that is one of the step's rewards is not computed twice: its scores are read back from the groups; a
+    built-in judge that is not among them (text_match by default on words) judges the texts itself."""
+    items = _items(["Paris", "Rome"])
+    groups = _groups(items, ["It is Paris.", "Milan"])
+    judge = choose_judge(_cfg({"functions": [{"name": "text_match"}]}).rewards, ["Paris"])
+    assert judge.sample_accuracy(groups) == 0.5  # no scores on the groups: judged here
+    for g, score in zip(groups, ([0.0], [1.0])):  # scores that differ from what text_match would say: read back
+        g.scores = {"text_match": score}
+    assert judge.sample_accuracy(groups) == 0.5 and judge.sample_accuracy(groups[:1]) == 0.0

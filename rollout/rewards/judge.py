@@ -100,10 +100,11 @@ class Judge:
         return [float(s is not None and s >= self.threshold) for s in self.scores(texts, items)]
 
     def sample_accuracy(self, groups: list) -> float | None:
-        """The share of a step's completions (GroupRollouts, scored) this judge counts correct: a built-in judges
-        the texts here, an entry's own scores of the step are read back; None where there are none (the reward
-        model as judge, or an entry whose calls failed)."""
-        if self.builtin:
+        """The share of a step's completions (GroupRollouts, scored) this judge counts correct. A judge that is a
+        rewards.functions entry was already scored by the reward workers: its scores of the step are read back, not
+        computed again; a built-in that is not an entry judges the texts here. None where there are no scores (an
+        entry whose calls failed)."""
+        if self.builtin and not all(self.name in g.scores for g in groups):
             texts, items = zip(*[(c.text, g.item) for g in groups for c in g.completions])
             return sum(self.correct(list(texts), list(items))) / len(texts)
         values = [v for g in groups for v in g.scores.get(self.name, [])]
