@@ -78,9 +78,11 @@ test-fast: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
-# docs/reference/config.md from the config schema (tests/test_config_reference.py fails when it is stale).
+# docs/reference/config.md from the config schema, docs/performance.md from bench/published/*.json
+# (tests/test_config_reference.py and tests/test_performance_page.py fail when either is stale).
 docs: $(STAMP)
 	$(PY) -m qgrpo.cluster.config.reference
+	$(PY) bench/publish.py
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow

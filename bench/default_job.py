@@ -229,13 +229,15 @@ def save(stem: str, result: dict, text: str, publish: bool) -> None:
 RUN_STAGES = ("step", "generate", "reference", "learn", "learn_forward", "learn_backward", "learn_optimizer", "sync")
 
 
-def from_run(run_dir: Path, note: str, wall_min: float) -> tuple[dict, str]:
-    """(result, table) of one finished run directory (--from-run)."""
+def from_run(run_dir: Path, note: str, wall_min: float, command: str = "", machine: str = "") -> tuple[dict, str]:
+    """(result, table) of one finished run directory (--from-run). `command` and `machine` are what
+    bench/publish.py shows beside the figures (the run was made by hand, so only its maker knows them)."""
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
     steps = [m for m in lines if "time/step" in m]
     later = [m for m in steps if m["step"] >= 2] or steps
     start = next((m for m in lines if m.get("event") == "start"), {})
-    result = {"run": run_dir.name, "command": note, "wall_min": wall_min or None, "steps": len(steps),
+    result = {"command": command, "machine": machine, "run": run_dir.name, "note": note,
+              "wall_min": wall_min or None, "steps": len(steps),
               "evals": {str(m["step"]): m["accuracy"] for m in lines if m.get("event") == "eval"},
               "seconds_per_stage": {s: round(mean([m[f"time/{s}"] for m in later]), 2) for s in RUN_STAGES
                                     if all(f"time/{s}" in m for m in later)},
@@ -256,6 +258,8 @@ def main() -> None:
     ap.add_argument("--from-run", type=Path, default=None, help="tabulate this finished run directory, run nothing")
     ap.add_argument("--note", default="", help="--from-run: how the run was made, kept with its figures")
     ap.add_argument("--wall-min", type=float, default=0.0, help="--from-run: its wall time as `qgrpo train` said")
+    ap.add_argument("--command", default="", help="--from-run: the command that made the run (bench/publish.py)")
+    ap.add_argument("--machine", default="", help="--from-run: the machine it ran on (bench/publish.py)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--precisions", nargs="+", default=["int8", "bf16"], help="rollout.precision values")
     ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's 30)")
@@ -264,7 +268,7 @@ def main() -> None:
     args = ap.parse_args()
     stem = results_folder(args, "default_job")
     if args.from_run:
-        save(stem, *from_run(args.from_run, args.note, args.wall_min), args.publish)
+        save(stem, *from_run(args.from_run, args.note, args.wall_min, args.command, args.machine), args.publish)
         return
     started = datetime.datetime.now().isoformat(timespec="seconds")
     runs, missing = [], []

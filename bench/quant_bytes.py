@@ -65,12 +65,13 @@ SYNCS, LR = 10, 1e-5
 
 def requantize_costs(base: LlamaForCausalLM) -> list[dict]:
     """sync.requantize on the model's linear weights: see the module docstring."""
+    from qgrpo.rollout.backends import EMULATED_FORMATS
     from qgrpo.rollout.quant import quantized_weight_names
-    from qgrpo.rollout.requantize import REQUANTIZE_FORMATS, Requantizer, served_grid
+    from qgrpo.rollout.requantize import Requantizer, served_grid
 
     params = dict(base.named_parameters())
     rows = []
-    for backend, precision in REQUANTIZE_FORMATS:
+    for backend, precision in EMULATED_FORMATS:
         names = quantized_weight_names(base, "int4" if precision == "int4" else "int8", 64, "cpu")
         grids = {n: served_grid(backend, precision, 64) for n in names}
         direction = {n: torch.randn(params[n].shape, generator=torch.Generator().manual_seed(i)).sign()
@@ -223,7 +224,7 @@ def main():
     if args.requantize:
         rows = requantize_costs(smollm2_135m_shape())
         text = json.dumps({"model": "SmolLM2-135M shape (random weights)", "torch": torch.__version__,
-                           "threads": torch.get_num_threads(), "machine": platform.machine(),
+                           "threads": torch.get_num_threads(), "arch": platform.machine(),
                            "processor": platform.processor(), "syncs": SYNCS, "lr": LR, "results": rows},
                           indent=2) + "\n"
         for folder in ("results",) + (("published",) if args.publish else ()):

@@ -1,0 +1,468 @@
+"""docs/performance.md, generated from the published benchmark results in bench/published/*.json: per result a
+heading, what it measures, the command that produced it and the machine it ran on (both read from the JSON: the
+`command` and `machine` fields), and its figures as a table. The page holds figures only; what was tried and why a
+default is what it is lives in docs/performance_history.md, written by hand.
+
+    .venv/bin/python bench/publish.py          # write the page
+    .venv/bin/python bench/publish.py --check  # exit 1 when the page is not what bench/published/ gives now
+
+A new result: publish its JSON with `command` and `machine` fields, add it to SECTIONS below with a renderer for its
+layout, and run this script (tests/test_performance_page.py fails until the page is regenerated).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "bench" / "published"
+DOC = ROOT / "docs" / "performance.md"
+COMMAND = ".venv/bin/python bench/publish.py"
+WIDTH = 120  # tests/test_docs.py: docs lines stay within 120 characters
+GIB = 2**30  # the benches' "GB" (bench/sides.py)
+
+
+# --- formatting --------------------------------------------------------------------------------------------------
+
+def wrap(text: str, indent: str = "") -> list[str]:
+    """Prose at WIDTH columns, never breaking inside a `code span` (test_docs reads code spans line by line)."""
+    protected = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\x00"), text)
+    lines = textwrap.wrap(protected, WIDTH, initial_indent=indent, subsequent_indent=" " * len(indent),
+                          break_long_words=False, break_on_hyphens=False)
+    return [line.replace("\x00", " ") for line in lines]
+
+
+def paragraphs(text: str) -> list[str]:
+    """Hand-written Markdown (headings, paragraphs, `- ` lists) re-wrapped at WIDTH."""
+    out = []
+    for block in text.strip().split("\n\n"):
+        if block.startswith("#"):
+            out += [block, ""]
+            continue
+        items = re.split(r"\n(?=- )", block)
+        for item in items:
+            body = " ".join(item.split())
+            out += wrap(body[2:], "- ") if body.startswith("- ") else wrap(body)
+        out.append("")
+    return out[:-1]
+
+
+def shell(command: str) -> list[str]:
+    """A command (one a line) as a ```bash block, continued with backslashes at WIDTH. A break inside a double-quoted
+    string continues without indent: there bash drops the backslash and newline and keeps the space before them."""
+    out = []
+    for cmd in command.split("\n"):
+        line, quoted = "", False  # quoted: the text so far ends inside a double-quoted string
+        for word in cmd.split(" "):
+            if line.strip() and len(line) + len(word) + 3 > WIDTH:
+                out.append(line + " \\")
+                line = word if quoted else "    " + word
+            else:
+                line = f"{line} {word}" if line else word
+            quoted ^= word.count('"') % 2 == 1
+        out.append(line)
+    return ["```bash", *out, "```"]
+
+
+def table(head: list[str], rows: list[list]) -> list[str]:
+    """A Markdown table; None cells are empty."""
+    cell = lambda v: "" if v is None else str(v).replace("|", "\\|")  # noqa: E731
+    return ["| " + " | ".join(head) + " |", "|" + "---|" * len(head),
+            *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows)]
+
+
+def f(x, digits: int = 2) -> str | None:
+    return None if x is None else f"{x:.{digits}f}"
+
+
+def pct(x, digits: int = 0) -> str | None:
+    return None if x is None else f"{100 * x:.{digits}f}%"
+
+
+def gb(n, digits: int = 2) -> str | None:
+    return None if n is None else f"{n / GIB:.{digits}f}"
+
+
+# --- renderers, one per JSON layout --------------------------------------------------------------------------------
+
+def _evals(evals: dict) -> str:
+    return " -> ".join(f"{100 * (v['accuracy'] if isinstance(v, dict) else v):.0f}" for _, v in
+                       sorted(evals.items(), key=lambda kv: int(kv[0]))) + "%"
+
+
+def default_job(d: dict) -> list[str]:
+    """bench/default_job.py: whole runs of the default job, one per (seed, rollout precision)."""
+    runs = d.get("runs", [d])  # a single run record has the run's fields at the top
+    learn = table(["run", "held-out, step 0 -> 10 -> 20 -> 30", "final on bf16", "gain, points", "wall min",
+                   "points/min", "others' cores"],
+                  [[r["name"], _evals(r["eval"]), pct(r.get("eval_final_bf16", {}).get("accuracy")),
+                    f(r["acc_gain_points"], 0), f(r["process_s"] / 60, 1), f(r["acc_gain_points_per_min"]),
+                    f(r["memory"].get("others_cores"))] for r in runs])
+    stage = lambda r, k: r["stage_s"].get(k)  # noqa: E731
+    SPLIT = ("forward", "backward", "optimizer")
+    time = table(["run", "s/step", "generate", "reference", "learn (fwd / bwd / opt)", "sync", "sync %",
+                  "gen tok/s"],
+                 [[r["name"], f(r["s_per_step"], 1), f(stage(r, "generate")), f(stage(r, "reference")),
+                   f"{f(stage(r, 'learn'))} ({' / '.join(f(r['learn_split_s'][k]) for k in SPLIT)})",
+                   f(stage(r, "sync")), pct(stage(r, "sync") / r["s_per_step"], 1), f(r["gen_tokens_per_s"], 0)]
+                  for r in runs])
+    roles = ("learner", "rollout", "reference", "driver", "ray system")
+    memory = table(["run", *roles, "whole tree"],
+                   [[r["name"], *(f"{gb(p['rss'])} / {gb(p['pss'])}" if (p := r["memory"]["per_role_peak"].get(x))
+                                  else None for x in roles),
+                     f"{gb(r['memory']['peak_rss'])} / {gb(r['memory']['peak_pss'])}"] for r in runs])
+    out = [*wrap("Held-out accuracy (greedy, 100 prompts) on the run's own generators, and for the final checkpoint "
+                 "on a bf16 generator; wall time is the whole `qgrpo train` process; others' cores: what other jobs "
+                 "used meanwhile."), "", *learn, "",
+           f"Seconds per step by stage (mean over steps 2-{runs[0]['steps']}):", "", *time, "",
+           "Peak memory by process, GB RSS / PSS:", "", *memory]
+    if len({r["precision"] for r in runs}) > 1:
+        out += ["", *wrap("Mean over seeds, final accuracy on the run's generators (on bf16): " + "; ".join(
+            f"{p} {pct(v['end'], 1)} ({pct(v['end_bf16'], 1)})" for p, v in d["by_precision"].items()) + ".")]
+    return out
+
+
+def from_run(d: dict) -> list[str]:
+    """bench/default_job.py --from-run: one run made by hand, summarised from its run directory."""
+    s = d["seconds_per_stage"]
+    split = " / ".join(f(s.get(f"learn_{k}")) or "" for k in ("forward", "backward", "optimizer"))
+    rows = [[_evals(d["evals"]), f(d["wall_min"], 1), f(s.get("step"), 1), f(s.get("generate")),
+             f(s.get("reference")), f"{f(s.get('learn'))} ({split})", f(s.get("sync")),
+             ", ".join(x for x in d["learner_compute_dtype"] if x)]]
+    return table(["held-out by eval step", "wall min", "s/step", "generate", "reference", "learn (fwd / bwd / opt)",
+                  "sync", "learner in"], rows)
+
+
+def loss_variants(d: dict) -> list[str]:
+    """bench/loss_variants.py: whole runs per [algo] variant (or per re-quantization setting), two seeds each."""
+    by = d["by_variant"]
+    means = table(["variant", "acc 0 -> end", "bf16: base -> final", "gain", "pts/min", "min", "s/step", "KL",
+                   "ESS", "entropy, end"],
+                  [[f"`{v}`", f"{f(m['acc 0'], 1)} -> {f(m['acc end'], 1)}%",
+                    (f"{f(m['bf16 0'], 1)} -> " if "bf16 0" in m else "") + f"{f(m['end bf16'], 1)}%",
+                    f(m["gain pts"], 1), f(m["pts/min"]),
+                    f(m["wall min"], 1), f(m["s/step"], 1), f"{m['mismatch/kl_mu_old (mean)']:.2g}",
+                    f(m["mismatch/ess (mean)"], 3), f(m["entropy/mean (last)"])] for v, m in by.items() if m])
+    runs = table(["run", "held-out by evaluation step", "final on bf16", "distinct answers, end",
+                  "top answer's share, end", "wall min"],
+                 [[r["name"], _evals(r["eval"]), pct(r.get("eval_final_bf16", {}).get("accuracy")),
+                   r["eval"][max(r["eval"], key=int)].get("answers_distinct"),
+                   pct(r["eval"][max(r["eval"], key=int)].get("answers_top_share")), f(r["process_s"] / 60, 1)]
+                  for r in d["runs"]])
+    rollouts = (f"{d['precision']} rollouts unless the variant sets its own" if " " not in d["precision"]
+                else "each variant's own rollout precision")
+    out = [*wrap(f"`{d['config']}`, {d['steps']} steps, {rollouts}. "
+                 "Means over seeds: held-out accuracy (greedy, %) on the run's generators and, for the base model and "
+                 "the final checkpoint, on a bf16 generator; gain in points; min: the whole `qgrpo train` process; "
+                 "KL(mu, pi_old) and ESS of the importance weights: means over steps."), "", *means, "",
+           "Each run:", "", *runs]
+    for fail in d.get("failed", []):
+        why = re.search(r"failed \(([^)]*)\)", fail["error"])
+        out += ["", *wrap(f"`{fail['name']}` failed" + (f" ({why.group(1)})." if why else "."))]
+    return out
+
+
+def generation(d: dict) -> list[str]:
+    """bench/generation_speed.py: the torch generator's decode loops on the default job's batch."""
+    b = d["bound"]
+    rows = [[r["precision"], r["decode"], f(r["seconds"]), f(r["prefill_s"]), r["tokens"],
+             f(r["decode_tokens_per_s"], 0), pct(r["share_of_bound"]),
+             f(r["warmup_s"], 1) if "warmup_s" in r else None, "failed, ran eager" if r.get("compile_error") else None]
+            for r in d["rows"]]
+    head = ["precision", "decode loop", "s per batch", "prefill s", "tokens", "decode tok/s", "of bound",
+            "warm-up s", "compile"]
+    keep = [i for i, h in enumerate(head) if any(row[i] is not None for row in rows)]
+    return [*wrap(f"Batch of {d['batch']} completions. The bound, timed in the same run: one bf16 product per linear "
+                  f"layer at {b['rows']} rows, {b['gflop_per_step']:.1f} GFLOP per decode step in "
+                  f"{1000 * b['step_s']:.1f} ms ({b['gflops']:.0f} GFLOP/s), so at most {b['tokens_per_s']:,.0f} "
+                  "tokens/s; \"of bound\" is the decode tokens/s (prefill excluded) over that."), "",
+            *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])]
+
+
+def generator_memory(d: dict) -> list[str]:
+    """bench/quant_bytes.py --generator-memory: the torch generator's memory, in place against a rebuilt copy."""
+    return table(["precision", "layout", "start RSS MB", "peak RSS MB", "tensors held MB", "s per sync"],
+                 [[r["precision"], r["variant"], f(r["start_rss_mb"], 0), f(r["peak_rss_mb"], 0), f(r["held_mb"], 0),
+                   f(r["sync_s"])] for r in d["rows"]])
+
+
+def requantize_costs(d: dict) -> list[str]:
+    """bench/quant_bytes.py --requantize: what one sync's re-quantization costs and how much of the update it keeps."""
+    return [*wrap(f"{d['model']}, {d['threads']} threads, median of {d['syncs']} syncs at lr {d['lr']:g}."), "",
+            *table(["format", "rounding", "s/sync", "state MB", "codes changed", "bf16 changed", "norm ratio",
+                    "projection"],
+                   [[r["format"], r["mode"], f(r["seconds_per_sync"]), f(r["state_bytes"] / 1e6, 0),
+                     f"{r['code_change_frac']:.2g}", f"{r['bf16_change_frac']:.2g}", f(r["update_norm_ratio"], 1),
+                     f(r["update_projection"], 3)] for r in d["results"]])]
+
+
+def learner_memory(d: dict) -> list[str]:
+    """bench/learner_memory.py: the learner's memory and step time per mode, optimizer and checkpointing."""
+    rows = [[r["variant"], f"{r['trainable_params'] / 1e6:.2f}M" if "steps" in r else None,
+             gb(r["optimizer_state_bytes"] + r["master_bytes"], 3) if "steps" in r else None, f(r["peak_rss_gb"]),
+             f"{f(r['total_s'])} ({f(r['forward_s'])} / {f(r['backward_s'])} / {f(r['optimizer_s'])})"
+             if "steps" in r else None] for r in d["rows"]]
+    a = d["args"]
+    return [*wrap(f"{a['groups']} prompts x {a['group_size']} completions, prompts of {a['prompt_len']} tokens, "
+                  f"completions of up to {a['completion_len']}; LoRA rank {a['lora_rank']} on every linear layer; "
+                  f"{a['threads']} threads; median of steps 2-{a['steps']}. \"idle\" is the process with nothing "
+                  "built; optimizer state includes fp32 master weights."), "",
+            *table(["variant", "trainable", "optimizer state GB", "peak RSS GB", "s/step (fwd / bwd / opt)"], rows)]
+
+
+def learner_profile(d: dict) -> list[str]:
+    """bench/learner_profile.py: the learner's step by variant, against the bf16 ceiling measured in the run."""
+    runs = d.get("runs", [d])  # one run, or several each comparing its own variants
+    rows = [[n if len(runs) > 1 else None, r["variant"], f(r["forward_s"]), f(r["backward_s"]), f(r["optimizer_s"]),
+             f(r["total_s"]), f(r["peak_rss_gb"]), f(r["tflops"], 3), f(max(run["ceiling_tflops"].values()), 2)]
+            for n, run in enumerate(runs, start=1) for r in run["rows"]]
+    head = ["run", "variant", "forward s", "backward s", "optimizer s", "step s", "peak RSS GB", "TFLOP/s",
+            "ceiling TFLOP/s"]
+    keep = [i for i, h in enumerate(head) if any(row[i] is not None for row in rows)]
+    a = runs[0]["args"]
+    return [*wrap(f"{a['groups']} prompts x {a['group_size']} completions, prompts of {a['prompt_len']} tokens, "
+                  f"completions of up to {a['completion_len']}; useful work {runs[0]['useful_tflop_per_step']:.2f} "
+                  "TFLOP per step (padding not counted); the ceiling is the fastest bf16 product timed in the run."
+                  + (" Compare rows within one run only." if len(runs) > 1 else "")), "",
+            *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])]
+
+
+def rollout_backends(d: dict) -> list[str]:
+    """bench/rollout_backends.py: the torch, vLLM and MLX generators' speed, one sync each, their weight bytes."""
+    gen = {(g["variant"], g["shape"]): g["tokens_per_s"] for g in d["generation"]}
+    sync = {s["variant"]: s for s in d["weight_sync"]}
+    mem = {m["variant"]: m for m in d["memory_bytes"]}
+    names = list(dict.fromkeys(g["variant"] for g in d["generation"]))
+    rows = [[v, f(gen.get((v, "32x64")), 0), f(gen.get((v, "128x64")), 0),
+             f(sync[v]["median_s"]) if v in sync else None, pct(sync[v]["pct_of_step"] / 100, 1) if v in sync else None,
+             f"{mem[v]['linear'] / 2**20:.1f} / {mem[v]['total'] / 2**20:.1f}" if v in mem else None] for v in names]
+    m = d["meta"]
+    ratios = ", ".join(f"{r['precision']} at {r['shape']} {r['ratio']:.2f}x" for r in d["ours_vs_bare"])
+    return [*wrap(f"{m['group_size']} completions x {m['max_new_tokens']} new tokens per prompt, T = 1, "
+                  f"{m['args']['threads']} threads, median of {m['args']['repeats']}; \"bare\" is `vllm.LLM` on the "
+                  f"same prompt ids; a sync is the rollout actor's (check, re-quantization, reload, fingerprint "
+                  f"probe), as a share of a {m['step_s']:.0f} s step."), "",
+            *table(["generator", "tok/s at 32 x 64", "tok/s at 128 x 64", "one sync, s", "of a step",
+                    "weights, linear / total MB"], rows), "", *wrap(f"Our vLLM actor against bare vLLM: {ratios}.")]
+
+
+def vs_trl(d: dict) -> list[str]:
+    """bench/vs_trl.py: qgrpo and TRL's GRPOTrainer on the same weights, prompts and rewards."""
+    med = d["median"]
+    shown = lambda m: m["generate_s_per_step"] > 0.01  # noqa: E731  (overlap hides generation behind the learner)
+    rows = [[side, f(m["s_per_step"], 1), f(m["trained_tokens_per_s"], 0),
+             f(m["generate_s_per_step"], 1) if shown(m) else "hidden", f(m["learn_s_per_step"], 1),
+             f(m["gen_tokens_per_s"], 0) if shown(m) else None,
+             f"{gb(m['peak_rss'], 1)} / {gb(m['peak_pss'], 1)}"] for side, m in med.items()]
+    r = d["ratio_ours_over_trl"]
+    meta = d["meta"]
+    return [*wrap(f"`{meta['config']}` with {', '.join(f'`{o}`' for o in meta['shared_overrides'])}; steps after "
+                  f"the first {meta['warmup_steps']} timed, {meta['args']['rounds']} round(s)."), "",
+            *table(["side", "s/step", "trained tok/s", "gen s/step", "learn s/step", "gen tok/s",
+                    "peak RSS / PSS GB"], rows), "",
+            *wrap("Trained tok/s: completion tokens trained per second; peak memory: all processes of the side."), "",
+            *wrap(f"qgrpo over TRL: completion tokens trained per second {r['trained_tokens_per_s']:.2f}x "
+                  f"({r['qgrpo overlap/trained_tokens_per_s']:.2f}x with overlap), peak PSS {r['peak_pss']:.2f}x, "
+                  f"peak RSS {r['peak_rss']:.2f}x.")]
+
+
+def weight_transport(d: dict) -> list[str]:
+    """bench/weight_transport.py: one weight sync through the object store and the collective."""
+    m = d["meta"]
+    return [*wrap(f"{m['nbytes'] / 2**20:.0f} MB of bf16 weights in buckets of {m['args']['bucket_mb']:.0f} MB, "
+                  f"median of {m['args']['repeats']}; the sender: {m['sender']}. \"Of a step\": of a "
+                  f"{m['args']['step_s']:.0f} s step."), "",
+            *table(["actors", "precision", "transport", "send s", "receive s", "load s", "total s", "of a step"],
+                   [[r["actors"], r["precision"], r["transport"].replace("_", " "), f(r["send"]), f(r["receive"]),
+                     f(r["load"]), f(r["total"]), pct(r["pct_of_step"] / 100, 1)] for r in d["rows"]])]
+
+
+def weight_transport_adapters(d: dict) -> list[str]:
+    """bench/weight_transport.py --adapters: a LoRA run's sync, the merged model against the adapters alone."""
+    return [*wrap("LoRA rank 16 on every linear layer, object store, one rollout actor, median of 3; \"first\" is the "
+                  "first sync; \"fp gap\": the fingerprint's largest mean log-prob gap per probe token (nats)."), "",
+            *table(["backend", "precision", "path", "MB sent", "export s", "receive s", "load s", "total s",
+                    "first s", "fp gap"],
+                   [[r["backend"], r["precision"], r["path"], f(r["nbytes"] / 2**20, 1), f(r["export"], 3),
+                     f(r["receive"], 4), f(r["load"], 3), f(r["total"], 3), f(r["first_sync_total"], 3),
+                     f(r["fingerprint_gap_max"], 3)] for r in d["rows"]])]
+
+
+# --- the page ------------------------------------------------------------------------------------------------------
+
+Render = Callable[[dict], list[str]]
+# (section heading, [(JSON stem, result heading, what it measures, renderer)]): the page's order. Headings are the
+# anchors other pages link to; keep them when editing.
+SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
+    ("What the default job learns", [
+        ("loss_variants_gc", "The default job as the preset runs it",
+         "`make train`'s job (`configs/smollm2_arith.toml`, int8 rollouts with token TIS, gradient checkpointing "
+         "on), two seeds, one whole run at a time.", loss_variants),
+        ("default_job_int8", "Without gradient checkpointing",
+         "The same job with the learner's layers not checkpointed: what each seed learns, the step time by stage "
+         "and the peak memory of every process.", default_job),
+        ("loss_variants_overlap", "With one-step-off-policy overlap",
+         "The same job with `algo.overlap = true`: the next step's rollouts are generated while the learner "
+         "updates.", loss_variants),
+        ("default_job", "By rollout precision",
+         "The default job whole, once per seed and rollout precision (int8 with TIS, bf16), one run at a time.",
+         default_job),
+        ("default_job_int8_s0_aa403e5", "One int8 run record before the sync's fewer passes",
+         "Seed 0 of the int8 default job with the earlier re-quantization (more passes over the weights per sync): "
+         "its sync split is the point.", default_job),
+        ("default_job_word_answers", "The README's own task",
+         "The README's own-task snippet (`examples/word_answers/config.toml`) run as written.", from_run),
+    ]),
+    ("Losses and corrections", [
+        ("loss_variants_tiny", "On the tiny job",
+         "Seven `[algo]` variants on the tiny job (a 0.1M-parameter model learning digit sums from scratch, "
+         "int4 rollouts), two seeds each.", loss_variants),
+        ("loss_variants_tiny_mod3", "On the tiny job's collapse-prone variant",
+         "The same variants with the answer taken modulo 3 (three about equally common answers), 150 steps.",
+         loss_variants),
+        ("loss_variants", "On the default job",
+         "Six `[algo]` variants on the default job, two seeds each.", loss_variants),
+        ("loss_variants_collapse", "A collapse-prone task for the default model",
+         "Five variants on [examples/collapse_task/](../examples/collapse_task/) (three one-word answers, each a "
+         "third of the rows): whether a policy collapses onto one answer.", loss_variants),
+    ]),
+    ("Quantized generators that follow the learner", [
+        ("requantize", "Re-quantization in the default job",
+         "The default job with int4 and int8 rollouts under `sync.requantize` (nearest, stochastic, error feedback) "
+         "and with `learner.fake_quant = \"rollout\"`; what the table says: "
+         "[quantization.md](quantization.md#measured).", loss_variants),
+        ("requantize_costs", "What a re-quantizing sync costs",
+         "Prepare and commit of one sync on the SmolLM2-135M shape per format and rounding, with the visibility "
+         "figures (codes changed, update norm and projection).", requantize_costs),
+        ("requantize_costs_aa403e5", "The same, before the sync's fewer passes",
+         "The same measurement with the earlier re-quantization code, for comparison with the table above.",
+         requantize_costs),
+    ]),
+    ("Plain x86 CPUs", [
+        ("default_job_avx2_emulated", "The default job without native bf16",
+         "The default job on a CPU emulating an AVX2-only one, where `model.compute_dtype = \"auto\"` chooses fp32.",
+         from_run),
+        ("default_job_avx2_emulated_fp32_weights", "Without bf16 weights over fp32 masters",
+         "The same, with an fp32 learner that kept no bf16 weights over its fp32 masters (the learner before "
+         "`Bf16Weights`).", from_run),
+    ]),
+    ("Against TRL", [
+        ("vs_trl", "qgrpo and TRL's GRPOTrainer",
+         "qgrpo and TRL 1.16's `GRPOTrainer`, each in a process of its own, on the same bf16 weights, prompts "
+         "(checked token for token) and rewards (`bench/vs_trl.toml`).", vs_trl),
+    ]),
+    ("Generators", [
+        ("rollout_backends", "Torch and vLLM generators",
+         "The torch and vLLM generators side by side on SmolLM2-135M-Instruct, with bare `vllm.LLM` for "
+         "comparison.", rollout_backends),
+        ("rollout_backends_with_mlx", "MLX generators",
+         "The same with the MLX generators added (their rows at 32 x 64 only).",
+         rollout_backends),
+        ("generation_speed", "The torch generator's decode loop",
+         "The torch generator's tokens/s per precision and decode loop on the default job's batch (8 prompts x 8 "
+         "completions), against the bound of its matrix products.", generation),
+        ("generation_compiled", "A compiled decode step",
+         "The static-cache decode step compiled by torch.compile (inductor) against the eager one.", generation),
+        ("generator_memory", "Rollout actor memory",
+         "The torch generator holding one copy, re-quantized in place at each sync, against a bf16 master beside a "
+         "quantized copy rebuilt at each sync; each in a fresh process, three full updates.", generator_memory),
+    ]),
+    ("Learner", [
+        ("learner_profile", "The learner's step by variant",
+         "The real learner (DeepSpeed ZeRO-0, bf16, one rank, in-process) on the TRL comparison's batch, each "
+         "variant in a process of its own; each run compares its own VARIANTS (the rows with its number).",
+         learner_profile),
+        ("learner_packed", "Packed completions",
+         "The learner on the default job's batch shape, each group's completions packed into one row against "
+         "padded suffixes.", learner_profile),
+        ("learner_memory", "Learner memory",
+         "Each `learner.mode` / `learner.optimizer` / `learner.gradient_checkpointing` combination in a process of "
+         "its own, on the TRL comparison's batch.", learner_memory),
+        ("learner_memory_default_batch", "Learner memory on the default job's batch",
+         "The same on the default job's batch shape, with packed completions and the shared-prompt forward.",
+         learner_memory),
+    ]),
+    ("Weight transport", [
+        ("weight_transport", "Object store and collective",
+         "One weight sync of SmolLM2-135M-Instruct to one and two torch rollout actors through each transport.",
+         weight_transport),
+        ("weight_transport_adapters", "LoRA adapters alone",
+         "A LoRA run's sync: the merged model against `sync.adapters_only`.", weight_transport_adapters),
+    ]),
+]
+
+INTRO = """\
+# Performance
+
+Generated from the JSON files in `bench/published/` by `{command}`; do not edit. Each result below names what it
+measures, the command that produced it, the machine it ran on and its JSON file. No figure here was measured on a
+GPU: times depend on the CPU and on what else ran on it, so compare rows within one table. What was tried, what the
+figures say and why the defaults are what they are: [performance_history.md](performance_history.md).
+"""
+
+OUTRO = """\
+## Running the benchmarks
+
+Each script writes its JSON under `bench/results/` and prints a table; run them with `.venv/bin/python`:
+
+- `make bench` (`bench/quant_bytes.py`): weight bytes, quantize and forward time per precision on a
+  SmolLM2-135M-shaped model; `--requantize` and `--generator-memory` for the sync's costs and the generator's memory.
+- `bench/generation_speed.py`: the torch generator's tokens/s per precision and decode loop.
+- `bench/default_job.py`: the default job whole, per seed and rollout precision; `--from-run` for a run made by hand.
+- `bench/loss_variants.py`: `[algo]` variants side by side, whole runs; `--family requantize` for `sync.requantize`
+  and `learner.fake_quant`.
+- `make bench-trl` (`bench/vs_trl.py`): qgrpo against TRL's GRPOTrainer; `ARGS=--quick` for a smoke run.
+- `bench/rollout_backends.py`: the torch, vLLM and MLX generators, one sync each, their weight bytes.
+- `bench/learner_profile.py`, `bench/learner_memory.py`, `bench/learner_step.py`: the learner's step, memory and
+  shared-prompt forward.
+- `bench/weight_transport.py`: the object-store and collective weight transports; `--adapters` for LoRA syncs.
+
+To publish a result, write its JSON to `bench/published/` with a `command` and a `machine` field, add it to
+`SECTIONS` in `bench/publish.py` and run `{command}` (`make docs` runs it too).
+"""
+
+
+def load(stem: str) -> dict:
+    path = PUBLISHED / f"{stem}.json"
+    data = json.loads(path.read_text())
+    missing = [k for k in ("command", "machine") if not str(data.get(k) or "").strip()]
+    if missing:
+        raise ValueError(f"bench/published/{path.name} has no {' or '.join(missing)}: add the field(s) (the command "
+                         "that produced it, the machine it ran on) before publishing")
+    return data
+
+
+def render() -> str:
+    """The whole page, as bench/published/ gives it now."""
+    listed = {stem for _, results in SECTIONS for stem, *_ in results}
+    unlisted = sorted(p.stem for p in PUBLISHED.glob("*.json") if p.stem not in listed)
+    if unlisted:
+        raise ValueError(f"bench/published/ results not on the page: {unlisted}; add them to SECTIONS in "
+                         "bench/publish.py")
+    lines = [*paragraphs(INTRO.format(command=COMMAND)), ""]
+    for heading, results in SECTIONS:
+        lines += [f"## {heading}", ""]
+        for stem, title, measures, renderer in results:
+            data = load(stem)
+            lines += [f"### {title}", "", *wrap(measures), "", *shell(data["command"]), "",
+                      *wrap(f"Machine: {data['machine']}. JSON: `bench/published/{stem}.json`."), "",
+                      *renderer(data), ""]
+    lines += paragraphs(OUTRO.format(command=COMMAND))
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from qgrpo.cluster.config.reference import write_page
+
+    parser = argparse.ArgumentParser(prog=COMMAND, description="Write docs/performance.md from bench/published/.")
+    parser.add_argument("--check", action="store_true", help="exit 1 when the page differs from bench/published/'s")
+    return write_page(DOC, render(), COMMAND, parser.parse_args(argv).check)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
