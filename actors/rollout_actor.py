@@ -1,4 +1,6 @@
-"""Ray actor hosting one generator (any backend) behind the generator protocol."""
+"""Ray actor hosting one generator (any backend) behind the generator base class (rollout/backends: Generator): what
+a backend may lack (emulated grids, adapters, timing its re-quantization, a close) has a default there, so the actor
+asks and never probes."""
 from __future__ import annotations
 
 import math
@@ -41,12 +43,10 @@ class RolloutActor(CollectiveMember):
         when the weights are handed over as received and nothing is measured: at nearest without visibility, and
         where the format has no emulated grid (bf16 after the precision ladder's last rung; the config refuses the
         other modes for such a format at the start)."""
-        grids = self.gen.quant_grids() if hasattr(self.gen, "quant_grids") else {}
+        grids = self.gen.quant_grids()
         if not grids or (mode == "nearest" and not visibility):
             return None
-        weights = getattr(self.gen, "weights", None)
-        initial = weights(list(grids)) if weights is not None else hf_tensors(model_path, grids)
-        return Requantizer(mode, grids, initial)
+        return Requantizer(mode, grids, hf_tensors(model_path, grids))
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
                  ) -> tuple[list[GroupRollout], GenerationStats]:
@@ -79,10 +79,7 @@ class RolloutActor(CollectiveMember):
         base does not change and the norms are not sent)."""
         t0 = time.perf_counter()
         stream, prepared, visibility, sigma = unpack_buckets(buckets), None, {}, 0.0
-        if update.kind == "adapters":
-            if not hasattr(self.gen, "load_adapters"):
-                raise NotImplementedError(f"{self.gen.generator_id}: this backend cannot load adapters-only updates "
-                                          "(sync.adapters_only is built for rollout.backend = \"torch\")")
+        if update.kind == "adapters":  # a backend that cannot raises (Generator.load_adapters)
             rounding_seconds = 0.0
             self.gen.load_adapters(update.version, stream)
         else:
@@ -110,8 +107,7 @@ class RolloutActor(CollectiveMember):
                 "rollout.precision (docs/quantization.md)") from e
         self.last_ack = SyncAck(self.gen.generator_id, self.gen.policy_version, seconds=t1 - t0,
                                 receive_seconds=receive_seconds,
-                                requantize_seconds=rounding_seconds + getattr(self.gen, "requantize_seconds",
-                                                                              float("nan")),
+                                requantize_seconds=rounding_seconds + self.gen.requantize_seconds,
                                 verify_seconds=time.perf_counter() - t1, fingerprint_gap=fp["gap"],
                                 fingerprint_corr=fp["corr"], norm_noise=sigma, **visibility)
         return self.last_ack
@@ -120,15 +116,14 @@ class RolloutActor(CollectiveMember):
         return self.last_ack
 
     def _tensor_device(self) -> str:
-        device = getattr(self.gen, "device", None)  # torch and vLLM generators; MLX's arrays are not torch's
+        device = self.gen.device  # None where its arrays are not torch's (MLX)
         return "cuda" if device is not None and str(device).startswith("cuda") else "cpu"
 
     def close(self) -> None:
         """Release the generator's engine and device memory before the actor is killed (the precision ladder
         starts a replacement on the same GPU, which waits for the memory to be free)."""
-        close = getattr(self.gen, "close", None)
-        if close is not None:
-            close()
+        if self.gen is not None:  # a second close finds it gone
+            self.gen.close()
         self.gen = None
 
     def info(self) -> dict:

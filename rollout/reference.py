@@ -11,9 +11,10 @@ from qgrpo.rollout.quant import quantize_model
 def make_reference_scorer(backend: str, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                           device: torch.device | str | None = None, compute_dtype: str = "auto"):
     """`compute_dtype` (model.compute_dtype) applies to the torch scorer; MLX computes as its precision says."""
-    scorer = {"torch": ReferenceScorer, "mlx": MLXReferenceScorer}.get(backend)
-    if scorer is None:
+    if backend not in REFERENCE_BACKENDS:
         raise ValueError(f"unknown reference backend {backend!r}; choose one of {', '.join(REFERENCE_BACKENDS)}")
+    scorer = {"ReferenceScorer": ReferenceScorer, "MLXReferenceScorer": MLXReferenceScorer}[
+        REGISTRY[backend].reference_scorer]
     if REGISTRY[backend].compute_dtype:  # a scorer that computes in model.compute_dtype on a device of its choice
         return scorer(model_path, precision, group_size_quant, device=device, compute_dtype=compute_dtype)
     return scorer(model_path, precision, group_size_quant)

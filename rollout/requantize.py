@@ -25,7 +25,6 @@ weights are kept: 3 bytes per quantized weight in each actor.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import zlib
 from dataclasses import dataclass, field
@@ -34,32 +33,25 @@ from typing import Iterable
 import torch
 
 from qgrpo.core.grids import Encoded, Grid, bits, decode, encode, handed
-from qgrpo.rollout.options import REQUANTIZE_FORMATS, REQUANTIZE_MODES
+from qgrpo.rollout.backends import EMULATED_FORMATS, REGISTRY
+from qgrpo.rollout.options import REQUANTIZE_MODES
 
 VISIBILITY_KEYS = ("code_change_frac", "bf16_change_frac", "update_norm_ratio", "update_projection")
 
-# (backend, precision) -> the grid its format rounds onto (core/grids.py's docstring; the group size is the config's).
-_GRIDS = {
-    ("torch", "int8"): Grid("symmetric", -128, 127, divisor=127.5, eps=torch.finfo(torch.float32).eps,
-                            dtype=torch.bfloat16),
-    ("torch", "int4"): Grid("affine", 0, 15, eps=1e-6, dtype=torch.bfloat16),
-    ("vllm", "int8"): Grid("symmetric", -127, 127, divisor=127.0, eps=1e-12),
-}
-assert tuple(_GRIDS) == REQUANTIZE_FORMATS, "rollout/options.py REQUANTIZE_FORMATS must list the grids emulated here"
-
 
 def served_grid(backend: str, precision: str, group_size: int = 64) -> Grid | None:
-    """The grid that `backend` at `precision` rounds its linear weights onto, or None where it is not emulated (bf16;
-    nf4 and fp8, whose grids are not uniform; MLX)."""
-    grid = _GRIDS.get((backend, precision))
-    if grid is not None and grid.family == "affine":
-        grid = dataclasses.replace(grid, group=group_size)
-    return grid
+    """The grid that `backend` at `precision` rounds its linear weights onto (its spec's `grids`), or None where it
+    is not emulated (bf16; nf4 and fp8, whose grids are not uniform; MLX)."""
+    spec = REGISTRY[backend].grids.get(precision)
+    if spec is None:
+        return None
+    return Grid(spec.family, spec.qmin, spec.qmax, group=group_size if spec.grouped else 0, divisor=spec.divisor,
+                eps=spec.eps, dtype=getattr(torch, spec.dtype))
 
 
 def requantize_supported() -> list[str]:
     """'backend precision' pairs whose grid is emulated, for error messages."""
-    return [f"{b} {p}" for b, p in REQUANTIZE_FORMATS]
+    return [f"{b} {p}" for b, p in EMULATED_FORMATS]
 
 
 @dataclass

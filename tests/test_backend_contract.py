@@ -11,9 +11,8 @@ import torch
 
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.rollout.backends import REGISTRY, make_generator
+from qgrpo.rollout.backends import EMULATED_FORMATS, REGISTRY, Generator, make_generator
 from qgrpo.rollout.backends.common import WeightMismatchError, check_fingerprint, hf_tensors, probe_ids
-from qgrpo.rollout.options import REQUANTIZE_FORMATS
 from qgrpo.rollout.requantize import Requantizer
 
 # Different prompt lengths, so padding and positions are exercised; the tiny model has no chat template.
@@ -205,7 +204,17 @@ def test_memory_is_reported(make, backend, precision):
     assert 0 < mem["linear"] <= mem["total"]
 
 
-@pytest.mark.parametrize("backend,precision", REQUANTIZE_FORMATS)
+@pytest.mark.parametrize("backend,precision", CASES)
+def test_the_spec_declares_what_the_generator_does(make, backend, precision):
+    """The rollout actor and the config trust the spec: a grid is emulated exactly where the generator hands its
+    quantized weights' grids over, and a backend whose spec says adapters_only implements load_adapters."""
+    gen = make(backend, precision)
+    spec = REGISTRY[backend]
+    assert isinstance(gen, Generator) and bool(gen.quant_grids()) == spec.emulates(precision)
+    assert (type(gen).load_adapters is not Generator.load_adapters) == spec.adapters_only
+
+
+@pytest.mark.parametrize("backend,precision", EMULATED_FORMATS)
 @pytest.mark.parametrize("mode", ["stochastic", "error_feedback"])
 def test_requantized_weights_pass_the_fingerprint(make, fp32_model, tiny_model_path, backend, precision, mode):
     """sync.requantize: the weights the rollout actor re-rounds onto the generator's grid load, hold the new model

@@ -1,5 +1,7 @@
-"""The sections of what is trained and how it is sampled: [run], [model], [task], [rewards], [rollout] (with
-[rollout.vllm]) and [reference]. The learning side ([algo], [learner], [sync], [faults], [guard]) is in training.py.
+"""The sections of what is trained and how it is sampled: [run], [model], [task], [rewards], [rollout] (with a
+[rollout.NAME] table per backend with settings, e.g. [rollout.vllm]), [reference] and [reward_model]. The learning
+side ([algo], [learner], [sync], [faults], [guard]) is in training.py. The Ray resources of the roles are defined once
+(fields.py: role_resources) and inherited.
 
 Sizes are named so that global algorithm sizes (`prompts_per_step`, `group_size`) cannot be confused with per-rank
 ones (`learner.micro_batch_per_rank`). Values the modules that use them own (reward names, backends, tasks) are
@@ -9,10 +11,20 @@ from __future__ import annotations
 
 from pydantic.dataclasses import dataclass
 
-from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
+from qgrpo.cluster.config.fields import (
+    SECTION,
+    Bool,
+    Float,
+    Int,
+    Str,
+    Table,
+    choice,
+    options_section,
+    role_resources,
+    setting,
+)
 from qgrpo.core.cpu import COMPUTE_DTYPES
-from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY, VLLMOptions
-from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
+from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
 from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from qgrpo.rollout.rewards import ON_ERROR, REWARD_NAMES
 from qgrpo.rollout.rewards.builtin import EVAL_METRICS
@@ -208,32 +220,26 @@ class RewardsConfig:
     unaffected; set it for a graded reward or a reward model's logits)."""
 
 
-@dataclass(config=SECTION)
-class VLLMSection(VLLMOptions):
-    """[rollout.vllm]: settings of the vLLM engine each rollout actor owns (read when rollout.backend = "vllm").
-    Its rules are VLLMOptions.problems, kept with the backend that reads them; `allowed` here only describes them."""
+# [rollout.NAME] of each backend with settings, generated from its options dataclass (fields.options_section). Each is
+# also a module attribute under its class name (VLLMSection): pickle finds it there when a config travels to an actor.
+BACKEND_SECTIONS = {name: options_section(spec.options, __name__) for name, spec in REGISTRY.items()
+                    if spec.options is not None}
+globals().update({section.__name__: section for section in BACKEND_SECTIONS.values()})
 
-    enforce_eager: Bool = VLLMOptions.enforce_eager
-    """No CUDA graphs / torch.compile: fast start-up; CUDA users may turn it off."""
-    max_model_len: Int = setting(VLLMOptions.max_model_len, allowed=">= 0")
-    """Tokens of prompt + completion the engine serves (0 = the model's context length)."""
-    kv_cache_gb: Int = setting(VLLMOptions.kv_cache_gb, allowed="> 0")
-    """CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)."""
-    gpu_memory_utilization: Float = setting(VLLMOptions.gpu_memory_utilization,
-                                            allowed="in [0, 1], at most rollout.num_gpus when that is a share")
-    """CUDA only: share of its GPU's memory the engine may take (weights, activations, KV cache). 0 = derived from
-    the actor's GPU share: rollout.num_gpus (at most 1) less 10% headroom, so that roles sharing a GPU fit together."""
-    tensor_parallel_size: Int = setting(VLLMOptions.tensor_parallel_size, allowed="1")
-    """CUDA only: GPUs one engine spans. Only 1 is supported: scale out with more rollout actors."""
-    kv_cache_dtype: choice(KV_CACHE_DTYPES, "must be {quoted}") = VLLMOptions.kv_cache_dtype
-    """The KV cache's dtype: "auto" (the model's, bf16) or "fp8" / "fp8_e4m3" / "fp8_e5m2", half the cache's memory
-    (on CPU too, where vllm-cpu needs x86 with AVX-512 or AMX for it: refused before the run elsewhere). Each layer's
-    k and v scales are recalibrated from the engine's own keys and values after every weight load
-    (docs/quantization.md)."""
+
+def _backend_tables(cls: type) -> type:
+    """`cls` (RolloutConfig) with a field per backend with settings, its [rollout.NAME] table, after its own fields."""
+    for name, section in BACKEND_SECTIONS.items():
+        cls.__annotations__[name] = section
+        setattr(cls, name, setting(default_factory=section,
+                                   description=f"[rollout.{name}]: read when backend = \"{name}\"."))
+    return cls
 
 
 @dataclass(config=SECTION)
-class RolloutConfig:
+@_backend_tables
+class RolloutConfig(role_resources("per rollout actor", "rollout_node", cpus=1.0,
+                                   gpus=" (CUDA clusters; vllm's tensor_parallel_size within)")):
     backend: choice(tuple(REGISTRY), UNKNOWN_BACKEND) = "torch"
     """Generator backend (rollout/backends: what each serves and needs)."""
     precision: Str = setting("int8", allowed=_precisions(REGISTRY))
@@ -242,17 +248,6 @@ class RolloutConfig:
     """int4 quantization group along in_features."""
     num_actors: Int = setting(1, ge=1)
     """Rollout actors; the prompts of a step are spread over them, whole groups per actor."""
-    num_cpus: Float = setting(1.0, ge=0)
-    """Ray CPU resource per rollout actor."""
-    num_gpus: Float = setting(0.0, ge=0)
-    """Ray GPU resource per rollout actor (CUDA clusters; vllm's tensor_parallel_size within)."""
-    memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved")
-    """Ray memory reserved per rollout actor (0 = none reserved)."""
-    resources: Table = setting(default_factory=dict, fix="e.g. {rollout_node = 1}")
-    """Custom Ray resources per rollout actor, to pin it to node types started with
-    `ray start --resources '{"NAME": N}'`, e.g. {rollout_node = 1}."""
-    node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}")
-    """Labels its node must carry (`ray start --labels`)."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """Torch threads per rollout actor (0 = cores / num_actors locally; num_cpus on a cluster)."""
     prompts_per_step: Int = setting(8, ge=1)
@@ -277,28 +272,15 @@ class RolloutConfig:
     norm_noise_stages: Int = setting(10, ge=1)
     """Stretches of the run with one standard deviation each, decaying exponentially from norm_noise to
     norm_noise_end (1 = norm_noise throughout)."""
-    vllm: VLLMSection = setting(default_factory=VLLMSection)
-    """[rollout.vllm]: read when backend = "vllm"."""
 
 
 @dataclass(config=SECTION)
-class ReferenceConfig:
+class ReferenceConfig(role_resources("of the reference actor", "reference_node")):
     backend: choice(tuple(REFERENCE_BACKENDS), UNKNOWN_BACKEND) = "torch"
     """The reference scorer: torch, or mlx (mlx-lm on Metal or the MLX CPU build; the Mac preset uses it)."""
     precision: Str = setting("bf16", allowed=_precisions(REFERENCE_BACKENDS))
     """The frozen reference may be quantized like the generators (the original MLX design); what is served depends
     on reference.backend (mlx: bf16 is unquantized, fp32 compute on CPU)."""
-    num_cpus: Float = setting(0.0, ge=0)
-    """Ray CPU resource of the reference actor."""
-    num_gpus: Float = setting(0.0, ge=0)
-    """Ray GPU resource of the reference actor."""
-    memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved")
-    """Ray memory reserved for the reference actor (0 = none reserved)."""
-    resources: Table = setting(default_factory=dict, fix="e.g. {reference_node = 1}")
-    """Custom Ray resources of the reference actor, to pin it to node types started with
-    `ray start --resources '{"NAME": N}'`, e.g. {reference_node = 1}."""
-    node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}")
-    """Labels its node must carry (`ray start --labels`)."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """0 = all cores locally (it runs while the generators are idle); on a cluster, its num_cpus."""
     from_learner: Bool = False
@@ -307,7 +289,8 @@ class ReferenceConfig:
 
 
 @dataclass(config=SECTION)
-class RewardModelConfig:
+class RewardModelConfig(role_resources("per reward model actor", "reward_node", gpus=" (0 = it scores on the CPU; a "
+                                       "share such as 0.25 puts it on a GPU other roles use too)")):
     """[reward_model]: a sequence classifier whose score is one reward among the others, via the entry
     {name = "reward_model", weight = ...} in rewards.functions (rollout/rewards/classifier.py)."""
 
@@ -320,18 +303,6 @@ class RewardModelConfig:
     """Its weights and compute: bf16, fp32, or int8 (weight-only, quantized like the generators'); CPU or CUDA."""
     num_actors: Int = setting(1, ge=1)
     """Reward model actors; a step's completions are split among them and scored in parallel."""
-    num_cpus: Float = setting(0.0, ge=0)
-    """Ray CPU resource per reward model actor."""
-    num_gpus: Float = setting(0.0, ge=0)
-    """Ray GPU resource per reward model actor (0 = it scores on the CPU; a share such as 0.25 puts it on a GPU other
-    roles use too)."""
-    memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved")
-    """Ray memory reserved per reward model actor (0 = none reserved)."""
-    resources: Table = setting(default_factory=dict, fix="e.g. {reward_node = 1}")
-    """Custom Ray resources per reward model actor, to pin it to node types started with
-    `ray start --resources '{"NAME": N}'`, e.g. {reward_node = 1}."""
-    node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}")
-    """Labels its node must carry (`ray start --labels`)."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """Torch threads per reward model actor (0 = the CPUs Ray gives it, at least one)."""
     batch_size: Int = setting(16, ge=1)

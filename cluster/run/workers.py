@@ -1,5 +1,6 @@
 """The actors of one job and the few operations the driver needs from them. Knows nothing of any backend: the
-rollout backend is a name and a dict of arguments handed to the rollout actors.
+rollout backend is a name, and the arguments its generator takes are what its spec gives (rollout/backends:
+BackendSpec.generator_options), handed to the rollout actors.
 
 Faults: every call to an actor has a deadline (`faults.*_timeout_s`, `sync.timeout_s` for the two halves of a sync
 together) and raises StageTimeout naming the stage and the actors instead of hanging. A rollout actor that dies is
@@ -36,8 +37,7 @@ from qgrpo.core.records import (
     WeightSync,
 )
 from qgrpo.learner.batch import TrainBatch
-from qgrpo.rollout.backends import backend_options
-from qgrpo.rollout.backends.vllm_lora import adapter_options
+from qgrpo.rollout.backends import REGISTRY
 from qgrpo.rollout.models import BUILTIN_PREFIX, hub_cache_folder
 from qgrpo.rollout.noise import NormNoise
 
@@ -118,8 +118,9 @@ class RolloutPool:
             dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
                  generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
                  chat_template=self.cfg.task.chat_template,
-                 **backend_options(ro.backend, ro, self.cfg.model.compute_dtype),
-                 **adapter_options(ro.backend, self.cfg.sync.adapters_only, self.cfg.learner.lora.rank)),
+                 **REGISTRY[ro.backend].generator_options(
+                     ro, self.cfg.model.compute_dtype,
+                     adapter_rank=self.cfg.learner.lora.rank if self.cfg.sync.adapters_only else 0)),
             self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
             NormNoise(ro.norm_noise, ro.norm_noise_end, ro.norm_noise_stages,
                       horizon=self.cfg.run.steps * self.cfg.algo.updates_per_batch),

