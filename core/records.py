@@ -78,7 +78,7 @@ class TrainStepResult:
     ranks' `stats` and `loss` together; the scalars of rank 0 stand for the step (every rank holds the same ones)."""
 
     stats: dict[str, float]  # loss statistics SUMMED over this rank's tokens of every pass (and _max/_min), keys of
-    #                          learner/loss.py; learner.loss.finalize_stats turns the ranks' sum into means
+    #                          learner/objective/loss.py; its finalize_stats turns the ranks' sum into means
     loss: float  # this rank's share of the global loss, averaged over the passes run (ranks add up to the batch's)
     grad_norm: float  # global gradient norm (over ranks, before clipping) of the last pass; NaN when none was computed
     lr: float  # the learning rate after this step (the schedule moves only with updates really taken)

@@ -53,15 +53,55 @@ class TrainBatch:
         return replace(self, ref_logp=ref_logp)
 
 
-def build_train_batch(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) -> TrainBatch:
-    rows, masks, mus, advs, versions, plens, gids = [], [], [], [], [], [], []
+@dataclass(frozen=True)
+class PackedRollouts:
+    """A step's rollouts as padded tensors, before their advantages are known: what the reference scores while the
+    rewards are computed. `train_batch` makes the learner's batch of it, once."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    completion_mask: torch.Tensor  # [B, T] float32
+    mu_logp: torch.Tensor  # [B, T] float32
+    policy_versions: torch.Tensor  # [B] int64
+    prompt_lens: torch.Tensor  # [B] int64
+    group_ids: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64
+    max_new_tokens: int
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def without(self, rows: list[bool]) -> "PackedRollouts":
+        """The rows marked True left out of the loss (their mask zeroed): DAPO's overlong filtering. The sequence
+        count stays (seq_mean and constant aggregation divide by every sequence, as TRL does); the token count is
+        the mask's. With every row left out the learner's weights are 0 and the loss is 0, not NaN."""
+        if len(rows) != len(self):
+            raise ValueError(f"PackedRollouts.without: {len(rows)} rows marked for a batch of {len(self)}")
+        mask = self.completion_mask.clone()
+        mask[torch.tensor(rows, dtype=torch.bool)] = 0.0
+        return replace(self, completion_mask=mask)
+
+    def train_batch(self, advantages: torch.Tensor, ref_logp: torch.Tensor | None = None) -> TrainBatch:
+        """The learner's batch: these tensors with each row's advantage and, with a KL term, the reference's
+        log-probs."""
+        if advantages.shape != (len(self),):
+            raise ValueError(f"train_batch: {tuple(advantages.shape)} advantages for a batch of {len(self)} rows")
+        return TrainBatch(
+            input_ids=self.input_ids, completion_mask=self.completion_mask, mu_logp=self.mu_logp,
+            advantages=advantages.to(torch.float32), policy_versions=self.policy_versions, ref_logp=ref_logp,
+            prompt_lens=self.prompt_lens, group_ids=self.group_ids, seq_lens=self.seq_lens,
+            total_sequences=len(self), total_tokens=float(self.completion_mask.sum()),
+            max_new_tokens=self.max_new_tokens)
+
+
+def pack_rollouts(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) -> PackedRollouts:
+    """The groups' prompts and completions as right-padded [B, T] tensors, a row per completion in group order."""
+    rows, masks, mus, versions, plens, gids = [], [], [], [], [], []
     for gid, g in enumerate(groups):
-        for comp, adv in zip(g.completions, g.advantages, strict=True):
+        for comp in g.completions:
             p, c = len(g.prompt_ids), len(comp.token_ids)
             rows.append(g.prompt_ids + comp.token_ids)
             masks.append([0.0] * p + [1.0] * c)
             mus.append([0.0] * p + list(comp.logprobs))
-            advs.append(adv)
             versions.append(g.policy_version)
             plens.append(p)
             gids.append(gid)
@@ -74,16 +114,20 @@ def build_train_batch(groups: list[GroupRollout], pad_id: int, max_new_tokens: i
         input_ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(m)] = torch.tensor(m)
         mu[i, : len(u)] = torch.tensor(u)
-    return TrainBatch(
-        input_ids=input_ids,
-        completion_mask=mask,
-        mu_logp=mu,
-        advantages=torch.tensor(advs, dtype=torch.float32),
-        policy_versions=torch.tensor(versions, dtype=torch.long),
-        prompt_lens=torch.tensor(plens, dtype=torch.long),
-        group_ids=torch.tensor(gids, dtype=torch.long),
-        seq_lens=torch.tensor([len(r) for r in rows], dtype=torch.long),
-        total_sequences=B,
-        total_tokens=float(mask.sum()),
-        max_new_tokens=max_new_tokens,
-    )
+    return PackedRollouts(
+        input_ids=input_ids, completion_mask=mask, mu_logp=mu,
+        policy_versions=torch.tensor(versions, dtype=torch.long), prompt_lens=torch.tensor(plens, dtype=torch.long),
+        group_ids=torch.tensor(gids, dtype=torch.long), seq_lens=torch.tensor([len(r) for r in rows], dtype=torch.long),
+        max_new_tokens=max_new_tokens)
+
+
+def advantages_of(groups: list[GroupRollout]) -> torch.Tensor:
+    """[B] float32: each completion's advantage, in the order pack_rollouts puts the rows."""
+    return torch.tensor([a for g in groups for a in g.advantages], dtype=torch.float32)
+
+
+def build_train_batch(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) -> TrainBatch:
+    """The learner's batch of groups whose advantages are in (a test's, a benchmark's): pack, then batch."""
+    if any(len(g.advantages) != len(g.completions) for g in groups):
+        raise ValueError("build_train_batch: every group needs one advantage per completion")
+    return pack_rollouts(groups, pad_id, max_new_tokens).train_batch(advantages_of(groups))

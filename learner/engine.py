@@ -23,7 +23,7 @@ from qgrpo.core.records import TrainStepResult
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.adapters import adapter_weights, merged_weights, save_adapters, unwrap
 from qgrpo.learner.batch import TrainBatch
-from qgrpo.learner.loss import aggregation_weights, grpo_loss, merge_stats
+from qgrpo.learner.objective.loss import aggregation_weights, grpo_loss, merge_stats
 from qgrpo.learner.optim import GuardedLambdaLR, guarded_optimizer, lr_factor
 from qgrpo.learner.settings import LearnerSettings
 
@@ -87,9 +87,8 @@ class Learner:
         # What train_step reads, as attributes a test (or a later step) may adjust on a built learner.
         self.world_size, self.zero_stage, self.micro_batch, self.mode = (s.world_size, s.zero_stage,
                                                                           s.micro_batch_per_rank, s.mode)
-        self.loss_cfg, self.loss_agg, self.temperature = s.loss_cfg, s.loss_agg, s.temperature
-        self.updates_per_batch, self.shared_prompt = s.updates_per_batch, s.shared_prompt
-        self.reference_from_learner = s.reference_from_learner and s.mode != "full" and s.loss_cfg.kl_coeff > 0
+        self.objective, self.temperature, self.shared_prompt = s.objective, s.temperature, s.shared_prompt
+        self.reference_from_learner = s.reference_from_learner and s.mode != "full" and s.objective.kl_coeff > 0
         self.max_mismatch_kl = s.max_mismatch_kl  # skip the update when mismatch/kl_mu_old exceeds it (0 = no bound)
         self.version = 0  # policy version = optimizer updates applied; generators record the version they sampled with
 
@@ -134,7 +133,7 @@ class Learner:
 
     def train_step(self, batch: TrainBatch, step: int = 0) -> TrainStepResult:
         """One batch (this rank's shard) -> `updates_per_batch` optimizer updates. The statistics are sums, to be
-        added across ranks by the caller, then turned into means by learner.loss.finalize_stats.
+        added across ranks by the caller, then turned into means by learner.objective.loss.finalize_stats.
         With the guard on, an update whose inputs, loss or gradients are not finite, or whose sampler mismatch is
         above `max_mismatch_kl`, is skipped on every rank; `skipped` names why ("" when every update was taken)."""
         self.engine.train()
@@ -142,7 +141,7 @@ class Learner:
         batch = batch.to(self.device)  # DeepSpeed moves the model, never the inputs
         micro = self._micro_batches(batch)
         old: list[torch.Tensor] | None = None
-        if self.updates_per_batch > 1:
+        if self.objective.updates_per_batch > 1:
             # pi_old = the BF16 policy as the batch arrives, before any update on it.
             with torch.no_grad():
                 old = [self._logprobs(mb) for mb in micro]
@@ -151,7 +150,7 @@ class Learner:
         stats_acc: dict = {}
         loss_total, grad_norms, skipped = 0.0, [], ""
         clock = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}  # seconds, for time/learn_* in the metrics
-        for update in range(self.updates_per_batch):
+        for update in range(self.objective.updates_per_batch):
             checks = torch.zeros(5, dtype=torch.float64)  # sampler, reference, loss non-finite; mismatch sum, tokens
             for i, mb in enumerate(micro):
                 t = time.perf_counter()
@@ -162,12 +161,12 @@ class Learner:
                 # With one update per batch pi_theta == pi_old at this point, so pi_old needs no extra forward.
                 old_logp = logp.detach() if old is None else old[i]
                 weights = aggregation_weights(
-                    mb.completion_mask, self.loss_agg, num_sequences=batch.total_sequences,
+                    mb.completion_mask, self.objective.loss_agg, num_sequences=batch.total_sequences,
                     num_tokens=batch.total_tokens, max_len=batch.max_new_tokens,
                 )
                 loss, stats = grpo_loss(logp, old_logp, mb.mu_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
-                                        weights, self.loss_cfg,
-                                        entropy=entropy if self.loss_cfg.needs_entropy else entropy.detach())
+                                        weights, self.objective,
+                                        entropy=entropy if self.objective.needs_entropy else entropy.detach())
                 if nan_loss:
                     loss = loss * float("nan")
                 checks += self._checks(mb, loss, stats)

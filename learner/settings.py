@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from qgrpo.core.grids import Grid
-from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.objective.settings import ObjectiveSettings
 
 
 @dataclass
@@ -27,10 +27,10 @@ class LearnerSettings:
     lr_schedule: str = "constant"  # "constant" or "cosine" (optim.lr_factor)
     total_updates: int = 0  # optimizer updates of the whole run: where the cosine schedule reaches 0
     # The GRPO update
-    loss_cfg: GRPOLossConfig = field(default_factory=GRPOLossConfig)
-    loss_agg: str = "token_mean"  # token_mean | seq_mean | constant (learner.loss.aggregation_weights)
+    # What is optimised: [algo] as the objective's record (learner/objective/settings.py): the policy loss and its
+    # parameters, the KL, the sampler correction, the aggregation (loss_agg) and the updates per batch
+    objective: ObjectiveSettings = field(default_factory=ObjectiveSettings)
     temperature: float = 1.0  # log-probs are those of softmax(logits / temperature), as the generators sample
-    updates_per_batch: int = 1  # optimizer updates on each batch (pi_old is the policy as the batch arrives)
     shared_prompt: bool = True  # each distinct prompt of a micro-batch runs once, its KV cache shared
     # The precision guard
     guard: bool = True  # skip an update whose inputs, loss or gradients are not finite

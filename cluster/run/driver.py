@@ -4,17 +4,15 @@ Departures from the GRPO paper, on purpose: rollouts come from quantized generat
 policy-gradient term is weighted by min(pi_old/mu, C) (FlashRL's truncated importance sampling) and the mismatch
 between mu and pi_old is logged each step; log-probs everywhere are those of softmax(logits / temperature).
 A step the learner's precision guard skipped moves the generators (or the reference) up the precision ladder.
-DAPO's dynamic sampling, overlong reward shaping and overlong filtering are options (cluster/run/sampling.py).
+Each step's data (rollouts -> scored rollouts -> train batch) is built once, as values, by cluster/run/step_data.py;
+DAPO's dynamic sampling is where its groups come from (cluster/run/sampling.py).
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import sys
 import time
 from pathlib import Path
-
-import torch
 
 from qgrpo.actors.common import END_WAIT_S
 from qgrpo.cluster.config.schema import Config
@@ -22,92 +20,22 @@ from qgrpo.cluster.run.control import wanted_rollout_actors
 from qgrpo.cluster.run.follow import FollowWatch
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
 from qgrpo.cluster.run.overlap import RolloutSource, StepRollouts
-from qgrpo.cluster.run.sampling import dynamic_rollouts, filter_truncated, shape_rewards
+from qgrpo.cluster.run.step_data import step_data
 from qgrpo.cluster.run.stopping import StopRequest
 from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, complete_checkpoints, save_checkpoint
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
 from qgrpo.cluster.rundir.rollout_log import RolloutWriter
 from qgrpo.cluster.rundir.runlog import RunLog
 from qgrpo.core import faults
-from qgrpo.core.records import GroupRollout, TrainStepResult, WeightSync
+from qgrpo.core.records import TrainStepResult, WeightSync
 from qgrpo.core.storage import RunDir, StorageError
-from qgrpo.learner.batch import TrainBatch, build_train_batch
-from qgrpo.learner.loss import finalize_stats, merge_stats
-from qgrpo.rollout.advantages import group_advantages
+from qgrpo.learner.batch import TrainBatch
+from qgrpo.learner.objective.loss import finalize_stats, merge_stats
 from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
 from qgrpo.rollout.evaluate import eval_items, greedy, score_eval, task_judge
 from qgrpo.rollout.rewards import RewardError
 from qgrpo.rollout.rewards.judge import JudgeError
 from qgrpo.rollout.tasks import PromptSampler, make_task
-
-PAD_ID = 0  # right padding is never attended to (causal attention), so any valid id will do
-
-
-def set_advantages(groups: list[GroupRollout], scale: str) -> None:
-    """Each group's advantages from its rewards, in place: relative to the group (rollout/advantages.py)."""
-    adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32), scale=scale)  # [groups, G]
-    for g, a in zip(groups, adv.tolist()):
-        g.advantages = a
-
-
-def scored_batch(run: "TrainingRun", groups: list[GroupRollout], clock: "StageClock") -> tuple[TrainBatch, dict]:
-    """The step's batch, rewards and advantages included, and the reward metrics. The rewards are computed by the
-    reward workers while this process packs the batch and the reference scores it (their tokens do not depend on the
-    rewards); the advantages are put in once the rewards are back."""
-    pending = run.rewards.submit(groups)
-    for g in groups:
-        g.advantages = [0.0] * len(g.completions)  # placeholders until the rewards are in
-    batch = build_train_batch(groups, PAD_ID, run.cfg.rollout.max_new_tokens)
-    clock.lap("pack")
-    if run.workers.reference is not None:
-        batch = batch.with_ref(run.workers.reference_logprobs(batch))
-    clock.lap("reference")
-    reward_metrics = {**pending.result(), **shaped(run, groups)}
-    set_advantages(groups, run.cfg.algo.advantage_scale)
-    advantages = torch.tensor([a for g in groups for a in g.advantages], dtype=torch.float32)  # the batch's order
-    clock.lap("rewards")
-    return filtered(run, dataclasses.replace(batch, advantages=advantages), groups, reward_metrics)
-
-
-def shaped(run: "TrainingRun", groups: list[GroupRollout]) -> dict:
-    """algo.overlong_buffer: the overlong penalty added to the groups' rewards (before the advantages); its metrics."""
-    a = run.cfg.algo
-    return shape_rewards(groups, run.cfg.rollout.max_new_tokens, a.overlong_buffer, a.overlong_penalty)
-
-
-def filtered(run: "TrainingRun", batch: TrainBatch, groups: list[GroupRollout], metrics: dict
-             ) -> tuple[TrainBatch, dict]:
-    """algo.overlong_filter: the truncated completions left out of the loss; `metrics` with overlong/filtered_frac."""
-    if not run.cfg.algo.overlong_filter:
-        return batch, metrics
-    batch, more = filter_truncated(batch, groups)
-    return batch, {**metrics, **more}
-
-
-def plain_batch(run: "TrainingRun", step: int, clock: "StageClock") -> tuple[StepRollouts, TrainBatch, dict]:
-    """Step `step`'s rollouts (with algo.overlap: generated one step ahead), batch and reward metrics."""
-    rollouts = run.source.take(step, run.cfg.run.steps)
-    clock.lap("generate")
-    return rollouts, *scored_batch(run, rollouts.groups, clock)
-
-
-def dynamic_batch(run: "TrainingRun", step: int, clock: "StageClock") -> tuple[StepRollouts, TrainBatch, dict]:
-    """algo.dynamic_sampling (cluster/run/sampling.py): rounds of generation and rewards until the batch has
-    rollout.prompts_per_step groups with signal (or the rounds run out), then the reference scores the batch kept.
-    The reward metrics are the first round's, the step's fresh sample of the policy, not the filtered batch's."""
-    def score(groups: list[GroupRollout]) -> dict:
-        return {**run.rewards.submit(groups).result(), **shaped(run, groups)}
-
-    cfg = run.cfg
-    rollouts, metrics = dynamic_rollouts(run.source, score, cfg.rollout.prompts_per_step,
-                                         cfg.algo.dynamic_sampling_rounds, step, cfg.run.steps, clock)
-    set_advantages(rollouts.groups, cfg.algo.advantage_scale)
-    batch = build_train_batch(rollouts.groups, PAD_ID, cfg.rollout.max_new_tokens)
-    clock.lap("pack")
-    if run.workers.reference is not None:
-        batch = batch.with_ref(run.workers.reference_logprobs(batch))
-    clock.lap("reference")
-    return rollouts, *filtered(run, batch, rollouts.groups, metrics)
 
 
 class StageClock:
@@ -174,7 +102,6 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
 
     run = TrainingRun(cfg, run_dir, model_path, resume)  # the actors started (and resumed), the logs open
     workers, m, step = run.workers, {}, run.state.step
-    make_batch = dynamic_batch if cfg.algo.dynamic_sampling else plain_batch  # DAPO's dynamic sampling, or not
     stopped = None
     try:
         if run.eval_task and step == 0:
@@ -187,18 +114,19 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
                 time.sleep(faults.SLOW_SECONDS)
             run.scale(step)
             clock, run.rewards.step = StageClock(), step + 1
-            rollouts, batch, reward_metrics = make_batch(run, step, clock)  # sample, generate, score, reference
-            results = workers.learn(batch, step + 1)
+            data = step_data(run, step, clock)  # sample, generate, score, reference, advantages
+            results = workers.learn(data.batch, step + 1)
             clock.lap("learn")
             run.source.settle()  # the next step's rollouts (algo.overlap) are done: the generators are free to sync
             clock.lap("rollout_wait")
             sync = run.sync(step + 1, results[0])
             climbed = run.climb(step + 1, results[0].skipped)
             clock.lap("sync")
-            metrics = step_metrics(rollouts, batch, results, sync, clock)
-            m = run.log_step(step + 1, rollouts, reward_metrics, metrics, results[0], climbed)
+            metrics = step_metrics(data.rollouts, data.batch, results, sync, clock)
+            m = run.log_step(step + 1, data.rollouts, data.reward_metrics, metrics, results[0], climbed)
             run.evaluate_if_due(step + 1)
-            run.checkpoint_if_due(step + 1, results[0], rollouts.cursor, stopping=stop is not None and stop.requested)
+            run.checkpoint_if_due(step + 1, results[0], data.rollouts.cursor,
+                                  stopping=stop is not None and stop.requested)
     except (RunFailed, GuardStop, StorageError, RewardError) as e:  # StorageError: the URI, or a run_dir the
         # nodes do not share
         raise run.failed(e, step + 1) from None

@@ -2,16 +2,19 @@
 actors ([reward_model]) score the step's completions in parallel, while the driver goes on to the reference stage.
 
 `RewardPool.submit(groups)` splits the completions into one slice of whole prompts per worker and returns at once;
-`PendingRewards.result()` waits, fills each group's rewards and returns the reward metrics. Every call has a deadline
+`PendingRewards.result()` waits and returns the groups scored, as new values (`Scored`: each group with its
+rewards and each entry's scores), with the reward metrics. Every call has a deadline
 (rollout/rewards/scoring.py); a worker that passed one, or died, is killed and replaced before the next step, and its
 completions follow rewards.on_error. A worker that cannot load a function (a user file that does not import) fails
 the first step with the entry named, whatever on_error says.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -30,6 +33,16 @@ from qgrpo.rollout.rewards.scoring import (
     make_callable,
     score_batch,
 )
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Groups with their rewards: new GroupRollout values (`rewards`, and `scores`, each entry's own), and the reward
+    metrics of the step's completions."""
+
+    groups: list[GroupRollout]
+    metrics: dict[str, float]
+
 
 START_SLACK_S = 60.0  # added to a worker call's deadline: a replaced worker starts (imports, loads) within the call
 
@@ -229,8 +242,8 @@ class PendingRewards:
             return [CallResult(labels[0], list(got), seconds=time.monotonic() - self.started)], False
         return got, False
 
-    def result(self) -> dict[str, float]:
-        """Fill each group's rewards; the reward metrics. Raises RewardError (rewards.on_error = "fail")."""
+    def result(self) -> Scored:
+        """The groups with their rewards, and the reward metrics. Raises RewardError (rewards.on_error = "fail")."""
         n = len(self.kwargs["completions"])
         scores = Scores(n)
         if self.inline is not None:
@@ -243,13 +256,13 @@ class PendingRewards:
             totals, metrics = combine(self.pool.entries, scores, self.kwargs["item_ids"], self.pool.on_error)
         except RewardError as e:
             raise RewardError(f"{e}{self.pool.health.where()}", e.failure) from None
-        i = 0
+        groups, i = [], 0
         for g in self.groups:
             j = i + len(g.completions)
-            g.rewards = totals[i:j]
-            g.scores = {e.label: scores.values[e.label][i:j] for e in self.pool.entries}  # None: not applied, failed
+            groups.append(dataclasses.replace(g, rewards=totals[i:j], scores={
+                e.label: scores.values[e.label][i:j] for e in self.pool.entries}))  # None: not applied, or failed
             i = j
-        mixed = sum(1 for g in self.groups if max(g.rewards) > min(g.rewards))
-        return {"reward/mean": statistics.fmean(totals), "reward/std": statistics.pstdev(totals),
-                "reward/groups_with_signal": mixed / len(self.groups), "reward/workers_replaced": self.pool.replaced,
-                **metrics}
+        mixed = sum(1 for g in groups if max(g.rewards) > min(g.rewards))
+        return Scored(groups, {"reward/mean": statistics.fmean(totals), "reward/std": statistics.pstdev(totals),
+                               "reward/groups_with_signal": mixed / len(groups),
+                               "reward/workers_replaced": self.pool.replaced, **metrics})

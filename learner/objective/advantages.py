@@ -12,9 +12,12 @@ r - mean rounding, which for rewards such as 0.1 is not 0 in floating point), an
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from qgrpo.rollout.options import SCALES
+from qgrpo.core.records import GroupRollout
+from qgrpo.learner.objective.options import SCALES
 
 
 def group_advantages(rewards: torch.Tensor, *, scale: str = "std", eps: float = 1e-6) -> torch.Tensor:
@@ -52,3 +55,9 @@ def group_advantages(rewards: torch.Tensor, *, scale: str = "std", eps: float = 
     constant = (r == r[:, :1]).all(dim=1, keepdim=True)  # [P, 1] exact equality: no tolerance to tune
     adv = torch.where(constant, torch.zeros_like(adv), adv)
     return adv.to(torch.float32)
+
+
+def with_advantages(groups: list[GroupRollout], scale: str) -> list[GroupRollout]:
+    """The groups with their advantages (new values), each relative to its own group's rewards."""
+    adv = group_advantages(torch.tensor([g.rewards for g in groups], dtype=torch.float32), scale=scale)  # [groups, G]
+    return [dataclasses.replace(g, advantages=a) for g, a in zip(groups, adv.tolist(), strict=True)]

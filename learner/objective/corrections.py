@@ -2,7 +2,7 @@
 weight, DeepSeek-V3.2's off-policy sequence mask, and the top-entropy token mask. All are detached: they scale or
 drop tokens' gradients, they never carry one.
 
-Inputs are [B, T] float32 with masked positions already 0 (learner/loss.py zeroes them) and `m` [B, T] bool.
+Inputs are [B, T] float32 with masked positions already 0 (learner/objective/loss.py zeroes them) and `m` [B, T] bool.
 """
 from __future__ import annotations
 

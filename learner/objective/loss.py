@@ -6,10 +6,10 @@ of token j given tokens < j. `mask` [B, T] is 1 on completion tokens and 0 on pr
 
 The loss, per completion token t of sequence i (docs/algorithms.md gives each choice with its source):
 
-    pg_t    = the policy term of algo.policy_loss (learner/objectives.py): GRPO's clipped surrogate on
+    pg_t    = the policy term of algo.policy_loss (learner/objective/losses.py): GRPO's clipped surrogate on
               rho_t = pi_theta/pi_old by default; GSPO, CISPO or SAPO
     w_t     = the sampler correction from r = pi_old/mu at is_level (token, sequence, geometric), truncated, masked
-              or rejected at [is_floor, is_cap] (learner/corrections.py); TIS min(r_t, 2) by default
+              or rejected at [is_floor, is_cap] (learner/objective/corrections.py); TIS min(r_t, 2) by default
     keep_t  = DeepSeek-V3.2's off-policy sequence mask x the top-entropy token mask (both optional)
     loss_t  = keep_t w_t pg_t + kl_coeff KL_t (x rho_t with kl_bias_correction) - entropy_coeff keep_t H_t
     loss    = sum_t loss_t * weight_t                                 weight_t from aggregation_weights()
@@ -23,14 +23,18 @@ Values at masked positions are never read: they are replaced by 0 before any ari
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from qgrpo.learner.corrections import effective_sample_size, offpolicy_sequence_keep, sampler_weights, top_entropy_keep
-from qgrpo.learner.objectives import policy_term
-from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_LEVELS, IS_MODES, KL_ESTIMATORS, POLICY_LOSSES
+from qgrpo.learner.objective.corrections import (
+    effective_sample_size,
+    offpolicy_sequence_keep,
+    sampler_weights,
+    top_entropy_keep,
+)
+from qgrpo.learner.objective.losses import policy_term
+from qgrpo.learner.objective.options import AGGREGATIONS, IS_CAP_MIN, IS_MODES, KL_ESTIMATORS
+from qgrpo.learner.objective.settings import ObjectiveSettings
 
 
 def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -124,60 +128,6 @@ def aggregation_weights(
     return m / (max(num_sequences, 1) * max_len)
 
 
-@dataclass(frozen=True)
-class GRPOLossConfig:
-    """Knobs of grpo_loss (the [algo] fields of the same names). Invalid values raise one ValueError listing every
-    problem."""
-
-    policy_loss: str = "grpo"  # one of POLICY_LOSSES (learner/objectives.py)
-    clip_low: float = 0.2  # eps_low: ratio floor 1 - clip_low when A < 0
-    clip_high: float = 0.2  # eps_high: ratio ceiling 1 + clip_high when A > 0 (DAPO clip-higher uses 0.28)
-    cispo_cap: float = 5.0  # CISPO's eps_max: the cap of its stop-gradient weight
-    sapo_tau_pos: float = 1.0  # SAPO's gate temperature for A > 0
-    sapo_tau_neg: float = 1.05  # ... for A <= 0
-    kl_coeff: float = 0.0  # weight of the per-token KL(pi_theta || ref); 0 disables the term (still logged)
-    kl_estimator: str = "k3"  # one of KL_ESTIMATORS
-    kl_bias_correction: bool = False  # KL_t x pi_theta/pi_old (DeepSeek-V3.2, TRL's use_bias_correction_kl)
-    is_level: str = "token"  # one of IS_LEVELS: where r = pi_old / mu is taken
-    is_mode: str = "truncate"  # one of IS_MODES: how r corrects the quantized sampler
-    is_cap: float = 2.0  # upper bound of r
-    is_floor: float = 0.0  # lower bound of r (0 = none)
-    offpolicy_mask_kl: float = 0.0  # DeepSeek-V3.2 off-policy sequence masking threshold (0 = off)
-    entropy_coeff: float = 0.0  # entropy bonus
-    top_entropy_quantile: float = 1.0  # train the policy term on this top share of tokens by entropy (1 = all)
-
-    def __post_init__(self) -> None:
-        errors = []
-        for name, value, allowed in (("policy_loss", self.policy_loss, POLICY_LOSSES),
-                                     ("kl_estimator", self.kl_estimator, KL_ESTIMATORS),
-                                     ("is_level", self.is_level, IS_LEVELS), ("is_mode", self.is_mode, IS_MODES)):
-            if value not in allowed:
-                errors.append(f"{name} must be one of {allowed}, got {value!r}")
-        if not 0.0 <= self.clip_low < 1.0:
-            errors.append(f"clip_low must be in [0, 1) so that 1 - clip_low > 0, got {self.clip_low!r}")
-        for name in ("clip_high", "kl_coeff", "offpolicy_mask_kl", "entropy_coeff"):
-            if not getattr(self, name) >= 0.0:
-                errors.append(f"{name} must be >= 0, got {getattr(self, name)!r}")
-        if not self.cispo_cap >= 1.0:
-            errors.append(f"cispo_cap must be >= 1, got {self.cispo_cap!r}")
-        if not (self.sapo_tau_pos > 0 and self.sapo_tau_neg > 0):
-            errors.append(f"sapo_tau_pos and sapo_tau_neg must be > 0, got {self.sapo_tau_pos!r}, "
-                          f"{self.sapo_tau_neg!r}")
-        if not self.is_cap >= IS_CAP_MIN:
-            errors.append(f"is_cap must be >= {IS_CAP_MIN:g}, got {self.is_cap!r}")
-        if not 0.0 <= self.is_floor <= 1.0:
-            errors.append(f"is_floor must be in [0, 1] so that [is_floor, is_cap] contains 1, got {self.is_floor!r}")
-        if not 0.0 < self.top_entropy_quantile <= 1.0:
-            errors.append(f"top_entropy_quantile must be in (0, 1], got {self.top_entropy_quantile!r}")
-        if errors:
-            raise ValueError("invalid GRPOLossConfig:\n  " + "\n  ".join(errors))
-
-    @property
-    def needs_entropy(self) -> bool:
-        """Whether the loss itself reads the per-token entropy (it is logged either way when given)."""
-        return self.entropy_coeff > 0 or self.top_entropy_quantile < 1.0
-
-
 def mismatch_stats(old_logp: Tensor, mu_logp: Tensor, mask: Tensor) -> dict[str, Tensor]:
     """How far the sampler mu is from pi_old on the sampled tokens; detached 0-dim float32 tensors.
 
@@ -220,7 +170,7 @@ def grpo_loss(
     advantages: Tensor,
     mask: Tensor,
     weights: Tensor,
-    cfg: GRPOLossConfig,
+    cfg: ObjectiveSettings,
     entropy: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The loss of the module docstring: cfg.policy_loss's term, the sampler correction, the optional masks, the KL
@@ -253,7 +203,7 @@ def grpo_loss(
     adv = advantages.detach().float()[:, None]  # [B, 1]
     ent = torch.where(m, entropy.float(), 0.0) if entropy is not None else None
 
-    pg, clipped_low, clipped_high = policy_term(cfg.policy_loss, logp_, old, adv, m, cfg)
+    pg, clipped_low, clipped_high = policy_term(cfg.policy_loss, logp_, old, adv, m, cfg.loss_params)
     sw = sampler_weights(old, mu, m, level=cfg.is_level, mode=cfg.is_mode, cap=cfg.is_cap, floor=cfg.is_floor)
     keep_seq = (offpolicy_sequence_keep(logp_, mu, adv, m, cfg.offpolicy_mask_kl) if cfg.offpolicy_mask_kl > 0
                 else torch.ones_like(adv, dtype=torch.bool))

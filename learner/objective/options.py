@@ -1,13 +1,12 @@
-"""The learner's choices, without torch: the loss (learner/loss.py) checks its settings against these and the config
-schema (cluster/config) builds its allowed values from them, so the two cannot drift and `qgrpo` starts without
-importing torch."""
+"""The objective's choices, without torch: the loss and the advantages check their arguments against these, and the
+[algo] section (generated from learner/objective/settings.py) takes its allowed values from them, so the two cannot
+drift and `qgrpo` starts without importing torch. The policy losses are not listed here: they are the registry's
+names (learner/objective/losses.py)."""
 
+SCALES = ("std", "none")  # group_advantages(scale=...): GRPO's std scaling, or Dr. GRPO's none
 KL_ESTIMATORS = ("k1", "k2", "k3")
 AGGREGATIONS = ("token_mean", "seq_mean", "constant")
-# The policy-gradient term (learner/objectives.py): PPO/GRPO clip on token ratios, GSPO's clip on the sequence ratio,
-# CISPO's clipped stop-gradient weight on log pi, SAPO's soft gate.
-POLICY_LOSSES = ("grpo", "gspo", "cispo", "sapo")
-# The sampler/learner mismatch correction r = pi_old / mu (learner/corrections.py): at which level r is taken
+# The sampler/learner mismatch correction r = pi_old / mu (learner/objective/corrections.py): at which level r is taken
 # (per token; the product over a sequence; its geometric mean) and what the bounds [is_floor, is_cap] do to it
 # (truncate: clamp; mask: keep r inside, 0 outside; reject: 1 inside, 0 outside; none: weight 1).
 IS_LEVELS = ("token", "sequence", "geometric")
