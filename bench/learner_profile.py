@@ -183,7 +183,8 @@ def plain_torch(path: str, b, steps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from qgrpo.core.scoring import token_logprobs
-    from qgrpo.learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss
+    from qgrpo.learner.objective.loss import aggregation_weights, grpo_loss
+    from qgrpo.learner.objective.settings import ObjectiveSettings
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
     model.config.use_cache = False
@@ -196,7 +197,7 @@ def plain_torch(path: str, b, steps: int) -> dict:
         w = aggregation_weights(b.completion_mask, "token_mean", num_sequences=b.total_sequences,
                                 num_tokens=b.total_tokens, max_len=b.max_new_tokens)
         loss, _ = grpo_loss(logp, logp.detach(), b.mu_logp, None, b.advantages, b.completion_mask, w,
-                            GRPOLossConfig())
+                            ObjectiveSettings(kl_coeff=0.0))
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()

@@ -88,3 +88,14 @@ def dist_env():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def faults(monkeypatch, tmp_path):
+    """`faults(SPEC)` injects faults into what the test starts (core/faults.py: QGRPO_FAULTS), with a fresh state
+    folder for the one-shot ones; both are undone after the test."""
+    def inject(spec: str) -> None:
+        monkeypatch.setenv("QGRPO_FAULTS", spec)
+        (tmp_path / "fault-state").mkdir(exist_ok=True)
+        monkeypatch.setenv("QGRPO_FAULTS_STATE", str(tmp_path / "fault-state"))
+    return inject

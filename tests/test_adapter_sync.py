@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_sync import GREEDY, ITEMS, SAMPLING, _mean_gap
 
 from qgrpo.learner.adapters import adapter_weights, load_model, merged_weights, unwrap
 from qgrpo.rollout.backends import make_generator
 from qgrpo.rollout.backends.common import WeightMismatchError, probe_ids
 from qgrpo.rollout.backends.torch_adapters import LoraDelta
+from tests.helpers import GREEDY, ITEMS, SAMPLING, mean_gap
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
@@ -112,7 +112,7 @@ def test_adapters_only_samples_like_the_merged_path(peft_model, tiny_model_path,
     assert gen_a.adapters and all(isinstance(w, LoraDelta) for w in gen_a.adapters.values())
     ref, base = _fp32(tiny_model_path, peft_model), _fp32(tiny_model_path)
     groups_a, groups_m = gen_a.generate(ITEMS, SAMPLING), gen_m.generate(ITEMS, SAMPLING)
-    gap_a, gap_m, gap_base = _mean_gap(groups_a, ref), _mean_gap(groups_m, ref), _mean_gap(groups_a, base)
+    gap_a, gap_m, gap_base = mean_gap(groups_a, ref), mean_gap(groups_m, ref), mean_gap(groups_a, base)
     probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
     probe_gap = float((torch.tensor(gen_a.score(probe)) - torch.tensor(gen_m.score(probe))).abs().mean())
     greedy_a = [c.token_ids for g in gen_a.generate(ITEMS, GREEDY) for c in g.completions]
@@ -146,7 +146,7 @@ def test_vllm_serves_the_adapters_beside_its_int8_base(peft_model, tiny_model_pa
     gen_m.load_weights(1, merged_weights(peft_model))
     ref, base = _fp32(tiny_model_path, peft_model), _fp32(tiny_model_path)
     groups_a, groups_m = gen_a.generate(ITEMS, SAMPLING), gen_m.generate(ITEMS, SAMPLING)
-    gap_a, gap_m, gap_base = _mean_gap(groups_a, ref), _mean_gap(groups_m, ref), _mean_gap(groups_a, base)
+    gap_a, gap_m, gap_base = mean_gap(groups_a, ref), mean_gap(groups_m, ref), mean_gap(groups_a, base)
     probe_gap = float((torch.tensor(gen_a.score(probe)) - torch.tensor(gen_m.score(probe))).abs().mean())
     bound = VLLM_FACTOR * gap_m + VLLM_MARGIN  # the merged path's own distance, on this CPU's kernels
     print(f"vllm int8: vs the fp32 merge adapters {gap_a:.4f}, merged {gap_m:.4f} (bound {bound:.4f}); adapters vs "

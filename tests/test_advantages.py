@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from qgrpo.rollout.advantages import group_advantages
+from qgrpo.learner.objective.advantages import group_advantages
 
 
 def test_std_hand_computed():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import run_dir_in
 from tests.ray_nodes import RAY, LocalCluster
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,11 +50,6 @@ def _train(cluster, out: Path, *extra: str) -> subprocess.CompletedProcess:
                           timeout=900)
 
 
-def _run_dir(out: Path) -> Path:
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    return run_dir
-
-
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -75,7 +71,7 @@ def test_submit_runs_the_tiny_config_as_a_ray_job(cluster, tmp_path):
     status = subprocess.run([RAY, "job", "status", job, "--address", cluster.dashboard], capture_output=True,
                             text=True, env={**env, "RAY_AUTH_MODE": "token"})
     assert f"Job '{job}' succeeded" in status.stdout, status.stdout[-2000:]
-    run_dir = _run_dir(out)
+    run_dir = run_dir_in(out)
     steps = [m for m in _records(run_dir) if "reward/mean" in m]
     assert [m["step"] for m in steps] == [1, 2]
     ckpt = run_dir / "checkpoints" / "step_000002"
@@ -101,7 +97,7 @@ def one_rank(cluster, tmp_path_factory):
     out = tmp_path_factory.mktemp("one-rank")
     r = _train(cluster, out, *PINNED)
     assert r.returncode == 0, r.stderr[-4000:]
-    return _run_dir(out)
+    return run_dir_in(out)
 
 
 def test_roles_run_on_the_nodes_their_config_asks_for(one_rank):
@@ -120,10 +116,10 @@ def test_two_learner_ranks_on_two_nodes_match_one_rank(cluster, one_rank, tmp_pa
     r = _train(cluster, out, *PINNED, "learner.world_size=2", f"learner.zero_stage={zero_stage}",
                "learner.placement_strategy='STRICT_SPREAD'")
     assert r.returncode == 0, r.stderr[-4000:]
-    learners = _placement(_run_dir(out))["learner"]
+    learners = _placement(run_dir_in(out))["learner"]
     assert sorted(n["rank"] for n in learners) == [0, 1]
     assert len({n["node_id"] for n in learners}) == 2 and all(n["resources"] == ["learner_node"] for n in learners)
-    one, two = _losses(one_rank), _losses(_run_dir(out))
+    one, two = _losses(one_rank), _losses(run_dir_in(out))
     assert sorted(one) == sorted(two) == [1, 2]
     print(f"\nZeRO-{zero_stage} loss/total by step, one rank {one}, two ranks on two nodes {two}")
     for step, tol in LOSS_TOL.items():

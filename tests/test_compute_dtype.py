@@ -141,15 +141,15 @@ def test_learner_in_fp32_streams_and_saves_bf16_like_the_bf16_learner(tiny_model
     from safetensors import safe_open
 
     from qgrpo.learner.engine import Learner
-    from qgrpo.learner.loss import GRPOLossConfig
+    from qgrpo.learner.objective.settings import objective_settings
     from qgrpo.learner.settings import LearnerSettings
 
     ids, exact = _probe(tiny_model_path)
     learners = {}
     for d in ("fp32", "bf16"):
         learners[d] = Learner(tiny_model_path, LearnerSettings(lr=1e-3, micro_batch_per_rank=8, sequences_per_rank=8,
-                                                               grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0),
-                                                               compute_dtype=d))
+                                                               grad_clip=0.0, compute_dtype=d,
+                                                               objective=objective_settings(kl_coeff=0.0)))
     fp32, bf16 = learners["fp32"], learners["bf16"]
     assert fp32.compute_dtype == "fp32" and next(fp32.engine.module.parameters()).dtype == torch.float32
     for row in range(ids.shape[0]):
@@ -216,13 +216,13 @@ def test_fp32_learner_keeps_bf16_weights_over_fp32_masters(tiny_model_path, dist
     its weights stay bf16 values, its masters carry the rest, its streamed weights move about as often as the bf16
     learner's, and the masters survive a checkpoint."""
     from qgrpo.learner.engine import Learner
-    from qgrpo.learner.loss import GRPOLossConfig
+    from qgrpo.learner.objective.settings import objective_settings
     from qgrpo.learner.settings import LearnerSettings
 
     batch, moved = None, {}
     for d in ("fp32", "bf16"):
         learner = Learner(tiny_model_path, LearnerSettings(lr=2e-5, micro_batch_per_rank=8, sequences_per_rank=8,
-                                                           loss_cfg=GRPOLossConfig(kl_coeff=0.0), compute_dtype=d))
+                                                           objective=objective_settings(kl_coeff=0.0), compute_dtype=d))
         batch = batch or _batch(learner.engine.module.config.vocab_size)
         before = {n: t.clone() for n, t in learner.named_weights()}
         for _ in range(3):

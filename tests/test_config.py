@@ -195,10 +195,11 @@ def test_an_unknown_key_names_the_nearest_one():
 
 
 def test_is_cap_takes_the_bound_the_loss_needs():
-    from qgrpo.learner.loss import IS_CAP_MIN, GRPOLossConfig
+    from qgrpo.learner.objective.loss import IS_CAP_MIN
+    from qgrpo.learner.objective.settings import objective_settings
 
     assert load_config(TINY, [f"algo.is_cap={IS_CAP_MIN}"]).algo.is_cap == IS_CAP_MIN
-    GRPOLossConfig(is_cap=IS_CAP_MIN)  # the loss takes what the config lets through
+    objective_settings(is_cap=IS_CAP_MIN, kl_coeff=0.0)  # the loss takes what the config lets through
     with pytest.raises(ConfigError, match=r"algo.is_cap: must be >= 1 \(C in min\(pi_old/mu, C\)"):
         load_config(TINY, ["algo.is_cap=0.99"])
 
@@ -249,12 +250,15 @@ def test_adapters_only_loads_with_an_adapter_learner():
         assert load_config(TINY, ["sync.adapters_only=true", f"learner.mode='{mode}'"]).sync.adapters_only
     cfg = load_config(TINY, ["sync.adapters_only=true", "learner.mode='lora'", "rollout.backend='vllm'",
                              "rollout.precision='int8'"])
-    from qgrpo.rollout.backends.vllm_lora import adapter_options
+    from qgrpo.rollout.backends import REGISTRY
 
-    # the vLLM engine starts with LoRA support, the torch generator needs nothing
+    # the vLLM engine starts with LoRA support of the learner's rank, beside its own settings; the torch generator
+    # needs nothing for adapters (it wraps its layers as they arrive); full updates (rank 0) start no LoRA support
     rank = cfg.learner.lora.rank
-    assert adapter_options("vllm", cfg.sync.adapters_only, rank) == {"lora_rank": rank}
-    assert adapter_options("torch", True, 16) == adapter_options("vllm", False, 16) == {}
+    vllm = REGISTRY["vllm"].generator_options(cfg.rollout, adapter_rank=rank)
+    assert vllm["lora_rank"] == rank and vllm["options"]["max_model_len"] == cfg.rollout.vllm.max_model_len
+    assert "lora_rank" not in REGISTRY["vllm"].generator_options(cfg.rollout)
+    assert REGISTRY["torch"].generator_options(cfg.rollout, "fp32", adapter_rank=16) == {"compute_dtype": "fp32"}
 
 
 def test_fake_quant_reaches_the_learner_with_the_generators_grid():
@@ -282,6 +286,7 @@ def test_algo_combinations_that_mean_nothing_are_refused(overrides, fragment):
 
 def test_algo_recipes_load_and_reach_the_learner():
     from qgrpo.cluster.run.learners import learner_settings
+    from qgrpo.learner.objective.losses import loss_keys
 
     recipes = {
         "trl_default": ["algo.is_level='sequence'", "algo.is_mode='mask'", "algo.is_cap=3"],
@@ -297,12 +302,13 @@ def test_algo_recipes_load_and_reach_the_learner():
     }
     for name, overrides in recipes.items():
         cfg = load_config(TINY, overrides)
-        loss_cfg = learner_settings(cfg).loss_cfg
-        for o in overrides:
-            key, value = o.split("=", 1)
-            field = key.removeprefix("algo.")
-            if hasattr(loss_cfg, field):  # the learner's fields get the config's values as given
-                assert getattr(loss_cfg, field) == getattr(cfg.algo, field), (name, field)
+        objective = learner_settings(cfg).objective
+        spec = objective.loss
+        for o in overrides:  # every [algo] value reaches the learner as given: a knob, or the loss's parameter
+            field = o.split("=", 1)[0].removeprefix("algo.")
+            got = (getattr(objective, field) if field not in loss_keys()
+                   else getattr(objective.loss_params, field.removeprefix(spec.prefix)))
+            assert got == getattr(cfg.algo, field), (name, field)
 
 
 def test_trls_names_are_told_their_field_here():

@@ -16,11 +16,12 @@ import math
 import pytest
 import torch
 
-from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
-from tests.test_learner import _batch, _process_group  # noqa: F401 (the one-rank process-group environment)
+from tests.helpers import random_batch
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("dist_env")]  # the one-rank process-group environment (tests/conftest.py)
 needs_ray = pytest.mark.skipif(importlib.util.find_spec("ray") is None or importlib.util.find_spec("deepspeed") is None,
                                reason="needs Ray and DeepSpeed")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM")
@@ -37,7 +38,7 @@ def cuda_learner(tiny_model_path):
     if torch.distributed.is_initialized() and torch.distributed.get_backend() != "nccl":
         pytest.skip("an earlier test of this process made a gloo group; run these alone: pytest -m cuda")
     return Learner(tiny_model_path, LearnerSettings(lr=1e-3, micro_batch_per_rank=8, sequences_per_rank=16,
-                                                    grad_clip=1.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0)),
+                                                    grad_clip=1.0, objective=objective_settings(kl_coeff=0.0)),
                    device="cuda:0")
 
 
@@ -45,7 +46,7 @@ def test_learner_trains_on_its_gpu_with_the_guard_on(cuda_learner):
     assert cuda_learner.device.type == "cuda" and torch.distributed.get_backend() == "nccl"
     assert next(cuda_learner.engine.module.parameters()).device.type == "cuda"
     before = {n: p.detach().clone() for n, p in cuda_learner.engine.module.named_parameters()}
-    out = cuda_learner.train_step(_batch(32))  # a CPU batch, as the driver sends it
+    out = cuda_learner.train_step(random_batch(32))  # a CPU batch, as the driver sends it
     assert out.skipped == "" and math.isfinite(out.loss) and math.isfinite(out.grad_norm)
     assert any(not torch.equal(before[n], p) for n, p in cuda_learner.engine.module.named_parameters())
     lp = cuda_learner.score([1, 5, 7, 9, 2])  # the sync fingerprint's probe
@@ -54,7 +55,7 @@ def test_learner_trains_on_its_gpu_with_the_guard_on(cuda_learner):
 
 
 def test_guard_skips_a_poisoned_step_on_the_gpu(cuda_learner):
-    batch = _batch(32)
+    batch = random_batch(32)
     batch.mu_logp[batch.completion_mask > 0] = float("nan")
     before = {n: p.detach().clone() for n, p in cuda_learner.engine.module.named_parameters()}
     out = cuda_learner.train_step(batch)
@@ -149,13 +150,14 @@ def test_qlora_learner_trains_its_adapters_on_the_gpu(cuda_learner, tiny_model_p
     from qgrpo.learner.engine import Learner
 
     learner = Learner(tiny_model_path, LearnerSettings(
-        lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0),
+        lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
+        objective=objective_settings(kl_coeff=0.0),
         mode="qlora", lora={"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["all-linear"]}),
         device="cuda:0")
     params = dict(learner.engine.module.named_parameters())
     frozen = {n: p.detach().clone() for n, p in params.items() if not p.requires_grad}
     trained = {n: p.detach().clone() for n, p in params.items() if p.requires_grad}
-    out = learner.train_step(_batch(32))
+    out = learner.train_step(random_batch(32))
     assert out.skipped == "" and math.isfinite(out.loss)
     assert all(torch.equal(frozen[n], params[n]) for n in frozen)
     assert any(not torch.equal(trained[n], params[n]) for n in trained)
@@ -208,13 +210,13 @@ def test_two_learner_ranks_at_zero2_on_two_gpus(ray_session, tiny_model_path, tm
 
     def ranks(world):
         settings = LearnerSettings(world_size=world, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world,
-                                   zero_stage=2, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
+                                   zero_stage=2, grad_clip=0.0, objective=objective_settings(kl_coeff=0.0))
         opts = [{"num_gpus": 1, "runtime_env": {"env_vars": role_env(1)}}] * world
         actors, setups = start_learners(tiny_model_path, settings, 1, str(tmp_path), opts)
         ray.get(setups)
         return actors
 
-    batch = _batch(32)
+    batch = random_batch(32)
     one, two = ranks(1), ranks(2)
     try:
         (r1,) = ray.get([a.train_step.remote(batch) for a in one])

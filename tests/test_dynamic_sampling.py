@@ -1,10 +1,11 @@
-"""DAPO's dynamic sampling, overlong reward shaping and overlong filtering (cluster/run/sampling.py,
-rollout/rewards/shaping.py, their use in cluster/run/driver.py).
+"""DAPO's dynamic sampling, overlong reward shaping and overlong filtering (learner/objective/groups.py and
+shaping.py, cluster/run/sampling.py, their use in cluster/run/step_data.py).
 
 The penalty, the selection and the filter are checked on hand-computed values; the driver's dynamic loop runs with
 stand-ins for the Ray actors only (generators, reward workers, reference): rounds, cursor, prompts drawn, seeds,
 metrics. One real 2-step run of configs/tiny.toml checks that the metrics reach metrics.jsonl.
 """
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -14,20 +15,17 @@ import pytest
 import torch
 
 from qgrpo.cluster.config.schema import load_config
-from qgrpo.cluster.run.driver import StageClock, dynamic_batch, scored_batch
+from qgrpo.cluster.run.driver import StageClock
 from qgrpo.cluster.run.overlap import ROUND_SEED_STRIDE, RolloutSource, StepRollouts
-from qgrpo.cluster.run.sampling import (
-    filter_truncated,
-    has_signal,
-    prompts_to_draw,
-    select_groups,
-    shape_rewards,
-)
+from qgrpo.cluster.run.rewarding import Scored
+from qgrpo.cluster.run.step_data import step_data
 from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem
-from qgrpo.learner.batch import build_train_batch
-from qgrpo.learner.loss import GRPOLossConfig, aggregation_weights, grpo_loss
-from qgrpo.rollout.rewards.shaping import overlong_penalties
-from tests.test_overlap import _Sampler  # the prompt sampler stand-in: ids 0, 1, 2, ...
+from qgrpo.learner.batch import pack_rollouts
+from qgrpo.learner.objective.groups import has_signal, prompts_to_draw, select_groups
+from qgrpo.learner.objective.loss import aggregation_weights, grpo_loss
+from qgrpo.learner.objective.settings import objective_settings
+from qgrpo.learner.objective.shaping import overlong_penalties, shape_groups, truncated
+from tests.helpers import CountingSampler  # the prompt sampler stand-in: ids 0, 1, 2, ...
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,15 +50,16 @@ def _group(pid: str, spec: list[tuple[str, int, str]], version: int = 0) -> Grou
                         policy_version=version, generator_id="fake-0", precision="int4")
 
 
-def test_shape_rewards_adds_the_penalty_and_reports_it():
+def test_shape_groups_adds_the_penalty_and_reports_it():
     a = _group("a", [("1", 2, "stop"), ("1", 4, "length")])
     b = _group("b", [("0", 3, "stop"), ("0", 1, "stop")])
     a.rewards, b.rewards = [1.0, 1.0], [0.0, 0.0]
-    m = shape_rewards([a, b], max_new_tokens=4, buffer=2, penalty=1.0)  # free up to 2 tokens
-    assert a.rewards == [1.0, 0.0] and b.rewards == [-0.5, 0.0]
+    (a2, b2), m = shape_groups([a, b], max_new_tokens=4, buffer=2, penalty=1.0)  # free up to 2 tokens
+    assert a2.rewards == [1.0, 0.0] and b2.rewards == [-0.5, 0.0]
+    assert a.rewards == [1.0, 1.0] and b.rewards == [0.0, 0.0]  # new values: the groups given are unchanged
     assert m == {"overlong/penalized_frac": 0.5, "overlong/penalty_mean": -1.5 / 4}
-    assert has_signal(a.rewards) and has_signal(b.rewards)  # both were flat before the shaping
-    assert shape_rewards([a], 4, 0, 1.0) == {} and a.rewards == [1.0, 0.0]  # off: nothing changes, no metrics
+    assert has_signal(a2.rewards) and has_signal(b2.rewards)  # both were flat before the shaping
+    assert shape_groups([a], 4, 0, 1.0) == ([a], {})  # off: nothing changes, no metrics
 
 
 # ------------------------------------------------------------------------------------------------ selection
@@ -88,33 +87,31 @@ def test_prompts_to_draw_follows_the_keep_rate():
 
 # ------------------------------------------------------------------------------------------------ overlong filter
 
-def test_filter_truncated_zeroes_the_cut_rows_and_recounts_tokens():
+def test_the_truncated_rows_are_left_out_and_tokens_recounted():
     groups = [_group("a", [("1", 2, "stop"), ("0", 4, "length")]), _group("b", [("1", 4, "length"), ("0", 3, "stop")])]
-    for g in groups:
-        g.advantages = [1.0, -1.0]
-    batch = build_train_batch(groups, 0, 4)
+    packed = pack_rollouts(groups, 0, 4)
+    batch = packed.train_batch(torch.tensor([1.0, -1.0, 1.0, -1.0]))
     assert batch.total_tokens == 13.0 and batch.completion_mask.shape == (4, 6)
-    out, m = filter_truncated(batch, groups)
-    assert m == {"overlong/filtered_frac": 0.5}
+    assert truncated(groups) == [False, True, True, False]
+    out = packed.without(truncated(groups)).train_batch(batch.advantages)
     assert out.completion_mask.sum(dim=1).tolist() == [2.0, 0.0, 0.0, 3.0]
     assert torch.equal(out.completion_mask[[0, 3]], batch.completion_mask[[0, 3]])
     assert out.total_tokens == 5.0 and out.total_sequences == 4  # the sequence count stays
-    assert batch.total_tokens == 13.0 and batch.completion_mask.sum() == 13  # the input is not changed
+    assert packed.completion_mask.sum() == 13  # the input is not changed
     with pytest.raises(ValueError):
-        filter_truncated(batch, groups[:1])
+        packed.without(truncated(groups[:1]))
 
 
 def test_a_wholly_filtered_batch_has_a_finite_zero_loss():
     groups = [_group("a", [("1", 3, "length"), ("0", 3, "length")])]
-    groups[0].advantages = [1.0, -1.0]
-    batch, m = filter_truncated(build_train_batch(groups, 0, 3), groups)
-    assert m["overlong/filtered_frac"] == 1.0 and batch.total_tokens == 0.0
+    batch = pack_rollouts(groups, 0, 3).without(truncated(groups)).train_batch(torch.tensor([1.0, -1.0]))
+    assert batch.total_tokens == 0.0
     logp = torch.full(batch.input_ids.shape, -0.4, requires_grad=True)
     for agg in ("token_mean", "seq_mean", "constant"):
         w = aggregation_weights(batch.completion_mask, agg, num_sequences=batch.total_sequences,
                                 num_tokens=batch.total_tokens, max_len=batch.max_new_tokens)
         loss, stats = grpo_loss(logp, logp.detach(), batch.mu_logp, batch.mu_logp, batch.advantages,
-                                batch.completion_mask, w, GRPOLossConfig(kl_coeff=0.1))
+                                batch.completion_mask, w, objective_settings(kl_coeff=0.1))
         loss.backward()
         assert loss.item() == 0.0 and stats["tokens"] == 0 and torch.isfinite(logp.grad).all()
 
@@ -155,19 +152,19 @@ class _Rewards:
         class Pending:
             def result(self):
                 pool.log.append("rewards")
-                for g in groups:
-                    g.rewards = [float(c.text) for c in g.completions]
-                flat = [r for g in groups for r in g.rewards]
-                return {"reward/mean": sum(flat) / len(flat), "reward/workers_replaced": pool.asked}
+                scored = [dataclasses.replace(g, rewards=[float(c.text) for c in g.completions]) for g in groups]
+                flat = [r for g in scored for r in g.rewards]
+                return Scored(scored, {"reward/mean": sum(flat) / len(flat), "reward/workers_replaced": pool.asked})
 
         return Pending()
 
 
-def _run(spec, rounds=3, buffer=0, overlong_filter=False, per_step=4, max_new_tokens=4):
+def _run(spec, rounds=3, buffer=0, overlong_filter=False, per_step=4, max_new_tokens=4, dynamic=True):
     # the real Config: a field the driver reads that the schema renamed breaks this test, not only the driver
     cfg = load_config(ROOT / "configs" / "tiny.toml", [
         f"rollout.prompts_per_step={per_step}", "rollout.group_size=2", f"rollout.max_new_tokens={max_new_tokens}",
-        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0", "algo.dynamic_sampling=true",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", "rollout.top_k=0",
+        f"algo.dynamic_sampling={str(dynamic).lower()}",
         f"algo.dynamic_sampling_rounds={rounds}", "algo.advantage_scale='none'", f"algo.overlong_buffer={buffer}",
         "algo.overlong_penalty=1.0", f"algo.overlong_filter={str(overlong_filter).lower()}", "run.steps=10"],
         check_environment=False)
@@ -175,10 +172,15 @@ def _run(spec, rounds=3, buffer=0, overlong_filter=False, per_step=4, max_new_to
     log: list[str] = []
     workers = _Workers(spec, log)
     return SimpleNamespace(cfg=cfg, workers=workers, rewards=_Rewards(log),
-                           source=RolloutSource(workers, _Sampler(), ro, seed=1, overlap=False)), log
+                           source=RolloutSource(workers, CountingSampler(), ro, seed=1, overlap=False)), log
 
 
 MIXED = [("1", 1, "stop"), ("0", 1, "stop")]
+
+
+def _step(run, step, clock):
+    data = step_data(run, step, clock)
+    return data.rollouts, data.batch, data.reward_metrics
 
 
 def test_dynamic_loop_draws_by_keep_rate_until_the_batch_is_full():
@@ -186,7 +188,7 @@ def test_dynamic_loop_draws_by_keep_rate_until_the_batch_is_full():
     # 1 missing: ceil(8 / 3) = 3 more); round 3: 8-10, signal in 9: full
     run, log = _run({0: MIXED, 1: MIXED, 4: MIXED, 9: MIXED, 10: MIXED})
     clock = StageClock()
-    rollouts, batch, m = dynamic_batch(run, 2, clock)
+    rollouts, batch, m = _step(run, 2, clock)
     assert [c[0] for c in run.workers.calls] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
     base = 1 * 1_000_003 + 2
     assert [c[1] for c in run.workers.calls] == [base, base + ROUND_SEED_STRIDE, base + 2 * ROUND_SEED_STRIDE]
@@ -208,13 +210,13 @@ def test_dynamic_loop_draws_by_keep_rate_until_the_batch_is_full():
 
 def test_dynamic_loop_stops_early_and_tops_up_when_the_rounds_run_out():
     run, _ = _run({1: MIXED, 2: MIXED, 3: MIXED, 0: MIXED})  # every first-round group has signal: one round
-    rollouts, _, m = dynamic_batch(run, 0, StageClock())
+    rollouts, _, m = _step(run, 0, StageClock())
     assert len(run.workers.calls) == 1 and rollouts.cursor == 4
     assert (m["dynamic/rounds"], m["dynamic/extra_prompts"], m["dynamic/topped_up"]) == (1, 0, 0)
     assert m["dynamic/dropped_group_frac"] == 0.0
 
     run, _ = _run({1: MIXED}, rounds=2)  # 1 of 4 with signal: the floor, 12 wanted, capped at 4; none has signal
-    rollouts, batch, m = dynamic_batch(run, 0, StageClock())
+    rollouts, batch, m = _step(run, 0, StageClock())
     assert [c[0] for c in run.workers.calls] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert [g.item.prompt_id for g in rollouts.groups] == ["p-0", "p-1", "p-2", "p-3"]  # filled with p-0, p-2, p-3
     assert rollouts.cursor == 8
@@ -229,7 +231,7 @@ def test_dynamic_loop_keeps_groups_the_overlong_shaping_split_and_filters_cut_on
     spec = {0: [("1", 2, "stop"), ("1", 4, "length")], 1: [("1", 4, "length"), ("0", 1, "stop")],
             4: MIXED, 5: MIXED}
     run, _ = _run(spec, rounds=2, buffer=2, overlong_filter=True)
-    rollouts, batch, m = dynamic_batch(run, 0, StageClock())
+    rollouts, batch, m = _step(run, 0, StageClock())
     assert [g.item.prompt_id for g in rollouts.groups] == ["p-0", "p-1", "p-4", "p-5"]
     assert rollouts.groups[0].rewards == [1.0, 0.0] and rollouts.groups[1].rewards == [0.0, 0.0]  # 1 - 1 = 0
     # p-1 became flat by the shaping: 1 of 4 kept in round 1 -> 4 more prompts, 2 with signal; p-1 fills the batch
@@ -242,16 +244,17 @@ def test_dynamic_loop_keeps_groups_the_overlong_shaping_split_and_filters_cut_on
 
 def test_the_parallel_path_shapes_before_the_advantages_and_filters():
     spec = {0: [("1", 2, "stop"), ("1", 4, "length")]}
-    run, log = _run(spec, buffer=2, overlong_filter=True, per_step=2)
-    groups, _ = run.workers.generate([0, 1], SimpleNamespace(seed=0), 1)
-    batch, m = scored_batch(run, groups, StageClock())
+    run, log = _run(spec, buffer=2, overlong_filter=True, per_step=2, dynamic=False)
+    rollouts, batch, m = _step(run, 0, StageClock())
+    groups = rollouts.groups
     assert groups[0].rewards == [1.0, 0.0] and batch.advantages.tolist() == [0.5, -0.5, 0.0, 0.0]
+    assert groups[0].advantages == [0.5, -0.5] and rollouts.sample == groups  # the record trained on, logged
     assert m["overlong/penalized_frac"] == 0.25 and m["overlong/filtered_frac"] == 0.25
     assert batch.total_tokens == 4.0 and log == ["generate", "reference", "rewards"]  # reference and rewards overlap
 
 
 def test_rollout_source_refuses_more_prompts_with_overlap():
-    src = RolloutSource(_Workers({}, []), _Sampler(), _run({})[0].cfg.rollout, seed=0, overlap=True)
+    src = RolloutSource(_Workers({}, []), CountingSampler(), _run({})[0].cfg.rollout, seed=0, overlap=True)
     with pytest.raises(RuntimeError, match="overlap"):
         src.more(0, 2, 1)
     src.close()

@@ -11,12 +11,9 @@ from safetensors.torch import load_file
 from qgrpo.cluster.cli.app import main
 from qgrpo.cluster.config.schema import load_config
 from qgrpo.rollout.rewards import correct
+from tests.helpers import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +42,7 @@ def test_every_parameter_changed(two_step_run, tiny_model_path):
 def test_run_directory_contents(two_step_run):
     cfg = load_config(two_step_run / "config.toml")  # the effective config is itself a valid preset
     assert cfg.run.steps == 2 and cfg.rollout.num_actors == 2
-    rows = [m for m in _metrics(two_step_run) if "step" in m and "reward/mean" in m]
+    rows = [m for m in read_metrics(two_step_run) if "step" in m and "reward/mean" in m]
     assert [m["step"] for m in rows] == [1, 2]
     for key in ("reward/mean", "reward/std", "loss/kl", "loss/clip_frac_low", "loss/clip_frac_high",
                 "mismatch/log_ratio_mean", "mismatch/log_ratio_max", "mismatch/kl_mu_old", "perf/gen_tokens_per_s",
@@ -59,7 +56,7 @@ def test_run_directory_contents(two_step_run):
     assert 0.01 < rows[0]["sync/code_change_frac_min"] <= 1 and 0.5 < rows[0]["sync/update_norm_ratio_min"] < 2
     # the first sync (version 1 of 2) served the sixth of ten noise stages: 1e-2 * (5e-4 / 1e-2) ** (5 / 9)
     assert rows[0]["sync/norm_noise"] == pytest.approx(1e-2 * 0.05 ** (5 / 9), rel=1e-9)
-    start = next(m for m in _metrics(two_step_run) if m.get("event") == "start")
+    start = next(m for m in read_metrics(two_step_run) if m.get("event") == "start")
     assert {g["precision"] for g in start["generators"]} == {"int4"} and len(start["generators"]) == 2
     state = json.loads((two_step_run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2 and state["cursor"] == 2 * cfg.rollout.prompts_per_step
@@ -84,7 +81,7 @@ def test_resume_continues_from_saved_step(two_step_run, tiny_model_path, tmp_pat
                "--set", "run.steps=3", "--set", "run.progress=false", "--set", "learner.lr=1e-2",
                "--resume", str(ckpt)])
     assert rc == 0
-    rows = [m for m in _metrics(run) if "reward/mean" in m]
+    rows = [m for m in read_metrics(run) if "reward/mean" in m]
     assert [m["step"] for m in rows] == [1, 2, 3]
     assert rows[-1]["policy_version"] == 3 and rows[-1]["rollout/policy_versions"] == [2]
     state = json.loads((run / "checkpoints" / "step_000003" / "trainer_state.json").read_text())
@@ -119,7 +116,7 @@ def test_rollouts_parquet_and_views(two_step_run):
     assert {r["policy_version"] for r in rows if r["step"] == 2} == {1}
     assert {r["generator_id"] for r in rows} == {"torch-0", "torch-1"}
     assert all(r["mean_logprob"] <= 0 and isinstance(r["completion"], str) for r in rows)
-    evals = [m for m in _metrics(two_step_run) if m.get("event") == "eval"]
+    evals = [m for m in read_metrics(two_step_run) if m.get("event") == "eval"]
     assert [e["step"] for e in evals] == [0, 2]
     for e in evals:  # the logged accuracy is the judge's (tiny.toml: `correct`) on the answers kept beside it
         answers = [json.loads(line) for line in
@@ -130,11 +127,34 @@ def test_rollouts_parquet_and_views(two_step_run):
     assert any((two_step_run / "tensorboard").glob("events.out.tfevents.*"))
 
 
-def test_eval_command_on_checkpoint(two_step_run, capsys):
-    ckpt = two_step_run / "checkpoints" / "step_000002"
-    assert main(["eval", str(ckpt), "--config", str(ROOT / "configs" / "tiny.toml"), "-n", "12"]) == 0
-    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert out["n"] == 12 and 0 <= out["accuracy"] <= 1 and out["precision"] == "bf16"
+def test_eval_command_on_checkpoint(two_step_run, tiny_model_path, capsys):
+    """`qgrpo eval` on a checkpoint (and on a plain model folder, the base model) reports the share of the first n
+    held-out prompts whose greedy answer is right: recomputed here from the model's own greedy answers (a bf16 torch
+    generator, as the command builds one) judged by tiny.toml's judge, `correct`, applied directly, so a wrong
+    judge, prompt set or count fails. The base model (seeded) gets some right (2 of 32 when written), so a judge
+    that says no to everything fails too; the checkpoint after two steps may get none. 32 prompts: one batch, in the
+    command as here, so the greedy answers are the same computation."""
+    from qgrpo.core.records import SamplingParams
+    from qgrpo.rollout.backends import backend_options, make_generator
+    from qgrpo.rollout.tasks import make_task
+
+    tiny, n = ROOT / "configs" / "tiny.toml", 32
+    cfg = load_config(tiny)
+    items = [make_task(cfg.task, cfg.run.seed, split="eval").item(i) for i in range(n)]
+    greedy = SamplingParams(group_size=1, max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0)
+    right = {}
+    for name, model in (("checkpoint", two_step_run / "checkpoints" / "step_000002"), ("base", tiny_model_path)):
+        assert main(["eval", str(model), "--config", str(tiny), "-n", str(n)]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert out["n"] == n and out["precision"] == "bf16" and out["metric"] == "correct"
+        gen = make_generator("torch", model_path=str(model), precision="bf16", generator_id="check",
+                             chat_template=cfg.task.chat_template,
+                             **backend_options("torch", cfg.rollout, cfg.model.compute_dtype))
+        answers = [g.completions[0].text for g in gen.generate(items, greedy)]
+        right[name] = sum(correct(a, it.reference) for a, it in zip(answers, items))
+        assert out["accuracy"] == right[name] / n, (name, out["accuracy"], right[name])
+    print(f"right of {n}: {right}")
+    assert 0 < right["base"] < n
     assert main(["eval", str(two_step_run / "nope")]) == 2
 
 

@@ -9,45 +9,13 @@ import signal
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from qgrpo.cluster.cli.app import main
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.toml")
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _steps(run_dir: Path) -> list[dict]:
-    return [m for m in _metrics(run_dir) if "reward/mean" in m]
-
-
-def _args(model: str, out: Path, *extra: str) -> list[str]:
-    sets = [f"model.path='{model}'", f"run.output_dir='{out}'", "run.progress=false", "run.eval=false",
-            "run.tensorboard=false", "rollout.prompts_per_step=8", "rollout.group_size=8", "run.rollouts_flush_every=1",
-            *extra]
-    return ["train", TINY, *[a for s in sets for a in ("--set", s)]]
-
-
-@pytest.fixture
-def faults(monkeypatch, tmp_path):
-    def inject(spec: str) -> None:
-        monkeypatch.setenv("QGRPO_FAULTS", spec)
-        (tmp_path / "fault-state").mkdir(exist_ok=True)
-        monkeypatch.setenv("QGRPO_FAULTS_STATE", str(tmp_path / "fault-state"))
-    return inject
-
-
-def _run_dir(out: Path) -> Path:
-    (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    return run_dir
+from tests.helpers import ROOT, read_metrics, run_dir_in, step_metrics, train_args
 
 
 def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(ray_session, tiny_model_path, tmp_path, faults):
@@ -57,14 +25,14 @@ def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(ray_session, tin
 
     faults("rollout.kill@2")
     out = tmp_path / "runs"
-    assert main(_args(tiny_model_path, out, "run.steps=3", "rollout.num_actors=2")) == 0
-    run_dir = _run_dir(out)
+    assert main(train_args(tiny_model_path, out, "run.steps=3", "rollout.num_actors=2")) == 0
+    run_dir = run_dir_in(out)
     rows = pq.read_table(run_dir / "rollouts").to_pylist()
     per_step = {s: Counter(r["prompt_id"] for r in rows if r["step"] == s) for s in (1, 2, 3)}
     for step, counts in per_step.items():
         assert len(counts) == 8 and set(counts.values()) == {8}, (step, counts)
     assert len({p for c in per_step.values() for p in c}) == 24  # 24 different prompts: none repeated across steps
-    events = _metrics(run_dir)
+    events = read_metrics(run_dir)
     failed = [e for e in events if e.get("event") == "rollout_actor_failed"]
     replaced = [e for e in events if e.get("event") == "rollout_actor_replaced"]
     assert len(failed) == 1 and failed[0]["step"] == 2 and len(failed[0]["prompt_ids"]) == 4
@@ -72,7 +40,7 @@ def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(ray_session, tin
     assert len(replaced) == 1 and replaced[0]["replacement"].endswith(".1")
     # The replacement loaded the published weights (version 1) before it generated anything.
     assert replaced[0]["weights_version"] == 1
-    by_step = {m["step"]: m for m in _steps(run_dir)}
+    by_step = {m["step"]: m for m in step_metrics(run_dir)}
     assert by_step[3]["rollout/policy_versions"] == [2] and by_step[3]["policy_version"] == 3
     assert {r["generator_id"] for r in rows if r["step"] == 3} == {"torch-0", replaced[0]["replacement"]} or \
         {r["generator_id"] for r in rows if r["step"] == 3} == {"torch-1", replaced[0]["replacement"]}
@@ -81,7 +49,7 @@ def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(ray_session, tin
 def test_actor_that_keeps_dying_ends_the_run_clearly(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("rollout.kill@2+")
     out = tmp_path / "runs"
-    rc = main(_args(tiny_model_path, out, "run.steps=3", "run.save_every=1", "faults.max_replacements=1"))
+    rc = main(train_args(tiny_model_path, out, "run.steps=3", "run.save_every=1", "faults.max_replacements=1"))
     err = capsys.readouterr().err
     assert rc == 1
     assert "generate at step 2: rollout actor torch-0.1 failed 2 times in a row" in err
@@ -94,25 +62,25 @@ def test_actor_that_keeps_dying_ends_the_run_clearly(ray_session, tiny_model_pat
 def test_hung_generator_fails_within_its_deadline(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("rollout.hang@2")
     out = tmp_path / "runs"
-    rc = main(_args(tiny_model_path, out, "run.steps=3", "faults.generate_timeout_s=10"))
+    rc = main(train_args(tiny_model_path, out, "run.steps=3", "faults.generate_timeout_s=10"))
     err = capsys.readouterr().err
     assert rc == 1
     assert "generate at step 2: no result within 10 s (torch-0 held digit_sum-train-8" in err
     assert "faults.generate_timeout_s" in err
-    failed = [e for e in _metrics(_run_dir(out)) if e.get("event") == "failed"]
+    failed = [e for e in read_metrics(run_dir_in(out)) if e.get("event") == "failed"]
     assert len(failed) == 1 and failed[0]["step"] == 2
 
 
 def test_dead_learner_ends_the_run_with_how_to_resume(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("learner.kill@3")
     out = tmp_path / "runs"
-    assert main(_args(tiny_model_path, out, "run.steps=4", "run.save_every=2")) == 1
+    assert main(train_args(tiny_model_path, out, "run.steps=4", "run.save_every=2")) == 1
     err = capsys.readouterr().err
     assert "learner step 3: learner rank 0 failed (" in err and "Traceback" not in err
-    run_dir = _run_dir(out)
+    run_dir = run_dir_in(out)
     assert f"from its last complete checkpoint (step_000002) with: qgrpo train --resume {run_dir}" in err
     assert main(["train", "--resume", str(run_dir)]) == 0
-    assert [m["step"] for m in _steps(run_dir)] == [1, 2, 3, 4]
+    assert [m["step"] for m in step_metrics(run_dir)] == [1, 2, 3, 4]
 
 
 def test_guard_skips_poisoned_steps_on_every_rank_and_climbs_the_ladder(ray_session, tiny_model_path, tmp_path,
@@ -122,10 +90,10 @@ def test_guard_skips_poisoned_steps_on_every_rank_and_climbs_the_ladder(ray_sess
     the rung is in the metrics and the checkpoint and survives a resume."""
     faults("learner.nan_loss@2,rollout.nan@3")
     out = tmp_path / "runs"
-    assert main(_args(tiny_model_path, out, "run.steps=4", "run.save_every=1", "run.keep_last=10",
+    assert main(train_args(tiny_model_path, out, "run.steps=4", "run.save_every=1", "run.keep_last=10",
                       "learner.world_size=2", "rollout.precision='int4'")) == 0
-    run_dir = _run_dir(out)
-    by_step = {m["step"]: m for m in _steps(run_dir)}
+    run_dir = run_dir_in(out)
+    by_step = {m["step"]: m for m in step_metrics(run_dir)}
     assert [by_step[s]["guard/skipped"] for s in (1, 2, 3, 4)] == [0, 1, 1, 0]
     assert by_step[2]["guard/reason"] == "loss" and by_step[3]["guard/reason"] == "sampler_logprobs"
     assert [by_step[s]["guard/rollout_bits"] for s in (1, 2, 3, 4)] == [4, 8, 16, 16]
@@ -136,20 +104,20 @@ def test_guard_skips_poisoned_steps_on_every_rank_and_climbs_the_ladder(ray_sess
     assert any(not torch.equal(w[3][k], w[4][k]) for k in w[1])
     state = json.loads((ckpt / "step_000003" / "trainer_state.json").read_text())
     assert state["guard"]["rollout_precision"] == "bf16" and state["guard"]["skipped_total"] == 2
-    ladder = [e for e in _metrics(run_dir) if e.get("event") == "ladder"]
+    ladder = [e for e in read_metrics(run_dir) if e.get("event") == "ladder"]
     assert [(e["step"], e["rollout_precision"]) for e in ladder] == [(2, "int8"), (3, "bf16")]
 
     assert main(["train", "--resume", str(run_dir), "--set", "run.steps=5"]) == 0
-    resumed = [e for e in _metrics(run_dir) if e.get("event") == "resume"]
+    resumed = [e for e in read_metrics(run_dir) if e.get("event") == "resume"]
     assert resumed[-1]["rollout_precision"] == "bf16"
     assert {g["precision"] for g in resumed[-1]["generators"]} == {"bf16"}
-    assert _steps(run_dir)[-1]["step"] == 5 and _steps(run_dir)[-1]["rollout/precision"] == "bf16"
+    assert step_metrics(run_dir)[-1]["step"] == 5 and step_metrics(run_dir)[-1]["rollout/precision"] == "bf16"
 
 
 def test_guard_stops_a_run_with_nothing_left_to_step_up(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("learner.nan_loss@2+")
     out = tmp_path / "runs"
-    rc = main(_args(tiny_model_path, out, "run.steps=5", "rollout.precision='bf16'", "guard.max_skips_at_top=2"))
+    rc = main(train_args(tiny_model_path, out, "run.steps=5", "rollout.precision='bf16'", "guard.max_skips_at_top=2"))
     err = capsys.readouterr().err
     assert rc == 1 and "precision guard: 2 steps in a row skipped, the last at step 3 (loss)" in err
     assert "run stopped at step 3" in err
@@ -162,12 +130,12 @@ def test_resumed_run_repeats_the_uninterrupted_metrics_exactly(ray_session, tiny
     import pyarrow.parquet as pq
 
     out = tmp_path / "runs"
-    assert main(_args(tiny_model_path, out, "run.steps=6", "run.save_every=3", "learner.lr=3e-3")) == 0
-    run_dir = _run_dir(out)
-    first = {m["step"]: m for m in _steps(run_dir)}
+    assert main(train_args(tiny_model_path, out, "run.steps=6", "run.save_every=3", "learner.lr=3e-3")) == 0
+    run_dir = run_dir_in(out)
+    first = {m["step"]: m for m in step_metrics(run_dir)}
     final_first = load_file(str(run_dir / "checkpoints" / "step_000006" / "model.safetensors"))
     assert main(["train", "--resume", str(run_dir / "checkpoints" / "step_000003")]) == 0
-    again = {m["step"]: m for m in _steps(run_dir)}
+    again = {m["step"]: m for m in step_metrics(run_dir)}
     assert sorted(again) == [1, 2, 3, 4, 5, 6]
     for s in (4, 5, 6):
         for key in ("reward/mean", "loss/total", "loss/kl", "loss/grad_norm", "mismatch/kl_mu_old", "loss/lr"):
@@ -206,10 +174,10 @@ def test_kill_during_checkpoint_write_then_resume(tiny_model_path, tmp_path):
     env = {**os.environ, "QGRPO_FAULTS": "save.kill@4", "QGRPO_FAULTS_STATE": str(tmp_path),
            "PYTHONWARNINGS": "ignore"}
     env.pop("RAY_ADDRESS", None)
-    cmd = [sys.executable, "-m", "qgrpo", *_args(tiny_model_path, out, "run.steps=5", "run.save_every=2")]
+    cmd = [sys.executable, "-m", "qgrpo", *train_args(tiny_model_path, out, "run.steps=5", "run.save_every=2")]
     proc = _run_own_group(cmd, env)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    run_dir = _run_dir(out)
+    run_dir = run_dir_in(out)
     ckpts = run_dir / "checkpoints"
     assert (ckpts / ".step_000004.tmp" / "model.safetensors").is_file()  # killed mid-write
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_000002"]
@@ -218,7 +186,7 @@ def test_kill_during_checkpoint_write_then_resume(tiny_model_path, tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "resuming from" in proc.stderr and "step_000002" in proc.stderr
     assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000005"]
-    assert [m["step"] for m in _steps(run_dir)] == [1, 2, 3, 4, 5]
+    assert [m["step"] for m in step_metrics(run_dir)] == [1, 2, 3, 4, 5]
 
 
 @pytest.mark.parametrize("setting, field", [
@@ -246,7 +214,7 @@ def test_values_that_would_hang_or_train_on_garbage_exit_2_before_ray_starts(tin
     (tmp_path / "a-file").write_text("not a folder")
     out = tmp_path / "runs"
     extra = [setting.format(tmp=tmp_path)] + (["algo.update_every=2"] if field == "run.save_every" else [])
-    assert main(_args(tiny_model_path, out, *extra)) == 2  # a later --set wins: this case's output_dir
+    assert main(train_args(tiny_model_path, out, *extra)) == 2  # a later --set wins: this case's output_dir
     err = capsys.readouterr().err
     assert f"  - {field}:" in err, err
     assert not out.exists() and "Traceback" not in err

@@ -9,7 +9,7 @@ HEAVY = ("ray", "deepspeed", "vllm", "mlx", "transformers", "torchao", "bitsandb
 
 SCRIPT = f"""
 import sys
-import qgrpo, qgrpo.learner.loss, qgrpo.rollout.advantages, qgrpo.rollout.backends
+import qgrpo, qgrpo.learner.objective.loss, qgrpo.learner.objective.advantages, qgrpo.rollout.backends
 import qgrpo.cluster.config, qgrpo.cluster.run, qgrpo.cluster.rundir, qgrpo.cluster.report, qgrpo.cluster.cli
 heavy = [m for m in sys.modules if m.split(".")[0] in {HEAVY!r}]
 print(",".join(sorted(heavy)))
@@ -37,7 +37,7 @@ def test_check_detects_a_heavy_import():
 
 def test_the_command_and_the_config_start_without_torch():
     # `qgrpo --help`, `qgrpo check`'s schema and `qgrpo scale` should start in a fraction of a second: the schema takes
-    # its choices from torch-free modules (learner/options.py, rollout/options.py), not from the loss itself.
+    # its choices from torch-free modules (learner/objective/options.py, knobs.py, losses.py), not from the loss itself.
     script = "import sys, qgrpo.cluster.cli.app, qgrpo.cluster.config.schema; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stdout + proc.stderr

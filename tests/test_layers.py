@@ -86,9 +86,10 @@ def test_the_layer_check_can_fail(tmp_path):
     fake.write_text("import qgrpo.core.records\ndef f():\n    from qgrpo.cluster.run import driver\n")
     assert _upward(fake, "core.probe") == ["probe.py:3 (core) imports qgrpo.cluster.run (cluster.run)",
                                            "probe.py:3 (core) imports qgrpo.cluster.run.driver (cluster.run)"]
-    fake.write_text("from qgrpo.learner.loss import grpo_loss\n")
-    assert _upward(fake, "rollout.probe") == ["probe.py:1 (rollout) imports qgrpo.learner.loss (learner)",
-                                              "probe.py:1 (rollout) imports qgrpo.learner.loss.grpo_loss (learner)"]
+    fake.write_text("from qgrpo.learner.objective.loss import grpo_loss\n")
+    assert _upward(fake, "rollout.probe") == [
+        "probe.py:1 (rollout) imports qgrpo.learner.objective.loss (learner)",
+        "probe.py:1 (rollout) imports qgrpo.learner.objective.loss.grpo_loss (learner)"]
     assert _layer("rollout.backends.torch_backend") == "rollout" and _layer("cluster.run.driver") == "cluster.run"
 
 
@@ -120,6 +121,43 @@ def test_sizes_past_the_guides_are_reported():
                                f"{MAX_FUNCTION_LINES})")
     for line in big:
         warnings.warn(line, UserWarning, stacklevel=1)
+
+
+def _backend_comparisons(path: Path, names) -> list[str]:
+    """`file:line` of each comparison with one of `names` (the registered backends): `x == "vllm"`, `x != "torch"`,
+    `x in ("vllm", "torch")` (a tuple, list, set or dict of constants), and `case "mlx":`."""
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant):
+            return node.value in names
+        items = node.keys if isinstance(node, ast.Dict) else node.elts if isinstance(
+            node, (ast.Tuple, ast.List, ast.Set)) else []
+        return any(isinstance(i, ast.Constant) and i.value in names for i in items)
+
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Compare) and any(named(n) for n in [node.left, *node.comparators]):
+            bad.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{node.lineno}")
+        elif isinstance(node, ast.MatchValue) and named(node.value):
+            bad.append(f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name}:{node.lineno}")
+    return bad
+
+
+def test_no_backend_name_is_compared_outside_the_backends():
+    """What a backend can do is its spec's to say (rollout/backends: BackendSpec), so a new backend is added there
+    alone: no module outside rollout/backends/ decides by comparing a value with a backend's name."""
+    from qgrpo.rollout.backends import REGISTRY
+
+    inside = ROOT / "rollout" / "backends"
+    bad = [b for p in _sources(*PACKAGES) if not p.is_relative_to(inside) for b in _backend_comparisons(p, REGISTRY)]
+    assert bad == [], "backend names compared (ask the spec in rollout/backends instead):\n" + "\n".join(bad)
+
+
+def test_the_backend_comparison_check_can_fail(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("a = b == 'vllm'\nc = d.backend in ('torch', 'x')\nif 'mlx' != e: pass\n"
+                     "match f:\n    case 'torch': pass\nbackend: str = 'torch'\ng = h == 'nccl'\n")
+    assert _backend_comparisons(probe, {"torch", "vllm", "mlx"}) == ["probe.py:1", "probe.py:2", "probe.py:3",
+                                                                       "probe.py:5"]
 
 
 def _runtime_imports(path: Path) -> set[str]:

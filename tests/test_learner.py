@@ -5,39 +5,23 @@ import pytest
 import torch
 
 from qgrpo.core.devices import dist_backend
-from qgrpo.learner.batch import TrainBatch
-from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
+from tests.helpers import group_batch, identical, learner_state, random_batch
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _process_group(dist_env):
-    """Every test here builds learners in-process (tests/conftest.py: dist_env)."""
-    yield
-
-
-def _batch(vocab: int, B: int = 16, P: int = 4, L: int = 5) -> TrainBatch:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, vocab, (B, P + L), generator=g)
-    lens = torch.randint(1, L + 1, (B,), generator=g)
-    mask = torch.zeros(B, P + L)
-    for i, n in enumerate(lens.tolist()):
-        mask[i, P:P + n] = 1
-        ids[i, P + n:] = 0
-    return TrainBatch(input_ids=ids, completion_mask=mask, mu_logp=-2.0 * mask,
-                      advantages=torch.randn(B, generator=g), policy_versions=torch.zeros(B, dtype=torch.long),
-                      total_sequences=B, total_tokens=float(mask.sum()), max_new_tokens=L)
+pytestmark = pytest.mark.usefixtures("dist_env")  # every test here builds learners in-process (tests/conftest.py)
 
 
 def _learner(path, micro, zero_stage=0, lr=1e-3):
     from qgrpo.learner.engine import Learner
 
     return Learner(path, LearnerSettings(lr=lr, micro_batch_per_rank=micro, sequences_per_rank=16,
-                                         zero_stage=zero_stage, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0)))
+                                         zero_stage=zero_stage, grad_clip=0.0,
+                                         objective=objective_settings(kl_coeff=0.0)))
 
 
 def test_micro_batch_accumulation_matches_one_batch(tiny_model_path):
-    batch = _batch(32)
+    batch = random_batch(32)
     one = _learner(tiny_model_path, micro=16).train_step(batch)
     four = _learner(tiny_model_path, micro=4).train_step(batch)
     assert one.stats["tokens"] == four.stats["tokens"] == batch.total_tokens
@@ -52,7 +36,7 @@ def test_zero_stages_train_and_export(tiny_model_path, zero_stage):
     # lr 1e-2: an Adam step of 1e-3 is below bf16 resolution for weights near 1 (norm gains) and would not show.
     learner = _learner(tiny_model_path, micro=8, zero_stage=zero_stage, lr=1e-2)
     before = {n: t.clone() for n, t in learner.named_weights()}
-    out = learner.train_step(_batch(32))
+    out = learner.train_step(random_batch(32))
     assert out.grad_norm > 0
     after = dict(learner.named_weights())
     assert set(after) == set(before)
@@ -64,12 +48,12 @@ def test_several_updates_per_batch_make_the_clip_act(tiny_model_path):
     from qgrpo.learner.engine import Learner
 
     learner = Learner(tiny_model_path, LearnerSettings(
-        lr=5e-2, micro_batch_per_rank=8, sequences_per_rank=16, updates_per_batch=3, grad_clip=0.0,
-        loss_cfg=GRPOLossConfig(clip_low=0.05, clip_high=0.05, kl_coeff=0.0)))
-    out = learner.train_step(_batch(32))
+        lr=5e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
+        objective=objective_settings(clip_low=0.05, clip_high=0.05, kl_coeff=0.0, updates_per_batch=3)))
+    out = learner.train_step(random_batch(32))
     assert out.policy_version == 3
     s = out.stats
-    assert s["tokens"] == 3 * _batch(32).total_tokens  # statistics cover every pass
+    assert s["tokens"] == 3 * random_batch(32).total_tokens  # statistics cover every pass
     assert s["clipped_low"] + s["clipped_high"] > 0, "pi_theta moved away from pi_old after the first update"
 
 
@@ -81,14 +65,14 @@ def test_each_policy_loss_trains_with_entropy_and_sequence_corrections(tiny_mode
     import math
 
     from qgrpo.learner.engine import Learner
-    from qgrpo.learner.loss import finalize_stats
+    from qgrpo.learner.objective.loss import finalize_stats
 
     learner = Learner(tiny_model_path, LearnerSettings(
-        lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, updates_per_batch=2, grad_clip=0.0,
-        loss_agg="seq_mean" if policy_loss == "gspo" else "token_mean",
-        loss_cfg=GRPOLossConfig(policy_loss=policy_loss, kl_coeff=0.0, is_level="sequence", is_mode="mask",
-                                is_cap=3.0, entropy_coeff=0.01, top_entropy_quantile=0.5)))
-    batch = _group_batch(32)
+        lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
+        objective=objective_settings(policy_loss=policy_loss, kl_coeff=0.0, is_level="sequence", is_mode="mask",
+                                     is_cap=3.0, entropy_coeff=0.01, top_entropy_quantile=0.5, updates_per_batch=2,
+                                     loss_agg="seq_mean" if policy_loss == "gspo" else "token_mean")))
+    batch = group_batch(32)
     out = learner.train_step(batch)
     assert out.skipped == "" and out.policy_version == 2 and math.isfinite(out.loss) and out.grad_norm > 0
     m = finalize_stats(out.stats)
@@ -99,27 +83,18 @@ def test_each_policy_loss_trains_with_entropy_and_sequence_corrections(tiny_mode
     assert 0.0 < m["mismatch/ess"] <= 1.0 and m["mismatch/masked_seq_frac"] + m["is_weight_mean"] > 0
 
 
-def _group_batch(vocab: int, groups: int = 4, G: int = 4, P: int = 6, L: int = 5) -> TrainBatch:
-    """`groups` prompts of P tokens with G completions each (lengths 1..L), as build_train_batch lays them out."""
-    b = _batch(vocab, B=groups * G, P=P, L=L)
-    ids = b.input_ids.clone()
-    ids[:, :P] = ids[::G, :P].repeat_interleave(G, dim=0)
-    return TrainBatch(**{**b.__dict__, "input_ids": ids, "prompt_lens": torch.full((groups * G,), P),
-                         "group_ids": torch.arange(groups * G) // G})
-
-
 @pytest.mark.parametrize("zero_stage", [0, 3])
 def test_shared_prompt_learner_matches_full_forward(tiny_model_path, zero_stage):
     """Through the DeepSpeed engine (bf16), the shared-prompt forward gives the full forward's loss, gradient norm and
     update: a wrong cache hand-off or position would change all three."""
     from qgrpo.learner.engine import Learner
 
-    batch = _group_batch(32)
+    batch = group_batch(32)
     outs, weights = [], []
     for shared in (False, True):
         learner = Learner(tiny_model_path, LearnerSettings(
             lr=1e-2, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0, zero_stage=zero_stage,
-            loss_cfg=GRPOLossConfig(kl_coeff=0.0), shared_prompt=shared))
+            objective=objective_settings(kl_coeff=0.0), shared_prompt=shared))
         outs.append(learner.train_step(batch))
         weights.append({n: t.float() for n, t in learner.named_weights()})
     full, shared = outs
@@ -135,19 +110,6 @@ def test_shared_prompt_learner_matches_full_forward(tiny_model_path, zero_stage)
     assert flipped < 2e-3 and float(diff.mean()) < 1e-3
 
 
-def _snapshot(learner) -> tuple[dict, dict, int]:
-    weights = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
-    moments = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()}
-               for i, s in enumerate(learner.inner_optimizer.state.values())}
-    return weights, moments, learner.scheduler.last_epoch
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        (torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else (_same(a[k], b[k]) if isinstance(a[k], dict)
-                                                                 else a[k] == b[k])) for k in a)
-
-
 @pytest.mark.parametrize("poison", ["sampler_logprobs", "reference_logprobs", "mismatch"])
 def test_guard_skips_the_update_and_leaves_every_bit_unchanged(tiny_model_path, poison):
     """A poisoned batch takes no optimizer step: weights, Adam moments and step, the LR schedule and the policy version
@@ -155,14 +117,14 @@ def test_guard_skips_the_update_and_leaves_every_bit_unchanged(tiny_model_path, 
     from dataclasses import replace
 
     learner = _learner(tiny_model_path, micro=4)
-    learner.loss_cfg = GRPOLossConfig(kl_coeff=0.01)
-    batch = _batch(32)
+    learner.objective = objective_settings(kl_coeff=0.01)
+    batch = random_batch(32)
     batch = replace(batch, ref_logp=-2.0 * batch.completion_mask)
     clean = learner.train_step(batch)  # one real step first (no bound yet): the moments exist
     assert clean.skipped == ""
     # The bound: well above this batch's own mismatch, far below the poisoned one's.
     learner.max_mismatch_kl = 2 * clean.stats["kl_mu_old_sum"] / clean.stats["tokens"] + 0.5
-    before, version = _snapshot(learner), learner.version
+    before, version = learner_state(learner), learner.version
     if poison == "sampler_logprobs":
         mu = batch.mu_logp.clone()
         mu[3, 5] = float("nan")
@@ -175,11 +137,11 @@ def test_guard_skips_the_update_and_leaves_every_bit_unchanged(tiny_model_path, 
         bad = replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask)
     out = learner.train_step(bad)
     assert out.skipped == poison and out.policy_version == version
-    after = _snapshot(learner)
-    assert _same(before[0], after[0]) and _same(before[1], after[1]) and before[2] == after[2]
+    after = learner_state(learner)
+    assert identical(before[0], after[0]) and identical(before[1], after[1]) and before[2] == after[2]
     assert learner.train_step(batch).skipped == ""
     assert learner.version == version + 1
-    assert not _same(before[0], _snapshot(learner)[0])
+    assert not identical(before[0], learner_state(learner)[0])
 
 
 def test_guard_off_takes_the_step(tiny_model_path):
@@ -188,17 +150,12 @@ def test_guard_off_takes_the_step(tiny_model_path):
 
     learner = _learner(tiny_model_path, micro=4)
     learner.guard, learner.max_mismatch_kl = False, 0.01
-    batch = _batch(32)
+    batch = random_batch(32)
     out = learner.train_step(replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask))
     assert out.skipped == "" and learner.version == 1
 
 
 # ---------------------------------------------------------------- the device (core/devices.py)
-
-
-@pytest.fixture(scope="module")
-def cpu_learner(tiny_model_path):
-    return _learner(tiny_model_path, micro=8)
 
 
 def test_process_group_backend_follows_the_learners_device(monkeypatch):
@@ -215,48 +172,87 @@ def test_process_group_backend_follows_the_learners_device(monkeypatch):
     assert asked == ["gloo", "nccl"] and dist_backend(torch.device("cuda", 0)) == "nccl"
 
 
-def test_guard_collectives_get_tensors_of_the_groups_device(cpu_learner, monkeypatch):
-    """NCCL serves only CUDA tensors: the guard's flags and statistics are all-reduced on the device the process
-    group serves (`collective_device`), asked at every collective."""
-    from qgrpo.learner import engine, optim
+def _two_rank_group(peer: list, monkeypatch) -> None:
+    """Make this one-rank process group act as a two-rank one whose other rank issued the collectives in `peer`
+    ((tensor, op) as it passed them, in order): each all-reduce adds the other rank's tensor, or takes the minimum,
+    as asked. Like a real group it refuses a collective the other rank did not issue (different shape or op: a real
+    group would hang there) and, like gloo and NCCL, a tensor off the device the group serves (`collective_device`)."""
+    from qgrpo.core.devices import collective_device
 
-    asked, got = [], []
+    MIN = torch.distributed.ReduceOp.MIN
 
-    def where():
-        asked.append(1)
-        return torch.device("cpu")
+    def all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        assert tensor.device == collective_device(), f"a {tensor.device} tensor for a {collective_device()} group"
+        assert peer, f"the other rank issued no all-reduce of {tuple(tensor.shape)} here"
+        other, other_op = peer.pop(0)
+        assert (other.shape, other_op) == (tensor.shape, op), (other.shape, other_op, tensor.shape, op)
+        tensor.copy_(torch.minimum(tensor, other) if op == MIN else tensor + other)
 
-    monkeypatch.setattr(engine, "collective_device", where)  # the veto's statistics
-    monkeypatch.setattr(optim, "collective_device", where)  # the guard's flag
-    monkeypatch.setattr(torch.distributed, "all_reduce", lambda t, op=None: got.append(t.device.type))
-    cpu_learner.guard = True
-    assert cpu_learner._veto(torch.zeros(5, dtype=torch.float64)) == ""
-    opt = cpu_learner.inner_optimizer
-    opt.veto, opt.enabled = "test", True
-    opt.step()  # vetoed: decided on the all-reduced flag, weights untouched
-    opt.veto = ""
-    assert got == ["cpu", "cpu"] and len(asked) == 2
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
 
 
-def test_learner_moves_the_batch_to_its_device(cpu_learner, monkeypatch):
-    """DeepSpeed moves the model, never the inputs: train_step does, before the first forward."""
+@pytest.mark.parametrize("poison", ["sampler_logprobs", "mismatch"])
+def test_a_poisoned_shard_on_one_rank_skips_the_update_on_every_rank(tiny_model_path, monkeypatch, poison):
+    """The guard decides on checks all-reduced over the ranks, so the ranks skip an update together. The other rank
+    of a two-rank group is this learner's own collectives on a poisoned shard, recorded, then replayed into the
+    collectives of a clean shard (`_two_rank_group`): the clean rank skips for the other rank's reason, and its
+    weights, Adam moments and LR schedule stay bit-identical. A rank that decided on its own checks would step (or
+    skip for another reason). The group takes only tensors on the device it serves: CPU ones under gloo here; under
+    NCCL CUDA ones, as tests/test_cuda.py runs on a GPU."""
+    from dataclasses import replace
+
+    learner = _learner(tiny_model_path, micro=4)
+    batch = random_batch(32)
+    clean = learner.train_step(batch)  # one real step first: the moments exist
+    assert clean.skipped == ""
+    learner.max_mismatch_kl = 2 * clean.stats["kl_mu_old_sum"] / clean.stats["tokens"] + 0.5
+    if poison == "sampler_logprobs":
+        mu = batch.mu_logp.clone()
+        mu[3, 5] = float("nan")
+        bad = replace(batch, mu_logp=mu)
+    else:  # a sampler 6 nats less sure of every token than the policy
+        bad = replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask)
+    before, version = learner_state(learner), learner.version
+
+    peer, real = [], torch.distributed.all_reduce
+
+    def record(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+        peer.append((tensor.clone(), op))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.distributed, "all_reduce", record)
+        assert learner.train_step(bad).skipped == poison  # the other rank, on its own
+    assert peer
+    with monkeypatch.context() as m:
+        _two_rank_group(peer, m)
+        out = learner.train_step(batch)
+    assert out.skipped == poison and out.policy_version == version and not peer
+    after = learner_state(learner)
+    assert identical(before[0], after[0]) and identical(before[1], after[1]) and before[2] == after[2]
+    assert learner.train_step(batch).skipped == "" and learner.version == version + 1  # alone again: it steps
+
+
+def test_batch_moves_every_tensor_to_the_learners_device():
+    """DeepSpeed moves the model, never the inputs: train_step moves the batch (TrainBatch.to) before the first
+    forward. Every tensor goes, the optional ones too (a field left behind would meet a GPU model on the CPU), and
+    the plain numbers stay as they are. Here the target is the meta device, the one other than the CPU that every
+    machine has; tests/test_cuda.py trains a GPU learner on a CPU batch, as the driver sends it."""
+    from dataclasses import fields, replace
+
     from qgrpo.learner.batch import TrainBatch
 
-    moved = []
-    original = TrainBatch.to
-
-    def spy(self, device):
-        moved.append(torch.device(device))
-        return original(self, device)
-
-    monkeypatch.setattr(TrainBatch, "to", spy)
-    B, T = 8, 6
-    batch = TrainBatch(input_ids=torch.randint(1, 10, (B, T)), completion_mask=torch.ones(B, T).tril(),
-                       mu_logp=-torch.rand(B, T), advantages=torch.randn(B),
-                       policy_versions=torch.zeros(B, dtype=torch.long),
-                       total_sequences=B, total_tokens=float(torch.ones(B, T).tril().sum()), max_new_tokens=T)
-    out = cpu_learner.train_step(batch)
-    assert moved == [cpu_learner.device] and out.loss == out.loss
+    batch = group_batch(32)
+    batch = replace(batch, ref_logp=-1.0 * batch.completion_mask,
+                    seq_lens=batch.prompt_lens + batch.completion_mask.sum(-1).long())
+    assert all(getattr(batch, f.name) is not None for f in fields(TrainBatch))  # every field is set, so checked
+    moved = batch.to("meta")
+    for f in fields(TrainBatch):
+        was, now = getattr(batch, f.name), getattr(moved, f.name)
+        if torch.is_tensor(was):
+            assert now.device.type == "meta" and now.shape == was.shape and now.dtype == was.dtype, f.name
+        else:
+            assert now == was, f.name
 
 
 def test_fake_quant_learner_scores_like_its_int4_generators_and_trains(tiny_model_path, monkeypatch):
@@ -281,7 +277,7 @@ def test_fake_quant_learner_scores_like_its_int4_generators_and_trains(tiny_mode
     ids = torch.randint(3, vocab, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     gen = generator.score(ids)
     settings = dict(lr=1e-2, micro_batch_per_rank=16, sequences_per_rank=16, grad_clip=0.0,
-                    loss_cfg=GRPOLossConfig(kl_coeff=0.0))
+                    objective=objective_settings(kl_coeff=0.0))
     plain = Learner(tiny_model_path, LearnerSettings(**settings)).score(ids)
     learner = Learner(tiny_model_path, LearnerSettings(**settings, fake_quant_grid=served_grid("torch", "int4", 64),
                                                        fake_quant_head=True))
@@ -290,7 +286,7 @@ def test_fake_quant_learner_scores_like_its_int4_generators_and_trains(tiny_mode
     plain_gap = sum(abs(a - b) for a, b in zip(plain, gen)) / len(gen)
     assert gap < 2e-3 and gap < plain_gap / 5, (gap, plain_gap)
     before = {n: p.detach().clone() for n, p in learner.engine.module.named_parameters()}
-    out = learner.train_step(_batch(vocab))
+    out = learner.train_step(random_batch(vocab))
     assert out.skipped == "" and out.policy_version == 1 and math.isfinite(out.loss) and out.grad_norm > 0
     moved = [n for n, p in learner.engine.module.named_parameters() if not torch.equal(p, before[n])]
     assert "model.layers.0.mlp.up_proj.weight" in moved and "lm_head.weight" in moved

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_learner import _batch, _group_batch, _process_group  # noqa: F401  (the gloo rank, autouse)
-from test_sync import ITEMS, SAMPLING, _mean_gap
 
 from qgrpo.cluster.config.schema import ConfigError, load_config
-from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
+from tests.helpers import ITEMS, SAMPLING, group_batch, identical, learner_state, mean_gap, random_batch, read_metrics
+
+pytestmark = pytest.mark.usefixtures("dist_env")  # the gloo rank (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 LORA = dict(rank=4, alpha=8.0, dropout=0.0, target_modules=["all-linear"])
@@ -25,7 +26,7 @@ LEARN_STEPS = 300  # as tests/test_learns.py
 def _learner(path, mode, lr=1e-2, **kw):
     from qgrpo.learner.engine import Learner
 
-    kw.setdefault("loss_cfg", GRPOLossConfig(kl_coeff=0.0))
+    kw.setdefault("objective", objective_settings(kl_coeff=0.0))
     return Learner(path, LearnerSettings(lr=lr, micro_batch_per_rank=8, sequences_per_rank=16, grad_clip=0.0,
                                          mode=mode, lora=LORA, **kw))
 
@@ -58,7 +59,7 @@ def test_qlora_trains_the_adapters_and_leaves_the_base_bit_identical(tiny_model_
     adapters = {n: p.detach().clone() for n, p in base.named_parameters() if "lora_" in n}
     assert adapters and all(p.requires_grad == ("lora_" in n) for n, p in base.named_parameters())
     for _ in range(2):
-        out = learner.train_step(_batch(32))
+        out = learner.train_step(random_batch(32))
         assert out.skipped == "" and out.grad_norm > 0
     after = dict(base.named_parameters())
     # lora_B starts at zero and lora_A gets gradients only once B is non-zero: two steps move both.
@@ -73,8 +74,8 @@ def test_merged_weights_are_the_base_plus_the_scaled_update(tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     learner = _learner(tiny_model_path, "lora")
-    learner.train_step(_batch(32))
-    learner.train_step(_batch(32))
+    learner.train_step(random_batch(32))
+    learner.train_step(random_batch(32))
     merged = dict(learner.named_weights())
     plain = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
     assert list(merged) == [n for n, _ in plain.named_parameters()]
@@ -99,8 +100,9 @@ def test_reference_from_the_disabled_adapters_equals_the_reference_scorer(tiny_m
     the same model (bf16 both); with the adapters on (after training) the log-probs are far from it."""
     from qgrpo.rollout.reference import make_reference_scorer
 
-    learner = _learner(tiny_model_path, "lora", loss_cfg=GRPOLossConfig(kl_coeff=0.05), reference_from_learner=True)
-    batch = _group_batch(32)
+    learner = _learner(tiny_model_path, "lora", objective=objective_settings(kl_coeff=0.05),
+                       reference_from_learner=True)
+    batch = group_batch(32)
     for _ in range(2):
         out = learner.train_step(batch)
     assert out.stats["kl_sum"] > 0  # the policy has left the reference, and the KL term sees it
@@ -154,7 +156,7 @@ def test_a_sync_after_qlora_training_matches_a_full_precision_merge(tiny_model_p
 
     learner = _learner(tiny_model_path, "qlora", lr=3e-2)
     for _ in range(3):
-        learner.train_step(_batch(32))
+        learner.train_step(random_batch(32))
     # A sync scores the probe first: an eval-mode forward without gradients (where bitsandbytes would repack the
     # NF4 weights into a CPU layout that the export could no longer dequantize).
     probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
@@ -165,7 +167,7 @@ def test_a_sync_after_qlora_training_matches_a_full_precision_merge(tiny_model_p
     groups = gen.generate(ITEMS, SAMPLING)
     merged = _fp32_merge(learner, tiny_model_path)
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
-    gap, gap_base = _mean_gap(groups, merged), _mean_gap(groups, base)
+    gap, gap_base = mean_gap(groups, merged), mean_gap(groups, base)
     print(f"{precision}: generator vs the fp32 merge {gap:.4f}, vs the base {gap_base:.4f}; on the probe vs the "
           f"learner's own forward {probe_gap:.4f}")
     assert gap < BOUND[precision] < gap_base
@@ -176,8 +178,8 @@ def _prompt_batch(prompt: str):
     """The batch of a prompt layout: "full" (no groups), "shared" (groups, padded completions), "packed" (groups, each
     group's completions packed into one row: seq_lens given)."""
     if prompt == "full":
-        return _batch(32)
-    b = _group_batch(32)
+        return random_batch(32)
+    b = group_batch(32)
     if prompt == "shared":
         return b
     return replace(b, seq_lens=b.prompt_lens + b.completion_mask.sum(-1).long())
@@ -209,11 +211,9 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(tiny_model_
 
 
 def test_adamw8bit_keeps_8bit_moments_trains_and_obeys_the_guard(tiny_model_path):
-    from test_learner import _same, _snapshot
-
     learner = _learner(tiny_model_path, "full", lr=1e-2, optimizer="adamw8bit")
     before = {n: t.clone() for n, t in learner.named_weights()}
-    batch = _batch(32)
+    batch = random_batch(32)
     assert learner.train_step(batch).skipped == ""
     # bitsandbytes keeps tensors under 4,096 elements (norms here) in 32 bits, by design; every larger one is 8-bit.
     large = [s for p, s in learner.inner_optimizer.state.items() if p.numel() >= 4096]
@@ -222,11 +222,11 @@ def test_adamw8bit_keeps_8bit_moments_trains_and_obeys_the_guard(tiny_model_path
     assert sum(not torch.equal(before[n], after[n]) for n in before) == len(before)
     # A sampler 6 nats less sure than the policy: the guard refuses the update, every bit stays.
     learner.max_mismatch_kl = 1.0
-    snap = _snapshot(learner)
+    snap = learner_state(learner)
     out = learner.train_step(replace(batch, mu_logp=batch.mu_logp - 6.0 * batch.completion_mask))
     assert out.skipped == "mismatch"
-    again = _snapshot(learner)
-    assert _same(snap[0], again[0]) and _same(snap[1], again[1]) and snap[2] == again[2]
+    again = learner_state(learner)
+    assert identical(snap[0], again[0]) and identical(snap[1], again[1]) and snap[2] == again[2]
 
 
 def test_an_adapter_on_a_tied_output_head_is_refused(tmp_path):
@@ -273,10 +273,6 @@ def test_config_rejects_what_the_modes_cannot_do():
 # ------------------------------------------------------------------ a real run
 
 
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
 def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_model_path, tmp_path, capsys):
     """Real Ray + DeepSpeed: a QLoRA learner (reference from its own base) feeding int8 generators. Checkpoints are peft
     folders without the base; resumed from step 2 the run repeats steps 3-4 bit for bit; `qgrpo merge` writes a model
@@ -295,7 +291,7 @@ def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_m
     args = ["train", str(ROOT / "configs" / "tiny.toml"), *[a for s in sets for a in ("--set", s)]]
     assert main(args) == 0
     (run_dir,) = [p for p in out.iterdir() if p.is_dir()]
-    first = {m["step"]: m for m in _metrics(run_dir) if "reward/mean" in m}
+    first = {m["step"]: m for m in read_metrics(run_dir) if "reward/mean" in m}
     ckpt = run_dir / "checkpoints" / "step_000004"
     names = {p.name for p in ckpt.iterdir()}
     assert {"adapter_config.json", "adapter_model.safetensors", "config.json", "trainer_state.json"} <= names
@@ -304,7 +300,7 @@ def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_m
     adapters = load_file(str(ckpt / "adapter_model.safetensors"))
 
     assert main(["train", "--resume", str(run_dir / "checkpoints" / "step_000002")]) == 0
-    again = {m["step"]: m for m in _metrics(run_dir) if "reward/mean" in m}
+    again = {m["step"]: m for m in read_metrics(run_dir) if "reward/mean" in m}
     for s in (3, 4):
         for key in ("reward/mean", "loss/total", "loss/kl", "loss/grad_norm", "mismatch/kl_mu_old", "loss/lr"):
             assert again[s][key] == first[s][key], (s, key, again[s][key], first[s][key])
@@ -348,7 +344,7 @@ def test_tiny_config_learns_with_adapters(ray_session, tiny_model_path, tmp_path
             f"run.steps={LEARN_STEPS}", f"run.save_every={LEARN_STEPS}"]
     assert main(["train", str(ROOT / "configs" / "tiny.toml"), *[a for s in sets for a in ("--set", s)]]) == 0
     (run_dir,) = tmp_path.iterdir()
-    rows = [m for m in _metrics(run_dir) if "reward/mean" in m]
+    rows = [m for m in read_metrics(run_dir) if "reward/mean" in m]
     first = sum(r["reward/mean"] for r in rows[:10]) / 10
     last = sum(r["reward/mean"] for r in rows[-10:]) / 10
     print(f"tiny {mode}: reward first10={first:.3f} last10={last:.3f}")

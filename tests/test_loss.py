@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from qgrpo.learner.loss import (
+from qgrpo.learner.objective.loss import (
     AGGREGATIONS,
-    GRPOLossConfig,
     aggregation_weights,
     finalize_stats,
     grpo_loss,
@@ -16,6 +15,7 @@ from qgrpo.learner.loss import (
     merge_stats,
     mismatch_stats,
 )
+from qgrpo.learner.objective.settings import objective_settings
 
 E = math.e
 
@@ -105,7 +105,7 @@ def _one_token(log_rho: float, adv: float, log_is: float = 0.0, weight: float = 
     logp = (old + t([[0.0, log_rho]])).requires_grad_()
     mu = old - t([[0.0, log_is]])
     w = MASK2 * weight
-    cfg = cfg or GRPOLossConfig(clip_low=0.1, clip_high=0.28)
+    cfg = cfg or objective_settings(clip_low=0.1, clip_high=0.28, kl_coeff=0.0)
     loss, stats = grpo_loss(logp, old, mu, None, t([adv]), MASK2, w, cfg)
     loss.backward()
     return loss.item(), logp.grad[0, 1].item(), stats
@@ -152,10 +152,10 @@ def test_truncated_is_weight_scales_the_surrogate():
     loss, grad, stats = _one_token(0.0, 1.0, log_is=1.0)
     assert loss == pytest.approx(-2.0) and grad == pytest.approx(-2.0)
     assert stats["is_capped"].item() == 1 and stats["is_weight_sum"].item() == pytest.approx(2.0)
-    cfg = GRPOLossConfig(clip_low=0.1, clip_high=0.28, is_mode="mask")
+    cfg = objective_settings(clip_low=0.1, clip_high=0.28, is_mode="mask", kl_coeff=0.0)
     loss, grad, stats = _one_token(0.0, 1.0, log_is=1.0, cfg=cfg)  # r = e outside [0, 2]: token dropped
     assert loss == 0.0 and grad == 0.0 and stats["is_capped"].item() == 1
-    cfg = GRPOLossConfig(is_mode="none")
+    cfg = objective_settings(is_mode="none", kl_coeff=0.0)
     loss, _, stats = _one_token(0.0, 1.0, log_is=1.0, cfg=cfg)
     assert loss == pytest.approx(-1.0) and stats["is_capped"].item() == 0
 
@@ -166,7 +166,7 @@ def test_is_weight_multiplies_pg_term_only():
     logp = old.clone().requires_grad_()
     mu = old - t([[0.0, 1.0]])
     ref = old + t([[0.0, 1.0]])
-    cfg = GRPOLossConfig(kl_coeff=0.5, kl_estimator="k3")
+    cfg = objective_settings(kl_coeff=0.5, kl_estimator="k3")
     loss, stats = grpo_loss(logp, old, mu, ref, t([1.0]), MASK2, MASK2, cfg)
     assert loss.item() == pytest.approx(-2.0 + 0.5 * (E - 2.0))
     assert stats["kl_sum"].item() == pytest.approx(E - 2.0)
@@ -207,7 +207,8 @@ def test_aggregation_end_to_end(mode, expected):
     logp = torch.randn(3, 4, requires_grad=True)
     old = logp.detach()
     loss, stats = grpo_loss(
-        logp, old, old, None, t([1.0, -2.0, 5.0]), RAGGED, aggregation_weights(RAGGED, mode), GRPOLossConfig()
+        logp, old, old, None, t([1.0, -2.0, 5.0]), RAGGED, aggregation_weights(RAGGED, mode),
+        objective_settings(kl_coeff=0.0),
     )
     assert loss.item() == pytest.approx(expected)
     assert stats["tokens"].item() == 4
@@ -241,7 +242,7 @@ def _random_batch(B=6, T=7, seed=0):
 @pytest.mark.parametrize("mode", AGGREGATIONS)
 def test_micro_batches_add_up_to_whole_batch(mode):
     logp, old, mu, ref, adv, mask = _random_batch()
-    cfg = GRPOLossConfig(clip_high=0.28, kl_coeff=0.1)
+    cfg = objective_settings(clip_high=0.28, kl_coeff=0.1)
     full_logp = logp.clone().requires_grad_()
     full, full_stats = grpo_loss(full_logp, old, mu, ref, adv, mask, aggregation_weights(mask, mode), cfg)
     full.backward()
@@ -277,7 +278,7 @@ def test_masked_tokens_get_zero_gradient_even_with_garbage(mode):
     mu = mu.masked_fill(pad, float("nan"))
     ref = ref.masked_fill(pad, float("inf"))
     w = aggregation_weights(mask, mode)
-    loss, stats = grpo_loss(logp, old, mu, ref, adv, mask, w, GRPOLossConfig(kl_coeff=0.1))
+    loss, stats = grpo_loss(logp, old, mu, ref, adv, mask, w, objective_settings(kl_coeff=0.1))
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(torch.as_tensor(v)) for v in stats.values())
@@ -291,9 +292,9 @@ def test_kl_adds_nothing_when_ref_equals_policy(estimator):
     logp, old, mu, _, adv, mask = _random_batch()
     w = aggregation_weights(mask, "token_mean")
     base_logp = logp.clone().requires_grad_()
-    base, _ = grpo_loss(base_logp, old, mu, None, adv, mask, w, GRPOLossConfig())
+    base, _ = grpo_loss(base_logp, old, mu, None, adv, mask, w, objective_settings(kl_coeff=0.0))
     kl_logp = logp.clone().requires_grad_()
-    cfg = GRPOLossConfig(kl_coeff=0.5, kl_estimator=estimator)
+    cfg = objective_settings(kl_coeff=0.5, kl_estimator=estimator)
     with_kl, stats = grpo_loss(kl_logp, old, mu, logp.detach(), adv, mask, w, cfg)
     assert with_kl.item() == base.item()
     assert stats["kl_sum"].item() == 0.0
@@ -306,8 +307,8 @@ def test_kl_adds_nothing_when_ref_equals_policy(estimator):
 def test_kl_term_is_not_zero_when_ref_differs():
     logp, old, mu, ref, adv, mask = _random_batch()
     w = aggregation_weights(mask, "token_mean")
-    base, _ = grpo_loss(logp, old, mu, None, adv, mask, w, GRPOLossConfig())
-    with_kl, _ = grpo_loss(logp, old, mu, ref, adv, mask, w, GRPOLossConfig(kl_coeff=0.5))
+    base, _ = grpo_loss(logp, old, mu, None, adv, mask, w, objective_settings(kl_coeff=0.0))
+    with_kl, _ = grpo_loss(logp, old, mu, ref, adv, mask, w, objective_settings(kl_coeff=0.5))
     assert with_kl.item() > base.item()  # k3 >= 0 and > 0 where ref != logp
 
 
@@ -317,7 +318,7 @@ def test_no_nan_with_zero_length_rows(mode):
     logp = torch.randn(3, 3, requires_grad=True)
     loss, stats = grpo_loss(
         logp, logp.detach(), logp.detach(), None, t([1.0, 2.0, 3.0]), mask, aggregation_weights(mask, mode),
-        GRPOLossConfig(),
+        objective_settings(kl_coeff=0.0),
     )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
@@ -327,7 +328,7 @@ def test_no_nan_with_zero_length_rows(mode):
     logp = torch.randn(2, 3, requires_grad=True)
     loss, stats = grpo_loss(
         logp, logp.detach(), logp.detach(), logp.detach(), t([1.0, -1.0]), empty,
-        aggregation_weights(empty, mode), GRPOLossConfig(kl_coeff=0.1),
+        aggregation_weights(empty, mode), objective_settings(kl_coeff=0.1),
     )
     loss.backward()
     assert loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros(2, 3))
@@ -337,17 +338,22 @@ def test_no_nan_with_zero_length_rows(mode):
 def test_grpo_loss_shape_errors():
     z = torch.zeros(2, 3)
     with pytest.raises(ValueError, match="advantages"):
-        grpo_loss(z, z, z, None, torch.zeros(2, 1), z, z, GRPOLossConfig())
+        grpo_loss(z, z, z, None, torch.zeros(2, 1), z, z, objective_settings(kl_coeff=0.0))
     with pytest.raises(ValueError, match="mu_logp"):
-        grpo_loss(z, z, torch.zeros(2, 4), None, torch.zeros(2), z, z, GRPOLossConfig())
+        grpo_loss(z, z, torch.zeros(2, 4), None, torch.zeros(2), z, z, objective_settings(kl_coeff=0.0))
 
 
 def test_config_reports_every_error_at_once():
-    with pytest.raises(ValueError) as err:
-        GRPOLossConfig(clip_low=1.5, kl_estimator="k4", is_mode="clip", is_cap=0.5, kl_coeff=-1.0)
+    """The loss's settings are checked once, by the config, every problem reported together."""
+    from qgrpo.cluster.config.schema import ConfigError, load_config
+    from tests.helpers import TINY
+
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["algo.clip_low=1.5", "algo.kl_estimator='k4'", "algo.is_mode='clip'", "algo.is_cap=0.5",
+                           "algo.kl_coeff=-1.0"], check_environment=False)
     msg = str(err.value)
-    for needle in ("clip_low", "kl_estimator", "is_mode", "is_cap", "kl_coeff",
-                   "('truncate', 'mask', 'reject', 'none')"):
+    for needle in ("algo.clip_low", "algo.kl_estimator", "algo.is_mode", "algo.is_cap", "algo.kl_coeff",
+                   "truncate, mask, reject or none", "5 problems"):
         assert needle in msg
 
 
@@ -374,7 +380,7 @@ def test_finalize_stats_keys_and_values():
     old = t([[0.0, -1.0], [0.0, -2.0]])
     logp = old + t([[0.0, 1.0], [0.0, -1.0]])
     mu = old - t([[0.0, 1.0], [0.0, -0.5]])
-    _, stats = grpo_loss(logp, old, mu, logp, t([1.0, -1.0]), mask, mask / 2, GRPOLossConfig(kl_coeff=0.1))
+    _, stats = grpo_loss(logp, old, mu, logp, t([1.0, -1.0]), mask, mask / 2, objective_settings(kl_coeff=0.1))
     out = finalize_stats(stats)
     assert set(out) == {
         "tokens", "clip_frac_low", "clip_frac_high", "kl", "is_weight_mean", "is_capped_frac",

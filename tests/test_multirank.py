@@ -4,26 +4,15 @@ the exported weights are full tensors."""
 import pytest
 import ray
 
-from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.weights import ObjectStoreTransport
-from qgrpo.learner.loss import GRPOLossConfig
-from qgrpo.learner.settings import LearnerSettings
-from tests.test_learner import _batch
-
-
-def _ranks(path, world, zero_stage, ext):
-    settings = LearnerSettings(world_size=world, lr=1e-3, micro_batch_per_rank=4, sequences_per_rank=16 // world,
-                               zero_stage=zero_stage, grad_clip=0.0, loss_cfg=GRPOLossConfig(kl_coeff=0.0))
-    actors, setups = start_learners(path, settings, 1, ext)
-    ray.get(setups)
-    return actors
+from tests.helpers import random_batch, start_ranks
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_ranks_match_one(ray_session, tiny_model_path, tmp_path, zero_stage):
-    batch = _batch(32)
-    one = _ranks(tiny_model_path, 1, zero_stage, str(tmp_path))
-    two = _ranks(tiny_model_path, 2, zero_stage, str(tmp_path))
+    batch = random_batch(32)
+    one = start_ranks(tiny_model_path, 1, zero_stage, str(tmp_path))
+    two = start_ranks(tiny_model_path, 2, zero_stage, str(tmp_path))
     try:
         (r1,) = ray.get([a.train_step.remote(batch) for a in one])
         r2 = ray.get([a.train_step.remote(batch.shard(i, 2)) for i, a in enumerate(two)])

@@ -7,15 +7,17 @@ import math
 import pytest
 import torch
 
-from qgrpo.learner.corrections import (
+from qgrpo.learner.objective.corrections import (
     effective_sample_size,
     log_ratios,
     offpolicy_sequence_keep,
     sampler_weights,
     top_entropy_keep,
 )
-from qgrpo.learner.loss import GRPOLossConfig, aggregation_weights, finalize_stats, grpo_loss
-from qgrpo.learner.objectives import cispo_term, grpo_term, gspo_term, sapo_term
+from qgrpo.learner.objective.loss import aggregation_weights, finalize_stats, grpo_loss
+from qgrpo.learner.objective.losses import CISPOParams, Clip, SAPOParams, cispo_term, grpo_term, gspo_term, sapo_term
+from qgrpo.learner.objective.settings import objective_settings
+from tests.helpers import TINY
 
 
 def t(x):
@@ -31,11 +33,14 @@ MASK = t([[0, 1, 1], [0, 1, 0]])
 M = MASK != 0
 
 
+PARAMS = {grpo_term: Clip, gspo_term: Clip, cispo_term: CISPOParams, sapo_term: SAPOParams}
+
+
 def _run(fn, log_rho, adv, *args, old=None):
     """fn's loss summed over tokens, its gradient w.r.t. logp, and its clip flags; logp = old + log_rho."""
     old = t([[0.0, -1.0, -2.0], [0.0, -0.5, 0.0]]) if old is None else old
     logp = torch.where(M, old + t(log_rho), 0.0).requires_grad_()
-    loss, low, high = fn(logp, torch.where(M, old, 0.0), t(adv)[:, None], M, *args)
+    loss, low, high = fn(logp, torch.where(M, old, 0.0), t(adv)[:, None], M, PARAMS[fn](*args))
     total = torch.where(M, loss, 0.0).sum()
     total.backward()
     return total.item(), logp.grad, low, high
@@ -102,7 +107,7 @@ def test_every_policy_loss_has_the_grpo_gradient_at_ratio_one(policy_loss):
     agg = "seq_mean" if policy_loss == "gspo" else "token_mean"
     weights = aggregation_weights(mask, agg)
     grads = []
-    for cfg in (GRPOLossConfig(), GRPOLossConfig(policy_loss=policy_loss)):
+    for cfg in (objective_settings(kl_coeff=0.0), objective_settings(policy_loss=policy_loss, kl_coeff=0.0)):
         logp = old.clone().requires_grad_()
         loss, _ = grpo_loss(logp, old, old, None, adv, mask, weights, cfg)
         loss.backward()
@@ -171,7 +176,7 @@ def test_sequence_level_products_stay_finite():
         w = sampler_weights(old, mu, m, level="sequence", mode=mode, cap=3.0, floor=0.0).weight
         assert torch.isfinite(w).all()
     loss, _ = grpo_loss(old.requires_grad_(), old, mu, None, t([1.0]), m.float(), m.float() / 300,
-                        GRPOLossConfig(is_level="sequence", is_mode="truncate", is_cap=float("inf")))
+                        objective_settings(is_level="sequence", is_mode="truncate", is_cap=float("inf"), kl_coeff=0.0))
     assert torch.isfinite(loss)
 
 
@@ -179,7 +184,7 @@ def test_loss_applies_the_sequence_correction_to_every_token():
     # Row 0 masked (R = e^0.8 > 2), row 1 weighted e^0.1; rho = 1, A = [1, 1]: loss = -(0 + e^0.1) / 4 tokens.
     mask = MASK3.float()
     w = aggregation_weights(mask, "token_mean")
-    cfg = GRPOLossConfig(is_level="sequence", is_mode="mask", is_cap=2.0)
+    cfg = objective_settings(is_level="sequence", is_mode="mask", is_cap=2.0, kl_coeff=0.0)
     logp = OLD.clone().requires_grad_()
     loss, stats = grpo_loss(logp, OLD, MU, None, t([1.0, 1.0]), mask, w, cfg)
     assert loss.item() == pytest.approx(-math.exp(0.1) / 4, rel=1e-6)
@@ -209,7 +214,7 @@ def test_offpolicy_mask_drops_negative_drifted_sequences_only():
     m = t([[0, 1, 1], [0, 1, 0], [0, 1, 0]]) != 0
     keep = offpolicy_sequence_keep(logp, mu, t([-1.0, 1.0, -1.0])[:, None], m, 0.5)
     assert keep[:, 0].tolist() == [False, True, True]
-    cfg = GRPOLossConfig(offpolicy_mask_kl=0.5, is_mode="none")
+    cfg = objective_settings(offpolicy_mask_kl=0.5, is_mode="none", kl_coeff=0.0)
     lp = logp.clone().requires_grad_()
     loss, stats = grpo_loss(lp, logp, mu, None, t([-1.0, 1.0, -1.0]), m.float(), m.float() / 4, cfg)
     loss.backward()
@@ -226,7 +231,7 @@ def test_top_entropy_quantile_keeps_the_high_entropy_tokens():
     # In the loss: the policy term only on the kept tokens; the KL term on all of them.
     old = t([[0, -1.0, -1.0], [0, -1.0, -1.0]])
     ref = old + 0.5
-    cfg = GRPOLossConfig(top_entropy_quantile=0.5, kl_coeff=1.0)
+    cfg = objective_settings(top_entropy_quantile=0.5, kl_coeff=1.0)
     lp = old.clone().requires_grad_()
     loss, stats = grpo_loss(lp, old, old, ref, t([1.0, 1.0]), m.float(), m.float() / 4, cfg, entropy=h)
     loss.backward()
@@ -242,13 +247,14 @@ def test_entropy_bonus_value_and_gradient():
     old = t([[0, -1.0, -2.0]])
     h = t([[0.0, 2.0, 4.0]]).requires_grad_()
     w = m / 2
-    base, _ = grpo_loss(old, old, old, None, t([0.0]), m, w, GRPOLossConfig(), entropy=h.detach())
-    loss, _ = grpo_loss(old, old, old, None, t([0.0]), m, w, GRPOLossConfig(entropy_coeff=0.1), entropy=h)
+    base, _ = grpo_loss(old, old, old, None, t([0.0]), m, w, objective_settings(kl_coeff=0.0), entropy=h.detach())
+    loss, _ = grpo_loss(old, old, old, None, t([0.0]), m, w, objective_settings(entropy_coeff=0.1, kl_coeff=0.0),
+                        entropy=h)
     assert (loss - base).item() == pytest.approx(-0.1 * (2.0 + 4.0) / 2)
     loss.backward()
     torch.testing.assert_close(h.grad, t([[0, -0.05, -0.05]]))
     with pytest.raises(ValueError, match="needs the per-token entropy"):
-        grpo_loss(old, old, old, None, t([0.0]), m, w, GRPOLossConfig(entropy_coeff=0.1))
+        grpo_loss(old, old, old, None, t([0.0]), m, w, objective_settings(entropy_coeff=0.1, kl_coeff=0.0))
 
 
 def test_kl_bias_correction_multiplies_by_the_ratio_with_its_gradient():
@@ -257,7 +263,7 @@ def test_kl_bias_correction_multiplies_by_the_ratio_with_its_gradient():
     old = t([[0.0, -1.0]])
     logp = (old + t([[0, 0.3]])).requires_grad_()
     ref = logp.detach() + t([[0, 0.4]])
-    cfg = GRPOLossConfig(kl_coeff=1.0, kl_bias_correction=True)
+    cfg = objective_settings(kl_coeff=1.0, kl_bias_correction=True)
     loss, _ = grpo_loss(logp, old, old, ref, t([0.0]), m, m, cfg)
     rho, d = math.exp(0.3), 0.4
     k3 = math.exp(d) - d - 1
@@ -271,7 +277,16 @@ def test_kl_bias_correction_multiplies_by_the_ratio_with_its_gradient():
 
 
 def test_config_rejects_unknown_choices_and_bounds():
-    with pytest.raises(ValueError) as err:
-        GRPOLossConfig(policy_loss="ppo", is_level="chunk", is_floor=1.5, top_entropy_quantile=0.0, cispo_cap=0.5)
-    for needle in ("policy_loss", "is_level", "is_floor", "top_entropy_quantile", "cispo_cap"):
+    """The objective's settings are validated once, by the config ([algo] is generated from their declarations)."""
+    from qgrpo.cluster.config.schema import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(TINY, ["algo.policy_loss='ppo'", "algo.is_level='chunk'", "algo.is_floor=1.5",
+                           "algo.top_entropy_quantile=0.0", "algo.cispo_cap=0.5"], check_environment=False)
+    for needle in ("algo.policy_loss: must be grpo, gspo, cispo or sapo", "algo.is_level", "algo.is_floor",
+                   "algo.top_entropy_quantile", "algo.cispo_cap: must be >= 1"):
         assert needle in str(err.value)
+    with pytest.raises(TypeError, match="ppo_cap"):
+        objective_settings(ppo_cap=1.0)  # a key nothing declares
+    with pytest.raises(ValueError, match="policy_loss must be one of"):
+        objective_settings(policy_loss="ppo")

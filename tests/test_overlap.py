@@ -15,18 +15,9 @@ import pytest
 from qgrpo.cluster.cli.app import main
 from qgrpo.cluster.run.overlap import RolloutSource
 from qgrpo.cluster.run.workers import RunFailed
+from tests.helpers import CountingSampler, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-class _Sampler:
-    def __init__(self):
-        self.cursor = 0
-
-    def next(self, n):
-        items = list(range(self.cursor, self.cursor + n))
-        self.cursor += n
-        return items
 
 
 class _Ro:
@@ -51,7 +42,7 @@ class _Workers:
 def test_source_generates_one_step_ahead_in_a_thread():
     gate = threading.Event()  # holds the generation ahead until the learner's part of the step is "done"
     w = _Workers(gate=gate)
-    src = RolloutSource(w, _Sampler(), _Ro, seed=3, overlap=True)
+    src = RolloutSource(w, CountingSampler(), _Ro, seed=3, overlap=True)
     first = src.take(0, steps=3)
     assert first.groups == ["g0", "g1"] and first.cursor == 2
     assert src.sampler.cursor == 4  # step 1's prompts were drawn at once and are being generated
@@ -71,7 +62,7 @@ def test_source_generates_one_step_ahead_in_a_thread():
 
 def test_source_without_overlap_generates_in_order_in_the_caller():
     w = _Workers()
-    src = RolloutSource(w, _Sampler(), _Ro, seed=0, overlap=False)
+    src = RolloutSource(w, CountingSampler(), _Ro, seed=0, overlap=False)
     for step in range(3):
         assert src.take(step, 3).cursor == 2 * (step + 1)
         src.settle()
@@ -80,15 +71,11 @@ def test_source_without_overlap_generates_in_order_in_the_caller():
 
 
 def test_source_failure_ahead_surfaces_in_the_driver():
-    src = RolloutSource(_Workers(fail_at=2), _Sampler(), _Ro, seed=0, overlap=True)
+    src = RolloutSource(_Workers(fail_at=2), CountingSampler(), _Ro, seed=0, overlap=True)
     src.take(0, 3)
     with pytest.raises(RunFailed, match="generate at step 2"):
         src.settle()
     src.close()
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _train(out: Path, tiny_model_path: str, *extra: str) -> int:
@@ -110,7 +97,7 @@ def test_overlap_run_trains_each_prompt_once_one_step_stale(ray_session, tiny_mo
     rc = _train(tmp_path / "a", tiny_model_path, "--set", "run.steps=4", "--set", "run.save_every=2")
     assert rc == 0
     (run,) = (tmp_path / "a").iterdir()
-    rows = [m for m in _metrics(run) if "reward/mean" in m]
+    rows = [m for m in read_metrics(run) if "reward/mean" in m]
     assert [m["step"] for m in rows] == [1, 2, 3, 4]
     # step 1 is generated before any update; every later step by the weights one update behind the learner
     assert [m["rollout/staleness"] for m in rows] == [0.0, 1.0, 1.0, 1.0]

@@ -8,39 +8,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from qgrpo.rollout.quant import PRECISIONS, linear_weight_bytes, quant_config_summary, quantize_model
+from tests.helpers import LOGPROB_BOUNDS, next_token_logprobs, tiny_llama  # LOGPROB_BOUNDS: measured there
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Per-token log-prob error vs an fp32 forward of the same bf16 weights, on the tiny random model below (8 x 32 random
-# tokens). Measured over seeds 0-4 (mean / max): bf16 0.010-0.012 / 0.04-0.05, int8 0.026-0.028 / 0.09-0.13,
-# int4 0.29-0.35 / 0.97-1.67, nf4 0.30-0.34 / 1.0-1.7. Bounds are ~2x the worst seen. 4-bit errors are large
-# because this random model has large logits (init std 0.1) and 4 bits at group 64 add ~9% noise per weight.
-LOGPROB_BOUNDS = {  # precision: (mean abs diff, max abs diff), in nats
-    "bf16": (0.03, 0.15),
-    "int8": (0.06, 0.30),
-    "int4": (0.60, 3.00),
-    "nf4": (0.60, 3.00),
-}
 # Storage of the linear weights vs bf16 (16 bits/weight). int8: 8-bit data + fp32 scale and int8 zero per row
 # (measured 0.518x here). int4: 4-bit packed + bf16 scale and zero per 64 weights = 4.5 bits (0.281x); nf4: 4-bit
 # packed + bf16 absmax per 64 + a 64-byte code table per layer (0.267x). Bounds leave room, not for a format change.
 BYTES_RATIO_MAX = {"int8": 0.55, "int4": 0.30, "nf4": 0.30}
 
 
-def tiny_model(seed=0, tie=False, intermediate=256) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(hidden_size=128, intermediate_size=intermediate, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=4, vocab_size=64, tie_word_embeddings=tie, initializer_range=0.1,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-
-
 @pytest.fixture(scope="module")
 def base():
-    return tiny_model()
+    return tiny_llama()
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +30,9 @@ def batch():
     return torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(123))
 
 
-def token_logprobs(model, ids) -> torch.Tensor:
-    with torch.no_grad():
-        logits = model(ids).logits.float()
-    return logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-
-
 @pytest.fixture(scope="module")
 def ref_logprobs(base, batch):
-    return token_logprobs(copy.deepcopy(base).float(), batch)
+    return next_token_logprobs(copy.deepcopy(base).float(), batch)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +58,7 @@ def test_forward_and_generate(quantized, batch, precision):
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_logprob_bounds(quantized, batch, ref_logprobs, precision):
-    lp = token_logprobs(quantized[precision], batch)
+    lp = next_token_logprobs(quantized[precision], batch)
     assert torch.isfinite(lp).all()  # NaN fails here, and would fail the comparisons below too
     diff = (lp - ref_logprobs).abs()
     mean_bound, max_bound = LOGPROB_BOUNDS[precision]
@@ -91,7 +67,7 @@ def test_logprob_bounds(quantized, batch, ref_logprobs, precision):
 
 
 def test_error_ordering(quantized, batch, ref_logprobs):
-    err = {p: (token_logprobs(quantized[p], batch) - ref_logprobs).abs().mean().item() for p in PRECISIONS}
+    err = {p: (next_token_logprobs(quantized[p], batch) - ref_logprobs).abs().mean().item() for p in PRECISIONS}
     assert err["bf16"] < err["int8"] < err["int4"], err
     assert err["int8"] < err["nf4"], err
 
@@ -111,7 +87,7 @@ def test_bytes_and_summary(quantized, precision):
 @pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
 def test_tied_lm_head_and_indivisible_layers_stay_bf16(precision):
     # intermediate 160 is not a multiple of 64: down_proj (in_features 160) can't be grouped for int4 / nf4.
-    m = tiny_model(tie=True, intermediate=160)
+    m = tiny_llama(tie=True, intermediate=160)
     assert m.lm_head.weight is m.model.embed_tokens.weight
     quantize_model(m, precision)
     assert m.lm_head.weight is m.model.embed_tokens.weight and m.lm_head.weight.dtype == torch.bfloat16
@@ -141,14 +117,14 @@ def test_bias_and_awkward_shapes(precision, out_features, in_features):
 
 @pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
 def test_requantize_follows_new_weights(precision, batch):
-    master = tiny_model(seed=1)  # the generator's bf16 master copy
-    old_bf16 = token_logprobs(master, batch)
-    old_q = token_logprobs(quantize_model(copy.deepcopy(master), precision), batch)
+    master = tiny_llama(seed=1)  # the generator's bf16 master copy
+    old_bf16 = next_token_logprobs(master, batch)
+    old_q = next_token_logprobs(quantize_model(copy.deepcopy(master), precision), batch)
     with torch.no_grad():  # a "weight sync": new values copied into the master in place
         w = master.model.layers[1].mlp.down_proj.weight
         w.add_(0.6 * torch.randn(w.shape, generator=torch.Generator().manual_seed(7)).to(w.dtype))
-    new_bf16 = token_logprobs(master, batch)
-    new_q = token_logprobs(quantize_model(copy.deepcopy(master), precision), batch)
+    new_bf16 = next_token_logprobs(master, batch)
+    new_q = next_token_logprobs(quantize_model(copy.deepcopy(master), precision), batch)
     assert (new_bf16 - old_bf16).abs().mean() > 0.8  # measured 1.04: large next to the 4-bit error (~0.3)
     to_new, to_old = (new_q - new_bf16).abs().mean(), (new_q - old_bf16).abs().mean()
     assert to_new < 0.5 * to_old, (to_new, to_old)  # measured int4 0.39 vs 1.08, nf4 0.39 vs 1.10, int8 0.04 vs 1.05
@@ -186,7 +162,7 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
         assert torch.equal(y, ref_lin(x))  # torchao's arithmetic
     for out in (y, ref_lin(x)):
         assert ((out.float() - exact).abs().max() / exact.abs().max()) < 0.01  # bf16 rounding of the output
-    err = (token_logprobs(fast, batch) - ref_logprobs).abs()  # the whole model, against float32: int8's bounds
+    err = (next_token_logprobs(fast, batch) - ref_logprobs).abs()  # the whole model, against float32: int8's bounds
     assert torch.isfinite(err).all() and err.mean() < LOGPROB_BOUNDS["int8"][0]
     assert err.max() < LOGPROB_BOUNDS["int8"][1]
     monkeypatch.setattr(quant, "INT8_LINEAR", "direct")

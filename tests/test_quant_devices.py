@@ -10,11 +10,11 @@ import copy
 
 import pytest
 import torch
-from test_quant import LOGPROB_BOUNDS, tiny_model, token_logprobs
 
 import qgrpo.rollout.quant as quant
 from qgrpo.rollout.backends import REGISTRY, device_of, next_rung
 from qgrpo.rollout.quant import SERVED, layer_fits, quant_config_summary, quant_path, quantize_model, serves
+from tests.helpers import LOGPROB_BOUNDS, next_token_logprobs, tiny_llama
 
 ALL = ("bf16", "int8", "int4", "nf4")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -221,14 +221,14 @@ def test_builtin_tiny_model_on_cuda(tiny_model_path, precision):
         pytest.skip("int4 on CUDA needs compute capability >= 8.0 (tinygemm)")
     base = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16).to("cuda").eval()
     ids = torch.randint(0, base.config.vocab_size, (8, 32), generator=torch.Generator().manual_seed(0)).cuda()
-    ref = token_logprobs(copy.deepcopy(base).float(), ids)
+    ref = next_token_logprobs(copy.deepcopy(base).float(), ids)
     uniform_gap = (ref + torch.log(torch.tensor(float(base.config.vocab_size)))).abs().mean().item()
     q = quantize_model(copy.deepcopy(base), precision)
     s = quant_config_summary(q)
     assert (s["quantized_linears"], s["bf16_linears"]) == (15, 0), s  # 2 x 7 + lm_head, all fit at group 64
     assert {type(m.weight).__name__ for m in quant._linears(q)} == {CUDA_WEIGHT_TYPES[precision]}
     assert _storage_devices(q) == {"cuda"}  # packed data and scales really live on the GPU
-    lp = token_logprobs(q, ids)
+    lp = next_token_logprobs(q, ids)
     assert lp.device.type == "cuda" and torch.isfinite(lp).all()
     diff = (lp - ref).abs()
     mean_bound, max_bound = BUILTIN_BOUNDS[precision]
@@ -248,12 +248,12 @@ def test_test_quant_model_on_cuda_within_its_cpu_bounds(precision):
     """test_quant.py's tiny model (init std 0.1: large logits) and its LOGPROB_BOUNDS, unchanged, on CUDA."""
     if precision == "int4" and torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("int4 on CUDA needs compute capability >= 8.0 (tinygemm)")
-    base = tiny_model().to("cuda")
+    base = tiny_llama().to("cuda")
     ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(123)).cuda()
-    ref = token_logprobs(copy.deepcopy(base).float(), ids)
+    ref = next_token_logprobs(copy.deepcopy(base).float(), ids)
     q = quantize_model(copy.deepcopy(base), precision)
     assert _storage_devices(q) == {"cuda"} and quant_config_summary(q)["quantized_linears"] == 15
-    diff = (token_logprobs(q, ids) - ref).abs()
+    diff = (next_token_logprobs(q, ids) - ref).abs()
     mean_bound, max_bound = LOGPROB_BOUNDS[precision]
     assert diff.mean().item() < mean_bound, (precision, diff.mean().item())
     assert diff.max().item() < max_bound, (precision, diff.max().item())

@@ -79,6 +79,6 @@ def test_learner_settings_come_from_the_config_sections():
                              "learner.mode=lora", "learner.lora.rank=4"])
     s = learner_settings(cfg)
     assert (s.world_size, s.lr, s.betas, s.sequences_per_rank) == (2, 3e-5, (0.9, 0.99), 9)  # 18 sequences over 2
-    assert s.loss_cfg.clip_high == 0.28 and s.updates_per_batch == 2 and s.total_updates == 14
+    assert s.objective.loss_params.high == 0.28 and s.objective.updates_per_batch == 2 and s.total_updates == 14
     assert s.guard is False and s.mode == "lora" and s.lora["rank"] == 4
     assert s.deepspeed_config()["gradient_accumulation_steps"] == math.ceil(9 / s.micro_batch_per_rank)

@@ -244,8 +244,9 @@ def test_pool_parallel_equals_serial(ray_session, user_file):
     for workers in (0, 3):
         pool = RewardPool(_pool_cfg(user_file, ["tolerant", "shortness", "async_len"], num_workers=workers))
         groups = _groups(rows, texts)
-        metrics = pool.submit(groups).result()
-        got[workers] = ([g.rewards for g in groups], {k: v for k, v in metrics.items() if not k.startswith("time/")})
+        scored = pool.submit(groups).result()
+        got[workers] = ([g.rewards for g in scored.groups],
+                        {k: v for k, v in scored.metrics.items() if not k.startswith("time/")})
         pool.close()
     assert got[0] == got[3]
     assert set(got[3][1]) >= {"reward/tolerant", "reward/shortness", "reward/async_len", "reward/mean"}
@@ -257,10 +258,12 @@ def test_pool_timeout_and_raise_follow_on_error(ray_session, user_file):
     pool = RewardPool(_pool_cfg(user_file, ["tolerant", "sleeper", "raiser"], on_error="zero", num_workers=2))
     groups = _groups(ROWS, TEXTS)
     t0 = time.monotonic()
-    m = pool.submit(groups).result()
+    scored = pool.submit(groups).result()
+    m = scored.metrics
     assert time.monotonic() - t0 < 20
     assert m["reward/errors"] == 12 and m["reward/workers_replaced"] == 2  # 2 rewards x 6 completions
-    assert [g.rewards for g in groups] == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]  # tolerant alone counts
+    assert [g.rewards for g in scored.groups] == [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]]  # tolerant alone counts
+    assert [g.rewards for g in groups] == [[], []]  # the groups given are left as they were: values
     again = _groups(ROWS, TEXTS)
     pool.submit(again).result()  # the replacements score the next step
     pool.close()
@@ -337,7 +340,8 @@ def test_pool_reward_model_scores_as_the_classifier_in_process(ray_session, tmp_
     texts = [[str(2 * a), str(2 * a + 1), "9"] for a in range(3)]
     pool = RewardPool(cfg, path)
     groups = _groups(rows, texts)
-    m = pool.submit(groups).result()
+    scored = pool.submit(groups).result()
+    m, groups = scored.metrics, scored.groups
     pool.close()
     local = RewardClassifier(path, precision="fp32").score([r["prompt"] for r in rows for _ in range(3)],
                                                            [t for g in texts for t in g])
@@ -364,7 +368,7 @@ def test_pool_remote_reward_that_is_down(ray_session):
             with pytest.raises(RewardError, match=rf"reward 'remote' .*{port}.*(refused|Connection)"):
                 pending.result()
         else:
-            assert pending.result()["reward/errors"] == 6
+            assert pending.result().metrics["reward/errors"] == 6
         pool.close()
 
 

@@ -27,7 +27,7 @@ from qgrpo.cluster.rundir.checkpoint import (
 from qgrpo.cluster.rundir.resume import find_checkpoint
 from qgrpo.core import storage
 from qgrpo.core.cpu import compute_dtype
-from tests.test_faults import TINY, _args, _metrics, _run_dir, _steps, faults  # noqa: F401 (faults: a fixture)
+from tests.helpers import TINY, random_batch, read_metrics, run_dir_in, start_ranks, step_metrics, train_args
 
 
 def _uri(path: Path) -> str:
@@ -236,12 +236,9 @@ def test_every_learner_rank_uploads_its_part_and_loads_it_back(ray_session, tiny
     does: rank 0's model files and both shards land there; then both ranks load it back through their node's copy."""
     import ray
 
-    from tests.test_learner import _batch
-    from tests.test_multirank import _ranks
-
-    ranks = _ranks(tiny_model_path, 2, 1, str(tmp_path / "ext"))
+    ranks = start_ranks(tiny_model_path, 2, 1, str(tmp_path / "ext"))
     try:
-        ray.get([a.train_step.remote(_batch(32).shard(i, 2)) for i, a in enumerate(ranks)])
+        ray.get([a.train_step.remote(random_batch(32).shard(i, 2)) for i, a in enumerate(ranks)])
         run = _uri(tmp_path / "bucket" / "run")
         save_checkpoint(run, 1, lambda out: ray.get([a.save.remote(out) for a in ranks]), {"step": 1}, keep_last=1)
         # DeepSpeed names a bf16 learner's ZeRO shards bf16_zero_*, an fp32 one's zero_* (model.compute_dtype)
@@ -265,16 +262,16 @@ def test_uri_run_holds_everything_and_resumes_exactly(ray_session, tiny_model_pa
     import pyarrow.parquet as pq
 
     out = tmp_path / "bucket"
-    assert main(_args(tiny_model_path, _uri(out), "run.steps=4", "run.save_every=2", "learner.lr=3e-3")) == 0
+    assert main(train_args(tiny_model_path, _uri(out), "run.steps=4", "run.save_every=2", "learner.lr=3e-3")) == 0
     err = capsys.readouterr().err
     assert not _staging_dir(err).exists()  # every staged log reached the URI, so the staging copy is gone
-    run_dir = _run_dir(out)
+    run_dir = run_dir_in(out)
     run = _uri(run_dir)
     assert f"final checkpoint: {run}/checkpoints/step_000004" in err
     assert load_config(run_dir / "config.toml").run.output_dir == _uri(out)
-    first = {m["step"]: m for m in _steps(run_dir)}
+    first = {m["step"]: m for m in step_metrics(run_dir)}
     assert sorted(first) == [1, 2, 3, 4]
-    assert [e["path"] for e in _metrics(run_dir) if e.get("event") == "checkpoint"] == \
+    assert [e["path"] for e in read_metrics(run_dir) if e.get("event") == "checkpoint"] == \
         [f"{run}/checkpoints/step_000002", f"{run}/checkpoints/step_000004"]  # the last one synced at the end
     ckpt = run_dir / "checkpoints" / "step_000004"
     files = {str(p.relative_to(ckpt)) for p in ckpt.rglob("*") if p.is_file()}
@@ -284,7 +281,7 @@ def test_uri_run_holds_everything_and_resumes_exactly(ray_session, tiny_model_pa
     final_first = load_file(str(ckpt / "model.safetensors"))
 
     assert main(["train", "--resume", f"{run}/checkpoints/step_000002"]) == 0
-    again = {m["step"]: m for m in _steps(run_dir)}
+    again = {m["step"]: m for m in step_metrics(run_dir)}
     assert sorted(again) == [1, 2, 3, 4]
     for s in (3, 4):
         for key in ("reward/mean", "loss/total", "loss/kl", "loss/grad_norm", "mismatch/kl_mu_old", "loss/lr"):
@@ -292,7 +289,7 @@ def test_uri_run_holds_everything_and_resumes_exactly(ray_session, tiny_model_pa
     final_again = load_file(str(ckpt / "model.safetensors"))
     assert all(torch.equal(final_first[k], final_again[k]) for k in final_first)
     (aside,) = (run_dir / "abandoned").iterdir()  # what the first run wrote after step 2, moved aside on the URI
-    resumed = [e for e in _metrics(run_dir) if e.get("event") == "resume"]
+    resumed = [e for e in read_metrics(run_dir) if e.get("event") == "resume"]
     assert [e["set_aside"] for e in resumed] == [f"{run}/abandoned/{aside.name}"]
     assert (aside / "checkpoints" / "step_000004" / STATE_FILE).is_file()
     assert [json.loads(l)["step"] for l in (aside / "metrics.jsonl").read_text().splitlines()
@@ -305,18 +302,18 @@ def test_failed_uri_run_leaves_its_logs_there_and_resumes_from_the_run_uri(ray_s
                                                                             faults, capsys):
     faults("learner.kill@3")
     out = tmp_path / "bucket"
-    assert main(_args(tiny_model_path, _uri(out), "run.steps=3", "run.save_every=2")) == 1
-    run_dir = _run_dir(out)
+    assert main(train_args(tiny_model_path, _uri(out), "run.steps=3", "run.save_every=2")) == 1
+    run_dir = run_dir_in(out)
     run = _uri(run_dir)
     err = capsys.readouterr().err
     assert f"(step_000002) with: qgrpo train --resume {run}" in err
-    assert [e["step"] for e in _metrics(run_dir) if e.get("event") == "failed"] == [3]  # mirrored on failure
+    assert [e["step"] for e in read_metrics(run_dir) if e.get("event") == "failed"] == [3]  # mirrored on failure
     assert [s for s, _ in complete_checkpoints(run)] == [2]
 
     faults("")
     assert main(["train", "--resume", run]) == 0
     assert "resuming from " + f"{run}/checkpoints/step_000002" in capsys.readouterr().err
-    assert [m["step"] for m in _steps(run_dir)] == [1, 2, 3]
+    assert [m["step"] for m in step_metrics(run_dir)] == [1, 2, 3]
     assert [s for s, _ in complete_checkpoints(run)] == [2, 3]
     assert main(["report", run]) == 0
     assert (run_dir / "report" / "summary.md").is_file() and (run_dir / "report" / "reward.png").is_file()

@@ -9,16 +9,14 @@ from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import ObjectStoreTransport
 from qgrpo.cluster.run.workers import StageTimeout, gather
-from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.batch import build_train_batch
-from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.objective.advantages import group_advantages
+from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
-from qgrpo.rollout.advantages import group_advantages
+from tests.helpers import GREEDY, ITEMS, SAMPLING, mean_gap
 
 KINDS = (("torch", "bf16"), ("torch", "int8"), ("torch", "int4"), ("vllm", "bf16"), ("vllm", "int8"))
-ITEMS = [PromptItem(f"p{i}", f"{i % 5}+{(3 * i) % 5}=", str(i % 5 + (3 * i) % 5)) for i in range(8)]
-SAMPLING = SamplingParams(group_size=4, max_new_tokens=4, temperature=1.0, seed=7)
 # Mean |log mu - log pi| over sampled tokens between a generator and a float32 forward of the weights it should hold.
 # int4 group-64 on this tiny random model measured ~0.02-0.05; bound with margin. The old-vs-new gap must be larger.
 # vLLM's int8 is W8A8 (activations quantized too, by oneDNN kernels that differ by ISA): its fingerprint gap measured
@@ -28,20 +26,6 @@ BOUND = {"bf16": 0.02, "int8": 0.05, "int4": 0.15, ("vllm", "int8"): 0.15}
 
 def _bound(backend: str, precision: str) -> float:
     return BOUND.get((backend, precision), BOUND[precision])
-GREEDY = SamplingParams(group_size=1, max_new_tokens=6, temperature=0.0)
-
-
-def _mean_gap(groups, model):
-    rows = [(g.prompt_ids, c) for g in groups for c in g.completions]
-    T = max(len(p) + len(c.token_ids) for p, c in rows)
-    ids = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c.token_ids)] = torch.tensor(p + c.token_ids)
-    with torch.no_grad():
-        ref = token_logprobs(model, ids, SAMPLING.temperature)
-    gaps = [(ref[i, len(p):len(p) + len(c.token_ids)] - torch.tensor(c.logprobs)).abs()
-            for i, (p, c) in enumerate(rows)]
-    return float(torch.cat(gaps).mean())
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +35,7 @@ def actors(ray_session, tiny_model_path, tmp_path_factory):
                 for b, p in KINDS}
     (learner,), setups = start_learners(
         tiny_model_path, LearnerSettings(lr=5e-2, micro_batch_per_rank=16, sequences_per_rank=32,
-                                         loss_cfg=GRPOLossConfig()),
+                                         objective=objective_settings(kl_coeff=0.0)),
         1, str(tmp_path_factory.mktemp("ext")))
     ray.get(setups)
     yield rollouts, learner
@@ -88,12 +72,12 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
         assert all(g.policy_version == 0 for g in before[(b, p)])
         after = ray.get(a.generate.remote(ITEMS, SAMPLING))[0]
         assert all(g.policy_version == 1 for g in after)
-        gap_new, gap_old = _mean_gap(after, new_model), _mean_gap(after, old_model)
+        gap_new, gap_old = mean_gap(after, new_model), mean_gap(after, old_model)
         print(f"{b} {p}: mean |log mu - log pi| vs new weights {gap_new:.4f}, vs old weights {gap_old:.4f}")
         assert gap_new < _bound(b, p), (b, p, gap_new)
         assert gap_old > 2 * gap_new, (b, p, gap_old, gap_new)
         # before the sync the same generator matched the old weights
-        assert _mean_gap(before[(b, p)], old_model) < _bound(b, p)
+        assert mean_gap(before[(b, p)], old_model) < _bound(b, p)
 
     # Sync the original weights back (as version 2, fingerprinted like any update): the original greedy outputs return.
     from safetensors.torch import load_file

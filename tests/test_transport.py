@@ -20,9 +20,9 @@ from qgrpo.actors.weights import ObjectStoreTransport
 from qgrpo.cluster.run.workers import RunFailed, gather
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.learner.batch import build_train_batch
-from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.objective.advantages import group_advantages
+from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
-from qgrpo.rollout.advantages import group_advantages
 
 ROOT = Path(__file__).resolve().parents[1]
 ITEMS = [PromptItem(f"p{i}", f"{i % 5}+{(3 * i) % 5}=", str(i % 5 + (3 * i) % 5)) for i in range(8)]
@@ -34,7 +34,8 @@ BOUND = {"bf16": 0.02, "int8": 0.05}  # fingerprint gaps, as in tests/test_sync.
 
 def _learner(model_path: str, ext_dir: str):
     (learner,), setups = start_learners(model_path, LearnerSettings(lr=5e-2, micro_batch_per_rank=16,
-                                                                    sequences_per_rank=32, loss_cfg=GRPOLossConfig()),
+                                                                    sequences_per_rank=32,
+                                                                    objective=objective_settings(kl_coeff=0.0)),
                                         1, ext_dir)
     ray.get(setups)
     return learner

@@ -237,8 +237,8 @@ def test_result_fills_each_entry_score_per_group(tmp_path):
             {"function": str(tmp_path / "mine.py:fails")}]}}, check_environment=False)
     pool = RewardPool(cfg)
     try:
-        groups = _pool_groups()
-        metrics = pool.submit(groups).result()
+        scored = pool.submit(_pool_groups()).result()
+        groups, metrics = scored.groups, scored.metrics
     finally:
         pool.close()
     assert groups[0].scores == {"correct": [1.0, 0.0, 0.0], "only a": [1.0, 1.0, 1.0], "fails": [None] * 3}

@@ -7,7 +7,7 @@ import tomllib
 
 from qgrpo.cluster.config.mlx_grpo import name_origin, translate
 from qgrpo.cluster.config.preflight import environment_problems
-from qgrpo.cluster.config.schema import Config, ConfigError, check
+from qgrpo.cluster.config.schema import Config, ConfigError, check, schema
 from qgrpo.cluster.config.tomlio import apply_overrides, to_toml
 
 
@@ -17,7 +17,7 @@ def migrate(data: dict, overrides: list[str], source: str) -> tuple[str, list[st
     above, and is checked to load as our config; raises ConfigError when it would not. What only this machine lacks
     (the model folder, a data file, a package) does not stop the translation: it is returned as warnings."""
     ours, lines, origin, problems, rest = translate(data, overrides)
-    apply_overrides(ours, rest, problems, Config)  # our own section.key=value overrides land in the file too
+    apply_overrides(ours, rest, problems, schema())  # our own section.key=value overrides land in the file too
     if problems:
         raise ConfigError(problems)
     text = to_toml(ours, Config)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, ConfigDict, Field, Strict
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 from pydantic_core import PydanticCustomError
 
 # Unknown keys are errors (a typo never falls back to a default silently); field docstrings are the descriptions.
@@ -57,3 +58,60 @@ def setting(default: Any = ..., *, why: str = "", fix: str = "", allowed: str = 
     if "default_factory" in constraints:
         return Field(json_schema_extra=extra or None, **constraints)
     return Field(default, json_schema_extra=extra or None, **constraints)
+
+
+_SCALARS = {"str": Str, "int": Int, "float": Float, "bool": Bool}
+
+
+def generated_section(name: str, doc: str, module: str, entries: list[tuple[str, Any, dict]],
+                      bases: tuple[type, ...] = ()) -> type:
+    """A section generated from declarations made elsewhere (the objective's knobs, learner/objective/knobs.py; a
+    backend's options, `options_section`): each entry is (key, default, metadata) with the metadata's "doc", "type"
+    (str, int, float or bool), "choices" and "template" (an enumeration's values and error wording), "bounds" (ge, gt,
+    le, lt), "why" and optionally "allowed" (valid values in words, for the reference). The section validates,
+    documents and reads back exactly as one written by hand; it subclasses `bases` (their methods stay its own)."""
+    annotations: dict[str, Any] = {}
+    namespace: dict[str, Any] = {"__doc__": doc, "__module__": module, "__qualname__": name}
+    for key, default, meta in entries:
+        annotations[key] = (choice(tuple(meta["choices"]), meta["template"]) if meta["choices"]
+                            else _SCALARS[meta["type"]])
+        namespace[key] = setting(default, why=meta["why"], allowed=meta.get("allowed", ""), description=meta["doc"],
+                                 **meta["bounds"])
+    namespace["__annotations__"] = annotations
+    return pydantic_dataclass(type(name, bases, namespace), config=SECTION)
+
+
+def options_section(options: type, module: str) -> type:
+    """A backend's [rollout.NAME] table generated from its options dataclass (rollout/backends: `option` fields carry
+    the description and allowed values), named after it (VLLMOptions -> VLLMSection) in `module`, and a subclass of
+    it: a config's table is the backend's options, with their methods (`problems`, its rules, kept with the backend
+    that reads them)."""
+    import dataclasses
+
+    entries = [(f.name, f.default, {**f.metadata, "type": getattr(f.type, "__name__", f.type)})
+               for f in dataclasses.fields(options)]
+    name = options.__name__.removesuffix("Options") + "Section"
+    return generated_section(name, options.__doc__ or "", module, entries, bases=(options,))
+
+
+def role_resources(each: str, node: str, cpus: float = 0.0, gpus: str = "") -> type:
+    """The Ray resources of one role's actors, defined once for [rollout], [reference], [reward_model] and [learner]:
+    the section base each of them inherits, so its keys and attributes (cfg.rollout.num_gpus) are these fields. What
+    differs between roles is in the arguments: `each` says whose the values are ("per rollout actor", "of the
+    reference actor"), `node` names the custom resource of the example, `cpus` is num_cpus's default (1 for the
+    roles that compute all the time, the rollout actors and the learner ranks) and `gpus` what a GPU share means for
+    the role (a parenthesis after the sentence's subject)."""
+
+    @pydantic_dataclass(config=SECTION)
+    class RoleResources:
+        num_cpus: Float = setting(cpus, ge=0, description=f"Ray CPU resource {each}.")
+        num_gpus: Float = setting(0.0, ge=0, description=f"Ray GPU resource {each}{gpus}.")
+        memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved",
+                                   description=f"Ray memory resource {each} (0 = none reserved).")
+        resources: Table = setting(default_factory=dict, fix=f"e.g. {{{node} = 1}}",
+                                   description=f"Custom Ray resources {each}, to pin it to node types started with "
+                                   f"`ray start --resources '{{\"NAME\": N}}'`, e.g. {{{node} = 1}}.")
+        node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}",
+                                     description="Labels its node must carry (`ray start --labels`).")
+
+    return RoleResources

@@ -98,13 +98,14 @@ def table(name: str, cls: type) -> list[str]:
 def render() -> str:
     """The whole reference, as the schema gives it now."""
     from qgrpo.cluster.config.mlx_grpo import MLXGRPOKeys
-    from qgrpo.cluster.config.schema import Config
+    from qgrpo.cluster.config.schema import schema
 
     lines = ["# Configuration reference", "",
-             f"Generated from the schema (cluster/config/sections.py, training.py) by `{COMMAND}`; do not edit.",
+             f"Generated from the schema (cluster/config/sections.py, training.py; [algo] from learner/objective/) by "
+             f"`{COMMAND}`; do not edit.",
              "A config is a TOML file of these sections; any field may also be set with `--set section.key=value`.",
              "Every field is optional: a field left out takes its default. An unknown key is an error.", ""]
-    for name, cls in sections(Config):
+    for name, cls in sections(schema()):
         lines += table(name, cls)
     lines += ["## MLX-GRPO keys", "",
               "An MLX-GRPO config (its flat keys, or an [mlx_grpo] table) is read as ours and translated "
@@ -114,19 +115,23 @@ def render() -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def write_page(doc: Path, text: str, command: str, check: bool) -> int:
+    """Write a generated page, or with `check` only compare: 1 when `doc` differs from `text` (told how to
+    regenerate it with `command`). Shared by the generated pages (this one, bench/publish.py's)."""
+    if check:
+        same = doc.is_file() and doc.read_text() == text
+        print(f"{doc}: {'up to date' if same else f'out of date; regenerate it with `{command}`'}", file=sys.stderr)
+        return 0 if same else 1
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(text)
+    print(f"wrote {doc}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=COMMAND, description="Write docs/reference/config.md from the schema.")
     parser.add_argument("--check", action="store_true", help="exit 1 when the file differs from the schema's")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        same = DOC.is_file() and DOC.read_text() == text
-        print(f"{DOC}: {'up to date' if same else f'out of date; regenerate it with `{COMMAND}`'}", file=sys.stderr)
-        return 0 if same else 1
-    DOC.parent.mkdir(parents=True, exist_ok=True)
-    DOC.write_text(text)
-    print(f"wrote {DOC}", file=sys.stderr)
-    return 0
+    return write_page(DOC, render(), COMMAND, parser.parse_args(argv).check)
 
 
 if __name__ == "__main__":

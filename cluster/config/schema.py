@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
-from pydantic.dataclasses import dataclass
+from pydantic.dataclasses import dataclass, rebuild_dataclass
 
+from qgrpo.cluster.config import training
 from qgrpo.cluster.config.errors import field_path, problems_of
 from qgrpo.cluster.config.fields import SECTION, setting
 from qgrpo.cluster.config.rules import gpu_problems, rule_problems
 from qgrpo.cluster.config.sections import (
+    BACKEND_SECTIONS,
     Example,
     ModelConfig,
     ReferenceConfig,
@@ -37,7 +39,6 @@ from qgrpo.cluster.config.sections import (
     RolloutConfig,
     RunConfig,
     TaskConfig,
-    VLLMSection,
 )
 from qgrpo.cluster.config.tomlio import anchor_paths, apply_overrides, to_toml
 from qgrpo.cluster.config.training import (
@@ -53,12 +54,13 @@ from qgrpo.cluster.config.training import (
     LoraConfig,
     SyncConfig,
 )
+from qgrpo.learner.objective import losses
 
 __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "validate", "check", "gpu_problems", "to_toml",
-           "RunConfig", "ModelConfig", "TaskConfig", "Example", "RewardSpec", "RewardsConfig",
-           "RolloutConfig", "VLLMSection", "ReferenceConfig", "AlgoConfig", "LoraConfig", "LearnerConfig", "SyncConfig",
+           "RunConfig", "ModelConfig", "TaskConfig", "Example", "RewardSpec", "RewardsConfig", "RolloutConfig",
+           "BACKEND_SECTIONS", "ReferenceConfig", "AlgoConfig", "LoraConfig", "LearnerConfig", "SyncConfig",
            "FaultsConfig", "GuardConfig", "LR_SCHEDULES", "LEARNER_MODES", "OPTIMIZERS", "MODE_ZERO_STAGES",
-           "ATTENTION"]
+           "ATTENTION", "schema"]
 
 
 @dataclass(config=SECTION)
@@ -77,7 +79,7 @@ class Config:
     """[reference]: the frozen reference model of the KL term."""
     reward_model: RewardModelConfig = setting(default_factory=RewardModelConfig)
     """[reward_model]: a sequence classifier scoring completions, one reward among rewards.functions."""
-    algo: AlgoConfig = setting(default_factory=AlgoConfig)
+    algo: AlgoConfig = setting(default_factory=lambda: AlgoConfig())  # the current [algo] (see `schema`)
     """[algo]: the GRPO objective: advantages, clipping, KL, importance weights, weight syncs."""
     learner: LearnerConfig = setting(default_factory=LearnerConfig)
     """[learner]: the DeepSpeed learner: ranks, optimizer, memory savers, resources."""
@@ -107,6 +109,20 @@ class ConfigError(ValueError):
 
 
 _ADAPTER = TypeAdapter(Config)
+_BUILT = [losses.version()]
+
+
+def schema() -> type[Config]:
+    """Config as of the registered policy losses: when a loss was registered (or removed) since [algo] was generated,
+    [algo] is generated again (training.algo_section) and Config rebuilt around it, so that a loss registered after
+    import (a plug-in, a test's) reaches [algo], `--set` and the reference like a built-in one."""
+    global _ADAPTER, AlgoConfig
+    if _BUILT[0] != losses.version():
+        training.AlgoConfig = AlgoConfig = training.algo_section()
+        rebuild_dataclass(Config, force=True)
+        _ADAPTER = TypeAdapter(Config)
+        _BUILT[0] = losses.version()
+    return Config
 
 
 def _without(data: dict, locs: list[tuple]) -> dict:
@@ -127,6 +143,7 @@ def check(data: dict[str, Any], check_environment: bool = True) -> tuple[Config 
     standing in for the failed fields, rules reading those skipped), then the environment. The config is None only
     when the fields cannot be built even so."""
     problems: list[str] = []
+    schema()
     try:
         cfg = _ADAPTER.validate_python(data)
         invalid: set[str] = set()
@@ -183,7 +200,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
             if notes is not None:
                 notes.extend(lines)
         anchor_paths(data, p.resolve().parent)  # the file's own paths; --set values stay the working directory's
-    apply_overrides(data, overrides, problems, Config)
+    apply_overrides(data, overrides, problems, schema())
     cfg, more = check(data, check_environment)
     problems += more
     if problems:

@@ -1,8 +1,8 @@
 """The sections of how the policy learns: [algo], [learner] (with [learner.lora]), [sync], [faults] and [guard].
 
-The loss's choices and the bound of its importance-weight cap come from learner/loss.py, the advantage scales from
-rollout/advantages.py and the placement strategies from the placement plan, so the schema cannot drift from the code
-that reads these values.
+[algo] is generated from the objective's own declarations (learner/objective/: its settings record and the registered
+policy losses' parameters), the placement strategies come from the placement plan, so the schema cannot drift from
+the code that reads these values.
 """
 from __future__ import annotations
 
@@ -11,11 +11,24 @@ from typing import Annotated
 from pydantic import Field
 from pydantic.dataclasses import dataclass
 
-from qgrpo.cluster.config.fields import SECTION, Bool, Float, Int, Str, Table, choice, setting
+from qgrpo.cluster.config.fields import (
+    SECTION,
+    Bool,
+    Float,
+    Int,
+    Str,
+    choice,
+    generated_section,
+    role_resources,
+    setting,
+)
 from qgrpo.cluster.config.plan import STRATEGIES
-from qgrpo.learner.options import AGGREGATIONS, IS_CAP_MIN, IS_LEVELS, IS_MODES, KL_ESTIMATORS, POLICY_LOSSES
-from qgrpo.rollout.backends import REGISTRY
-from qgrpo.rollout.options import REQUANTIZE_FORMATS, REQUANTIZE_MODES, SCALES
+from qgrpo.learner.objective.knobs import REGISTERED, knobs
+from qgrpo.learner.objective.losses import LOSSES, loss_keys
+from qgrpo.learner.objective.rules import RULES as OBJECTIVE_RULES
+from qgrpo.learner.objective.settings import ObjectiveSettings
+from qgrpo.rollout.backends import EMULATED_FORMATS, REGISTRY
+from qgrpo.rollout.options import REQUANTIZE_MODES
 
 LR_SCHEDULES = ("constant", "cosine")  # learner.lr_schedule (learner/engine.py: lr_factor)
 LEARNER_MODES = ("full", "lora", "qlora")  # learner.mode
@@ -31,78 +44,28 @@ TRANSPORTS = ("object_store", "collective")  # sync.transport (actors/weights.py
 EITHER = "must be {either}"
 
 
-@dataclass(config=SECTION)
-class AlgoConfig:
-    advantage_scale: choice(SCALES, "must be {quoted}") = "std"
-    """"std" (GRPO: rewards minus the group mean, over the group's std) or "none" (Dr. GRPO: no std scaling)."""
-    policy_loss: choice(POLICY_LOSSES, EITHER) = "grpo"
-    """The policy-gradient term (docs/algorithms.md): "grpo" (PPO/GRPO clip of each token's ratio pi_theta/pi_old),
-    "gspo" (GSPO: the clip acts on the sequence's geometric-mean ratio; needs loss_agg = "seq_mean"), "cispo" (CISPO:
-    -sg(min(ratio, cispo_cap)) A log pi, every token keeps a gradient) or "sapo" (SAPO: a soft sigmoid gate instead of
-    the hard clip)."""
-    clip_low: Float = setting(0.2, ge=0, lt=1)
-    """eps_low of the clipped surrogate (the ratio floor is 1 - clip_low); at most clip_high. GSPO's paper uses 3e-4."""
-    clip_high: Float = setting(0.2, ge=0)
-    """eps_high of the clipped surrogate (DAPO's clip-higher uses 0.28; GSPO's paper 4e-4)."""
-    cispo_cap: Float = setting(5.0, ge=1, why="the weight min(ratio, cap) must be able to reach 1")
-    """policy_loss = "cispo": the cap eps_max of its stop-gradient weight min(pi_theta/pi_old, cap) (ScaleRL: 5)."""
-    sapo_tau_pos: Float = setting(1.0, gt=0)
-    """policy_loss = "sapo": the gate's temperature for tokens of positive advantage (SAPO's paper: 1.0)."""
-    sapo_tau_neg: Float = setting(1.05, gt=0)
-    """policy_loss = "sapo": the gate's temperature for tokens of zero or negative advantage (SAPO's paper: 1.05)."""
-    kl_coeff: Float = setting(0.005, ge=0)
-    """Weight of the KL-to-reference term; 0 disables the reference actor."""
-    kl_estimator: choice(KL_ESTIMATORS, EITHER) = "k3"
-    """Per-token estimate of KL(pi_theta || ref): k1 (unbiased), k2 (low variance) or k3 (unbiased, >= 0)."""
-    kl_bias_correction: Bool = False
-    """Multiply the per-token KL estimate by pi_theta/pi_old (DeepSeek-V3.2; TRL's use_bias_correction_kl), so it
-    estimates the KL of the policy being trained, not of the one that sampled. Needs kl_coeff > 0."""
-    loss_agg: choice(AGGREGATIONS, EITHER) = "token_mean"
-    """How token losses add up: token_mean (DAPO), seq_mean (GRPO) or constant (Dr. GRPO)."""
-    is_level: choice(IS_LEVELS, EITHER) = "token"
-    """Where the sampler correction r = pi_old/mu is taken: "token" (each token's own r), "sequence" (the product of
-    the sequence's r: TRL's sequence_* modes) or "geometric" (the product's geometric mean, exp(mean log r): verl's
-    Geo-RS with is_mode = "reject")."""
-    is_mode: choice(IS_MODES, EITHER) = "truncate"
-    """What the bounds [is_floor, is_cap] do to r: "truncate" (weight clamp(r, is_floor, is_cap): TIS), "mask"
-    (weight r inside the bounds, 0 outside: TRL's *_mask, IcePop), "reject" (weight 1 inside, 0 outside: rejection
-    sampling, Geo-RS) or "none" (weight 1: mu is taken as pi_old)."""
-    is_cap: Float = setting(2.0, ge=IS_CAP_MIN, why="C in min(pi_old/mu, C); [is_floor, C] must contain 1")
-    """C, the upper bound of r (inf = none). TIS: 2; TRL's default (sequence mask): 3; IcePop: 5."""
-    is_floor: Float = setting(0.0, ge=0, le=1, why="[is_floor, is_cap] must contain 1")
-    """The lower bound of r (0 = none). IcePop: 0.5."""
-    offpolicy_mask_kl: Float = setting(0.0, ge=0, why="0 = off")
-    """DeepSeek-V3.2's off-policy sequence masking: drop each sequence of negative advantage whose mean per-token
-    log(mu/pi_theta) is above this (0 = off; DeepSeek and TRL suggest values such as 0.5)."""
-    entropy_coeff: Float = setting(0.0, ge=0)
-    """Entropy bonus: subtract coeff x the mean token entropy of the policy (aggregated as loss_agg) from the loss."""
-    top_entropy_quantile: Float = setting(1.0, gt=0, le=1)
-    """Train the policy term on the highest-entropy tokens only: the top q of each micro-batch's completion tokens by
-    entropy (1 = every token; "Beyond the 80/20 rule" uses 0.2). The KL term still covers every token."""
-    dynamic_sampling: Bool = False
-    """DAPO's dynamic sampling: groups whose rewards are all equal (no learning signal) are dropped and more prompts
-    are generated until the batch has rollout.prompts_per_step groups with signal, at most dynamic_sampling_rounds
-    generation rounds per step."""
-    dynamic_sampling_rounds: Int = setting(3, ge=2, why="the first round is the step's own prompts")
-    """The most generation rounds of a step under dynamic_sampling, its first included. When they run out the batch is
-    filled with dropped groups (advantage 0: they add only the KL term), so every step has the same size."""
-    overlong_buffer: Int = setting(0, ge=0, why="0 = off")
-    """DAPO's overlong reward shaping: completions within this many tokens of rollout.max_new_tokens lose up to
-    overlong_penalty, linearly in how far into the buffer they ran (0 = off)."""
-    overlong_penalty: Float = setting(1.0, gt=0)
-    """The penalty of a completion that reached rollout.max_new_tokens under overlong_buffer (DAPO: 1)."""
-    overlong_filter: Bool = False
-    """DAPO's overlong filtering: completions cut at rollout.max_new_tokens (finish reason "length") are left out of
-    the loss (TRL's mask_truncated_completions)."""
-    update_every: Int = setting(1, ge=1, why="1 = sync after every step")
-    """Generators get new weights every N learner steps (1 = on-policy up to quantization)."""
-    updates_per_batch: Int = setting(1, ge=1)
-    """Optimizer updates on each batch (> 1 makes the clip matter)."""
-    overlap: Bool = False
-    """One-step-off-policy: step k+1's rollouts are generated while the learner trains on step k
-    (cluster/run/overlap.py). They are one update stale at update_every = 1, corrected by the importance weights
-    (is_mode); staleness is recorded per rollout. Pays off when generators and learner have their own devices or
-    nodes."""
+def algo_section() -> type:
+    """[algo], generated from the objective's own declarations: the knobs of learner/objective/settings.py's
+    ObjectiveSettings, with every registered policy loss's parameters (learner/objective/losses.py) after
+    `policy_loss`, each under its [algo] key. cluster/config/schema.py regenerates it when a loss is registered."""
+    entries = []
+    for f in knobs(ObjectiveSettings):
+        meta = {**f.metadata, "type": _type_name(f.type)}
+        if meta["choices"] == REGISTERED:
+            listed = "; ".join(f'"{name}" ({spec.summary})' for name, spec in LOSSES.items())
+            meta = {**meta, "choices": tuple(LOSSES), "doc": f"{meta['doc']} One of: {listed}."}
+        entries.append((f.name, f.default, meta))
+        if f.name == "policy_loss":
+            entries += [(key, p.default, {**p.metadata, "type": _type_name(p.type)})
+                        for key, (_, p) in loss_keys().items()]
+    return generated_section("AlgoConfig", ObjectiveSettings.__doc__ or "", __name__, entries)
+
+
+def _type_name(tp) -> str:
+    return tp if isinstance(tp, str) else tp.__name__
+
+
+AlgoConfig = algo_section()
 
 
 @dataclass(config=SECTION)
@@ -122,7 +85,8 @@ class LoraConfig:
 
 
 @dataclass(config=SECTION)
-class LearnerConfig:
+class LearnerConfig(role_resources("per rank", "learner_node", cpus=1.0,
+                                   gpus=" (CUDA: NCCL between ranks; 0 = the CPU learner, gloo)")):
     world_size: Int = setting(1, ge=1)
     """DeepSpeed ranks, one Ray actor each."""
     zero_stage: choice(ZERO_STAGES, EITHER) = 0
@@ -152,17 +116,6 @@ class LearnerConfig:
     """Attention kernel of the learner's model: "auto" = "eager" on a CPU learner (on a 2-core CPU the shared-prompt
     forward + backward ran 1.1-1.5x faster than with SDPA, whose masked CPU path is slow: bench/learner_profile.py),
     "sdpa" with GPUs; or name one of transformers' attn_implementation values."""
-    num_cpus: Float = setting(1.0, ge=0)
-    """Ray CPU resource per rank."""
-    num_gpus: Float = setting(0.0, ge=0)
-    """Ray GPU resource per rank (CUDA: NCCL between ranks; 0 = the CPU learner, gloo)."""
-    memory_gb: Float = setting(0.0, ge=0, why="0 = none reserved")
-    """Ray memory reserved per rank (0 = none reserved)."""
-    resources: Table = setting(default_factory=dict, fix="e.g. {learner_node = 1}")
-    """Custom Ray resources per rank, to pin it to node types started with `ray start --resources '{"NAME": N}'`,
-    e.g. {learner_node = 1}."""
-    node_labels: Table = setting(default_factory=dict, fix="e.g. {pool = \"spot\"}")
-    """Labels its node must carry (`ray start --labels`)."""
     placement_strategy: choice(STRATEGIES) = "PACK"
     """How the ranks' placement group spreads them: PACK (few nodes), SPREAD, STRICT_PACK (one node),
     STRICT_SPREAD (one rank per node). All ranks are placed together or not at all."""
@@ -254,46 +207,8 @@ class GuardConfig:
 
 
 
-# [algo]'s rules across fields (registered in rules.py): each reads the fields it is listed with, and is skipped when
-# one of them has an error of its own. Combinations that mean nothing or that the driver cannot do.
-def _clip_order(a, _) -> list[str]:
-    if a.clip_low <= a.clip_high:
-        return []
-    return [f"algo.clip_low: must be <= algo.clip_high (clip-higher widens the upper side), got {a.clip_low} > "
-            f"{a.clip_high}; lower algo.clip_low or raise algo.clip_high"]
-
-
-def _gspo_aggregation(a, _) -> list[str]:
-    if a.policy_loss != "gspo" or a.loss_agg == "seq_mean":
-        return []
-    return [f"algo.loss_agg: policy_loss = \"gspo\" clips one ratio per sequence and averages over sequences; "
-            f"loss_agg = {a.loss_agg!r} would weight each sequence by its length; set algo.loss_agg = \"seq_mean\""]
-
-
-def _correction_needed(a, _) -> list[str]:
-    if a.is_mode == "none" and (a.is_level != "token" or a.is_floor > 0):
-        return ["algo.is_mode: \"none\" applies no correction, so algo.is_level and algo.is_floor have no effect; "
-                "remove them, or choose is_mode = \"truncate\", \"mask\" or \"reject\""]
-    if a.is_mode in ("mask", "reject") and a.is_floor == a.is_cap:
-        return [f"algo.is_floor: equal to algo.is_cap ({a.is_cap}), is_mode = {a.is_mode!r} would drop every token "
-                "whose ratio is not exactly 1; lower is_floor or raise is_cap"]
-    return []
-
-
-def _kl_correction(a, _) -> list[str]:
-    if not a.kl_bias_correction or a.kl_coeff > 0:
-        return []
-    return ["algo.kl_bias_correction: corrects the KL term, and algo.kl_coeff = 0 has none; set kl_coeff > 0 or "
-            "kl_bias_correction = false"]
-
-
-def _dynamic_sampling(a, _) -> list[str]:
-    if not (a.dynamic_sampling and a.overlap):
-        return []
-    return ["algo.dynamic_sampling: cannot run with algo.overlap (the next step's prompts are generated before this "
-            "step knows how many more it needs); set one of them to false"]
-
-
+# Rules across fields (registered in rules.py): each reads the fields it is listed with, and is skipped when one of
+# them has an error of its own. The objective's own (learner/objective/rules.py) read [algo] alone; these read more.
 def _overlong_buffer(a, cfg) -> list[str]:
     if a.overlong_buffer < cfg.rollout.max_new_tokens:
         return []
@@ -303,9 +218,9 @@ def _overlong_buffer(a, cfg) -> list[str]:
 
 def _requantize_format(_, cfg) -> list[str]:
     ro = cfg.rollout
-    if cfg.sync.requantize == "nearest" or (ro.backend, ro.precision) in REQUANTIZE_FORMATS:
+    if cfg.sync.requantize == "nearest" or REGISTRY[ro.backend].emulates(ro.precision):
         return []
-    served = ", ".join(f"{b} {p}" for b, p in REQUANTIZE_FORMATS)
+    served = ", ".join(f"{b} {p}" for b, p in EMULATED_FORMATS)
     return [f"sync.requantize: {cfg.sync.requantize!r} needs a quantized grid the rollout actor emulates ({served}); "
             f"rollout.backend {ro.backend!r} at rollout.precision {ro.precision!r} rounds by itself: set "
             "sync.requantize = \"nearest\" or change rollout.precision"]
@@ -318,9 +233,9 @@ def _fake_quant(_, cfg) -> list[str]:
     if le.mode != "full":
         return [f"learner.fake_quant: \"rollout\" needs learner.mode = \"full\" (the generators of a {le.mode} "
                 "learner quantize the merged weights, which the learner never holds); set fake_quant = \"off\""]
-    if (ro.backend, ro.precision) in REQUANTIZE_FORMATS:
+    if REGISTRY[ro.backend].emulates(ro.precision):
         return []
-    served = ", ".join(f"{b} {p}" for b, p in REQUANTIZE_FORMATS)
+    served = ", ".join(f"{b} {p}" for b, p in EMULATED_FORMATS)
     return [f"learner.fake_quant: \"rollout\" simulates a grid the project emulates ({served}); rollout.backend "
             f"{ro.backend!r} at rollout.precision {ro.precision!r} has none: set fake_quant = \"off\" or change "
             "rollout.precision"]
@@ -359,11 +274,7 @@ def _adapters_only(_, cfg) -> list[str]:
 
 
 ALGO_RULES = [
-    (("algo.clip_low", "algo.clip_high"), _clip_order),
-    (("algo.policy_loss", "algo.loss_agg"), _gspo_aggregation),
-    (("algo.is_mode", "algo.is_level", "algo.is_floor", "algo.is_cap"), _correction_needed),
-    (("algo.kl_bias_correction", "algo.kl_coeff"), _kl_correction),
-    (("algo.dynamic_sampling", "algo.overlap"), _dynamic_sampling),
+    *((tuple(f"algo.{key}" for key in keys), lambda a, _, check=check: check(a)) for keys, check in OBJECTIVE_RULES),
     (("algo.overlong_buffer", "rollout.max_new_tokens"), _overlong_buffer),
     (("sync.requantize", "rollout.backend", "rollout.precision"), _requantize_format),  # [sync]'s, read the same way
     (("learner.fake_quant", "learner.mode", "rollout.backend", "rollout.precision"), _fake_quant),  # [learner]'s

@@ -12,7 +12,7 @@ from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.placement import learner_group, wait_scheduled
 from qgrpo.core import storage
 from qgrpo.core.devices import role_env
-from qgrpo.learner.loss import GRPOLossConfig
+from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
 from qgrpo.rollout.backends import REGISTRY
 from qgrpo.rollout.requantize import served_grid
@@ -29,8 +29,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         optimizer=le.optimizer, lr=le.lr, weight_decay=le.weight_decay, betas=(le.beta1, le.beta2),
         grad_clip=le.grad_clip, warmup_steps=le.warmup_steps, lr_schedule=le.lr_schedule,
         total_updates=cfg.run.steps * algo.updates_per_batch,
-        loss_cfg=GRPOLossConfig(**{f.name: getattr(algo, f.name) for f in dataclasses.fields(GRPOLossConfig)}),
-        loss_agg=algo.loss_agg, temperature=ro.temperature, updates_per_batch=algo.updates_per_batch,
+        objective=objective_settings(**dataclasses.asdict(algo)), temperature=ro.temperature,
         shared_prompt=le.shared_prompt,
         guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
         mode=le.mode, attention=le.attention, compute_dtype=cfg.model.compute_dtype,
