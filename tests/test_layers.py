@@ -238,6 +238,10 @@ def test_pyproject_installs_every_package_folder():
     assert setup["package-dir"] == {"qgrpo": "."}
     folders = {"qgrpo"} | {"qgrpo." + _module(p) for p in _sources(*PACKAGES) if p.name == "__init__.py"}
     assert set(setup["packages"]) == folders
+    # A folder of modules without __init__.py would import here (a namespace package) and be missing once installed
+    bare = sorted({str(p.parent.relative_to(ROOT)) for p in _sources(*PACKAGES)
+                   if not (p.parent / "__init__.py").is_file()})
+    assert bare == [], f"folders of modules without an __init__.py: {bare}"
 
 
 @pytest.mark.parametrize("name", ["core", "cluster", "rollout", "learner", "actors"])
