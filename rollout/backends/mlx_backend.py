@@ -28,12 +28,14 @@ import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
-from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout import nanochat
 from qgrpo.rollout.backends import Generator
 from qgrpo.rollout.backends.common import (
+    build_completion,
     build_group,
     check_stream,
+    continuation_prompts,
     format_prompt,
     hf_tensor_shapes,
     mlx_config,
@@ -244,16 +246,29 @@ class MLXGenerator(Generator):
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
-        mx = import_mlx()
         G = sampling.group_size
         prompts = [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
-        base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
-        self._calls += 1
-        key = mx.random.key(zlib.crc32(f"{base}/{self.generator_id}".encode()))
-        toks, lps = self._sample(prompts, G, sampling, key)  # per row, rows i*G .. i*G+G-1 for prompt i
+        toks, lps = self._sample(prompts, G, sampling, self._key(sampling))  # per row, rows i*G .. i*G+G-1 for prompt i
         return [build_group(it, prompts[i], [(toks[r], lps[r]) for r in range(i * G, (i + 1) * G)], self.stop_ids,
                             self.tokenizer, self.policy_version, self.generator_id, self.precision)
                 for i, it in enumerate(items)]
+
+    def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """One continuation per sequence: the sequences left-padded into one batch and sampled as `generate` samples
+        prompts, one row each (`_sample` with G = 1)."""
+        prompts = continuation_prompts(self.generator_id, sequences)
+        if not prompts:
+            return []
+        toks, lps = self._sample(prompts, 1, sampling, self._key(sampling))
+        return [build_completion(t, lp, self.stop_ids, self.tokenizer) for t, lp in zip(toks, lps, strict=True)]
+
+    def _key(self, sampling: SamplingParams):
+        """The call's random key, from (step seed, generator id): reproducible, and different on every actor; without
+        a seed, from the generator's own seed and its count of calls."""
+        mx = import_mlx()
+        base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
+        self._calls += 1
+        return mx.random.key(zlib.crc32(f"{base}/{self.generator_id}".encode()))
 
     def _sample(self, prompts: list[list[int]], G: int, sp: SamplingParams, key):
         mx = import_mlx()

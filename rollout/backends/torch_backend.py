@@ -14,10 +14,17 @@ from typing import Iterable
 
 import torch
 
-from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends import Generator, torch_adapters
-from qgrpo.rollout.backends.common import build_group, check_stream, format_prompt, stop_token_ids
+from qgrpo.rollout.backends.common import (
+    build_completion,
+    build_group,
+    check_stream,
+    continuation_prompts,
+    format_prompt,
+    stop_token_ids,
+)
 from qgrpo.rollout.backends.compute import compute_in
 from qgrpo.rollout.backends.torch_decode import StaticDecoder
 from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names, requantize_in_place
@@ -80,10 +87,7 @@ class TorchGenerator(Generator):
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
         G = sampling.group_size
         prompts, ids, attn = self._encode(items)
-        # Seeded per call from (step seed, generator id): reproducible, and different on every actor.
-        base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
-        self._calls += 1
-        rng = torch.Generator(self.device).manual_seed(zlib.crc32(f"{base}/{self.generator_id}".encode()))
+        rng = self._rng(sampling)
         new, logp = self._sample(ids.to(self.device), attn.to(self.device), G, sampling, rng)  # [N*G, L] each
         groups = []
         for i, it in enumerate(items):  # prompt i's G completions are rows i*G .. i*G+G-1
@@ -93,17 +97,40 @@ class TorchGenerator(Generator):
                                       self.precision))
         return groups
 
+    @torch.inference_mode()
+    def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """One continuation per sequence: the sequences left-padded into one batch and sampled as `generate` samples
+        prompts, one row each (`_sample` with G = 1)."""
+        prompts = continuation_prompts(self.generator_id, sequences)
+        if not prompts:
+            return []
+        ids, attn = self._pad(prompts)
+        new, logp = self._sample(ids.to(self.device), attn.to(self.device), 1, sampling, self._rng(sampling))
+        return [build_completion(new[r].tolist(), logp[r].tolist(), self.stop_ids, self.tokenizer)
+                for r in range(len(prompts))]
+
+    def _rng(self, sampling: SamplingParams) -> torch.Generator:
+        """The call's random stream, seeded from (step seed, generator id): reproducible, and different on every
+        actor; without a seed, from the generator's own seed and its count of calls."""
+        base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
+        self._calls += 1
+        return torch.Generator(self.device).manual_seed(zlib.crc32(f"{base}/{self.generator_id}".encode()))
+
     def _encode(self, items: list[PromptItem]) -> tuple[list[list[int]], torch.Tensor, torch.Tensor]:
-        """Token ids of each prompt, and the prompts left-padded into ids/mask [N, P] so every row's last prompt token
-        sits at the same column (positions come from the mask)."""
+        """Token ids of each prompt, and the prompts left-padded (`_pad`)."""
         prompts = [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
+        return prompts, *self._pad(prompts)
+
+    def _pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token-id lists left-padded into ids/mask [N, P] so every row's last prompt token sits at the same column
+        (positions come from the mask)."""
         P = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), P), self.pad_id, dtype=torch.long)
         attn = torch.zeros((len(prompts), P), dtype=torch.long)
         for i, p in enumerate(prompts):
             ids[i, P - len(p):] = torch.tensor(p)
             attn[i, P - len(p):] = 1
-        return prompts, ids, attn
+        return ids, attn
 
     def _prefill(self, ids: torch.Tensor, attn: torch.Tensor):
         return self.model(input_ids=ids, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0),

@@ -33,12 +33,14 @@ from typing import Iterable
 
 import torch
 
-from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
+from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout.backends import REGISTRY, Generator, VLLMOptions
 from qgrpo.rollout.backends.common import (
     WeightMismatchError,
+    build_completion,
     build_group,
     check_stream,
+    continuation_prompts,
     format_prompt,
     hf_tensor_shapes,
     probe_ids,
@@ -231,35 +233,50 @@ class VLLMGenerator(Generator):
         return [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
+        prompts = self._prompts(items)
+        samples = self._sample(prompts, sampling, sampling.group_size)
+        return [build_group(it, p, s, self.stop_ids, self.tokenizer, self.policy_version, self.generator_id,
+                            self.precision) for it, p, s in zip(items, prompts, samples, strict=True)]
+
+    def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
+        """One continuation per sequence: the sequences go to the engine as token-id prompts, one request each, as
+        `generate`'s prompts do (one sample each)."""
+        prompts = continuation_prompts(self.generator_id, sequences)
+        if not prompts:
+            return []
+        return [build_completion(*s[0], self.stop_ids, self.tokenizer) for s in self._sample(prompts, sampling, 1)]
+
+    def _sample(self, prompts: list[list[int]], sampling: SamplingParams,
+                n: int) -> list[list[tuple[list[int], list[float]]]]:
+        """`n` samples (token ids, their log-probs) of each token-id prompt, in one engine call seeded as the call's
+        seed says."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
-        prompts = self._prompts(items)
         base = sampling.seed if sampling.seed is not None else self._seed * 1_000_003 + self._calls
         self._calls += 1
         self.llm.collective_rpc(_seed_worker, args=(zlib.crc32(f"{base}/{self.generator_id}".encode()),))
         greedy = sampling.temperature <= 0
         sp = VSamplingParams(
-            n=1 if greedy else sampling.group_size, max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
+            n=1 if greedy else n, max_tokens=sampling.max_new_tokens, logprobs=0, detokenize=False,
             temperature=0.0 if greedy else sampling.temperature,
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
             stop_token_ids=self.stop_ids,
         )
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
                                  lora_request=self._lora)
-        groups = []
-        for it, p, out in zip(items, prompts, outs, strict=True):
+        result = []
+        for out in outs:
             samples = []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 toks = list(c.token_ids)
                 # logprobs=0: one dict per position holding the sampled token's Logprob
                 lps = [pos[t].logprob for t, pos in zip(toks, c.logprobs, strict=True)]
                 samples.append((toks, lps))
-            if greedy:  # one greedy answer stands for the G identical ones (vLLM refuses n > 1 when greedy)
-                samples = samples * sampling.group_size
-            groups.append(build_group(it, p, samples, self.stop_ids, self.tokenizer, self.policy_version,
-                                      self.generator_id, self.precision))
-        return groups
+            if greedy:  # one greedy answer stands for the n identical ones (vLLM refuses n > 1 when greedy)
+                samples = samples * n
+            result.append(samples)
+        return result
 
     def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams as VSamplingParams
