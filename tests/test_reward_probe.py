@@ -268,8 +268,11 @@ class _Told:
 def test_every_example_and_preset_passes_the_calls_without_a_hint(config, monkeypatch):
     monkeypatch.chdir(ROOT)
     told = _Told()
-    assert probe_checks(load_config(config, [], check_environment=False), progress=told) == []
+    cfg = load_config(config, [], check_environment=False)
+    assert probe_checks(cfg, progress=told) == []
     assert told.hints == [] and len(told.passed_lines) == 1
+    if cfg.environment.name:  # the environment's score tells right from wrong (its own probe: test_environments.py)
+        return
     assert "scores the reference higher" in told.passed_lines[0] or "score the reference higher" in told.passed_lines[0]
 
 

@@ -97,9 +97,11 @@ def before_ray(args, resume=None, address: str | None = None, gpus: list[int] | 
     of the nodes of another machine, whose GPU plan is checked instead of this one's, and whose CPUs are not known."""
     progress = progress or Progress()
     cfg = checked_config(args, resume, progress)
+    from qgrpo.rollout.environments.probe import probe_environment_checks  # reset and one step on a train row
     from qgrpo.rollout.rewards.probe import probe_checks  # each reward called once on stand-ins of two train rows
 
-    _refuse(probe_checks(cfg, here=address is None and gpus is None, progress=progress))
+    _refuse(probe_checks(cfg, here=address is None and gpus is None, progress=progress)
+            + probe_environment_checks(cfg, progress))
     return cfg, _preflight(cfg, resume, address, gpus, progress)
 
 
@@ -160,6 +162,13 @@ def checked_config(args, resume=None, progress: Progress | None = None):
         progress.passed("rewards", " + ".join(f"{s.weight:g} x {entry_label(s)}" for s in cfg.rewards.functions)
                         + ("; functions import, signatures fit the columns" if any(
                             s.function for s in cfg.rewards.functions) else ""))
+    from qgrpo.rollout.environments.probe import load_problems
+
+    environment = load_problems(cfg.environment)  # the file imported here, its params bound, its tools described
+    if cfg.environment.name and not environment:
+        params = cfg.environment.params
+        progress.passed("env", f"{cfg.environment.name} loads" + (f" with {params}" if params else ""))
+    reward_problems += environment
     if not problems:  # the task's rows can be read: who will judge held-out accuracy, and can the rewards score
         from qgrpo.rollout.evaluate import judge_check
 

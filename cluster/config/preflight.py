@@ -14,7 +14,8 @@ line, "section.field: what is wrong (the numbers); the fix", like the messages o
 1. run.output_dir can be created: its nearest existing ancestor is a folder this user may write into.
 2. Context length: the longest prompt, formatted exactly as the generators format it (`format_prompt`: chat template,
    system prompt, worked examples), plus rollout.max_new_tokens fits the model's max_position_embeddings (and the
-   vLLM engine's rollout.vllm.max_model_len when set).
+   vLLM engine's rollout.vllm.max_model_len when set); with an environment, so does a whole trajectory
+   (environment.max_context).
 3. Unknown tokens: no formatted prompt contains the tokenizer's unknown token (a character-level tokenizer given
    words turns the prompt into <unk>s; training then optimises on noise).
 4. CPUs: rollout actors and learner ranks each get a core of their own, and the Ray CPUs the job asks for are at most
@@ -129,6 +130,7 @@ def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = F
 
     problems = [] if resuming else output_dir_problems(cfg.run.output_dir)  # [] for a URI (checked by config.py)
     problems += prompt_problems(cfg, model_path) + config_problems(cfg.rollout, model_path, here=cpus is not None)
+    problems += trajectory_problems(cfg, model_path)
     if cpus is not None:
         problems += cpu_problems(cfg, cpus)
     return problems
@@ -266,6 +268,29 @@ def _context_problems(cfg: Config, model_path: str, longest: int) -> list[str]:
                                                          if longest < limit else ""))
             out.append(f"{name}: {n} new tokens ({key}) + the longest prompt "
                        f"({longest} tokens) exceed the {ro.backend} engine's {length} of {limit} tokens; {fix}")
+    return out
+
+
+def trajectory_problems(cfg: Config, model_path: str) -> list[str]:
+    """With an environment: a whole trajectory (environment.max_context tokens) fits the model's context and the
+    engine's own cap (vLLM's max_model_len), as prompt + rollout.max_new_tokens must for one completion."""
+    env = cfg.environment
+    if not env.name:
+        return []
+    from qgrpo.rollout.backends import REGISTRY
+
+    out, ctx = [], model_context(model_path)
+    if ctx is not None and env.max_context > ctx:
+        out.append(f"environment.max_context: {env.max_context} tokens exceed the model's context of {ctx} positions "
+                   f"(max_position_embeddings in {Path(model_path) / 'config.json'}); set environment.max_context "
+                   f"<= {ctx}")
+    ro = cfg.rollout
+    length = REGISTRY[ro.backend].length_field
+    limit = getattr(getattr(ro, ro.backend, None), length, 0) if length else 0
+    if limit > 0 and env.max_context > limit and (ctx is None or limit <= ctx):
+        name = f"rollout.{ro.backend}.{length}"
+        out.append(f"environment.max_context: {env.max_context} tokens exceed the {ro.backend} engine's {length} of "
+                   f"{limit} tokens ({name}); set environment.max_context <= {limit} or raise {name}")
     return out
 
 

@@ -239,6 +239,75 @@ def _eval_metric(cfg: Config) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# [environment]
+
+
+@rule("environment.name")
+def _environment_name(cfg: Config) -> list[str]:
+    from qgrpo.rollout.environments.loader import EnvironmentLoadError, split_name
+
+    name = cfg.environment.name
+    if not name:
+        return []
+    try:
+        split_name(name)
+    except EnvironmentLoadError as e:
+        return [str(e)]
+    return []  # whether the file or module is there, and NAME in it: qgrpo check (rollout/environments/probe.py)
+
+
+@rule("environment.name", "environment.params")
+def _environment_params(cfg: Config) -> list[str]:
+    if cfg.environment.params and not cfg.environment.name:
+        return ["environment.params: set, but environment.name is \"\" (no environment); name the environment "
+                "(\"FILE.py:NAME\") or remove environment.params"]
+    return []
+
+
+@rule("environment.name", "rollout.backend")
+def _environment_backend(cfg: Config) -> list[str]:
+    backend = cfg.rollout.backend
+    if not cfg.environment.name or REGISTRY[backend].multi_turn:
+        return []
+    able = ", ".join(n for n, s in REGISTRY.items() if s.multi_turn) or "none yet"
+    return [f"rollout.backend: {backend!r} cannot continue a trajectory from its token ids, which an environment's "
+            f"turns need (environment.name = {cfg.environment.name!r}); choose one that can: {able}"]
+
+
+@rule("environment.name", "environment.turn_tokens", "environment.max_context", "rollout.max_new_tokens")
+def _turn_fits_context(cfg: Config) -> list[str]:
+    env = cfg.environment
+    if not env.name:
+        return []
+    turn, key = (env.turn_tokens, "environment.turn_tokens") if env.turn_tokens else (
+        cfg.rollout.max_new_tokens, "rollout.max_new_tokens (environment.turn_tokens = 0)")
+    if turn < env.max_context:
+        return []
+    return [f"environment.max_context: {env.max_context} tokens for a whole trajectory leave no room beside one "
+            f"model turn of {turn} tokens ({key}) and the prompt; raise environment.max_context or lower "
+            "environment.turn_tokens"]
+
+
+@rule("environment.name", "environment.weight", "rewards.functions")
+def _environment_label(cfg: Config) -> list[str]:
+    """The environment's score joins the rewards by environment.weight, under the metric name "environment"."""
+    from qgrpo.rollout.rewards import ENVIRONMENT_REWARD as ENVIRONMENT_LABEL
+    from qgrpo.rollout.rewards.scoring import entry_label
+
+    if not cfg.environment.name or not cfg.environment.weight:
+        return []
+    try:
+        labels = [entry_label(s) for s in cfg.rewards.functions]
+    except ValueError:  # a malformed entry: _reward_entries names it
+        return []
+    if ENVIRONMENT_LABEL not in labels:
+        return []
+    return [f"rewards.functions[{labels.index(ENVIRONMENT_LABEL)}]: its metric name {ENVIRONMENT_LABEL!r} is the "
+            f"environment's score's (weighted by environment.weight, logged as reward/{ENVIRONMENT_LABEL}); set "
+            "another label = \"...\" on it"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Backends, precisions and placement
 
 

@@ -30,6 +30,7 @@ from qgrpo.cluster.config.fields import SECTION, setting
 from qgrpo.cluster.config.rules import gpu_problems, rule_problems
 from qgrpo.cluster.config.sections import (
     BACKEND_SECTIONS,
+    EnvironmentConfig,
     Example,
     ModelConfig,
     ReferenceConfig,
@@ -57,7 +58,8 @@ from qgrpo.cluster.config.training import (
 from qgrpo.learner.objective import losses
 
 __all__ = ["Config", "ConfigError", "load_config", "config_from_dict", "validate", "check", "gpu_problems", "to_toml",
-           "RunConfig", "ModelConfig", "TaskConfig", "Example", "RewardSpec", "RewardsConfig", "RolloutConfig",
+           "RunConfig", "ModelConfig", "TaskConfig", "Example", "RewardSpec", "RewardsConfig", "EnvironmentConfig",
+           "RolloutConfig",
            "BACKEND_SECTIONS", "ReferenceConfig", "AlgoConfig", "LoraConfig", "LearnerConfig", "SyncConfig",
            "FaultsConfig", "GuardConfig", "LR_SCHEDULES", "LEARNER_MODES", "OPTIMIZERS", "MODE_ZERO_STAGES",
            "ATTENTION", "schema"]
@@ -73,6 +75,8 @@ class Config:
     """[task]: where the prompts come from and how they are put to the model."""
     rewards: RewardsConfig = setting(default_factory=RewardsConfig)
     """[rewards]: how completions are scored."""
+    environment: EnvironmentConfig = setting(default_factory=EnvironmentConfig)
+    """[environment]: multi-turn rollouts against an environment (off by default)."""
     rollout: RolloutConfig = setting(default_factory=RolloutConfig)
     """[rollout]: the generators: backend, precision, sampling, group sizes, resources."""
     reference: ReferenceConfig = setting(default_factory=ReferenceConfig)

@@ -1,7 +1,7 @@
-"""The sections of what is trained and how it is sampled: [run], [model], [task], [rewards], [rollout] (with a
-[rollout.NAME] table per backend with settings, e.g. [rollout.vllm]), [reference] and [reward_model]. The learning
-side ([algo], [learner], [sync], [faults], [guard]) is in training.py. The Ray resources of the roles are defined once
-(fields.py: role_resources) and inherited.
+"""The sections of what is trained and how it is sampled: [run], [model], [task], [rewards], [environment],
+[rollout] (with a [rollout.NAME] table per backend with settings, e.g. [rollout.vllm]), [reference] and
+[reward_model]. The learning side ([algo], [learner], [sync], [faults], [guard]) is in training.py. The Ray
+resources of the roles are defined once (fields.py: role_resources) and inherited.
 
 Sizes are named so that global algorithm sizes (`prompts_per_step`, `group_size`) cannot be confused with per-rank
 ones (`learner.micro_batch_per_rank`). Values the modules that use them own (reward names, backends, tasks) are
@@ -218,6 +218,42 @@ class RewardsConfig:
     eval_threshold: Float = setting(0.5, allow_inf_nan=False, why="a finite score")
     """A held-out answer counts as correct when the eval_metric's score is at or above this (a 0/1 reward is
     unaffected; set it for a graded reward or a reward model's logits)."""
+
+
+ENV_ON_ERROR = ("end", "fail")
+
+
+@dataclass(config=SECTION)
+class EnvironmentConfig:
+    """[environment]: multi-turn rollouts against an environment of your own (docs/environments.md). Off by
+    default: without a name, a rollout is one prompt and one completion."""
+
+    name: Str = setting("", allowed="\"\" (single-turn), FILE.py:NAME or MODULE:NAME")
+    """The environment: "FILE.py:NAME" (relative to the config file's folder) or "MODULE:NAME", NAME an Environment
+    subclass or a function returning a new instance; "" = none (single-turn rollouts). Each trajectory gets its own
+    instance: reset from the dataset row, then a step per model turn."""
+    params: Table = setting(default_factory=dict, fix="e.g. {turn_penalty = 0.1}")
+    """Keyword settings of the environment (its class's or factory's parameters), e.g. {turn_penalty = 0.1}."""
+    max_turns: Int = setting(4, ge=1)
+    """Model turns per trajectory; one that has not ended by then finishes as "max_turns"."""
+    turn_tokens: Int = setting(0, ge=0, why="0 = rollout.max_new_tokens")
+    """New tokens per model turn (0 = rollout.max_new_tokens)."""
+    max_context: Int = setting(1024, ge=2)
+    """Tokens of a whole trajectory, the prompt and every turn included; one that reaches it finishes as "context".
+    At most the model's context."""
+    timeout_s: Float = setting(10.0, gt=0)
+    """Seconds one environment call (a reset, a step, a score) may take; past it, the call follows on_error."""
+    on_error: choice(ENV_ON_ERROR, "must be {quoted}") = "end"
+    """An environment call that raises, passes timeout_s or answers outside the contract: "end" ends that trajectory
+    with the error as its last observation and a score of 0 (finish "env_error"); "fail" stops the run naming the
+    row."""
+    num_workers: Int = setting(2, ge=1)
+    """Ray environment workers per rollout actor: a batch's trajectories are spread over them. A worker that stops
+    answering is replaced (the trajectories it held end as "env_error")."""
+    num_cpus: Float = setting(0.0, ge=0)
+    """Ray CPU resource per environment worker."""
+    weight: Float = setting(1.0, gt=-1e6, lt=1e6, allow_inf_nan=False, why="a finite weight")
+    """The weight of the environment's score (its `score()`) in the sum of rewards, logged as reward/environment."""
 
 
 # [rollout.NAME] of each backend with settings, generated from its options dataclass (fields.options_section). Each is

@@ -113,7 +113,8 @@ def to_toml(data: Any, schema: type | None = None) -> str:
 
 
 def anchor_paths(data: dict, folder: Path, cwd: Path | None = None) -> None:
-    """In place: the relative paths a config file names (task.path, task.eval_path, a reward function's FILE.py) are
+    """In place: the relative paths a config file names (task.path, task.eval_path, a reward function's FILE.py, the
+    environment's FILE.py) are
     read against the file's own folder, as tools that read config files do, so a config works from any directory.
     A path found only against the working directory (a config written before this rule) is left as it is; one found
     nowhere is anchored at the file's folder, so the error names where it was looked for."""
@@ -136,4 +137,9 @@ def anchor_paths(data: dict, folder: Path, cwd: Path | None = None) -> None:
         if isinstance(spec, str) and ".py:" in spec:
             target, name = spec.rsplit(":", 1)
             entry["function"] = f"{anchored(target)}:{name}"
+    env = data.get("environment")
+    spec = env.get("name") if isinstance(env, dict) else None
+    if isinstance(spec, str) and ".py:" in spec:
+        target, name = spec.rsplit(":", 1)
+        env["name"] = f"{anchored(target)}:{name}"
 

@@ -146,10 +146,11 @@ def _signal_hint(entries: list[RewardEntry], results: dict[str, CallResult], ite
             "your function's parsing")
 
 
-def probe_rewards(rewards_cfg, items: list, here: bool = True) -> Probe:
+def probe_rewards(rewards_cfg, items: list, here: bool = True, signal: bool = True) -> Probe:
     """Every entry of `rewards_cfg` but the reward model, called once on the stand-in completions of `items` (the
     train rows). `here`: the run's reward workers call URLs from this machine; otherwise (a cluster, --gpus) a URL
-    that cannot be reached from here is a hint, not a problem."""
+    that cannot be reached from here is a hint, not a problem. `signal`: hint when no reward tells the reference
+    answer from a wrong one (False where another score carries the signal: an environment's)."""
     out = Probe()
     entries = entries_from_config(rewards_cfg)
     kwargs, n = probe_kwargs(items), len(items) * 2 * len(FORMS)
@@ -165,7 +166,7 @@ def probe_rewards(rewards_cfg, items: list, here: bool = True) -> Probe:
             (out.problems if kind == "problem" else out.hints).append(line)
     ok = [e for e in entries if e.label in results and results[e.label].values is not None]
     tells = [e.label for e in ok if _tells(e, results[e.label].values, len(items))]
-    if not tells and len(ok) == len(entries):  # every reward answered (none is the reward model) and none tells
+    if signal and not tells and len(ok) == len(entries):  # every reward answered (none is the model) and none tells
         out.hints.append(_signal_hint(ok, results, items))
     model = len(results) < len(entries)
     out.found = (f"{len(results)} reward{'s' * (len(results) != 1)} called once on the reference answer and a wrong "
@@ -192,12 +193,19 @@ def probe_checks(cfg, here: bool = True, progress=None) -> list[str]:
         return []
     if not items:
         return []
-    probe = probe_rewards(cfg.rewards, items, here)
+    env = cfg.environment  # an environment's score is a reward of its own, probed by itself
+    probe = probe_rewards(cfg.rewards, items, here, signal=not (env.name and env.weight))
+    return reported(probe, progress, "calls")
+
+
+def reported(probe, progress, what: str) -> list[str]:
+    """A probe's hints told (on `progress`, the check's report, else stderr), its pass counted as `what`; its
+    problems returned."""
     for hint in probe.hints:
         if progress is not None:
             progress.hint(hint)
         else:
             print(f"qgrpo: hint: {hint}", file=sys.stderr)
     if not probe.problems and progress is not None:
-        progress.passed("calls", probe.found)
+        progress.passed(what, probe.found)
     return probe.problems

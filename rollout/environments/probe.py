@@ -1,0 +1,108 @@
+"""`qgrpo check` (and `qgrpo train`, before Ray starts) refuses an environment that cannot run, naming it.
+
+Two stages, as for rewards. `load_problems` (with the config's other checks that need no model): the file is read,
+NAME is in it, it is an Environment subclass or a factory, environment.params bind to its parameters, and a class's
+tools have JSON schemas. `probe_environment` (with the reward calls): one instance made and reset from the first train
+row, its tools' schemas checked, one step taken with a stand-in turn (the row's reference answer, as a model that
+answers at once would write it), and its score read, each call under environment.timeout_s as a worker runs it
+(rollout/environments/host.py). Neither needs the model or the episode loop.
+"""
+from __future__ import annotations
+
+from qgrpo.rollout.environments.contract import EnvFailure, row_of
+from qgrpo.rollout.environments.host import EnvHost
+from qgrpo.rollout.environments.loader import (
+    NAME_FIELD,
+    EnvironmentLoadError,
+    checked_tools,
+    environment_spec,
+    factory_of,
+)
+from qgrpo.rollout.rewards.probe import Probe
+
+KEY = "check"
+
+
+def load_problems(env_cfg) -> list[str]:
+    """The environment named by `env_cfg` ([environment]) is read, imported in this process and its params bound;
+    [] when it loads (or none is set)."""
+    if not env_cfg.name:
+        return []
+    try:
+        factory_of(environment_spec(env_cfg.name, env_cfg.params))
+    except EnvironmentLoadError as e:
+        return [str(e)]
+    return []
+
+
+def stand_in_turn(item) -> str:
+    """The model turn the probe steps with: the row's reference answer (a text without tool calls)."""
+    return str(item.reference)
+
+
+def probe_environment(env_cfg, item) -> Probe:
+    """One trajectory of the environment on `item` (a train PromptItem): reset, a step with `stand_in_turn`, score."""
+    out = Probe()
+    head = f"{NAME_FIELD} ({env_cfg.name})"
+    try:
+        host = EnvHost(factory_of(environment_spec(env_cfg.name, env_cfg.params)), env_cfg.timeout_s)
+    except EnvironmentLoadError as e:
+        out.problems.append(str(e))
+        return out
+    on = f"train row {item.prompt_id}"
+    fix = {"reset": "fix reset(row) (it gets the row's prompt, answer and columns)",
+           "step": "fix step(turn) (it gets the model's turn as text and returns a StepResult)",
+           "score": "fix score() (a finite number)"}
+
+    def failed(what: str, r: EnvFailure) -> bool:
+        if not isinstance(r, EnvFailure):
+            return False
+        if r.timed_out:
+            out.problems.append(f"{head}: {what} on {on} did not return within environment.timeout_s = "
+                                f"{env_cfg.timeout_s:g} s; make it faster or raise environment.timeout_s")
+        else:
+            at = f" at {r.where}" if r.where else ""
+            out.problems.append(f"{head}: {what} on {on} raised {r.error}{at}; {fix[what]}")
+        return True
+
+    (first,) = host.reset([KEY], [row_of(item)])
+    if failed("reset", first):
+        return out
+    env = host.envs[KEY]
+    try:
+        tools = checked_tools(getattr(env, "tools", []), type(env).__name__)
+    except EnvironmentLoadError as e:
+        out.problems.append(str(e))
+        return out
+    turn = stand_in_turn(item)
+    (step,) = host.step([KEY], [turn])
+    if failed("step", step):
+        return out
+    (score,) = host.score([KEY])
+    if failed("score", score):
+        return out
+    if step.done and score <= 0:
+        out.hints.append(f"{head}: a first turn answering {turn[:40]!r}, the reference answer of {on}, ended the "
+                         f"episode with a score of {score:g}; if the environment judges answers, make sure it reads "
+                         "them as the task's references are written")
+    answer = "done" if step.done else f"{len(step.messages)} message{'s' * (len(step.messages) != 1)}"
+    out.found = (f"{env_cfg.name.rpartition(':')[2]}: reset gives {len(first)} message{'s' * (len(first) != 1)}"
+                 + (f" and {len(tools)} tool{'s' * (len(tools) != 1)}" if tools else "")
+                 + f", a step with {turn[:20]!r} answers {answer}, score {score:g}")
+    return out
+
+
+def probe_environment_checks(cfg, progress=None) -> list[str]:
+    """`probe_environment` on the first train row of `cfg`'s task, for `qgrpo check` and `qgrpo train` before Ray
+    starts: what passed told to `progress`; returns the problems ([] also when no environment is set)."""
+    if not cfg.environment.name:
+        return []
+    from qgrpo.rollout.tasks import make_task
+
+    try:
+        item = make_task(cfg.task, cfg.run.seed).item(0)
+    except Exception:  # check_task reports the task's own problems
+        return []
+    from qgrpo.rollout.rewards.probe import reported
+
+    return reported(probe_environment(cfg.environment, item), progress, "env calls")
