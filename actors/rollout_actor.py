@@ -17,6 +17,7 @@ from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
 from qgrpo.rollout.backends import make_generator
 from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, hf_tensors
+from qgrpo.rollout.episodes import Episodes, EpisodeSetup, tools_for
 from qgrpo.rollout.noise import NormNoise
 from qgrpo.rollout.requantize import Requantizer
 
@@ -24,11 +25,13 @@ from qgrpo.rollout.requantize import Requantizer
 @ray.remote
 class RolloutActor(CollectiveMember):
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None,
-                 requantize: str = "nearest", visibility: bool = True, noise: NormNoise | None = None):
+                 requantize: str = "nearest", visibility: bool = True, noise: NormNoise | None = None,
+                 episodes: EpisodeSetup | None = None):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start.
         `requantize`, `visibility`: sync.requantize and sync.visibility (rollout/requantize.py); `noise`: the
-        exploration noise added to the norm weights at each sync (rollout.norm_noise, rollout/noise.py)."""
+        exploration noise added to the norm weights at each sync (rollout.norm_noise, rollout/noise.py); `episodes`:
+        the [environment] of multi-turn rollouts (rollout/episodes.py), whose workers this actor starts and owns."""
         apply_threads(resolve_threads(threads))
         # A builtin model is built on this node; a checkpoint given as a URI (a resume) is read from this node's copy
         # of its model files.
@@ -36,7 +39,25 @@ class RolloutActor(CollectiveMember):
         self.gen = make_generator(backend, **{**generator_kwargs, "model_path": model_path})
         self.requant = self._requantizer(model_path, requantize, visibility)
         self.noise = noise if noise is not None and noise.start > 0 else None
+        self.episodes = self._episodes(episodes) if episodes is not None else None
+        self.calls = 0
         self.last_ack = self.load_weights(update) if update is not None else None
+
+    def _episodes(self, setup: EpisodeSetup) -> Episodes:
+        """The episode loop of this actor's generator, its environment workers started (and waited for)."""
+        from qgrpo.actors.env_worker import EnvClient
+        from qgrpo.rollout.environments.loader import environment_tools, factory_of
+
+        tools = environment_tools(factory_of(setup.spec))
+        chat = self.gen.chat_template and bool(self.gen.tokenizer.chat_template)
+        schemas, text = tools_for(self.gen.tokenizer, tools if chat else [])
+        if tools and not chat:  # plain text: the tools described in the first message
+            from qgrpo.rollout.environments.tools import tools_prompt
+
+            text = tools_prompt(tools)
+        client = EnvClient(setup.spec, setup.timeout_s, num_workers=setup.num_workers, num_cpus=setup.num_cpus)
+        client.wait_ready()
+        return Episodes(self.gen, self.gen.tokenizer, self.gen.stop_ids, client, setup.limits, schemas, text, chat)
 
     def _requantizer(self, model_path: str, mode: str, visibility: bool) -> Requantizer | None:
         """The requantizer of this generator's grid, its state started from the weights the generator loaded; None
@@ -55,11 +76,19 @@ class RolloutActor(CollectiveMember):
             os.kill(os.getpid(), signal.SIGKILL)
         if faults.fires("rollout.hang", step):
             time.sleep(10**6)
-        groups = self.gen.generate(items, sampling)
+        env0 = self.episodes.env_seconds if self.episodes is not None else 0.0
+        if self.episodes is not None:  # multi-turn: token in, token out against the environment
+            self.calls += 1
+            groups = self.episodes.run(items, sampling, f"{self.gen.generator_id}/{step}/{self.calls}",
+                                       self.gen.policy_version, self.gen.generator_id, self.gen.precision)
+        else:
+            groups = self.gen.generate(items, sampling)
         if groups and faults.fires("rollout.nan", step):
             groups[0].completions[0].logprobs[0] = math.nan
-        n = sum(len(c.token_ids) for g in groups for c in g.completions)
-        return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version)
+        n = sum(len(c.token_ids) if c.model_mask is None else sum(c.model_mask) for g in groups for c in g.completions)
+        env = self.episodes.env_seconds - env0 if self.episodes is not None else 0.0
+        return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version,
+                                       env)
 
     def load_weights(self, update: WeightUpdate) -> SyncAck:
         """Load one versioned update from the object store (see `_load`)."""

@@ -43,8 +43,16 @@ class SamplingParams:
 class Completion:
     token_ids: list[int]  # [L] sampled tokens, the stop token included when the model emitted it
     logprobs: list[float]  # [L] log mu(token) under the distribution actually sampled from (after temperature/top-p)
-    finish_reason: str  # "stop" (emitted EOS) or "length" (hit max_new_tokens)
+    finish_reason: str  # "stop" (emitted EOS) or "length" (hit max_new_tokens); a multi-turn trajectory's: "stop"
+    #                     (the environment ended it), "length", "max_turns", "context" (its token budget) or "env_error"
     text: str  # decoded completion, special tokens removed
+    # A multi-turn trajectory (rollout/episodes.py): token_ids hold the model's turns as sampled and the environment's
+    # turns as the chat template renders them, appended. model_mask[i] is 1 where the model sampled token i, 0 on an
+    # environment token (its log-prob is 0.0 and the loss never sees it); None: every token is the model's.
+    model_mask: list[int] | None = None
+    # each turn: {"role", "content", "start", "end" (its token span in token_ids), "tool_calls", "error"}
+    turns: list[dict] | None = None
+    env_score: float | None = None  # the environment's score of the trajectory (a reward entry reads it)
 
 
 @dataclass
@@ -68,8 +76,9 @@ class GroupRollout:
 class GenerationStats:
     generator_id: str
     seconds: float
-    new_tokens: int
+    new_tokens: int  # tokens the model sampled (a multi-turn trajectory's environment tokens are not counted)
     policy_version: int
+    env_seconds: float = 0.0  # of `seconds`, the time spent waiting on the environment (multi-turn rollouts)
 
 
 @dataclass

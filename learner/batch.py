@@ -100,7 +100,8 @@ def pack_rollouts(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) 
         for comp in g.completions:
             p, c = len(g.prompt_ids), len(comp.token_ids)
             rows.append(g.prompt_ids + comp.token_ids)
-            masks.append([0.0] * p + [1.0] * c)
+            # the loss sees the model's tokens only: a multi-turn trajectory's environment turns are masked out
+            masks.append([0.0] * p + ([1.0] * c if comp.model_mask is None else [float(x) for x in comp.model_mask]))
             mus.append([0.0] * p + list(comp.logprobs))
             versions.append(g.policy_version)
             plens.append(p)

@@ -41,7 +41,8 @@ from qgrpo.core.records import PromptItem
 FORMATS = ("jsonl", "parquet", "hf_disk")
 ROLES = ("system", "user", "assistant")
 # keyword arguments every reward function gets from qgrpo itself: a column of that name would collide with one
-RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "references", "item_ids", "finish_reasons")
+RESERVED_COLUMNS = ("prompts", "completions", "completion_ids", "references", "item_ids", "finish_reasons",
+                    "env_scores", "turns")
 MAX_REPORTED = 20  # malformed rows listed one by one; the rest are counted
 
 

@@ -7,6 +7,7 @@ import pytest
 import reasoning_gym
 
 from qgrpo.cluster.config.schema import TaskConfig
+from qgrpo.core.records import Completion
 from qgrpo.rollout.rewards.calls import reward_kwargs
 from qgrpo.rollout.rewards.verifiers import math_verifier, math_verify, rg_score
 from qgrpo.rollout.tasks import make_task
@@ -62,11 +63,10 @@ def test_rg_score_uses_the_params_and_the_rows_of_an_rg_task():
     items = [task.item(i) for i in range(4)]
     assert all(it.columns["rg_entry"]["params"] == {"min_words": 3, "max_words": 4} for it in items)
 
-    class Done:
-        def __init__(self, text):
-            self.text, self.token_ids, self.finish_reason = text, [1, 2], "stop"
+    def done(text: str) -> Completion:
+        return Completion([1, 2], [-0.1, -0.1], "stop", text)
 
-    kwargs = reward_kwargs(items + items, [Done(tagged(it.reference)) for it in items] + [Done("<answer>a, b</answer>")
+    kwargs = reward_kwargs(items + items, [done(tagged(it.reference)) for it in items] + [done("<answer>a, b</answer>")
                                                                                          for _ in items])
     scores = rg_score(**kwargs)
     assert scores[:4] == [1.0] * 4 and all(s < 1.0 for s in scores[4:])

@@ -94,10 +94,33 @@ def _fn(path: Path, name: str):
 
 def test_kwargs_carry_every_column_per_completion():
     kw = group_kwargs(_groups(ROWS, TEXTS))
-    assert set(RESERVED) <= set(kw) and {"prompt", "answer", "tolerance", "difficulty"} <= set(kw)
+    multi_turn = {"env_scores", "turns"}  # only for the trajectories of an [environment]
+    assert set(RESERVED) - multi_turn <= set(kw) and not multi_turn & set(kw)
+    assert {"prompt", "answer", "tolerance", "difficulty"} <= set(kw)
     assert all(len(v) == 6 for v in kw.values())
     assert kw["tolerance"] == [0.1] * 3 + [0.01] * 3 and kw["item_ids"][3] == "jsonl-train-1"
     assert kw["completion_ids"][1] == [0, 1, 2, 3] and kw["finish_reasons"] == ["stop"] * 6
+
+
+def test_a_trajectory_reaches_rewards_as_its_messages_and_the_environment_s_score():
+    """A multi-turn trajectory's completion is its messages after the prompt (TRL's conversational shape); its turns
+    and the environment's score come as keywords; the built-ins read its last assistant message, and the
+    "environment" built-in the score."""
+    from qgrpo.rollout.rewards import REWARD_FUNCTIONS, REWARD_NAMES
+
+    groups = _groups(ROWS[:1], [["5", "7", "1"]])
+    turns = [{"role": "assistant", "content": "5", "start": 0, "end": 1, "tool_calls": [], "error": None},
+             {"role": "user", "content": "lower", "start": 1, "end": 3, "tool_calls": [], "error": None},
+             {"role": "assistant", "content": "3", "start": 3, "end": 4, "tool_calls": [], "error": None}]
+    for c, score in zip(groups[0].completions, (1.0, 0.0, 0.5)):
+        c.turns, c.env_score, c.model_mask = turns, score, [1, 0, 0, 1]
+    kw = group_kwargs(groups)
+    assert kw["completions"][0] == [{"role": "assistant", "content": "5"}, {"role": "user", "content": "lower"},
+                                    {"role": "assistant", "content": "3"}]
+    assert kw["env_scores"] == [1.0, 0.0, 0.5] and kw["turns"][2][1]["content"] == "lower"
+    assert call_reward(REWARD_FUNCTIONS["environment"], kw) == [1.0, 0.0, 0.5]
+    assert call_reward(REWARD_FUNCTIONS["exact"], {**kw, "references": ["3"] * 3}) == [1.0] * 3  # the last answer
+    assert "environment" not in REWARD_NAMES  # added by [environment].weight, never listed by name
 
 
 def test_user_function_from_a_file(user_file):

@@ -32,6 +32,7 @@ from qgrpo.core.storage import RunDir, StorageError
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.learner.objective.loss import finalize_stats, merge_stats
 from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
+from qgrpo.rollout.episodes import episode_metrics
 from qgrpo.rollout.evaluate import eval_items, greedy, score_eval, task_judge
 from qgrpo.rollout.rewards import RewardError
 from qgrpo.rollout.rewards.judge import JudgeError
@@ -84,6 +85,9 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
         **{f"time/{k}": v for k, v in clock.seconds.items()},
         "time/step": clock.last - clock.start,
     }
+    if any(s.env_seconds for s in gen_stats):  # multi-turn: the slowest actor's wait on its environments
+        m["time/env"] = max(s.env_seconds for s in gen_stats)
+    m.update(episode_metrics(rollouts.sample))
     if sync:
         m.update(sync.metrics())
     return m

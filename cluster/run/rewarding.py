@@ -137,7 +137,7 @@ class RewardHealth:
 class RewardPool:
     def __init__(self, cfg, reward_model_path: str | None = None, run_dir: Path | None = None):
         self.cfg = cfg
-        self.entries = entries_from_config(cfg.rewards)
+        self.entries = entries_from_config(cfg.rewards, environment=cfg.environment)
         self.health = RewardHealth(self.entries, cfg.rewards.max_failed_steps, run_dir)
         self.step = 0  # the step being scored (1-based), for the error log
         self.on_error = cfg.rewards.on_error

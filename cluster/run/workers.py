@@ -38,6 +38,7 @@ from qgrpo.core.records import (
 )
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.rollout.backends import REGISTRY
+from qgrpo.rollout.episodes import episode_setup
 from qgrpo.rollout.models import BUILTIN_PREFIX, hub_cache_folder
 from qgrpo.rollout.noise import NormNoise
 
@@ -100,6 +101,8 @@ class RolloutPool:
         # sync.transport = "collective": the broadcast group (its members, formed again when the actors change).
         self.group = CollectiveGroup(lambda calls, seconds, stage: gather(calls, seconds, stage, "sync.timeout_s")) \
             if cfg.sync.transport == "collective" else None
+        # [environment]: multi-turn rollouts; each actor starts its own environment workers (rollout/episodes.py)
+        self.episodes = episode_setup(cfg.environment, cfg.rollout.max_new_tokens)
         self.actors = [self._spawn(i) for i in range(cfg.rollout.num_actors)]
 
     def name(self, slot: int) -> str:
@@ -124,6 +127,7 @@ class RolloutPool:
             self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
             NormNoise(ro.norm_noise, ro.norm_noise_end, ro.norm_noise_stages,
                       horizon=self.cfg.run.steps * self.cfg.algo.updates_per_batch),
+            self.episodes,
         )
 
     def _failed(self, slot: int, err: BaseException, prompt_ids: list[str], stage: str) -> None:

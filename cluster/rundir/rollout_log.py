@@ -1,18 +1,23 @@
 """Every rollout of a run as Parquet files under RUN_DIR/rollouts/, readable with pandas, DuckDB or pyarrow:
 `pyarrow.parquet.read_table(run_dir / "rollouts")` reads them all as one table.
 
+A multi-turn trajectory (rollout/episodes.py) is one row: `completion` is its last model turn, `num_tokens` and
+`mean_logprob` count the model's tokens only, and `turns` holds its turns as JSON ([{"role", "content", "start",
+"end", "tool_calls", "error"}, ...]; null for a single-turn completion).
+
 Besides SCHEMA_FIELDS, each reward entry's own score (GroupRollout.scores: unweighted, before reward shaping) is a
 float column `reward_LABEL` (`score_column`), null where the entry returned None or its call failed. The entries
 are fixed for a run, so every file of a run (a resumed one's included) has the same columns."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
 from qgrpo.core.records import GroupRollout
 
 SCHEMA_FIELDS = ("step", "prompt_id", "prompt", "reference", "completion", "reward", "advantage", "finish_reason",
-                 "num_tokens", "mean_logprob", "policy_version", "staleness", "precision", "generator_id")
+                 "num_tokens", "mean_logprob", "policy_version", "staleness", "precision", "generator_id", "turns")
 
 
 def score_column(label: str) -> str:
@@ -37,9 +42,12 @@ class RolloutWriter:
         """`trained_from`: the learner's policy version the step trained from; staleness = it - the sampler's."""
         for g in groups:
             for c, r, a in zip(g.completions, g.rewards, g.advantages, strict=True):
+                mask = c.model_mask if c.model_mask is not None else [1] * len(c.token_ids)
+                n = sum(mask)
                 row = (step, g.item.prompt_id, g.item.prompt, g.item.reference, c.text, r, a, c.finish_reason,
-                       len(c.token_ids), sum(c.logprobs) / max(len(c.logprobs), 1), g.policy_version,
-                       trained_from - g.policy_version, g.precision, g.generator_id)
+                       n, sum(lp for lp, m in zip(c.logprobs, mask) if m) / max(n, 1), g.policy_version,
+                       trained_from - g.policy_version, g.precision, g.generator_id,
+                       None if c.turns is None else json.dumps(c.turns))
                 for k, v in zip(SCHEMA_FIELDS, row):
                     self.rows[k].append(v)
             self._add_scores(g)
@@ -73,7 +81,8 @@ class RolloutWriter:
         self.dir.mkdir(parents=True, exist_ok=True)
         name = f"steps_{self.first_step:06d}-{self.last_step:06d}.parquet"
         tmp = self.dir / f".{name}.tmp"
-        table = pa.table({**self.rows, **{k: pa.array(v, pa.float64()) for k, v in self.scores.items()}})
+        rows = {**self.rows, "turns": pa.array(self.rows["turns"], pa.string())}  # typed, also when all null
+        table = pa.table({**rows, **{k: pa.array(v, pa.float64()) for k, v in self.scores.items()}})
         pq.write_table(table, tmp)
         tmp.rename(self.dir / name)
         self.rows = {k: [] for k in SCHEMA_FIELDS}

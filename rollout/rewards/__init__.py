@@ -26,4 +26,5 @@ from qgrpo.rollout.rewards.verifiers import math_verify, rg_score
 
 REWARD_FUNCTIONS.update(rg_score=rg_score, math_verify=math_verify)
 MODEL_REWARD = "reward_model"  # scored by the [reward_model] actors, not called in a reward worker
-REWARD_NAMES = (*REWARD_FUNCTIONS, MODEL_REWARD)  # what rewards.functions[].name accepts
+ENVIRONMENT_REWARD = "environment"  # the environment's score: added by [environment].weight, never listed by name
+REWARD_NAMES = (*(n for n in REWARD_FUNCTIONS if n != ENVIRONMENT_REWARD), MODEL_REWARD)  # rewards.functions[].name

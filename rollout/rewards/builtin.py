@@ -203,8 +203,17 @@ CHECKS: dict[str, Check] = {
     "lenient_correct": lenient_correct,
     "text_match": text_match,
 }
+def environment(env_scores: list | None = None, **kwargs) -> list[float | None]:
+    """The environment's own score of each multi-turn trajectory ([environment], rollout/episodes.py); None (not
+    applicable) for a completion that no environment scored."""
+    if env_scores is None:
+        return [None] * len(kwargs.get("completions", []))
+    return [None if s is None else float(s) for s in env_scores]
+
+
 # name -> reward function; verifiers (rollout/rewards/verifiers.py) and "reward_model" join it in rewards/__init__.py
 REWARD_FUNCTIONS: dict[str, Callable[..., list]] = {name: batched(check) for name, check in CHECKS.items()}
+REWARD_FUNCTIONS["environment"] = environment
 
 
 class RewardError(RuntimeError):

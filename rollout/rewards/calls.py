@@ -11,7 +11,12 @@ per completion, or None where it does not apply (a math verifier on a row that i
     completion_ids  the sampled token ids
     references      the reference answers
     item_ids        qgrpo's prompt ids ("jsonl-train-12")
-    finish_reasons  "stop" (the model ended it) or "length" (cut at rollout.max_new_tokens)
+    finish_reasons  "stop" (the model ended it) or "length" (cut at rollout.max_new_tokens); a multi-turn
+                    trajectory's: "stop" (the environment ended it), "max_turns", "context" or "env_error"
+    env_scores      (multi-turn, [environment]) the environment's score of each trajectory
+    turns           (multi-turn) each trajectory's turns: [{"role", "content", "start", "end", "tool_calls",
+                    "error"}, ...]; its `completions` entry is then the trajectory's messages after the prompt,
+                    [{"role": "assistant", ...}, {"role": "user" or "tool", ...}, ...] (TRL's conversational shape)
     COLUMN          every column of the dataset row under its own name (reasoning-gym: question, answer, metadata,
                     rg_entry)
 
@@ -50,9 +55,11 @@ def messages(item) -> list[dict[str, str]]:
 
 def completion_text(completion: Any) -> Any:
     """The text of one entry of `completions`, in either shape: a string as it is; a conversational completion
-    [{"role": "assistant", "content": TEXT}] -> TEXT (its last message's content)."""
+    [{"role": "assistant", "content": TEXT}] -> TEXT (its last message's content; a multi-turn trajectory's: its
+    last assistant message's, the model's final answer)."""
     if isinstance(completion, (list, tuple)):
-        completion = completion[-1] if completion else ""
+        said = [m for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
+        completion = said[-1] if said else (completion[-1] if completion else "")
     return completion.get("content") if isinstance(completion, dict) else completion
 
 
@@ -61,13 +68,17 @@ def reward_kwargs(items: list, completions: list) -> dict[str, list]:
     Chat rows get the conversational shape (every entry a list of its own, so a function may change it)."""
     kwargs: dict[str, list] = {
         "prompts": [messages(it) if it.chat else it.prompt for it in items],
-        "completions": [[{"role": "assistant", "content": c.text}] if it.chat else c.text
+        "completions": [[{"role": t["role"], "content": t["content"]} for t in c.turns] if c.turns is not None
+                        else [{"role": "assistant", "content": c.text}] if it.chat else c.text
                         for it, c in zip(items, completions, strict=True)],
         "completion_ids": [list(c.token_ids) for c in completions],
         "references": [it.reference for it in items],
         "item_ids": [it.prompt_id for it in items],
         "finish_reasons": [c.finish_reason for c in completions],
     }
+    if any(c.turns is not None for c in completions):  # multi-turn trajectories (rollout/episodes.py)
+        kwargs["env_scores"] = [c.env_score for c in completions]
+        kwargs["turns"] = [[dict(t) for t in c.turns or []] for c in completions]
     names = dict.fromkeys(k for it in items for k in (it.columns or {}) if k not in RESERVED)
     for name in names:
         kwargs[name] = [(it.columns or {}).get(name) for it in items]
@@ -127,7 +138,7 @@ def read_source(spec: str, field: str, base: Path | None = None) -> Source:
 _MODULES: dict[str, types.ModuleType] = {}
 
 
-def _module_of_file(source: Source, field: str) -> types.ModuleType:
+def _module_of_file(source: Source, field: str, runs_in: str = "every reward worker") -> types.ModuleType:
     key = hashlib.sha256(f"{source.path}\0{source.text}".encode()).hexdigest()[:16]
     if key in _MODULES:
         return _MODULES[key]
@@ -144,16 +155,17 @@ def _module_of_file(source: Source, field: str) -> types.ModuleType:
     except Exception as e:
         del sys.modules[name]
         raise RewardLoadError(f"{field}: importing {source.path} failed ({type(e).__name__}: {e}); fix the file "
-                              "(it is run once in every reward worker)") from e
+                              f"(it is run once in {runs_in})") from e
     _MODULES[key] = module
     return module
 
 
-def load_function(source: Source, field: str) -> Callable:
-    """The callable `source` names, imported (a module) or executed from the shipped source (a file)."""
+def load_function(source: Source, field: str, runs_in: str = "every reward worker") -> Callable:
+    """The callable `source` names, imported (a module) or executed from the shipped source (a file, run once in
+    `runs_in`, as its import error says)."""
     target, name = split_spec(source.spec, field)
     if source.path:
-        module = _module_of_file(source, field)
+        module = _module_of_file(source, field, runs_in)
     else:
         try:
             module = importlib.import_module(target)

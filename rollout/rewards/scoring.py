@@ -45,9 +45,15 @@ def entry_label(spec) -> str:
     return "remote" if spec.url else spec.name
 
 
-def entries_from_config(rewards_cfg, base=None) -> list[RewardEntry]:
-    """The entries of [rewards]; user files are read here (RewardLoadError names the entry when one cannot be)."""
-    return [make_entry(rewards_cfg, i, base) for i in range(len(rewards_cfg.functions))]
+def entries_from_config(rewards_cfg, base=None, environment=None) -> list[RewardEntry]:
+    """The entries of [rewards]; user files are read here (RewardLoadError names the entry when one cannot be).
+    With an [environment] (`environment`: the section) whose weight is not 0, its score is one more entry, labelled
+    "environment" (the built-in of that name reads each trajectory's env_score)."""
+    entries = [make_entry(rewards_cfg, i, base) for i in range(len(rewards_cfg.functions))]
+    if environment is not None and environment.name and environment.weight != 0:
+        entries.append(RewardEntry("environment", environment.weight, "builtin", "environment",
+                                   environment.timeout_s, field="environment.weight"))
+    return entries
 
 
 def make_entry(rewards_cfg, i: int, base=None) -> RewardEntry:
