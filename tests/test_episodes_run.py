@@ -44,3 +44,7 @@ def test_the_guessing_game_trains_two_steps(ray_session, tiny_model_path, tmp_pa
         if r["finish_reason"] == "stop":  # found: the last guess is the hidden digit
             assert r["reward_environment"] > 0
     assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+    from qgrpo.cluster.report.build import report as build_report
+
+    report = build_report(run_dir)
+    assert (report / "episodes.png").stat().st_size > 0 and "episodes.png" in (report / "summary.md").read_text()

@@ -17,6 +17,7 @@ from typing import Any
 from qgrpo.cluster.report.failures import failures_section, reward_failures
 from qgrpo.cluster.report.plots import (
     plot_accuracy,
+    plot_episodes,
     plot_kl,
     plot_mismatch,
     plot_reward,
@@ -252,12 +253,14 @@ def report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
          "mismatch plot: no mismatch/* values"),
         ("time.png", "Step time by stage", plot_time, data.steps and any(data.has(f"time/{s}") for s in STAGES),
          "step time plot: no time/<stage> values"),
+        ("episodes.png", "Multi-turn trajectories", plot_episodes, data.steps and data.has("episode/turns"), None),
     ]
     plots, missing = [], []
     for fname, title, fn, available, why in plan:
         target = out / fname
         if not available:
-            missing.append(why)
+            if why is not None:  # a panel only some runs have (episodes: an [environment]) is not missed
+                missing.append(why)
             target.unlink(missing_ok=True)  # no stale plot from an earlier report of the same run
             continue
         try:

@@ -192,3 +192,33 @@ def plot_time(data: RunData, path: Path):  # -> the Figure written
 # ---------------------------------------------------------------------------------------------------- summary
 
 
+
+
+EPISODE_FINISHES = ("stop", "max_turns", "context", "env_error")
+
+
+def plot_episodes(data: RunData, path: Path):  # -> the Figure written
+    """Multi-turn runs: what the trajectories did per step (model turns and tool calls per trajectory, the share that
+    called a tool), and how they ended (the share of each finish reason: context and max_turns are truncations)."""
+    fig, (top, bottom) = _figure(nrows=2, height=FIGSIZE[1] * 1.6)
+    x = data.x()
+    for key, label, color in (("episode/turns", "model turns", "C0"), ("episode/tool_calls", "tool calls", "C1"),
+                              ("episode/tool_errors", "tool errors", "C3")):
+        if data.has(key):
+            top.plot(x, moving_average(data.y(key), _window(len(x))), color=color, linewidth=1.8, label=label)
+    top.set_ylabel("per trajectory")
+    top.set_title("Multi-turn trajectories (trailing averages)")
+    _legend(top, "right")
+    for i, reason in enumerate(EPISODE_FINISHES):
+        key = f"episode/finish_{reason}"
+        if data.has(key):
+            bottom.plot(x, moving_average(data.y(key), _window(len(x))), color=f"C{i}", linewidth=1.8,
+                        label=f"finished: {reason}")
+    if data.has("episode/called_tool_frac"):
+        bottom.plot(x, moving_average(data.y("episode/called_tool_frac"), _window(len(x))), color="C5",
+                    linestyle="--", linewidth=1.8, label="called a tool")
+    bottom.set_ylim(-0.02, 1.02)
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("share of trajectories")
+    _legend(bottom, "right")
+    return _save(fig, path)
