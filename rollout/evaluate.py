@@ -75,7 +75,9 @@ def score_eval(groups: list[GroupRollout], metric: "str | Judge", details: bool 
                         for g in groups[:3]])
     if details:
         out["details"] = [{"prompt_id": g.item.prompt_id, "prompt": g.item.prompt, "reference": g.item.reference,
-                           "completion": t, "score": sc, "correct": sc is not None and sc >= judge.threshold}
+                           "completion": t, "score": sc, "correct": sc is not None and sc >= judge.threshold,
+                           # a multi-turn trajectory's turns (its completion is the last model turn)
+                           **({"turns": g.completions[0].turns} if g.completions[0].turns is not None else {})}
                           for g, t, sc in zip(groups, texts, scores)]
     return out
 

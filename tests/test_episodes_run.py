@@ -44,6 +44,13 @@ def test_the_guessing_game_trains_two_steps(ray_session, tiny_model_path, tmp_pa
         if r["finish_reason"] == "stop":  # found: the last guess is the hidden digit
             assert r["reward_environment"] > 0
     assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
+    # The held-out games are played too (greedy), each trajectory's turns kept with its score
+    evals = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if m.get("event") == "eval"]
+    assert [e["step"] for e in evals] == [0, 2]
+    answers = [json.loads(line) for line in (run_dir / "evals" / "step_000002.jsonl").read_text().splitlines()]
+    assert len(answers) == 20 and all(a["turns"][0]["role"] == "assistant" for a in answers)
+    assert evals[1]["accuracy"] == sum(a["correct"] for a in answers) / 20
     from qgrpo.cluster.report.build import report as build_report
 
     report = build_report(run_dir)
