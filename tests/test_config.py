@@ -58,6 +58,7 @@ BAD = [
     ("algo.is_level='chunk'", "algo.is_level: must be token, sequence or geometric"),
     ("algo.is_floor=1.5", "algo.is_floor: must be in 0..1"),
     ("algo.top_entropy_quantile=0", "algo.top_entropy_quantile: must be in (0, 1]"),
+    ("algo.m2_threshold=-0.04", "algo.m2_threshold: must be >= 0 (0 = off)"),
     ("rollout.top_p=1.5", "rollout.top_p: must be in (0, 1]"),
     ("task.name='gsm9k'", "task.name: unknown task 'gsm9k'"),
 ]
@@ -225,6 +226,9 @@ ALGO_COMBINATIONS = [
     (["algo.is_mode='none'", "algo.is_floor=0.5"], "algo.is_mode: \"none\" applies no correction"),
     (["algo.is_mode='reject'", "algo.is_floor=1.0", "algo.is_cap=1.0"], "algo.is_floor: equal to algo.is_cap"),
     (["algo.kl_coeff=0", "algo.kl_bias_correction=true"], "algo.kl_bias_correction: corrects the KL term"),
+    (["algo.m2_threshold=nan"], "algo.m2_threshold: must be >= 0 (0 = off), got nan"),
+    (["algo.m2_threshold=inf"], "algo.m2_threshold: inf masks no token, so M2PO's mask would be on in name only; "
+                                "set 0 to turn it off, or a finite threshold"),
     (["algo.dynamic_sampling=true", "algo.overlap=true"], "algo.dynamic_sampling: cannot run with algo.overlap"),
     (["algo.overlong_buffer=3"], "algo.overlong_buffer: must be < rollout.max_new_tokens (3)"),
     (["sync.requantize='stochastic'", "rollout.precision='bf16'"], "sync.requantize: 'stochastic' needs a quantized"),
@@ -297,6 +301,7 @@ def test_algo_recipes_load_and_reach_the_learner():
         "sapo": ["algo.policy_loss='sapo'", "algo.sapo_tau_neg=1.2"],
         "dapo": ["algo.dynamic_sampling=true", "algo.overlong_buffer=1", "algo.overlong_filter=true",
                  "algo.clip_high=0.28"],
+        "areal_m2po": ["algo.is_mode='mask'", "algo.is_cap=5", "algo.m2_threshold=0.04", "algo.overlap=true"],
         "entropy": ["algo.entropy_coeff=0.01", "algo.top_entropy_quantile=0.2", "algo.offpolicy_mask_kl=0.5",
                     "algo.kl_bias_correction=true"],
     }

@@ -1,6 +1,6 @@
 """Corrections and masks applied to the policy term (pure torch; no heavy imports): the sampler/learner mismatch
-weight, DeepSeek-V3.2's off-policy sequence mask, and the top-entropy token mask. All are detached: they scale or
-drop tokens' gradients, they never carry one.
+weight, M2PO's second-moment token mask, DeepSeek-V3.2's off-policy sequence mask, and the top-entropy token mask. All
+are detached: they scale or drop tokens' gradients, they never carry one.
 
 Inputs are [B, T] float32 with masked positions already 0 (learner/objective/loss.py zeroes them) and `m` [B, T] bool.
 """
@@ -77,6 +77,36 @@ def effective_sample_size(units: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     (Kong's ESS, as verl reports it). A batch whose weights are all 0 has ESS 0."""
     u = units.detach().float()
     return u.sum(), (u * u).sum(), torch.tensor(float(u.numel()), device=u.device)
+
+
+def second_moment_keep(old: Tensor, mu: Tensor, m: Tensor, threshold: float) -> Tensor:
+    """M2PO's second-moment mask (Zheng et al. 2025, "Prosperity before Collapse", arXiv 2510.01161; AReaL's
+    m2_threshold). With d_t = log r_t = log pi_old_t - log mu_t on the tokens of `m` (one micro-batch's), the second
+    moment M2 = mean_t d_t^2 is brought within `threshold` by masking the tokens of largest d_t^2, as few as it takes:
+
+        keep the k tokens of smallest d_t^2, k the largest with  (1/k) sum of those k values <= threshold
+
+    so nothing is masked when M2 <= threshold already, and the kept tokens' M2 is <= threshold. Sorted ascending, the
+    running mean of the values never decreases, so k is the length of its run at or below the threshold. Unlike a bound
+    on each r_t (sampler_weights), how far one token may be off depends on the rest of the batch: only the outliers
+    that carry the second moment are cut, and a batch that is stale throughout loses more.
+
+    A token whose d_t is not finite counts as d_t^2 = inf: it is never kept, and the other tokens' decisions are those
+    they would be without it. When even the smallest d_t^2 is above the threshold every token is masked. Computed in
+    float64, ties broken by position (a stable sort), so the mask is the same on every run. Returns [B, T] bool, False
+    off `m`."""
+    d = old.detach().double() - mu.detach().double()
+    sq = torch.where(torch.isfinite(d), d * d, torch.inf)[m]
+    keep = torch.zeros_like(m)
+    if sq.numel() == 0:
+        return keep
+    values, order = torch.sort(sq, stable=True)
+    running = values.cumsum(0) / torch.arange(1, values.numel() + 1, device=values.device, dtype=values.dtype)
+    k = int((running <= threshold).to(torch.int32).cumprod(0).sum())  # the leading run within it (one host sync)
+    kept = torch.zeros_like(sq, dtype=torch.bool)
+    kept[order[:k]] = True
+    keep[m] = kept
+    return keep
 
 
 def offpolicy_sequence_keep(logp: Tensor, mu: Tensor, adv: Tensor, m: Tensor, threshold: float) -> Tensor:

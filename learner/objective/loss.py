@@ -9,7 +9,8 @@ The loss, per completion token t of sequence i (docs/algorithms.md gives each ch
     pg_t    = the policy term of algo.policy_loss (learner/objective/losses.py): GRPO's clipped surrogate on
               rho_t = pi_theta/pi_old by default; GSPO, CISPO or SAPO
     w_t     = the sampler correction from r = pi_old/mu at is_level (token, sequence, geometric), truncated, masked
-              or rejected at [is_floor, is_cap] (learner/objective/corrections.py); TIS min(r_t, 2) by default
+              or rejected at [is_floor, is_cap] (learner/objective/corrections.py); TIS min(r_t, 2) by default;
+              x M2PO's second-moment token mask with m2_threshold > 0 (off by default)
     keep_t  = DeepSeek-V3.2's off-policy sequence mask x the top-entropy token mask (both optional)
     loss_t  = keep_t w_t pg_t + kl_coeff KL_t (x rho_t with kl_bias_correction) - entropy_coeff keep_t H_t
     loss    = sum_t loss_t * weight_t                                 weight_t from aggregation_weights()
@@ -30,6 +31,7 @@ from qgrpo.learner.objective.corrections import (
     effective_sample_size,
     offpolicy_sequence_keep,
     sampler_weights,
+    second_moment_keep,
     top_entropy_keep,
 )
 from qgrpo.learner.objective.losses import policy_term
@@ -208,7 +210,9 @@ def grpo_loss(
     keep_seq = (offpolicy_sequence_keep(logp_, mu, adv, m, cfg.offpolicy_mask_kl) if cfg.offpolicy_mask_kl > 0
                 else torch.ones_like(adv, dtype=torch.bool))
     keep_tok = top_entropy_keep(ent, m, cfg.top_entropy_quantile) if ent is not None else m
-    token_loss = sw.weight * pg * (keep_seq & keep_tok)
+    keep_m2 = second_moment_keep(old, mu, m, cfg.m2_threshold) if cfg.m2_threshold > 0 else None
+    keep = keep_seq & keep_tok if keep_m2 is None else keep_seq & keep_tok & keep_m2
+    token_loss = sw.weight * pg * keep
 
     if ref_logp is not None:
         ref = torch.where(m, ref_logp.detach().float(), 0.0)
@@ -227,7 +231,18 @@ def grpo_loss(
     with torch.no_grad():
         stats = _loss_stats(m, keep_seq, keep_tok, sw, clipped_low, clipped_high, kl_sum, ent)
         stats.update(mismatch_stats(old, mu, m))
+        if keep_m2 is not None:
+            stats.update(second_moment_stats(old, mu, m, keep_m2))
     return loss, stats
+
+
+def second_moment_stats(old: Tensor, mu: Tensor, m: Tensor, keep: Tensor) -> dict[str, Tensor]:
+    """What M2PO's mask did (corrections.second_moment_keep), as sums over the tokens of `m`, with d = log(pi_old/mu):
+    m2_sum (d^2 over every token), m2_kept_sum and m2_kept (d^2 over the kept tokens, and their count), m2_masked
+    (tokens masked). Detached 0-dim float32 tensors."""
+    d2 = torch.where(m, old.detach().float() - mu.detach().float(), 0.0).square()
+    return {"m2_sum": d2.sum(), "m2_kept_sum": torch.where(keep, d2, 0.0).sum(), "m2_kept": keep.sum().float(),
+            "m2_masked": (m & ~keep).sum().float()}
 
 
 def _loss_stats(m: Tensor, keep_seq: Tensor, keep_tok: Tensor, sw, clipped_low: Tensor, clipped_high: Tensor,
@@ -290,6 +305,9 @@ def finalize_stats(sums: dict[str, Tensor | float]) -> dict[str, float]:
       mismatch/offpolicy_masked_seq_frac  sequences dropped by the off-policy sequence mask
       entropy/mean               mean token entropy of the policy (only when grpo_loss was given the entropy)
       entropy/masked_token_frac  tokens left out of the policy term by top_entropy_quantile
+      mismatch/m2, mismatch/m2_kept, mismatch/m2_masked_token_frac   only with algo.m2_threshold > 0: the second moment
+                                 mean (log pi_old/mu)^2 over every token, over the tokens M2PO's mask kept (<= the
+                                 threshold, 0 with none kept), and the share of tokens it masked
     With no tokens every value is 0.0.
     """
     tokens = float(sums["tokens"])
@@ -320,4 +338,9 @@ def finalize_stats(sums: dict[str, Tensor | float]) -> dict[str, float]:
     }
     if float(sums.get("entropy_tokens", 0.0)) > 0:
         out["entropy/mean"] = float(sums["entropy_sum"]) / float(sums["entropy_tokens"])
+    if "m2_sum" in sums:
+        kept = float(sums["m2_kept"])
+        out["mismatch/m2"] = mean("m2_sum")
+        out["mismatch/m2_kept"] = float(sums["m2_kept_sum"]) / kept if kept > 0 else 0.0
+        out["mismatch/m2_masked_token_frac"] = mean("m2_masked")
     return out

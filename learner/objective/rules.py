@@ -40,6 +40,14 @@ def _correction_needed(a: Any) -> list[str]:
     return []
 
 
+def _m2_threshold(a: Any) -> list[str]:
+    """The knob's bounds refuse a negative or NaN threshold; an infinite one would mask nothing while reading as on."""
+    if a.m2_threshold != float("inf"):
+        return []
+    return ["algo.m2_threshold: inf masks no token, so M2PO's mask would be on in name only; set 0 to turn it off, "
+            "or a finite threshold on the mean squared log(pi_old/mu) such as 0.04"]
+
+
 def _kl_correction(a: Any) -> list[str]:
     if not a.kl_bias_correction or a.kl_coeff > 0:
         return []
@@ -59,6 +67,7 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], list[str]]]] = [
     (("clip_low", "clip_high"), _clip_order),
     (("policy_loss", "loss_agg"), _loss_aggregation),
     (("is_mode", "is_level", "is_floor", "is_cap"), _correction_needed),
+    (("m2_threshold",), _m2_threshold),
     (("kl_bias_correction", "kl_coeff"), _kl_correction),
     (("dynamic_sampling", "overlap"), _dynamic_sampling),
 ]

@@ -66,6 +66,10 @@ class ObjectiveSettings:
     offpolicy_mask_kl: float = knob(0.0, """DeepSeek-V3.2's off-policy sequence masking: drop each sequence of negative
         advantage whose mean per-token log(mu/pi_theta) is above this (0 = off; DeepSeek and TRL suggest values such
         as 0.5).""", ge=0, why="0 = off")
+    m2_threshold: float = knob(0.0, """M2PO's second-moment mask, for stale rollouts (max_staleness, overlap,
+        update_every > 1): while the mean of (log pi_old/mu)^2 over a micro-batch's completion tokens is above this,
+        the tokens of largest (log pi_old/mu)^2 are left out of the policy term, on top of the is_mode correction
+        (0 = off; AReaL's M2PO example uses 0.04).""", ge=0, why="0 = off")
     entropy_coeff: float = knob(0.0, """Entropy bonus: subtract coeff x the policy's token entropy, aggregated as
         loss_agg over the tokens the policy term trains on (all of them at top_entropy_quantile = 1), from the
         loss.""", ge=0)
