@@ -88,6 +88,7 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
     if any(s.env_seconds for s in gen_stats):  # multi-turn: the slowest actor's wait on its environments
         m["time/env"] = max(s.env_seconds for s in gen_stats)
     m.update(episode_metrics(rollouts.sample))
+    m.update(rollouts.stream)
     if sync:
         m.update(sync.metrics())
     return m
@@ -121,7 +122,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             data = step_data(run, step, clock)  # sample, generate, score, reference, advantages
             results = workers.learn(data.batch, step + 1)
             clock.lap("learn")
-            run.source.settle()  # the next step's rollouts (algo.overlap) are done: the generators are free to sync
+            run.source.before_sync()  # algo.overlap: the next step's rollouts are done (a stream goes on)
             clock.lap("rollout_wait")
             sync = run.sync(step + 1, results[0])
             climbed = run.climb(step + 1, results[0].skipped)
@@ -179,7 +180,14 @@ class TrainingRun:
                         "resumed_from": str(resume) if resume else None, "set_aside": str(aside) if aside else None,
                         **self.ladder.state()})
         self.eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
-        self.source = RolloutSource(self.workers, sampler, ro, cfg.run.seed, cfg.algo.overlap)
+        if cfg.algo.max_staleness:
+            from qgrpo.cluster.run.stream import RolloutStream
+
+            self.source = RolloutStream(self.workers, sampler, ro, cfg.run.seed, cfg.algo.max_staleness,
+                                        cfg.algo.update_every, self.state.step, self.state.published_version,
+                                        cfg.run.steps, cfg.faults.generate_timeout_s)
+        else:
+            self.source = RolloutSource(self.workers, sampler, ro, cfg.run.seed, cfg.algo.overlap)
         self.metric = task_judge(cfg.rewards, self.eval_task or sampler.task, cfg.task.eval_size, self.rewards.model)
         self.log.write({"event": "judge", "metric": self.metric.name, "judge": self.metric.describe()})
         # What always giving the train split's most common answer scores on the held-out prompts (no step: not a
@@ -200,7 +208,9 @@ class TrainingRun:
         """`qgrpo scale`: applied between steps, when nothing is in flight."""
         want = wanted_rollout_actors(self.dir.root)
         if want and want != len(self.workers.rollout.actors):
+            self.source.settle()  # a stream's calls in flight come in first
             self.log.write({"step": done, **self.workers.rollout.resize(want)})
+            self.source.resume()
 
     def _last(self, done: int) -> bool:
         return done == self.cfg.run.steps
@@ -211,6 +221,8 @@ class TrainingRun:
         due = done % self.cfg.algo.update_every == 0 or (self._last(done) and self.eval_task)
         sync = self.workers.sync_weights() if due and result.policy_version != self.published else None
         self.published = sync.version if sync else self.published
+        if due:
+            self.source.after_sync(done, self.published)
         warning = self.follow.after(sync) if sync else None
         if warning:
             self.log.write({"event": "warning", "step": done, "message": warning})

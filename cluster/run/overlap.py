@@ -31,6 +31,7 @@ class StepRollouts:
     # (`groups` are those kept for the batch), and the generators' time over every round, which run one after another
     first_round: list[GroupRollout] | None = None
     generate_seconds: float | None = None
+    stream: dict = dataclasses.field(default_factory=dict)  # algo.max_staleness: the stream/* metrics (stream.py)
 
     @property
     def sample(self) -> list[GroupRollout]:
@@ -87,6 +88,16 @@ class RolloutSource:
         sampling = dataclasses.replace(base, seed=base.seed + round_ * ROUND_SEED_STRIDE)
         groups, stats = self.workers.generate(items, sampling, step + 1)
         return StepRollouts(groups, stats, self.sampler.cursor)
+
+    def before_sync(self) -> None:
+        """The next step's rollouts (algo.overlap) are done: the generators are free to sync."""
+        self.settle()
+
+    def after_sync(self, done: int, version: int) -> None:
+        """Nothing: the next step's prompts are drawn when it is taken (or, with overlap, when this one was)."""
+
+    def resume(self) -> None:
+        """Nothing: `take` starts the generations."""
 
     def settle(self) -> None:
         """Wait until the generation in flight (if any) is done; its failure is raised here, in the driver."""

@@ -62,6 +62,18 @@ def _dynamic_sampling(a: Any) -> list[str]:
             "step knows how many more it needs); set one of them to false"]
 
 
+def _max_staleness(a: Any) -> list[str]:
+    if not a.max_staleness:
+        return []
+    other = "overlap" if a.overlap else "dynamic_sampling" if a.dynamic_sampling else ""
+    if not other:
+        return []
+    why = ("is the one-step-off form of it; max_staleness = 1 covers it" if other == "overlap" else
+           "needs to know after each step's rewards how many more prompts to draw, which a stream drew already")
+    return [f"algo.max_staleness: cannot run with algo.{other} (it {why}); set algo.{other} = false or "
+            "algo.max_staleness = 0"]
+
+
 # ([algo] keys read, rule): the rule gets the [algo] record
 RULES: list[tuple[tuple[str, ...], Callable[[Any], list[str]]]] = [
     (("clip_low", "clip_high"), _clip_order),
@@ -70,4 +82,5 @@ RULES: list[tuple[tuple[str, ...], Callable[[Any], list[str]]]] = [
     (("m2_threshold",), _m2_threshold),
     (("kl_bias_correction", "kl_coeff"), _kl_correction),
     (("dynamic_sampling", "overlap"), _dynamic_sampling),
+    (("max_staleness", "overlap", "dynamic_sampling"), _max_staleness),
 ]

@@ -84,6 +84,11 @@ class ObjectiveSettings:
         step k (cluster/run/overlap.py). They are one update stale at update_every = 1, corrected by the importance
         weights (is_mode); staleness is recorded per rollout. Pays off when generators and learner have their own
         devices or nodes.""")
+    max_staleness: int = knob(0, """Asynchronous rollouts (cluster/run/stream.py): the rollout actors generate
+        continuously, up to this many weight syncs ahead of the learner, which trains on each step's groups as soon
+        as they are in. 0 = synchronous (each step's rollouts are generated after the previous step's sync). A group
+        is never trained on more than max_staleness syncs after the weights that sampled it; the importance weights
+        (is_mode) correct for it as they do for quantization.""", ge=0, why="0 = synchronous")
     # The chosen policy loss's parameters (an instance of its registered dataclass; None: its defaults)
     params: Any = None
 

@@ -1,0 +1,153 @@
+"""Asynchronous rollouts with a staleness bound (cluster/run/stream.py, algo.max_staleness): the bound by hand, the
+config's refusals, and real runs of configs/tiny.toml through Ray, where a synchronous run and a stream at staleness 2
+train on the same prompts in the same steps, the stream's groups are never staler than the bound, and a rollout actor
+beyond a step's prompts generates later steps' prompts."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from qgrpo.cluster.config.schema import ConfigError, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+class _Stream:
+    """RolloutStream's bound alone (no thread, no actors)."""
+
+    def __init__(self, S: int, U: int):
+        from qgrpo.cluster.run.stream import RolloutStream
+
+        self.S, self.U, self.needed = S, U, RolloutStream.needed.__get__(self)
+
+
+@pytest.mark.parametrize("S, U, expected", [
+    (0, 1, [0, 1, 2, 3, 4, 5]),  # synchronous: step c waits for the weights of step c
+    (1, 1, [0, 0, 1, 2, 3, 4]),  # one sync behind
+    (2, 1, [0, 0, 0, 1, 2, 3]),
+    (0, 2, [0, 0, 2, 2, 4, 4]),  # update_every = 2: the synchronous run samples steps 2 and 3 from step 2's weights
+    (1, 2, [0, 0, 0, 0, 2, 2]),  # ... and one sync (two steps) earlier
+])
+def test_a_chunk_of_step_c_waits_for_the_weights_the_bound_names(S, U, expected):
+    assert [_Stream(S, U).needed(c) for c in range(6)] == expected
+
+
+@pytest.mark.parametrize("other, words", [
+    ("algo.overlap=true", "algo.max_staleness: cannot run with algo.overlap"),
+    ("algo.dynamic_sampling=true", "algo.max_staleness: cannot run with algo.dynamic_sampling"),
+])
+def test_the_stream_refuses_what_it_cannot_run_with(other, words):
+    with pytest.raises(ConfigError, match=words):
+        load_config(str(TINY), ["algo.max_staleness=1", other])
+    with pytest.raises(ConfigError, match="algo.max_staleness"):
+        load_config(str(TINY), ["algo.max_staleness=-1"])
+    assert load_config(str(TINY), ["algo.max_staleness=1"]).algo.max_staleness == 1
+
+
+def _train(tiny_model_path: str, tmp_path: Path, name: str, *sets: str) -> Path:
+    from qgrpo.cluster.cli.app import main
+
+    cache = Path(tiny_model_path).parents[1]
+    out = tmp_path / name
+    args = [f"model.cache_dir='{cache}'", f"run.output_dir='{out}'", "run.progress=false", "run.eval=false",
+            "run.steps=5", "rollout.num_actors=2", "rollout.prompts_per_step=1", "rollout.group_size=8", *sets]
+    assert main(["train", str(TINY), *(x for s in args for x in ("--set", s))]) == 0
+    (run_dir,) = out.iterdir()
+    return run_dir
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "time/step" in m]
+
+
+def test_a_stream_trains_on_the_prompts_of_a_synchronous_run_within_its_bound(ray_session, tiny_model_path,
+                                                                               tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    sync = _train(tiny_model_path, tmp_path, "sync")
+    stream = _train(tiny_model_path, tmp_path, "stream", "algo.max_staleness=2")
+
+    def by_step(run_dir: Path) -> dict[int, list]:
+        rows = pq.read_table(run_dir / "rollouts").to_pylist()
+        return {s: sorted({r["prompt_id"] for r in rows if r["step"] == s}) for s in range(1, 6)}
+
+    # Nothing lost, nothing twice: the same prompts, in the same steps, as the synchronous run
+    assert by_step(stream) == by_step(sync)
+    assert all("stream/wait_s" not in m for m in _steps(sync))
+    rows = pq.read_table(stream / "rollouts").to_pylist()
+    for m in _steps(stream):
+        assert 0 <= m["stream/staleness_max"] <= 2 and m["stream/wait_s"] >= 0
+        versions = {r["policy_version"] for r in rows if r["step"] == m["step"]}
+        assert all(m["policy_version"] - 1 - v <= 2 for v in versions)  # the learner trained on from version - 1
+    # The stream ran ahead: the groups of later steps were sampled before the syncs they would have waited for
+    assert max(m["stream/staleness_max"] for m in _steps(stream)) >= 1
+    # One prompt per step, two actors: the second generated later steps' prompts (no actor sat idle by design)
+    assert len({r["generator_id"] for r in rows}) == 2
+
+
+def test_a_killed_rollout_actor_in_a_stream_loses_and_repeats_no_prompt(ray_session, tiny_model_path, tmp_path,
+                                                                        faults, monkeypatch):
+    """One of two rollout actors SIGKILLs its process inside generate at generator step 2 while the stream runs
+    ahead; its chunk goes again, first, to a live actor. Every prompt of every step is trained on exactly
+    group_size times and none twice across steps."""
+    from collections import Counter
+
+    import pyarrow.parquet as pq
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    faults("rollout.kill@2")
+    run_dir = _train(tiny_model_path, tmp_path, "killed", "algo.max_staleness=1", "rollout.prompts_per_step=4")
+    rows = pq.read_table(run_dir / "rollouts").to_pylist()
+    per_step = {s: Counter(r["prompt_id"] for r in rows if r["step"] == s) for s in range(1, 6)}
+    for step, counts in per_step.items():
+        assert len(counts) == 4 and set(counts.values()) == {8}, (step, counts)
+    assert len({p for c in per_step.values() for p in c}) == 20
+    events = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e.get("event", "").startswith("rollout_actor_")] == \
+        ["rollout_actor_failed", "rollout_actor_replaced"]
+    assert all(m["stream/staleness_max"] <= 1 for m in _steps(run_dir))
+
+
+@pytest.mark.ray  # a qgrpo process of its own
+def test_a_stream_killed_mid_run_resumes_without_skipping_or_repeating_a_prompt(tiny_model_path, tmp_path):
+    """The whole streamed run (driver, Ray, actors) is SIGKILLed while writing step 4's checkpoint, with later
+    steps' groups generated ahead; `--resume` continues from step 2's checkpoint, and steps 1-5 train on the same
+    prompts as a synchronous run would: what was ahead is generated again, nothing is skipped or repeated."""
+    import os
+    import signal
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from qgrpo.rollout.tasks import PromptSampler, make_task
+    from tests.test_faults import _run_own_group
+
+    cache = Path(tiny_model_path).parents[1]
+    base = [f"model.cache_dir='{cache}'", "run.progress=false", "run.eval=false", "run.steps=5", "run.save_every=2",
+            "rollout.num_actors=2", "rollout.prompts_per_step=2", "rollout.group_size=4"]
+
+    def args(out: Path, *sets: str) -> list[str]:
+        return ["train", str(TINY), *(x for s in (*base, f"run.output_dir='{out}'", *sets) for x in ("--set", s))]
+
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "QGRPO_FAULTS_STATE": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    proc = _run_own_group([sys.executable, "-m", "qgrpo", *args(tmp_path / "stream", "algo.max_staleness=2")],
+                          {**env, "QGRPO_FAULTS": "save.kill@4"})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    (run_dir,) = (tmp_path / "stream").iterdir()
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_000002"]
+    proc = _run_own_group([sys.executable, "-m", "qgrpo", "train", "--resume", str(run_dir)],
+                          {**env, "QGRPO_FAULTS": ""})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [m["step"] for m in _steps(run_dir)] == [1, 2, 3, 4, 5]
+    # What a synchronous run trains on: the task's prompts in order, prompts_per_step a step
+    cfg = load_config(str(TINY), base)
+    sampler = PromptSampler(make_task(cfg.task, cfg.run.seed))
+    expected = {s: sorted(i.prompt_id for i in sampler.next(2)) * 4 for s in range(1, 6)}
+    rows = pq.read_table(run_dir / "rollouts").to_pylist()
+    assert {s: sorted(r["prompt_id"] for r in rows if r["step"] == s) for s in range(1, 6)} == \
+        {s: sorted(ids) for s, ids in expected.items()}  # each prompt once, in its step, group_size times
