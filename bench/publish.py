@@ -293,6 +293,41 @@ def weight_transport_adapters(d: dict) -> list[str]:
                      f(r["fingerprint_gap_max"], 3)] for r in d["rows"]])]
 
 
+def async_sim(d: dict) -> list[str]:
+    """bench/async_sim.py: projected steps per hour, learner utilisation and staleness by schedule and actor count."""
+    inp, ck = d["inputs"], d["check"]
+    t, c, st = inp["stage_times"], inp["config"], inp["stages"]
+    decode = ("a decode step costing in proportion to its rows (compute-bound, as on this CPU)" if st["row_share"] == 1
+              else f"{pct(st['row_share'])} of a decode step growing with its rows")
+    out = wrap(f"Projections from a model, not measurements. Inputs: the per-step stage times of `{t['file']}` "
+               f"({', '.join(t['runs'])}, mean): generate {f(t['generate_s'])} s, rewards + pack + reference "
+               f"{f(t['reference_s'])} s, learn {f(t['learn_s'])} s, sync {f(t['sync_s'])} s (the learner's export "
+               f"{f(t['export_s'])} s, the rest the actors' load); the job of `{c['file']}` ({c['prompts_per_step']} "
+               f"prompts x {c['group_size']} completions, at most {c['max_new_tokens']} new tokens). An actor decodes "
+               f"its chunk of groups as one batch in {f(st['token_s'] * 1e3, 2)} ms x rows x its longest completion "
+               f"(calibrated to the measured generate time), {decode}; every actor, the reference and the learner "
+               "on a device of its own; rewards, pack and reference stay in the learner's path as the driver runs "
+               "them, so utilisation tops out at learn / (reference + learn + export). "
+               f"Check: the synchronous loop at {ck['actors']} actor with the first lengths "
+               f"below, {f(ck['simulated_s_per_step'], 1)} s per step; measured {f(ck['measured_s_per_step'], 1)} s. "
+               f"Steady state over steps {d['args']['warmup'] + 1}-{d['args']['steps']}, seed {d['args']['seed']}.")
+    for name, rows in d["scenarios"].items():
+        lg = inp["lengths"][name]
+        by = {(r["mode"], r["actors"]): r for r in rows}
+        modes, actors = list(dict.fromkeys(r["mode"] for r in rows)), sorted({r["actors"] for r in rows})
+        head = ["schedule", *(f"{a} actor{'s' * (a > 1)}" for a in actors)]
+        cells = lambda fmt: [[m, *(fmt(by[m, a]) for a in actors)] for m in modes]  # noqa: E731
+        out += ["", *wrap(f"Completion lengths: {lg['source']}; mean {f(lg['sampled_mean'], 1)} tokens, the longest "
+                          f"of a {inp['calibration']['batch_rows']}-row batch {f(lg['expected_longest_of_batch'], 1)} "
+                          "on average. Steps per hour (learner utilisation: time in the learn stage over wall time):"),
+                "", *table(head, cells(lambda r: f"{f(r['steps_per_hour'], 1)} ({pct(r['learner_utilisation'])})")),
+                "", *wrap("Learner wait, s per step (the reference, learn and export standing idle); staleness of "
+                          "the groups taken, mean/max; share of groups dropped as too stale:"),
+                "", *table(head, cells(lambda r: f"{f(r['learner_wait_s'], 1)}; {f(r['staleness_mean'])}/"
+                                                 f"{r['staleness_max']}; {pct(r['discarded_frac'], 1)}"))]
+    return out
+
+
 # --- the page ------------------------------------------------------------------------------------------------------
 
 Render = Callable[[dict], list[str]]
@@ -394,6 +429,19 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("weight_transport_adapters", "LoRA adapters alone",
          "A LoRA run's sync: the merged model against `sync.adapters_only`.", weight_transport_adapters),
     ]),
+    ("Planning past this machine", [
+        ("async_sim", "Asynchronous rollouts, projected",
+         "Projected, not measured: the default job's steps per hour and learner utilisation as a seeded model of the "
+         "step loop (`bench/async_sim.py`) gives them for the synchronous loop, one-step-off overlap "
+         "(`algo.overlap`) and asynchronous rollouts at staleness bounds 1, 2 and 4 (async-S: actors take prompts "
+         "whenever free under AReaL's paced admission, the learner drops groups more than S versions old), with 1 "
+         "to 16 rollout actors per learner. Its inputs: the stage times of the int8 runs under \"By rollout "
+         "precision\" above and the completion lengths of the run published as `default_job_avx2_emulated` (the "
+         "same job), or a lognormal with the same mean and a longer tail. qgrpo's stream (`algo.max_staleness`, "
+         "[learner.md](learner.md#asynchronous-rollouts)) differs from the model's async rows: it sends a chunk "
+         "only once the actors hold new enough weights, so it drops no group, and it trains steps in order, so a "
+         "slow chunk still delays its step; read those rows as an upper bound for it.", async_sim),
+    ]),
 ]
 
 INTRO = """\
@@ -421,6 +469,8 @@ Each script writes its JSON under `bench/results/` and prints a table; run them 
 - `bench/learner_profile.py`, `bench/learner_memory.py`, `bench/learner_step.py`: the learner's step, memory and
   shared-prompt forward.
 - `bench/weight_transport.py`: the object-store and collective weight transports; `--adapters` for LoRA syncs.
+- `bench/async_sim.py`: a model (no Ray) projecting steps per hour and learner utilisation for synchronous,
+  one-step-off and asynchronous rollouts with 1-16 actors, from the published stage times.
 
 To publish a result, write its JSON to `bench/published/` with a `command` and a `machine` field, add it to
 `SECTIONS` in `bench/publish.py` and run `{command}` (`make docs` runs it too).
