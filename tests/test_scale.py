@@ -107,3 +107,38 @@ def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path
     actors = {m["step"]: m["rollout/actors"] for m in recs if "rollout/actors" in m}
     print(f"\ngenerate s/step: one actor {gen[first_two - 1]:.2f} (step {first_two - 1}), two actors "
           f"{gen[first_two + 1]:.2f} (step {first_two + 1}); actors per step {actors}")
+
+
+def test_actors_added_to_a_running_stream_take_prompts_from_its_queue(tiny_model_path, tmp_path):
+    """algo.max_staleness = 1: `qgrpo scale` 1 -> 2 while the stream runs ahead. The stream settles (its call in
+    flight comes in), the actor is added, and the new actor takes chunks from the queue: it generates later steps'
+    prompts; every prompt of every step is still generated exactly once, and no group is staler than the bound."""
+    out, steps_n = tmp_path / "runs", 8
+    sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", f"run.steps={steps_n}",
+            "run.progress=false", "run.eval=false", "run.tensorboard=false", "rollout.prompts_per_step=4",
+            f"rollout.group_size={GROUP}", "run.rollouts_flush_every=1", "guard.enabled=false", "algo.max_staleness=1"]
+    log = (tmp_path / "stderr.txt").open("w")
+    env = {**os.environ, "QGRPO_FAULTS": "driver.slow@1+"}  # 1 s a step: the request lands before the run ends
+    env.pop("RAY_ADDRESS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "qgrpo", "train", "configs/tiny.toml",
+                             *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stderr=log, stdout=log, env=env)
+    run_dir_of = lambda: next((p for p in out.iterdir() if p.is_dir()), None) if out.is_dir() else None  # noqa: E731
+    try:
+        run_dir = _wait(proc, run_dir_of, lambda r: len([m for m in r if "reward/mean" in m]) >= 2, "step 2")
+        _scale(run_dir, 2)
+        assert proc.wait(timeout=900) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    recs = _records(run_dir)
+    (up,) = [m for m in recs if m.get("event") == "scale"]
+    assert (up["from"], up["to"]) == (1, 2) and "refused" not in up
+    rows = pq.read_table(run_dir / "rollouts").to_pylist()
+    for step in range(1, steps_n + 1):
+        assert Counter(r["prompt_id"] for r in rows if r["step"] == step) == \
+            {p: GROUP for p in {r["prompt_id"] for r in rows if r["step"] == step}}
+        assert len({r["prompt_id"] for r in rows if r["step"] == step}) == 4
+    assert set(Counter(r["prompt_id"] for r in rows).values()) == {GROUP}
+    assert any(r["generator_id"] == "torch-1" for r in rows if r["step"] > up["step"])
+    assert all(m["stream/staleness_max"] <= 1 for m in recs if "stream/staleness_max" in m)
