@@ -76,9 +76,11 @@ def eval_bf16(checkpoint: Path, log: Path) -> dict:
 
 
 def one_run(args, seed: int, precision: str, name: str = "", config: Path = CONFIG,
-            extra: tuple[str, ...] = ()) -> dict:
+            extra: tuple[str, ...] = (), keep: Callable[[Path], None] | None = None, bf16_eval: bool = True) -> dict:
     """One `qgrpo train` of `config` under the memory sampler, then the bf16 evaluation of its final checkpoint;
-    `extra` are more `--set KEY=VALUE` overrides, after this bench's own (bench/loss_variants.py's variants)."""
+    `extra` are more `--set KEY=VALUE` overrides, after this bench's own (bench/loss_variants.py's variants).
+    `keep(run_dir)` copies what a bench needs out of the run directory before it is deleted; `bf16_eval` False skips
+    the final checkpoint's `qgrpo eval` (single-turn: it does not play an environment's episodes)."""
     name = name or f"s{seed}_{precision}"
     logs = args.out_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -97,10 +99,12 @@ def one_run(args, seed: int, precision: str, name: str = "", config: Path = CONF
         if rc != 0 or not steps or steps[-1]["step"] != (args.steps or 30):
             raise SystemExit(f"run {name} failed (exit {rc}, {len(steps)} steps logged): see {logs / f'{name}.log'}")
         shutil.copy(run_dir / "metrics.jsonl", logs / f"{name}.metrics.jsonl")
+        if keep is not None:
+            keep(run_dir)
         evals = {e["step"]: e for e in lines if e.get("event") == "eval"}
         baseline = next((e for e in lines if e.get("event") == "baseline"), None)
         final = None
-        if evals:
+        if evals and bf16_eval:
             ckpts = sorted((run_dir / "checkpoints").glob("step_*"))
             final = eval_bf16(ckpts[-1], logs / f"{name}.eval_bf16.log")
     timed = steps[WARMUP_STEPS:]
@@ -131,7 +135,8 @@ def one_run(args, seed: int, precision: str, name: str = "", config: Path = CONF
     if evals:
         res["acc_gain_points"] = 100 * (evals[last]["accuracy"] - acc0)
         res["acc_gain_points_per_min"] = res["acc_gain_points"] / (seconds / 60)
-        res["acc_gain_bf16_points_per_min"] = 100 * (final["accuracy"] - acc0) / (seconds / 60)
+        if final is not None:
+            res["acc_gain_bf16_points_per_min"] = 100 * (final["accuracy"] - acc0) / (seconds / 60)
     return res
 
 

@@ -127,6 +127,33 @@ def default_job(d: dict) -> list[str]:
     return out
 
 
+def calculator_job(d: dict) -> list[str]:
+    """bench/calculator_job.py: the calculator example whole, once per seed; tool use on the held-out set and in
+    training."""
+    def share(correct: int, n: int) -> str:
+        return f"{pct(correct / n)} ({correct}/{n})" if n else "- (0/0)"
+
+    heldout = table(["run", "step", "accuracy", "called the tool", "acc., called", "acc., not called",
+                     "tool errors/traj.", "turns/traj."],
+                    [[r["name"], step, pct(h["accuracy"]), pct(h["called_frac"]),
+                      share(h["called_correct"], h["called_n"]), share(h["not_called_correct"], h["not_called_n"]),
+                      f(h["tool_errors"]), f(h["turns"])]
+                     for r in d["runs"] for step, h in sorted(r["heldout"].items(), key=lambda kv: int(kv[0]))])
+    train = table(["run", "called, first 5", "last 5", "env. score, first 5", "last 5", "tool errors/traj.",
+                   "turns/traj.", "s/step", "wall min"],
+                  [[r["name"], pct(t["called_tool_frac_first"]), pct(t["called_tool_frac_last"]),
+                    f(t["environment_score_first"]), f(t["environment_score_last"]), f(t["tool_errors"]),
+                    f(t["turns"]), f(r["s_per_step"], 1), f(r["process_s"] / 60, 1)]
+                   for r in d["runs"] for t in [r["train"]]])
+    return [*wrap("Held-out (greedy, 100 prompts, each episode played through the environment, on the run's int8 "
+                  "generators) at step 0 and after the last step: accuracy, the share of trajectories that called "
+                  "the tool, and the accuracy of those that did and did not (correct of count)."), "", *heldout, "",
+            *wrap(f"Training ({d['steps']} steps, 64 trajectories a step at temperature 1): the share that called "
+                  "the tool and the environment's score (1 for the exact product), means over the first and the "
+                  "last 5 steps; tool errors and model turns per trajectory over the run; seconds per step over steps "
+                  f"2-{d['steps']}; wall time of the whole `qgrpo train` process."), "", *train]
+
+
 def from_run(d: dict) -> list[str]:
     """bench/default_job.py --from-run: one run made by hand, summarised from its run directory."""
     s = d["seconds_per_stage"]
@@ -352,6 +379,11 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "its sync split is the point.", default_job),
         ("default_job_word_answers", "The README's own task",
          "The README's own-task snippet (`examples/word_answers/config.toml`) run as written.", from_run),
+    ]),
+    ("Environments and tools", [
+        ("calculator_job", "The calculator example: learning to call a tool",
+         "[examples/calculator/](../examples/calculator/) whole (SmolLM2-135M-Instruct, 3-digit multiplications, a "
+         "`calculate` tool run by the environment, int8 rollouts), two seeds, one run at a time.", calculator_job),
     ]),
     ("Losses and corrections", [
         ("loss_variants_tiny", "On the tiny job",

@@ -450,6 +450,27 @@ def test_calculator_tool_and_score():
     assert score_env(wrong) == 0.0
 
 
+def test_calculator_worked_exchanges_are_right_and_come_before_the_question():
+    """The calculator shows two worked exchanges before each question: each call parses, the tool gives the result
+    shown, the final answer scores 1 on it, and the question with its instruction comes last, as the row gave it."""
+    sys.path.insert(0, str(CALC))
+    try:
+        env = _example(CALC, "Calculator")()
+    finally:
+        sys.path.remove(str(CALC))
+    prompt = "Calculate 314 * 365.\nGive the final answer inside <answer></answer>."
+    first = reset_env(env, {"prompt": prompt, "answer": 114610})
+    assert first[-1] == {"role": "user", "content": prompt} and len(first) == 9
+    for user, call, result, answer in (first[i:i + 4] for i in range(0, 8, 4)):
+        assert [m["role"] for m in (user, call, result, answer)] == ["user", "assistant", "tool", "assistant"]
+        assert user["content"].endswith("\nGive the final answer inside <answer></answer>.")
+        demo = type(env)()
+        reset_env(demo, {"prompt": user["content"], "answer": int(result["content"])})
+        assert step_env(demo, call["content"]).messages == [{"role": "tool", "content": result["content"]}]
+        step_env(demo, answer["content"])
+        assert score_env(demo) == 1.0
+
+
 @pytest.mark.parametrize("folder", [GUESS, CALC], ids=lambda p: p.name)
 def test_examples_pass_the_environment_checks(folder, monkeypatch):
     from qgrpo.rollout.environments.probe import probe_environment_checks
