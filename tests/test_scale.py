@@ -3,8 +3,10 @@ prompt of every step is generated and scored exactly once, the added actor's fir
 the other actor samples with (the current published weights), and after the scale-down only one actor generates.
 The generation time per step before and after the scale-up is printed (on two cores two actors share the same
 cores: reported, not asserted)."""
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -50,21 +52,37 @@ def _scale(run_dir: Path, n: int) -> None:
     assert r.returncode == 0 and "next step boundary" in r.stderr, r.stderr
 
 
+@contextlib.contextmanager
+def _training(sets: list[str], env: dict, log_path: Path):
+    """`qgrpo train configs/tiny.toml` with `sets`, in a process group of its own (its Ray head and actors join it);
+    whatever happens, that group and only that group is killed afterwards, so a failing test leaves no process."""
+    log = log_path.open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "qgrpo", "train", "configs/tiny.toml",
+                             *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stderr=log, stdout=log, env=env,
+                            start_new_session=True)
+    try:
+        yield proc
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+        log.close()
+
+
 def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path):
     out = tmp_path / "runs"
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", f"run.steps={STEPS}", "run.progress=false",
             "run.eval=false", "run.tensorboard=false", f"rollout.prompts_per_step={PROMPTS}",
             f"rollout.group_size={GROUP}", "run.rollouts_flush_every=1", "guard.enabled=false"]
-    log = (tmp_path / "stderr.txt").open("w")
     # A tiny step takes under 0.1 s on a fast CPU, less than `qgrpo scale` needs to start: each step sleeps 1 s
     # first (the driver.slow fault), so that each request lands a known number of steps before the run ends.
     env = {**os.environ, "QGRPO_FAULTS": "driver.slow@1+"}
-    proc = subprocess.Popen([sys.executable, "-m", "qgrpo", "train", "configs/tiny.toml",
-                             *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stderr=log, stdout=log, env=env)
     run_dir_of = lambda: next((p for p in out.iterdir() if p.is_dir()), None) if out.is_dir() else None  # noqa: E731
     steps = lambda recs: [m["step"] for m in recs if "reward/mean" in m]  # noqa: E731
     scales = lambda recs: [m for m in recs if m.get("event") == "scale"]  # noqa: E731
-    try:
+    with _training(sets, env, tmp_path / "stderr.txt") as proc:
         run_dir = _wait(proc, run_dir_of, lambda r: len(steps(r)) >= 2, "step 2")
         _scale(run_dir, 2)
         _wait(proc, run_dir_of, lambda r: scales(r) and len([s for s in steps(r) if s > scales(r)[0]["step"]]) >= 2,
@@ -72,10 +90,6 @@ def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path
         _scale(run_dir, 1)
         _wait(proc, run_dir_of, lambda r: len(scales(r)) == 2, "the scale-down")
         assert proc.wait(timeout=900) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
 
     recs = _records(run_dir)
     up, down = scales(recs)
@@ -117,20 +131,13 @@ def test_actors_added_to_a_running_stream_take_prompts_from_its_queue(tiny_model
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", f"run.steps={steps_n}",
             "run.progress=false", "run.eval=false", "run.tensorboard=false", "rollout.prompts_per_step=4",
             f"rollout.group_size={GROUP}", "run.rollouts_flush_every=1", "guard.enabled=false", "algo.max_staleness=1"]
-    log = (tmp_path / "stderr.txt").open("w")
     env = {**os.environ, "QGRPO_FAULTS": "driver.slow@1+"}  # 1 s a step: the request lands before the run ends
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.Popen([sys.executable, "-m", "qgrpo", "train", "configs/tiny.toml",
-                             *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stderr=log, stdout=log, env=env)
     run_dir_of = lambda: next((p for p in out.iterdir() if p.is_dir()), None) if out.is_dir() else None  # noqa: E731
-    try:
+    with _training(sets, env, tmp_path / "stderr.txt") as proc:
         run_dir = _wait(proc, run_dir_of, lambda r: len([m for m in r if "reward/mean" in m]) >= 2, "step 2")
         _scale(run_dir, 2)
         assert proc.wait(timeout=900) == 0, (tmp_path / "stderr.txt").read_text()[-4000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        log.close()
     recs = _records(run_dir)
     (up,) = [m for m in recs if m.get("event") == "scale"]
     assert (up["from"], up["to"]) == (1, 2) and "refused" not in up
