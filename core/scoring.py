@@ -124,16 +124,41 @@ def token_logprobs(model, input_ids: torch.Tensor, temperature: float = 1.0, pro
     a row's prompt end are 0 and only completion positions are scored, through `shared_prompt_logprobs`; with
     `seq_lens` [B] too (each row's prompt + completion tokens), a group's completions are packed into one row there.
 
+    Padding: given `seq_lens`, every path (plain, padded or packed shared-prompt) returns 0 at positions at or past a
+    row's length; without them the plain and padded passes cannot tell padding from tokens and return the pad
+    tokens' log-probs there, for the caller to mask with its completion mask (`zero_past_ends`).
+
     `with_entropy`: (log-probs, entropies), both [B, T] float32; entropy j is that of the distribution predicting
     token j, 0 wherever the log-prob is 0 by construction (position 0, prompt positions), with gradients.
     """
     if prompt_lens is not None:
         return shared_prompt_logprobs(model, input_ids, prompt_lens, group_ids, temperature, pad_id,
                                       with_entropy=with_entropy, seq_lens=seq_lens)
+    if seq_lens is not None:
+        seq_lens = checked_seq_lens(seq_lens, input_ids.shape[1], device=input_ids.device)
     picked, _ = _forward_logprobs(model, input_ids, input_ids[:, 1:], temperature, with_entropy)  # [B, T-1]
-    if with_entropy:
-        return tuple(torch.nn.functional.pad(x, (1, 0)) for x in picked)
-    return torch.nn.functional.pad(picked, (1, 0))
+    out = tuple(torch.nn.functional.pad(x, (1, 0)) for x in (picked if with_entropy else (picked,)))
+    out = tuple(zero_past_ends(x, seq_lens) for x in out) if seq_lens is not None else out
+    return out if with_entropy else out[0]
+
+
+def checked_seq_lens(seq_lens: torch.Tensor, T: int, prompt_lens: torch.Tensor | None = None,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """`seq_lens` [B] as int64 on `device`, after checking each lies between its row's prompt length (0 without
+    prompts) and the batch width `T`: a length outside the row would score padding or drop tokens silently."""
+    seq_lens = seq_lens.to(device).long()
+    low = 0 if prompt_lens is None else prompt_lens.to(seq_lens.device).long()
+    if bool((seq_lens < low).any()) or bool((seq_lens > T).any()):
+        raise ValueError(f"scoring: seq_lens must lie between the prompt lengths (or 0) and the width {T}")
+    return seq_lens
+
+
+def zero_past_ends(x: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    """x [B, T] with positions at or past each row's length (`seq_lens` [B]: its prompt + completion tokens) set to
+    0: the padding holds 0 in every scoring path that is told the rows' lengths, as the packed pass leaves it.
+    Differentiable (the masked positions get no gradient)."""
+    keep = torch.arange(x.shape[1], device=x.device) < seq_lens.to(x.device)[:, None]
+    return x.masked_fill(~keep, 0)
 
 
 def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Tensor,
@@ -153,7 +178,9 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
     model allows (`packs`): each group's suffixes are laid end to end in one row on top of its own cache entry, a
     block-causal mask keeping each completion to its prompt and itself (`_packed_suffix`). No FLOP goes to the right
     padding of short completions, only to the difference between groups' total lengths. Same values (within the
-    arithmetic's rounding) and gradients as the padded suffix pass.
+    arithmetic's rounding) and gradients as the padded suffix pass, which with `seq_lens` (where the model does not
+    pack) also returns 0 at positions at or past each row's length; without `seq_lens` those hold the pad tokens'
+    log-probs.
     """
     B, T = input_ids.shape
     dev = input_ids.device
@@ -168,6 +195,8 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
         raise ValueError("shared_prompt_logprobs: rows with the same group id have different prompt lengths")
     if int(prompt_lens.min()) < 1 or int(prompt_lens.max()) > T:
         raise ValueError(f"shared_prompt_logprobs: prompt lengths must be in 1..{T}")
+    if seq_lens is not None:
+        seq_lens = checked_seq_lens(seq_lens, T, prompt_lens, dev)
 
     K = int(group_len.max()) - 1  # prefix width: longest prompt minus its last token
     replay = kv_replay.replayable(model)  # caches that gradient checkpointing may replay (core/kv_replay.py)
@@ -189,7 +218,7 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
     if seq_lens is not None and packs(model, K + T):
         if replay and cache is not None:
             cache = kv_replay.suffix_cache(cache)
-        return _packed_suffix(model, input_ids, prompt_lens, seq_lens.to(dev).long(), row_group, N, cache,
+        return _packed_suffix(model, input_ids, prompt_lens, seq_lens, row_group, N, cache,
                               prefix_mask, temperature, pad_id, with_entropy)
     if cache is not None:  # [N, ...] -> [B, ...]
         if replay:
@@ -212,7 +241,8 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
     idx = prompt_lens.unsqueeze(1) + torch.arange(L - 1, device=dev)
 
     def place(x: torch.Tensor) -> torch.Tensor:
-        return torch.zeros((B, T + L), dtype=x.dtype, device=dev).scatter(1, idx, x)[:, :T]
+        x = torch.zeros((B, T + L), dtype=x.dtype, device=dev).scatter(1, idx, x)[:, :T]
+        return x if seq_lens is None else zero_past_ends(x, seq_lens)  # the packed pass's zeros at the padding
 
     return tuple(place(x) for x in picked) if with_entropy else place(picked)
 
@@ -240,11 +270,10 @@ def _packed_suffix(model, input_ids, prompt_lens, seq_lens, row_group, N, cache,
     """Step 3 of `shared_prompt_logprobs` without padding: group g's rows (in row order) each contribute their last
     prompt token + completion, end to end in row g of a [N, S] batch on top of the group's cache [N, K]. Token i of
     row g sees the prefix's real tokens and the tokens of its own segment up to itself; positions continue each
-    row's prompt. Padding queries (past a group's end) see only themselves."""
+    row's prompt. Padding queries (past a group's end) see only themselves. `seq_lens` checked by the caller;
+    positions outside each row's completion are 0 (nothing is placed there)."""
     B, T = input_ids.shape
     dev = input_ids.device
-    if bool((seq_lens < prompt_lens).any()) or int(seq_lens.max()) > T:
-        raise ValueError(f"shared_prompt_logprobs: seq_lens must lie between the prompt lengths and {T}")
     seg_len = seq_lens - prompt_lens + 1  # last prompt token + completion
     offset, fill = [0] * B, [0] * N
     for b in range(B):  # rows keep their order within the group

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from qgrpo.core.scoring import token_logprobs
+from qgrpo.core.scoring import checked_seq_lens, token_logprobs, zero_past_ends
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
 from qgrpo.rollout.quant import quantize_model
 
@@ -48,7 +48,8 @@ class ReferenceScorer:
               group_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids [B, T] -> log-probs [B, T] (position j: token j), computed in micro-batches. With `prompt_lens`
         (and `group_ids`) only completion positions are scored and each group's prompt is run once; with
-        `seq_lens` too, each group's completions are packed without padding (core/scoring.py)."""
+        `seq_lens` too, each group's completions are packed without padding (core/scoring.py). Positions at or past
+        a row's `seq_lens` are 0 whenever it is given; without it they hold the pad tokens' log-probs (mask them)."""
         parts = []
         def on(t):
             return None if t is None else t.to(self.device)
@@ -58,8 +59,7 @@ class ReferenceScorer:
             parts.append(token_logprobs(self.model, on(input_ids[sl]), temperature,
                                         None if prompt_lens is None else on(prompt_lens[sl]),
                                         None if group_ids is None else on(group_ids[sl]),
-                                        seq_lens=None if seq_lens is None or prompt_lens is None
-                                        else on(seq_lens[sl])).cpu())
+                                        seq_lens=None if seq_lens is None else on(seq_lens[sl])).cpu())
         return torch.cat(parts)
 
 
@@ -78,13 +78,17 @@ class MLXReferenceScorer:
 
     def score(self, input_ids: torch.Tensor, temperature: float = 1.0, prompt_lens: torch.Tensor | None = None,
               group_ids: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        """As the torch scorer's; `seq_lens` is accepted and not used (MLX pads each group's suffixes)."""
+        """As the torch scorer's: MLX pads each group's suffixes, and `seq_lens`, when given, zeroes the positions at
+        or past each row's length afterwards, so the padding holds 0 as in the torch scorer's packed pass."""
         import numpy as np
 
         from qgrpo.rollout.backends.mlx_backend import import_mlx
 
         mx = import_mlx()
         ids = input_ids.cpu().long()
+        if seq_lens is not None:
+            seq_lens = checked_seq_lens(seq_lens, ids.shape[1], None if prompt_lens is None else prompt_lens.cpu(),
+                                        "cpu")
         out = torch.zeros(ids.shape, dtype=torch.float32)
         for i in range(0, ids.shape[0], self.micro_batch):
             sl = slice(i, i + self.micro_batch)
@@ -93,7 +97,7 @@ class MLXReferenceScorer:
             else:
                 groups = torch.arange(ids.shape[0]) if group_ids is None else group_ids.cpu()
                 out[sl] = self._shared_prompt(ids[sl], prompt_lens.cpu()[sl].long(), groups[sl], temperature)
-        return out
+        return out if seq_lens is None else zero_past_ends(out, seq_lens)
 
     def _shared_prompt(self, ids: torch.Tensor, prompt_lens: torch.Tensor, group_ids: torch.Tensor,
                        temperature: float) -> torch.Tensor:

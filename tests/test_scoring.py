@@ -293,7 +293,43 @@ def test_packing_is_skipped_where_the_model_takes_no_custom_mask():
     assert packs(model, 16) and not packs(model, 17)
 
 
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_every_path_given_seq_lens_holds_zero_at_the_padding(with_entropy, monkeypatch):
+    """Given the rows' lengths, the padded shared-prompt pass (packing refused), the packed pass and the plain full
+    pass return the same tensor, padding included: 0.0 at every position at or past a row's length (the pad id is a
+    real token, so the padded passes would otherwise score it there). Without seq_lens the padded pass cannot tell
+    padding from tokens and scores the pad tokens (what consumers mask with their completion mask)."""
+    import qgrpo.core.scoring as scoring
+
+    model = _model()
+    model.config._attn_implementation = "sdpa"
+    ids, mask, plens, gids = _groups(pad=5)
+    seq_lens = _seq_lens(mask, plens)
+    pad = torch.arange(ids.shape[1]) >= seq_lens[:, None]
+    assert pad.any() and scoring.packs(model, 2 * ids.shape[1])
+    shared = {"prompt_lens": plens, "group_ids": gids, "seq_lens": seq_lens, "with_entropy": with_entropy}
+
+    def both(x):  # (log-probs, entropies) either way
+        return x if with_entropy else (x,)
+
+    packed = both(token_logprobs(model, ids, 0.7, **shared))
+    plain = both(token_logprobs(model, ids, 0.7, seq_lens=seq_lens, with_entropy=with_entropy))
+    unmasked = both(token_logprobs(model, ids, 0.7, prompt_lens=plens, group_ids=gids, with_entropy=with_entropy))
+    monkeypatch.setattr(scoring, "packs", lambda *a: False)
+    padded = both(token_logprobs(model, ids, 0.7, **shared))
+    for p, q, f, u in zip(packed, padded, plain, unmasked):
+        assert torch.isfinite(p).all() and (p[pad] == 0).all() and (q[pad] == 0).all() and (f[pad] == 0).all()
+        assert (u[pad] != 0).any()  # the pass without lengths scores the pad tokens
+        torch.testing.assert_close(q, p, atol=2e-5, rtol=0)
+        torch.testing.assert_close(q, u * ~pad, atol=0, rtol=0)  # the padding zeroed, nothing else changed
+        torch.testing.assert_close(f * mask, p, atol=2e-5, rtol=0)  # the plain pass: the same completions
+
+
 def test_packed_suffixes_refuse_lengths_outside_the_rows():
     ids, mask, plens, gids = _groups()
     with pytest.raises(ValueError, match="seq_lens"):
         token_logprobs(_model(), ids, prompt_lens=plens, group_ids=gids, seq_lens=plens - 1)
+    with pytest.raises(ValueError, match="seq_lens"):  # the padded and plain passes check them too
+        token_logprobs(_nanochat(), ids, prompt_lens=plens, group_ids=gids, seq_lens=plens - 1)
+    with pytest.raises(ValueError, match="seq_lens"):
+        token_logprobs(_model(), ids, seq_lens=torch.full_like(plens, ids.shape[1] + 1))
