@@ -32,18 +32,32 @@ it, ``serves`` says whether the torch backend serves it (the registry's ``precis
 - nf4, cuda (``bnb.nf4_cuda``): the same ``Linear4bit``, quantized by ``Params4bit.to(<the CUDA device>)`` (bnb's
   CUDA ``quantize_4bit`` kernel): packed uint8 [N*K/2, 1] + fp32 absmax per block (~4.5 bits/weight). The repack and
   its probe forward are CPU-only (bnb's forward repacks only ``x.device.type == "cpu"``), so none is run.
+- fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear``: float8_e4m3fn weight [N, K] with one fp32 scale per row
+  (row absmax / 448, ~8 bits/weight), activations quantized per token to float8_e4m3fn at each call the same way,
+  and the product by torch's own ``torch._scaled_mm`` (row-wise scales, bf16 out): float8 tensor cores, so compute
+  capability >= 8.9 (Ada or Hopper; we refuse older GPUs, naming the field). Both operands are fp8 (W8A8), unlike the
+  weight-only paths above. Not served on CPU, where torch 2.13's ``_scaled_mm`` runs the same arithmetic slowly: the
+  tests check the numerics there (tests/test_quant.py). No emulated grid (like vLLM's fp8, ``BackendSpec.grids``).
+
+Re-quantization at a weight sync (``requantize_in_place``) keeps the storage: each layer's new weight is quantized
+into a temporary layer the usual way and its storage tensors (``_storage_tensors``: torchao's inner tensors, bnb's
+packed data and absmax, fp8 codes and scales) are copied into the served layer's, so every data pointer stays the
+same and a CUDA graph captured on them replays the new policy. Should a layout ever differ, the layer is replaced as
+at the start and ``model._qgrpo_storage_epoch`` goes up by one: captured addresses are then stale.
 
 Layers left in bf16 (counted as ``bf16_linears`` by ``quant_config_summary``), decided by ``layer_fits``:
 - int4 / nf4, any device: layers whose ``in_features`` is not divisible by ``group_size`` (groups run along
   in_features; torchao skips such weights itself, bnb's blocks would straddle rows).
 - int4 / nf4 on CPU: layers whose ``out_features`` is not a multiple of 16 (int4) / 32 (nf4): the CPU packers
   refuse those shapes. On CUDA any out_features fits (the tinygemm packer pads N; bnb's CUDA blocks are flat).
+- fp8, any device: layers whose ``in_features`` or ``out_features`` is not a multiple of 16 (``_scaled_mm``'s rule).
 - all precisions: ``lm_head`` when its weight is tied to the input embedding (quantizing it would break the tie).
 
 Verified here on CPU only (this machine has no GPU): every CPU path, and the device decision (``quant_path``,
-``serves``, ``layer_fits``). NOT run here: the three CUDA paths (int8, int4 tinygemm, nf4); they follow the torchao /
-bitsandbytes sources and are checked by the ``cuda``-marked tests in tests/test_quant_devices.py (log-probs within
-stated bounds of fp32, weights on the GPU), which skip without a GPU. ROCm's ntile 16 is untested as well.
+``serves``, ``layer_fits``), and fp8's numerics through CPU ``_scaled_mm``. NOT run here: the four CUDA paths (int8,
+int4 tinygemm, nf4, fp8); they follow the torchao / bitsandbytes / torch sources and are checked by the ``cuda``-marked
+tests in tests/test_quant_devices.py and tests/test_requant_storage.py (log-probs within stated bounds of fp32,
+weights on the GPU, storage kept at a re-quantization), which skip without a GPU. ROCm's ntile 16 is untested as well.
 
 torchao / bitsandbytes are imported inside the functions: importing this module loads neither.
 """
@@ -66,12 +80,17 @@ _PATHS = {
     ("int8", "cpu"): "torchao.int8", ("int8", "cuda"): "torchao.int8",
     ("int4", "cpu"): "torchao.int4_opaque_cpu", ("int4", "cuda"): "torchao.int4_tile_packed_cuda",
     ("nf4", "cpu"): "bnb.nf4_cpu", ("nf4", "cuda"): "bnb.nf4_cuda",
+    ("fp8", "cuda"): "torch.fp8_scaled_mm",
 }
 # out_features must be a multiple of this on CPU, else the layer stays bf16 (measured: the CPU packers raise otherwise).
 _CPU_OUT_MULTIPLE = {"int4": 16,  # aten._convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
                      "nf4": 32}  # bnb's CPU repack (_convert_weight_packed_for_cpu) asserts N % 32 == 0
 # torch's tinygemm kernel (aten._weight_int4pack_mm on CUDA) needs Ampere or newer: compute capability >= 8.0.
 _TINYGEMM_MIN_CAPABILITY = (8, 0)
+# float8 tensor cores (torch._scaled_mm with float8_e4m3fn operands) need Ada or Hopper: compute capability >= 8.9.
+_FP8_MIN_CAPABILITY = (8, 9)
+FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no infinity: larger values would become NaN)
+_FP8_MULTIPLE = 16  # torch._scaled_mm: K and N (the weight's in and out features) must be multiples of 16
 
 
 def serves(precision: str, device_type: str) -> bool:
@@ -95,6 +114,8 @@ def layer_fits(precision: str, device_type: str, out_features: int, in_features:
     does not fit stays bf16 (the kernels' shape rules, module docstring)."""
     if precision in ("int4", "nf4") and in_features % group_size:
         return False
+    if precision == "fp8":
+        return not (in_features % _FP8_MULTIPLE or out_features % _FP8_MULTIPLE)
     if device_type == "cpu" and out_features % _CPU_OUT_MULTIPLE.get(precision, 1):
         return False
     return True
@@ -146,9 +167,10 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
     bf16: no-op. int8: torchao weight-only int8 per output channel. int4: torchao weight-only int4, group-wise along
     in_features with ``group_size`` (32, 64 or 128; 64 default, like MLX's nn.quantize): the CPU kernel on CPU,
     torch's tinygemm on CUDA. nf4: bitsandbytes NF4 ``Linear4bit`` with blocks of ``group_size`` weights along
-    in_features. Layers that don't fit the kernel's shapes (``layer_fits``) stay bf16, as does a tied lm_head.
-    Activations stay bf16; ``model(input_ids)`` and ``model.generate`` keep working on the same device. A model is
-    quantized once; new weights for its quantized layers go through ``requantize_in_place``.
+    in_features. fp8 (CUDA): ``Fp8Linear``, float8 weights and activations through ``torch._scaled_mm``. Layers that
+    don't fit the kernel's shapes (``layer_fits``) stay bf16, as does a tied lm_head. Activations stay bf16;
+    ``model(input_ids)`` and ``model.generate`` keep working on the same device. A model is quantized once; new
+    weights for its quantized layers go through ``requantize_in_place``.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -163,15 +185,30 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
             raise ValueError(f"rollout.precision: int4 on CUDA runs torch's tinygemm kernel, which needs compute "
                              f"capability >= 8.0 (Ampere or newer); {torch.cuda.get_device_name(device)} is "
                              f"{cap[0]}.{cap[1]}: choose rollout.precision = \"nf4\" or \"int8\"")
+    if path == "torch.fp8_scaled_mm" and device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < _FP8_MIN_CAPABILITY:
+            others = "\"int8\", \"int4\" or \"nf4\"" if cap >= _TINYGEMM_MIN_CAPABILITY else "\"int8\" or \"nf4\""
+            raise ValueError(f"rollout.precision: fp8 on CUDA runs torch._scaled_mm on float8 tensor cores, which need "
+                             f"compute capability >= 8.9 (Ada or Hopper); {torch.cuda.get_device_name(device)} is "
+                             f"{cap[0]}.{cap[1]}: choose rollout.precision = {others}")
+    return _quantize_layers(model, precision, group_size, device)
+
+
+def _quantize_layers(model: nn.Module, precision: str, group_size: int, device: torch.device) -> nn.Module:
+    """quantize_model past its checks: quantize the fitting layers at `precision` on `device` (no check that the pair
+    is served: the tests run fp8's numerics on CPU through it) and start the storage epoch at 0."""
     model._qgrpo_quant = (precision, group_size)
+    model._qgrpo_storage_epoch = 0
     if precision == "bf16":
         return model
     layers = _to_quantize(model, precision, group_size, device.type)
     if precision == "nf4":
         _quantize_nf4(model, layers, group_size, device)
-        return model
-
-    _quantize_torchao(model, precision, group_size, device, {id(m) for _, m in layers})
+    elif precision == "fp8":
+        _quantize_fp8(model, layers)
+    else:
+        _quantize_torchao(model, precision, group_size, device, {id(m) for _, m in layers})
     return model
 
 
@@ -198,10 +235,10 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
             quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
     else:
         quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
-        if precision == "int8":
-            for m in model.modules():
-                if id(m) in chosen:
-                    _int8_direct(m)
+    if precision == "int8":  # CPU: torch's int8 kernel; CUDA: rollout/int8_triton.py's (see _int8_forward)
+        for m in model.modules():
+            if id(m) in chosen:
+                _int8_direct(m)
 
 
 # CPU int8 products. torchao's weight-only int8 linear casts the whole int8 weight to bf16 at every call (a bf16 copy
@@ -231,8 +268,16 @@ def _int8_direct(module: nn.Module) -> None:
 
 def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Few rows: `_weight_int8pack_mm` on the int8 weight; more: torchao's weight-only arithmetic (x W_int8^T in
-    x's dtype, then the per-row scale in that dtype) without its tensor-subclass dispatch."""
+    x's dtype, then the per-row scale in that dtype) without its tensor-subclass dispatch.
+    On CUDA: at most INT8PACK_ROWS bf16 rows through the Triton kernel of rollout/int8_triton.py, which reads the
+    int8 weight itself (torchao's linear writes and reads a bf16 copy of it per call); anything else, or no Triton,
+    through torchao's linear. Both read the layer's live ``qdata`` / ``scale`` (a weight sync copies into them)."""
     if x.device.type != "cpu":
+        from qgrpo.rollout import int8_triton
+
+        if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= INT8PACK_ROWS and int8_triton.available():
+            qdata, scale = self._int8
+            return int8_triton.int8_linear(x, qdata, scale, self.bias)
         return nn.functional.linear(x, self.weight, self.bias)
     qdata, scale = self._int8
     rows = x.numel() // x.shape[-1]
@@ -250,56 +295,173 @@ def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def requantize_in_place(model: nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """New bf16 weights ({layer name: [out, in]}) for layers that `quantize_model` quantized, quantized again at the
-    model's precision and group size in place: no second copy of the model is built (a sync's re-quantization).
+    model's precision and group size in place (a sync's re-quantization), keeping each layer's storage: the weight is
+    quantized into a temporary layer as at the start and its storage tensors (`_storage_tensors`) are copied into the
+    served layer's, so their data pointers do not move (a captured CUDA graph keeps reading the live weights). One
+    temporary layer exists at a time. A layer whose temporary's storage does not match (count, shapes, dtypes,
+    strides, device, format metadata: not expected) is replaced as at the start instead, and
+    ``model._qgrpo_storage_epoch`` goes up by one so that a holder of captured addresses knows they are stale.
     The layers' biases are the caller's to update (they are plain parameters)."""
     precision, group_size = getattr(model, "_qgrpo_quant", ("bf16", None))
     if precision == "bf16":
         raise ValueError("requantize_in_place: the model is not quantized; copy bf16 weights into it instead")
     device = _model_device(model)
-    if precision == "nf4":  # a fresh Linear4bit per layer, built from a bf16 nn.Linear as at the start
-        layers = []
-        for name, w in weights.items():
-            old = model.get_submodule(name)
-            lin = nn.Linear(old.in_features, old.out_features, bias=False, device="meta")
-            lin.weight = nn.Parameter(w.to(device=device, dtype=torch.bfloat16), requires_grad=False)
-            lin.bias = old.bias
-            layers.append((name, lin))
-        _quantize_nf4(model, layers, group_size, device)
-        return
+    for name, w in weights.items():  # all checked before any layer changes
+        old = model.get_submodule(name)
+        if tuple(w.shape) != (old.out_features, old.in_features):
+            raise ValueError(f"requantize_in_place: {name} is [{old.out_features}, {old.in_features}], got a weight "
+                             f"of shape {list(w.shape)}")
     for name, w in weights.items():
-        model.get_submodule(name).weight = nn.Parameter(w.to(device=device, dtype=torch.bfloat16),
-                                                        requires_grad=False)
-    _quantize_torchao(model, precision, group_size, device, {id(model.get_submodule(n)) for n in weights})
+        old = model.get_submodule(name)
+        new = _fresh_layer(old, precision, group_size, device, w.to(device=device, dtype=torch.bfloat16))
+        if _layout(old) == _layout(new):
+            for dst, src in zip(_storage_tensors(old), _storage_tensors(new)):
+                dst.copy_(src)
+            if precision == "int8":
+                _int8_direct(old)  # the direct path reads the same (live) tensors; its conditions checked again
+        else:
+            _replace_layer(model, name, old, new, precision)
+            model._qgrpo_storage_epoch = getattr(model, "_qgrpo_storage_epoch", 0) + 1
+        del new
 
 
-def _quantize_nf4(model: nn.Module, layers: list[tuple[str, nn.Linear]], group_size: int,
-                  device: torch.device) -> None:
-    import bitsandbytes as bnb
+def _fresh_layer(old: nn.Module, precision: str, group_size: int, device: torch.device,
+                 w: torch.Tensor) -> nn.Module:
+    """A temporary layer holding bf16 weight `w` ([out, in], on `device`) quantized at `precision` as
+    `quantize_model` quantizes it, without bias."""
+    if precision == "fp8":
+        return Fp8Linear(w)
+    lin = nn.Linear(old.in_features, old.out_features, bias=False, device="meta")
+    lin.weight = nn.Parameter(w, requires_grad=False)
+    if precision == "nf4":
+        return _nf4_layer(lin, group_size, device)
+    holder = nn.Sequential(lin)
+    _quantize_torchao(holder, precision, group_size, device, {id(lin)})
+    return holder[0]
 
+
+def _layout(layer: nn.Module) -> tuple:
+    """What must match for a layer's storage to be overwritten with another's: each storage tensor's shape, dtype,
+    strides and device, and the format's non-tensor metadata (torchao's tensor attributes, bnb's quant state)."""
+    w = layer.weight
+    if hasattr(w, "__tensor_flatten__"):
+        meta = repr(w.__tensor_flatten__()[1])
+    else:
+        qs = getattr(w, "quant_state", None)
+        meta = None if qs is None else (tuple(qs.shape), qs.dtype, qs.blocksize, qs.quant_type,
+                                        bool(getattr(qs, "nested", False)),
+                                        bool(getattr(qs, "packing_format_for_cpu", False)))
+    return (type(layer), type(w), meta,
+            tuple((tuple(t.shape), t.dtype, t.stride(), t.device) for t in _storage_tensors(layer)))
+
+
+def _replace_layer(model: nn.Module, name: str, old: nn.Module, new: nn.Module, precision: str) -> None:
+    """The fallback of `requantize_in_place`: `new`'s storage takes `old`'s place (new addresses)."""
+    if precision == "fp8":
+        old.weight, old.scale = new.weight, new.scale
+    elif precision == "nf4":
+        new.bias = old.bias
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    else:
+        old.weight = new.weight
+        if precision == "int8":
+            _int8_direct(old)
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer in fp8 (W8A8): float8_e4m3fn weight [out, in] with one float32 scale per row (row absmax / 448),
+    and at each call the activations quantized per token the same way; the product runs in ``torch._scaled_mm``
+    (row-wise scales, bf16 out) and the bias is added in the input's dtype. The weight and its scale are buffers, not
+    parameters: ``compute_in`` (rollout/backends/compute.py) casts floating parameters to the compute dtype, which
+    would turn the codes back into bf16 or float32 (``model.to(dtype)`` / ``.float()`` would cast them too: change a
+    quantized model's compute dtype with compute_in only). The forward has no host synchronisation and no branch on
+    data, so it can run inside a CUDA graph; `requantize_in_place` writes new codes and scales into the same tensors."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        """`weight`: the bf16 (or float32) weight [out, in] to quantize, on the layer's device; `bias` [out] or None."""
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        codes, scale = fp8_per_row(weight)
+        self.register_buffer("weight", codes)
+        self.register_buffer("scale", scale)
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach(), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        s = (rows.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [M, 1] per-token scale
+        xq = (rows / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+        # mat2 column-major: the transpose of the row-major [N, K] codes, as _scaled_mm wants it
+        y = torch._scaled_mm(xq, self.weight.t(), scale_a=s, scale_b=self.scale.view(1, -1),
+                             out_dtype=torch.bfloat16).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def fp8_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn codes [N, K] and float32 scales [N] of a [N, K] weight, computed in float32: scale = max|w_row| /
+    448 (at least 1e-12), codes = w / scale rounded to nearest by the cast, after clamping to +-448 (e4m3fn has no
+    infinity). codes * scale reconstructs each weight within 2^-4 of its magnitude (3 mantissa bits), or, where its
+    code is below 2^-6 (subnormal), within 2^-10 of the scale."""
+    w = w.detach().float()
+    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def _quantize_fp8(model: nn.Module, layers: list[tuple[str, nn.Linear]]) -> None:
+    """Each listed nn.Linear replaced by an Fp8Linear of its weight (and its bias), one layer at a time."""
     for name, lin in layers:
-        q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                              compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
-                              device="meta")
-        # .to(device) of an unquantized Params4bit is bnb's public way to quantize it, on that device's kernels.
-        q.weight = bnb.nn.Params4bit(lin.weight.data.contiguous(), requires_grad=False, blocksize=group_size,
-                                     compress_statistics=False, quant_type="nf4", module=q).to(device)
-        q.quant_state = q.weight.quant_state
-        if lin.bias is not None:
-            q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
-        if device.type == "cpu":
-            # Trigger bnb's one-time CPU repack (it happens at the first eval no-grad forward) now, so bytes and speed
-            # are what rollouts will see and the repack isn't paid inside generation. CUDA has no repack.
-            was_training = q.training
-            q.eval()
-            with torch.no_grad():
-                q(torch.zeros(1, lin.in_features, dtype=torch.bfloat16))
-            q.train(was_training)
+        q = Fp8Linear(lin.weight.data, lin.bias)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, q)
 
 
-def _storage_tensors(w: torch.Tensor):
-    """The plain tensors that really hold a (possibly quantized) weight."""
+def _quantize_nf4(model: nn.Module, layers: list[tuple[str, nn.Linear]], group_size: int,
+                  device: torch.device) -> None:
+    for name, lin in layers:
+        q = _nf4_layer(lin, group_size, device)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, q)
+
+
+def _nf4_layer(lin: nn.Linear, group_size: int, device: torch.device) -> nn.Module:
+    """A bitsandbytes NF4 Linear4bit of `lin`'s weight (and bias) on `device`."""
+    import bitsandbytes as bnb
+
+    q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                          compute_dtype=torch.bfloat16, compress_statistics=False, quant_type="nf4",
+                          device="meta")
+    # .to(device) of an unquantized Params4bit is bnb's public way to quantize it, on that device's kernels.
+    q.weight = bnb.nn.Params4bit(lin.weight.data.contiguous(), requires_grad=False, blocksize=group_size,
+                                 compress_statistics=False, quant_type="nf4", module=q).to(device)
+    q.quant_state = q.weight.quant_state
+    if lin.bias is not None:
+        q.bias = nn.Parameter(lin.bias.data, requires_grad=False)
+    if device.type == "cpu":
+        # Trigger bnb's one-time CPU repack (it happens at the first eval no-grad forward) now, so bytes and speed
+        # are what rollouts will see and the repack isn't paid inside generation. CUDA has no repack.
+        was_training = q.training
+        q.eval()
+        with torch.no_grad():
+            q(torch.zeros(1, lin.in_features, dtype=torch.bfloat16))
+        q.train(was_training)
+    return q
+
+
+def _storage_tensors(w: torch.Tensor | nn.Module):
+    """The plain tensors that really hold a (possibly quantized) weight, in a fixed order; given a layer, those of its
+    weight (an Fp8Linear's: its codes and their scales)."""
+    if isinstance(w, Fp8Linear):
+        yield w.weight
+        yield w.scale
+        return
+    if isinstance(w, nn.Module):
+        yield from _storage_tensors(w.weight)
+        return
     if hasattr(w, "__tensor_flatten__"):  # torchao tensor subclass: its inner tensors (qdata, scales, zeros)
         names, _ = w.__tensor_flatten__()
         for n in names:
@@ -317,7 +479,7 @@ def _storage_tensors(w: torch.Tensor):
 
 
 def _linears(model: nn.Module):
-    return [m for m in model.modules() if isinstance(m, nn.Linear)]  # bnb Linear4bit subclasses nn.Linear
+    return [m for m in model.modules() if isinstance(m, (nn.Linear, Fp8Linear))]  # bnb Linear4bit is an nn.Linear
 
 
 def linear_weight_bytes(model: nn.Module) -> int:
@@ -326,7 +488,7 @@ def linear_weight_bytes(model: nn.Module) -> int:
     A tied lm_head counts: it stays bf16 and its storage is the embedding's."""
     seen, total = set(), 0
     for m in _linears(model):
-        for t in _storage_tensors(m.weight):
+        for t in _storage_tensors(m):
             s = t.untyped_storage()
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
@@ -334,15 +496,15 @@ def linear_weight_bytes(model: nn.Module) -> int:
     return total
 
 
-def _is_quantized(w: torch.Tensor) -> bool:
-    return type(w) not in (torch.Tensor, nn.Parameter)  # torchao subclass or bnb Params4bit
+def _is_quantized(layer: nn.Module) -> bool:
+    return isinstance(layer, Fp8Linear) or type(layer.weight) not in (torch.Tensor, nn.Parameter)  # torchao, bnb
 
 
 def quant_config_summary(model: nn.Module) -> dict:
     """e.g. {"precision": "int4", "quantized_linears": 14, "bf16_linears": 1, "group_size": 64}"""
     precision, group_size = getattr(model, "_qgrpo_quant", ("bf16", None))
     lins = _linears(model)
-    n_q = sum(_is_quantized(m.weight) for m in lins)
+    n_q = sum(_is_quantized(m) for m in lins)
     return {"precision": precision, "quantized_linears": n_q, "bf16_linears": len(lins) - n_q,
             "group_size": group_size if precision in ("int4", "nf4") else None}
 

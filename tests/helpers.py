@@ -180,3 +180,17 @@ class CountingSampler:
         items = list(range(self.cursor, self.cursor + n))
         self.cursor += n
         return items
+
+
+# The CUDA compute capability each torch-generator precision needs: int4 runs torch's tinygemm (Ampere or newer), fp8
+# float8 tensor cores (Ada or Hopper); int8 and nf4 run anywhere CUDA does.
+MIN_CAPABILITY = {"bf16": (0, 0), "int8": (0, 0), "nf4": (0, 0), "int4": (8, 0), "fp8": (8, 9)}
+
+
+def skip_below_capability(precision: str) -> None:
+    """Skip a `cuda` test when this GPU cannot run `precision` (MIN_CAPABILITY)."""
+    import pytest
+
+    cap = torch.cuda.get_device_capability()
+    if cap < MIN_CAPABILITY[precision]:
+        pytest.skip(f"{precision} on CUDA needs compute capability >= {MIN_CAPABILITY[precision]}, this GPU is {cap}")

@@ -37,7 +37,9 @@ BAD = [
     ("learner.lr=-0.1", "learner.lr: must be in (0, 1)"),
     ("rollout.precision=int3", "rollout.precision: 'int3' is not served by the torch backend"),
     ("rollout.backend='tensorrt'", "rollout.backend: unknown backend 'tensorrt'; choose one of torch, vllm, mlx"),
-    ("reference.precision=fp8", "reference.precision: 'fp8' is not served by the torch reference; choose one of"),
+    ("reference.precision=fp8", "reference.precision: fp8 on the torch reference is not served on cpu "
+                                "(reference.num_gpus = 0); choose one of bf16, int8, int4, nf4, or set "
+                                "reference.num_gpus >= 1 to score on a CUDA GPU"),
     ("reference.backend='vllm'", "reference.backend: unknown backend 'vllm'; choose one of torch, mlx"),
     ("rollout.vllm.kv_cache_gb=0", "rollout.vllm.kv_cache_gb: must be > 0"),
     ("rollout.vllm.gpu_memory_utilization=1.5", "rollout.vllm.gpu_memory_utilization: must be in [0, 1]"),
@@ -91,7 +93,11 @@ def test_all_problems_reported_at_once_by_cli(tmp_path):
 BACKEND_BAD = [
     (["rollout.backend=vllm", "rollout.precision=int4"], "rollout.precision: 'int4' is not served by the vllm backend; "
                                                          "choose one of bf16, int8, fp8"),
-    (["rollout.backend=torch", "rollout.precision=fp8"], "rollout.precision: 'fp8' is not served by the torch backend"),
+    (["rollout.backend=torch", "rollout.precision=fp4"], "rollout.precision: 'fp4' is not served by the torch backend"),
+    (["reference.precision=fp4"], "reference.precision: 'fp4' is not served by the torch reference; choose one of"),
+    (["rollout.backend=torch", "rollout.precision=fp8"],
+     "rollout.precision: fp8 on torch needs a CUDA GPU per rollout actor (set rollout.num_gpus >= 1); on CPU choose "
+     "one of bf16, int8, int4, nf4"),
     (["rollout.backend=vllm", "rollout.precision=fp8"],
      "rollout.precision: fp8 on vllm needs a CUDA GPU per rollout actor (set rollout.num_gpus >= 1); on CPU choose one "
      "of bf16, int8"),
@@ -262,7 +268,8 @@ def test_adapters_only_loads_with_an_adapter_learner():
     vllm = REGISTRY["vllm"].generator_options(cfg.rollout, adapter_rank=rank)
     assert vllm["lora_rank"] == rank and vllm["options"]["max_model_len"] == cfg.rollout.vllm.max_model_len
     assert "lora_rank" not in REGISTRY["vllm"].generator_options(cfg.rollout)
-    assert REGISTRY["torch"].generator_options(cfg.rollout, "fp32", adapter_rank=16) == {"compute_dtype": "fp32"}
+    assert REGISTRY["torch"].generator_options(cfg.rollout, "fp32", adapter_rank=16) == {"compute_dtype": "fp32",
+                                                                                 "options": {"cuda_graphs": True}}
 
 
 def test_fake_quant_reaches_the_learner_with_the_generators_grid():

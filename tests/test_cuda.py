@@ -18,7 +18,7 @@ import torch
 
 from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
-from tests.helpers import random_batch
+from tests.helpers import random_batch, skip_below_capability
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
               pytest.mark.usefixtures("dist_env")]  # the one-rank process-group environment (tests/conftest.py)
@@ -63,11 +63,12 @@ def test_guard_skips_a_poisoned_step_on_the_gpu(cuda_learner):
     assert all(torch.equal(before[n], p) for n, p in cuda_learner.engine.module.named_parameters())
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4", "fp8"])
 def test_torch_generator_quantizes_and_samples_on_its_gpu(tiny_model_path, precision):
     from qgrpo.core.records import PromptItem, SamplingParams
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
+    skip_below_capability(precision)
     gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False)
     assert {p.device.type for p in gen.model.parameters()} == {"cuda"}
     groups = gen.generate([PromptItem("p0", "1+2=", "3"), PromptItem("p1", "2+2=", "4")],
@@ -82,29 +83,83 @@ def test_torch_generator_quantizes_and_samples_on_its_gpu(tiny_model_path, preci
     assert gen.policy_version == 1 and {p.device.type for p in gen.model.parameters()} == {"cuda"}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_static_decode_on_the_gpu_samples_the_served_models_distribution(tiny_model_path, precision):
-    """The preallocated-cache decode loop on CUDA: each sampled token's log-prob is the served model's own full
-    forward's, rows finishing at different steps."""
-    from qgrpo.core.records import PromptItem, SamplingParams
+def _logprob_gap(gen, groups) -> float:
+    """Largest |sampled log-prob - the served model's full forward log-prob| over every completion token."""
     from qgrpo.core.scoring import token_logprobs
-    from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
-    gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False)
-    assert gen.decoder is not None
-    groups = gen.generate([PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)],
-                          SamplingParams(group_size=8, max_new_tokens=12, temperature=1.0, seed=7))
     diffs = []
     for g in groups:
         for c in g.completions:
             ids = torch.tensor([g.prompt_ids + c.token_ids], device="cuda:0")
             ref = token_logprobs(gen.model, ids)[0, len(g.prompt_ids):].float().cpu()
             diffs += (ref - torch.tensor(c.logprobs)).abs().tolist()
-    assert diffs and max(diffs) < 0.05, max(diffs)
+    assert diffs and all(math.isfinite(d) for d in diffs)
+    return max(diffs)
 
 
-def test_packed_scoring_on_the_gpu_equals_the_padded_pass(tiny_model_path):
-    """Completions packed per group (seq_lens) under SDPA on CUDA give the padded shared-prompt pass's log-probs."""
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4", "fp8"])
+def test_static_decode_on_the_gpu_samples_the_served_models_distribution(tiny_model_path, precision, graphs,
+                                                                         monkeypatch):
+    """The preallocated-cache decode loop on CUDA, eager and replayed as CUDA graphs: each sampled token's log-prob
+    is the served model's own full forward's, rows finishing at different steps (and, with graphs, moving to smaller
+    buckets)."""
+    from qgrpo.core.records import PromptItem, SamplingParams
+    from qgrpo.rollout.backends import torch_graphs
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    skip_below_capability(precision)
+    monkeypatch.setattr(torch_graphs, "CHECK_EVERY", 2)  # look at finished rows often: compactions happen
+    gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False,
+                         options={"cuda_graphs": graphs})
+    assert gen.decoder is not None
+    groups = gen.generate([PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)],
+                          SamplingParams(group_size=8, max_new_tokens=12, temperature=1.0, seed=7))
+    info = gen.decode_info()
+    assert info["loop"] == ("graphs" if graphs else "static"), info
+    if graphs:
+        assert info["captures"] >= 1 and info["fallback"] is None, info
+    assert _logprob_gap(gen, groups) < 0.05
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4", "fp8"])
+def test_a_sync_changes_what_the_graph_computes(tiny_model_path, precision):
+    """A captured graph replays the addresses it recorded: a sync must write the new weights (codes and scales) into
+    that storage. After a sync the same graphs (no new capture) sample the new weights' distribution, and greedy
+    output changes; a re-allocated weight would have kept the old policy."""
+    from transformers import AutoModelForCausalLM
+
+    from qgrpo.core.records import PromptItem, SamplingParams
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    skip_below_capability(precision)
+    gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False,
+                         options={"cuda_graphs": True})
+    items = [PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)]
+    greedy = SamplingParams(group_size=2, max_new_tokens=10, temperature=0.0)
+    before = [c.token_ids for g in gen.generate(items, greedy) for c in g.completions]
+    captures = gen.decode_info()["captures"]
+    assert captures >= 1 and gen.decode_info()["fallback"] is None
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * p.float().std().clamp(min=1e-3).to(p.dtype))
+    gen.load_weights(1, [(n, p.detach()) for n, p in new.named_parameters()])
+    groups = gen.generate(items, greedy)
+    assert gen.decode_info()["captures"] == captures  # the weights kept their addresses: the same graphs replay
+    assert [c.token_ids for g in groups for c in g.completions] != before
+    assert _logprob_gap(gen, groups) < 0.05  # what the served (new) weights compute
+    sampled = gen.generate(items, SamplingParams(group_size=8, max_new_tokens=10, temperature=1.0, seed=3))
+    assert _logprob_gap(gen, sampled) < 0.05
+
+
+def test_packed_scoring_on_the_gpu_equals_the_padded_pass(tiny_model_path, monkeypatch):
+    """Completions packed per group (seq_lens) under SDPA on CUDA give the padded shared-prompt pass's log-probs.
+    Given the same seq_lens both passes hold exactly 0 at the padding (positions at or past a row's length) and
+    agree everywhere; the padded pass without lengths scores the pad tokens there, so it is compared where consumers
+    read it, on the completion positions (prompt_lens .. seq_lens)."""
+    import qgrpo.core.scoring as scoring
     from qgrpo.rollout.reference import ReferenceScorer
 
     g = torch.Generator().manual_seed(1)
@@ -120,9 +175,19 @@ def test_packed_scoring_on_the_gpu_equals_the_padded_pass(tiny_model_path):
         ids[i, :len(r)] = torch.tensor(r)
     scorer = ReferenceScorer(tiny_model_path, "bf16", device="cuda:0")
     plens, gids, lens = torch.tensor(plens), torch.tensor(gids), torch.tensor(list(map(len, rows)))
-    padded = scorer.score(ids, 1.0, plens, gids)
+    col = torch.arange(ids.shape[1])
+    pad, completion = col >= lens[:, None], (col >= plens[:, None]) & (col < lens[:, None])
+    assert pad.any() and scoring.packs(scorer.model, 2 * ids.shape[1])  # the packed path runs, with padding to fill
     packed = scorer.score(ids, 1.0, plens, gids, lens)
-    assert torch.isfinite(packed).all() and (packed - padded).abs().max() < 0.05
+    unlengthed = scorer.score(ids, 1.0, plens, gids)  # the padded pass, told no lengths
+    with monkeypatch.context() as m:
+        m.setattr(scoring, "packs", lambda *a: False)  # the padded pass, told the lengths
+        padded = scorer.score(ids, 1.0, plens, gids, lens)
+    assert torch.isfinite(packed).all() and torch.isfinite(padded).all() and torch.isfinite(unlengthed).all()
+    assert (packed[pad] == 0).all() and (padded[pad] == 0).all(), "padding positions must hold exactly 0"
+    assert (packed[completion] != 0).all()
+    assert (packed - padded).abs().max() < 0.05
+    assert ((packed - unlengthed) * completion).abs().max() < 0.05
 
 
 def test_reference_scores_on_its_gpu_like_the_cpu(tiny_model_path):

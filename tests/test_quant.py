@@ -1,5 +1,8 @@
 """rollout.quant: every precision runs, log-probs stay within stated bounds of fp32, storage really shrinks,
-re-quantizing a fresh copy of updated bf16 weights follows the update, and importing the module stays light."""
+re-quantizing a fresh copy of updated bf16 weights follows the update, and importing the module stays light.
+
+fp8 is served on CUDA only, but torch's ``_scaled_mm`` runs on CPU too: its numerics are checked here through
+``_quantize_layers`` (quantize_model past its device check), which quantize_model itself refuses on CPU."""
 
 import copy
 import subprocess
@@ -9,15 +12,32 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgrpo.rollout.quant import PRECISIONS, linear_weight_bytes, quant_config_summary, quantize_model
+import qgrpo.rollout.quant as quant
+from qgrpo.rollout.quant import SERVED, linear_weight_bytes, quant_config_summary, quantize_model
 from tests.helpers import LOGPROB_BOUNDS, next_token_logprobs, tiny_llama  # LOGPROB_BOUNDS: measured there
+
+# The CPU's precisions, and fp8 (CUDA-served; its arithmetic runs on CPU as well, see the module docstring).
+PRECISIONS = (*SERVED["cpu"], "fp8")
+# fp8 W8A8 (weights and activations in float8_e4m3fn) against fp32, this file's model and batch, measured over
+# tiny_llama seeds 0-4 (batch seeds 123-127): mean 0.126-0.136, max 0.46-0.76 nats; between int8's and int4's. Bounds
+# ~2x the worst seen, as LOGPROB_BOUNDS are.
+FP8_LOGPROB_BOUNDS = (0.30, 1.50)
+BOUNDS = {**LOGPROB_BOUNDS, "fp8": FP8_LOGPROB_BOUNDS}
+
+
+def quantize(model, precision):
+    """quantize_model, or for fp8 (refused on CPU) the same quantization past that check."""
+    if precision == "fp8":
+        return quant._quantize_layers(model, "fp8", 64, torch.device("cpu"))
+    return quantize_model(model, precision)
 
 REPO = Path(__file__).resolve().parents[1]
 
 # Storage of the linear weights vs bf16 (16 bits/weight). int8: 8-bit data + fp32 scale and int8 zero per row
 # (measured 0.518x here). int4: 4-bit packed + bf16 scale and zero per 64 weights = 4.5 bits (0.281x); nf4: 4-bit
-# packed + bf16 absmax per 64 + a 64-byte code table per layer (0.267x). Bounds leave room, not for a format change.
-BYTES_RATIO_MAX = {"int8": 0.55, "int4": 0.30, "nf4": 0.30}
+# packed + bf16 absmax per 64 + a 64-byte code table per layer (0.267x); fp8: 8-bit codes + fp32 scale per row
+# (0.514x). Bounds leave room, not for a format change.
+BYTES_RATIO_MAX = {"int8": 0.55, "int4": 0.30, "nf4": 0.30, "fp8": 0.55}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +57,7 @@ def ref_logprobs(base, batch):
 
 @pytest.fixture(scope="module")
 def quantized(base):
-    return {p: quantize_model(copy.deepcopy(base), p) for p in PRECISIONS}
+    return {p: quantize(copy.deepcopy(base), p) for p in PRECISIONS}
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -61,7 +81,7 @@ def test_logprob_bounds(quantized, batch, ref_logprobs, precision):
     lp = next_token_logprobs(quantized[precision], batch)
     assert torch.isfinite(lp).all()  # NaN fails here, and would fail the comparisons below too
     diff = (lp - ref_logprobs).abs()
-    mean_bound, max_bound = LOGPROB_BOUNDS[precision]
+    mean_bound, max_bound = BOUNDS[precision]
     assert diff.mean().item() < mean_bound, (precision, diff.mean().item())
     assert diff.max().item() < max_bound, (precision, diff.max().item())
 
@@ -70,9 +90,10 @@ def test_error_ordering(quantized, batch, ref_logprobs):
     err = {p: (next_token_logprobs(quantized[p], batch) - ref_logprobs).abs().mean().item() for p in PRECISIONS}
     assert err["bf16"] < err["int8"] < err["int4"], err
     assert err["int8"] < err["nf4"], err
+    assert err["int8"] < err["fp8"] < err["int4"], err  # 8-bit weights, but 3-bit mantissas and fp8 activations
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4", "fp8"])
 def test_bytes_and_summary(quantized, precision):
     bf16_bytes = linear_weight_bytes(quantized["bf16"])
     assert bf16_bytes == sum(m.weight.numel() * 2 for m in quantized["bf16"].modules()
@@ -84,12 +105,13 @@ def test_bytes_and_summary(quantized, precision):
     assert quant_config_summary(quantized["bf16"])["quantized_linears"] == 0
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4", "fp8"])
 def test_tied_lm_head_and_indivisible_layers_stay_bf16(precision):
-    # intermediate 160 is not a multiple of 64: down_proj (in_features 160) can't be grouped for int4 / nf4.
+    # intermediate 160 is not a multiple of 64: down_proj (in_features 160) can't be grouped for int4 / nf4 (fp8 needs
+    # multiples of 16 only: it fits).
     m = tiny_llama(tie=True, intermediate=160)
     assert m.lm_head.weight is m.model.embed_tokens.weight
-    quantize_model(m, precision)
+    quantize(m, precision)
     assert m.lm_head.weight is m.model.embed_tokens.weight and m.lm_head.weight.dtype == torch.bfloat16
     s = quant_config_summary(m)
     bf16_expected = 1 + (2 if precision in ("int4", "nf4") else 0)
@@ -99,32 +121,34 @@ def test_tied_lm_head_and_indivisible_layers_stay_bf16(precision):
         quantize_model(m, precision)  # quantizing twice is a caller bug: quantize a copy of the bf16 model
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4", "fp8"])
 @pytest.mark.parametrize("out_features, in_features", [(64, 128), (100, 128), (64, 96)])
 def test_bias_and_awkward_shapes(precision, out_features, in_features):
-    # Qwen2-style bias; N=100 is not a multiple of 16/32 and K=96 not of 64: those stay bf16 at int4/nf4.
+    # Qwen2-style bias; N=100 is not a multiple of 16/32 and K=96 not of 64: those stay bf16 at int4/nf4; at fp8
+    # N=100 does (not a multiple of 16), K=96 fits.
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(in_features, out_features)).to(torch.bfloat16)
     x = torch.randn(3, in_features, dtype=torch.bfloat16)
     with torch.no_grad():
         ref = m(x).float()
-        quantize_model(m, precision)
+        quantize(m, precision)
         y = m(x).float()
     assert torch.isfinite(y).all() and (y - ref).abs().max() < 0.2 * ref.abs().max()
-    expect_bf16 = precision != "int8" and (out_features, in_features) != (64, 128)
+    expect_bf16 = (out_features == 100 if precision == "fp8"
+                   else precision != "int8" and (out_features, in_features) != (64, 128))
     assert quant_config_summary(m)["bf16_linears"] == int(expect_bf16)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4", "fp8"])
 def test_requantize_follows_new_weights(precision, batch):
     master = tiny_llama(seed=1)  # the generator's bf16 master copy
     old_bf16 = next_token_logprobs(master, batch)
-    old_q = next_token_logprobs(quantize_model(copy.deepcopy(master), precision), batch)
+    old_q = next_token_logprobs(quantize(copy.deepcopy(master), precision), batch)
     with torch.no_grad():  # a "weight sync": new values copied into the master in place
         w = master.model.layers[1].mlp.down_proj.weight
         w.add_(0.6 * torch.randn(w.shape, generator=torch.Generator().manual_seed(7)).to(w.dtype))
     new_bf16 = next_token_logprobs(master, batch)
-    new_q = next_token_logprobs(quantize_model(copy.deepcopy(master), precision), batch)
+    new_q = next_token_logprobs(quantize(copy.deepcopy(master), precision), batch)
     assert (new_bf16 - old_bf16).abs().mean() > 0.8  # measured 1.04: large next to the 4-bit error (~0.3)
     to_new, to_old = (new_q - new_bf16).abs().mean(), (new_q - old_bf16).abs().mean()
     assert to_new < 0.5 * to_old, (to_new, to_old)  # measured int4 0.39 vs 1.08, nf4 0.39 vs 1.10, int8 0.04 vs 1.05
@@ -171,3 +195,83 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
     lin = fast.model.layers[0].mlp.up_proj
     want = x.float() @ new.float().T
     assert ((lin(x).float() - want).abs().max() / want.abs().max()) < 0.02
+
+
+# --- fp8 (Fp8Linear, torch._scaled_mm): numerics on CPU -------------------------------------------------------------
+
+def _rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.float() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_fp8_linear_against_float32(seed):
+    """Fp8Linear [128, 256] against float32 F.linear of the same (bf16) weights on random data, 3-D input with a
+    bias: fp8 e4m3 rounds each weight and activation within 2^-4 of its magnitude (3 mantissa bits), which for these
+    K = 256 dot products gave a relative (Frobenius) error of 0.036-0.037 over seeds 0-4; the bound is ~2x that."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(128, 256, generator=g).to(torch.bfloat16)
+    b = torch.randn(128, generator=g).to(torch.bfloat16)
+    x = torch.randn(4, 16, 256, generator=g).to(torch.bfloat16)
+    layer = quant.Fp8Linear(w, b)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.shape == (128, 256)
+    assert layer.scale.dtype == torch.float32 and layer.scale.shape == (128,)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    y = layer(x)
+    assert y.shape == (4, 16, 128) and y.dtype == torch.bfloat16 and torch.isfinite(y).all()
+    assert _rel_err(y, ref) < 0.075, _rel_err(y, ref)
+    y32 = layer(x.float())  # model.compute_dtype = "fp32": float32 in, float32 out, the same fp8 product
+    assert y32.dtype == torch.float32 and _rel_err(y32, ref) < 0.075
+    assert _rel_err(y, y32) < 0.01  # the two differ by the output's bf16 rounding only
+
+
+def test_fp8_activation_scale_is_per_token():
+    """Rows of very different magnitude in one call each keep fp8's relative accuracy: a scale per token, not one
+    for the whole batch (which would flush the small rows to zero)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 128, generator=g)
+    x = torch.randn(3, 128, generator=g) * torch.tensor([[1e3], [1.0], [1e-3]])
+    y = quant.Fp8Linear(w)(x)
+    ref = x @ w.T
+    for row in range(3):
+        assert _rel_err(y[row], ref[row]) < 0.075, (row, _rel_err(y[row], ref[row]))
+
+
+def test_fp8_per_row_codes():
+    """Each weight comes back from codes * scale within e4m3's rounding: 2^-4 of its magnitude (normal codes) or half
+    the smallest subnormal step, 2^-10 of the row's scale; a row's largest magnitude maps to 448 exactly. A zero row
+    stays zero and huge values saturate at +-448, never NaN (e4m3fn has no infinity)."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(32, 64, generator=g) * torch.logspace(-3, 3, 32)[:, None]
+    w[5] = 0.0
+    w[7, 3] = 3e38
+    codes, scale = quant.fp8_per_row(w)
+    back = codes.float() * scale[:, None]
+    assert torch.isfinite(back).all() and torch.equal(back[5], torch.zeros(64))
+    tol = torch.maximum(w.abs() * 2.0 ** -4, scale[:, None] * 2.0 ** -10) * (1 + 1e-6)
+    assert ((back - w).abs() <= tol).all()
+    assert torch.equal(codes.float().abs().amax(dim=1)[torch.arange(32) != 5], torch.full((31,), 448.0))
+
+
+def test_fp8_is_refused_on_cpu_by_quantize_model():
+    m = torch.nn.Sequential(torch.nn.Linear(128, 64)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"rollout.precision: 'fp8' is not served by the torch backend on cpu; "
+                                         r"choose one of bf16, int8, int4, nf4"):
+        quantize_model(m, "fp8")
+    assert not hasattr(m, "_qgrpo_quant") and type(m[0]) is torch.nn.Linear  # refused before any change
+
+
+def test_fp8_codes_survive_compute_in_float32(base, batch, ref_logprobs):
+    """compute_in (model.compute_dtype = "fp32") casts floating parameters; fp8's codes and scales are buffers and
+    stay as they are (same dtype, same storage), and the model computes in float32 within fp8's bounds."""
+    from qgrpo.rollout.backends.compute import compute_in
+
+    m = quantize(copy.deepcopy(base), "fp8")
+    lin = m.model.layers[0].self_attn.q_proj
+    ptrs = [t.data_ptr() for t in quant._storage_tensors(lin)]
+    compute_in(m, torch.float32)
+    assert lin.weight.dtype == torch.float8_e4m3fn and lin.scale.dtype == torch.float32
+    assert [t.data_ptr() for t in quant._storage_tensors(lin)] == ptrs
+    with torch.no_grad():
+        assert m(batch).logits.dtype == torch.float32
+    diff = (next_token_logprobs(m, batch) - ref_logprobs).abs()
+    assert diff.mean() < FP8_LOGPROB_BOUNDS[0] and diff.max() < FP8_LOGPROB_BOUNDS[1]

@@ -326,14 +326,23 @@ def _backend_tables(cfg: Config) -> list[str]:
             for p in getattr(cfg.rollout, name).problems(f"rollout.{name}", cfg.rollout.num_gpus)]
 
 
-@rule("reference.backend", "reference.precision")
+@rule("reference.backend", "reference.precision", "reference.num_gpus")
 def _reference_precision(cfg: Config) -> list[str]:
+    from qgrpo.rollout.backends import device_of
+
     ref = cfg.reference
     served = REFERENCE_BACKENDS[ref.backend]
-    if ref.precision in served:
+    if ref.precision not in served:
+        return [f"reference.precision: {ref.precision!r} is not served by the {ref.backend} reference; choose one "
+                f"of {', '.join(served)}"]
+    device = device_of(ref.num_gpus)
+    here = REGISTRY[ref.backend].served(device)
+    if not here or ref.precision in here:  # a backend serving nothing there: gpu_problems says so
         return []
-    return [f"reference.precision: {ref.precision!r} is not served by the {ref.backend} reference; choose one of "
-            f"{', '.join(served)}"]
+    gpu = ref.precision in REGISTRY[ref.backend].served("cuda") and device == "cpu"
+    return [f"reference.precision: {ref.precision} on the {ref.backend} reference is not served on {device} "
+            f"(reference.num_gpus = {ref.num_gpus:g}); choose one of {', '.join(here)}"
+            + (", or set reference.num_gpus >= 1 to score on a CUDA GPU" if gpu else "")]
 
 
 @rule(*(f"{role}.{key}" for role in ("rollout", "reference", "learner") for key in ("resources", "node_labels")))

@@ -16,7 +16,7 @@ import torch
 
 from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.rollout.backends import Generator, torch_adapters
+from qgrpo.rollout.backends import Generator, TorchOptions, torch_adapters
 from qgrpo.rollout.backends.common import (
     build_completion,
     build_group,
@@ -26,7 +26,8 @@ from qgrpo.rollout.backends.common import (
     stop_token_ids,
 )
 from qgrpo.rollout.backends.compute import compute_in
-from qgrpo.rollout.backends.torch_decode import StaticDecoder
+from qgrpo.rollout.backends.torch_decode import StaticDecoder, pick
+from qgrpo.rollout.backends.torch_graphs import GraphDecoder
 from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names, requantize_in_place
 from qgrpo.rollout.requantize import served_grid
 
@@ -45,9 +46,10 @@ def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.T
 class TorchGenerator(Generator):
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                  generator_id: str = "torch-0", seed: int = 0, device: str | None = None, initial_version: int = 0,
-                 chat_template: bool = True, compute_dtype: str = "auto"):
+                 chat_template: bool = True, compute_dtype: str = "auto", options: dict | None = None):
         """`compute_dtype`: model.compute_dtype ("auto": bf16 where the device computes it natively, else fp32;
-        core/cpu.py); the weights are bf16 values either way, quantized from bf16 (rollout/backends/compute.py)."""
+        core/cpu.py); the weights are bf16 values either way, quantized from bf16 (rollout/backends/compute.py).
+        `options`: the `[rollout.torch]` table (TorchOptions)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from qgrpo.core.cpu import compute_dtype as choose
@@ -78,6 +80,11 @@ class TorchGenerator(Generator):
         self.model = compute_in(quantize_model(model, precision, group_size_quant), self._dtype).eval()
         # Llama-family models decode on a preallocated cache (torch_decode.py); others through their own forward.
         self.decoder = StaticDecoder(self.model) if StaticDecoder.supports(self.model) else None
+        # On CUDA the same steps replayed as CUDA graphs (torch_graphs.py), where the options ask for them.
+        self.options = TorchOptions(**(options or {}))
+        self.graphs = None
+        if self.decoder is not None and self.device.type == "cuda" and self.options.cuda_graphs:
+            self.graphs = GraphDecoder(self.model, self.pad_id, self.stop_ids)
         self.adapters: dict[str, torch_adapters.LoraDelta] = {}
         self._base_only = True  # adapters-only updates are relative to the base the generator started from
         self._seed = seed
@@ -140,8 +147,12 @@ class TorchGenerator(Generator):
     def prefill_seconds(self, items: list[PromptItem]) -> float:
         """Wall time of the prompts' forward alone (what `generate` does first), for benchmarks."""
         _, ids, attn = self._encode(items)
+        ids, attn = ids.to(self.device), attn.to(self.device)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda *a: None)
+        sync(self.device)
         t0 = time.perf_counter()
-        self._prefill(ids.to(self.device), attn.to(self.device))
+        self._prefill(ids, attn)
+        sync(self.device)  # the kernels, not their launches
         return time.perf_counter() - t0
 
     def _sample(self, ids: torch.Tensor, attn: torch.Tensor, G: int, sp: SamplingParams,
@@ -152,6 +163,8 @@ class TorchGenerator(Generator):
         out = self._prefill(ids, attn)
         B, L = ids.shape[0] * G, sp.max_new_tokens
         logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [B, V]
+        if self.graphs is not None and self.decoder.fits(ids.shape[1] + L):
+            return self.graphs.run(out.past_key_values, attn, logits, G, L, sp, rng, self.stop_ids)
         if self.decoder is not None and self.decoder.fits(ids.shape[1] + L):
             self.decoder.start(out.past_key_values, attn, G, L)
             return self._decode(logits, self.decoder.step, self.decoder.compact, B, L, sp, rng)
@@ -235,6 +248,16 @@ class TorchGenerator(Generator):
         self.requantize_seconds = 0.0  # nothing is re-quantized
         self.policy_version = version
 
+    def decode_info(self) -> dict:
+        """Which decode loop runs ("graphs", "static": the eager fixed-shape steps, "forward": transformers' forward),
+        the seconds spent capturing graphs, and why graphs are not used where they were asked for."""
+        if self.graphs is not None:
+            return self.graphs.info()
+        why = None if not self.options.cuda_graphs else (
+            "CUDA graphs need a CUDA device" if self.device.type != "cuda" else "the model's layers are not Llama's")
+        return {"loop": "static" if self.decoder is not None else "forward", "capture_s": 0.0, "captures": 0,
+                "fallback": why}
+
     def quant_grids(self) -> dict:
         """{HF tensor name: core.grids.Grid} of the weights this generator quantizes onto a grid the rollout actor
         can emulate (rollout/requantize.py); {} at bf16 and nf4."""
@@ -254,33 +277,11 @@ class TorchGenerator(Generator):
 
 
 def _is_linear(m) -> bool:
-    return isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt")
+    return isinstance(m, torch.nn.Linear) or type(m).__name__ in ("Linear4bit", "Linear8bitLt", "Fp8Linear")
 
 
 def _pick(logits: torch.Tensor, sp: SamplingParams, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] float32 -> (token [B], log-prob [B]) drawn from softmax(logits / T) after top-k and top-p (HF's
-    order); the log-prob is of that filtered, renormalised distribution, i.e. the one actually sampled from.
-    T = 0 is greedy, reported at T = 1 unfiltered."""
-    if sp.temperature <= 0:
-        tok = logits.argmax(-1)
-    else:
-        logits = logits / sp.temperature
-        if 0 < sp.top_k < logits.shape[-1]:
-            kth = logits.topk(sp.top_k, dim=-1).values[:, -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if sp.top_p < 1.0:
-            # Drop a token when the more likely tokens already hold top_p of the mass; the top token always stays.
-            srt, idx = logits.sort(-1, descending=True)
-            probs = srt.softmax(-1)
-            drop = (probs.cumsum(-1) - probs) >= sp.top_p
-            drop[:, 0] = False
-            logits = logits.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
-        # Inverse-CDF draw: one uniform per row. torch.multinomial draws an exponential per vocab entry (single
-        # threaded with a generator), which cost more than the decode forward itself at vocab 49k.
-        cdf = logits.softmax(-1).cumsum(-1)
-        u = torch.rand(cdf.shape[0], 1, generator=rng, device=cdf.device) * cdf[:, -1:]
-        # First index whose cdf exceeds u: never a zero-probability (filtered) token, whose cdf equals its
-        # predecessor's.
-        tok = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
-    # Only the sampled token's log-prob: never a [B, L, V] log-softmax.
-    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)
+    order), one uniform per row from `rng` (none at T = 0): torch_decode.pick."""
+    u = None if sp.temperature <= 0 else torch.rand(logits.shape[0], generator=rng, device=logits.device)
+    return pick(logits, sp, u)

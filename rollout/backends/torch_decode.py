@@ -143,3 +143,32 @@ def _fixed_step(model, layers, tokens, col, pos, keys, values, bias, q_heads, kv
         x = x + att.o_proj(o.reshape(b, 1, q_heads * head_dim))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(m.norm(x))[:, 0].float()
+
+
+def pick(logits: torch.Tensor, sp, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] float32 -> (token [B], log-prob [B]) drawn from softmax(logits / T) after top-k and top-p (HF's
+    order) with the uniforms `u` [B] in [0, 1) (one per row; None at T = 0, which is greedy, reported at T = 1
+    unfiltered); the log-prob is of that filtered, renormalised distribution, i.e. the one actually sampled from.
+    Only tensor operations of fixed shapes, no host synchronisation: a CUDA graph captures it (torch_graphs.py)."""
+    if sp.temperature <= 0:
+        tok = logits.argmax(-1)
+    else:
+        logits = logits / sp.temperature
+        if 0 < sp.top_k < logits.shape[-1]:
+            kth = logits.topk(sp.top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        if sp.top_p < 1.0:
+            # Drop a token when the more likely tokens already hold top_p of the mass; the top token always stays.
+            srt, idx = logits.sort(-1, descending=True)
+            probs = srt.softmax(-1)
+            drop = (probs.cumsum(-1) - probs) >= sp.top_p
+            drop[:, 0] = False
+            logits = logits.scatter(-1, idx, srt.masked_fill(drop, float("-inf")))
+        # Inverse-CDF draw: one uniform per row. torch.multinomial draws an exponential per vocab entry (single
+        # threaded with a generator), which cost more than the decode forward itself at vocab 49k.
+        cdf = logits.softmax(-1).cumsum(-1)
+        # First index whose cdf exceeds u: never a zero-probability (filtered) token, whose cdf equals its
+        # predecessor's.
+        tok = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    # Only the sampled token's log-prob: never a [B, L, V] log-softmax.
+    return tok, logits.gather(-1, tok[:, None]).squeeze(-1) - logits.logsumexp(-1)

@@ -1,0 +1,122 @@
+"""The bucketed fixed-shape decode loop that CUDA graphs replay (rollout/backends/torch_graphs.py), run eagerly on the
+CPU: bucket choice, compaction into smaller buckets, sampled log-probs equal to the served model's forward, greedy
+output equal to the static decoder's, seeded reproducibility, and the weights' fingerprint that decides a new capture.
+Its CUDA-graph replay is tested in tests/test_cuda.py."""
+import pytest
+import torch
+
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.rollout.backends import torch_graphs
+from qgrpo.rollout.backends.torch_graphs import GraphDecoder, bucket_for
+
+
+def test_bucket_choice():
+    assert [bucket_for(n) for n in (1, 8, 9, 16, 17, 64, 65, 1000, 1024)] == [8, 8, 16, 16, 32, 64, 128, 1024, 1024]
+    assert bucket_for(1025) == 2048 and bucket_for(3000) == 3072  # multiples of the largest bucket beyond it
+
+
+ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
+
+
+def _eager_graphs(tiny_model_path, precision="bf16"):
+    """A CPU generator whose decode goes through the graph loop's steps, run eagerly."""
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    gen = TorchGenerator(tiny_model_path, precision=precision)
+    gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False)
+    return gen
+
+
+def _max_logprob_gap(gen, groups) -> float:
+    """Largest |sampled log-prob - the served model's full forward log-prob| over every completion token."""
+    from qgrpo.core.scoring import token_logprobs
+
+    gaps = [0.0]
+    for g in groups:
+        for c in g.completions:
+            ids = torch.tensor([g.prompt_ids + c.token_ids])
+            ref = token_logprobs(gen.model, ids)[0, len(g.prompt_ids):].float()
+            gaps += (ref - torch.tensor(c.logprobs)).abs().tolist()
+    return max(gaps)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_sampled_logprobs_are_the_models_with_compaction(tiny_model_path, precision, monkeypatch):
+    """24 rows decode in bucket 32; rows that stop move the live ones into smaller buckets (checked every 2 steps
+    here); every sampled token's log-prob is that of the served model's own forward over prompt + completion."""
+    gen = _eager_graphs(tiny_model_path, precision)
+    monkeypatch.setattr(torch_graphs, "CHECK_EVERY", 2)
+    buckets = []
+    compact = gen.graphs._compact
+    monkeypatch.setattr(gen.graphs, "_compact", lambda b, nb: buckets.append(nb) or compact(b, nb))
+    groups = gen.generate(ITEMS, SamplingParams(group_size=8, max_new_tokens=20, temperature=1.0, seed=7))
+    comps = [c for g in groups for c in g.completions]
+    assert len(comps) == 24 and {c.finish_reason for c in comps} == {"stop", "length"}
+    assert buckets and buckets == sorted(buckets, reverse=True) and buckets[-1] < 32
+    assert _max_logprob_gap(gen, groups) < 0.05  # nats: bf16 rounding, cached decode vs full forward
+    assert gen.decode_info()["loop"] == "static"  # eager steps: no graphs on a CPU
+
+
+def test_greedy_output_is_the_static_decoders(tiny_model_path):
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    sp = SamplingParams(group_size=2, max_new_tokens=16, temperature=0.0)
+    want = TorchGenerator(tiny_model_path).generate(ITEMS, sp)
+    got = _eager_graphs(tiny_model_path).generate(ITEMS, sp)
+    for a, b in zip(want, got):
+        assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
+        for ca, cb in zip(a.completions, b.completions):
+            assert max(abs(x - y) for x, y in zip(ca.logprobs, cb.logprobs)) < 0.05
+
+
+def test_seeded_calls_reproduce_and_seeds_differ(tiny_model_path):
+    gen = _eager_graphs(tiny_model_path)
+
+    def run(seed):
+        sp = SamplingParams(group_size=4, max_new_tokens=12, temperature=1.0, seed=seed)
+        return [c.token_ids for g in gen.generate(ITEMS, sp) for c in g.completions]
+
+    first = run(3)
+    assert run(3) == first and run(4) != first
+
+
+def test_buffers_grow_and_are_kept(tiny_model_path):
+    gen = _eager_graphs(tiny_model_path)
+    gen.generate(ITEMS[:1], SamplingParams(group_size=4, max_new_tokens=8, temperature=1.0, seed=0))
+    small = gen.graphs.info()
+    assert small["buffer_rows"] == 8 and small["buffer_width"] % torch_graphs.WIDTH_ROUND == 0
+    gen.generate(ITEMS, SamplingParams(group_size=8, max_new_tokens=8, temperature=1.0, seed=0))
+    assert gen.graphs.info()["buffer_rows"] == 32
+    keys = gen.graphs.keys[0]
+    gen.generate(ITEMS[:1], SamplingParams(group_size=4, max_new_tokens=8, temperature=1.0, seed=0))
+    assert gen.graphs.keys[0] is keys  # a smaller call reuses the larger buffers (and their graphs)
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+def test_a_sync_keeps_the_weights_addresses_and_adapters_change_them(tiny_model_path, precision):
+    """A full sync re-quantizes into the storage a captured graph reads: the fingerprint that decides a new capture
+    stays, and the model computes the new weights. Wrapping adapters around the layers changes it."""
+    from transformers import AutoModelForCausalLM
+
+    gen = _eager_graphs(tiny_model_path, precision)
+    before = gen.graphs._weights_fingerprint()
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g).to(p.dtype) * p.float().std().clamp(min=1e-3).to(p.dtype))
+    sp = SamplingParams(group_size=2, max_new_tokens=8, temperature=0.0)
+    old_out = [c.token_ids for grp in gen.generate(ITEMS, sp) for c in grp.completions]
+    gen.load_weights(1, [(n, p.detach()) for n, p in new.named_parameters()])
+    assert gen.graphs._weights_fingerprint() == before
+    groups = gen.generate(ITEMS, sp)
+    assert [c.token_ids for grp in groups for c in grp.completions] != old_out
+    assert _max_logprob_gap(gen, groups) < 0.05  # the new weights' log-probs
+    lin = gen._linears
+    name = next(n for n in lin if n.endswith("q_proj"))
+    r = 2
+    tensors = [(f"{name}.lora_A", torch.randn(r, lin[name][1])), (f"{name}.lora_B", torch.randn(lin[name][0], r))]
+    fresh = _eager_graphs(tiny_model_path, precision)
+    fp = fresh.graphs._weights_fingerprint()
+    fresh.load_adapters(1, tensors)
+    assert fresh.graphs._weights_fingerprint() != fp
