@@ -211,6 +211,38 @@ def generation(d: dict) -> list[str]:
             *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])]
 
 
+def gpu_speed(d: dict) -> list[str]:
+    """bench/gpu_speed.py: the torch generator per precision and decode loop on a GPU, and the learner's step."""
+    m, bw, mm = d["model"], d["bandwidth"], d["matmul"]
+    rows = [[r["precision"], r["loop"], r["rows"], f(r["seconds"], 3), f(r["decode_tokens_per_s"], 0),
+             pct(r.get("share_of_bound"), 1), pct(r.get("share_of_bf16_bound"), 1), f(r.get("speedup_vs_eager")),
+             f(r.get("speedup_vs_bf16")), f(r.get("speedup_vs_generate")), f(r.get("warmup_s"))]
+            for r in d["generation"] if "error" not in r]
+    out = [*wrap(f"A random-initialised Llama of Qwen2.5-1.5B's trunk ({m['layers']} layers, hidden {m['hidden']}, "
+                 f"{m['kv_heads']} key-value heads, {m['matmul_params'] / 1e9:.2f} B parameters in its matrix "
+                 f"products, vocabulary {m['vocab']:,}), {d['args']['max_new_tokens']} new tokens per row at T = 1, "
+                 f"every row to full length, median of {d['args']['repeats']}. Measured in the same run: read "
+                 f"bandwidth {bw['bytes_per_s'] / 1e12:.2f} TB/s (a bf16 sum over 2 GiB), bf16 matmul "
+                 f"{mm['flops_per_s'] / 1e12:.0f} TFLOP/s ({mm['n']}^3). \"of bound\": decode tokens/s over what "
+                 "reading the served weights and the KV cache once per step allows, at the variant's own bytes; "
+                 "\"of bf16's\": over bf16's bound. `eager` is the static-cache loop one Python step per token, "
+                 "`graphs` the same steps replayed as CUDA graphs, `generate` transformers' `model.generate` (bf16); "
+                 "\"s/call\": one generate, prefill included; \"decode tok/s\": without the prefill (timed alone); "
+                 "\"warm-up\": seconds of the first call, graph capture included."), "",
+           *table(["precision", "loop", "rows", "s/call", "decode tok/s", "of bound", "of bf16's", "vs eager",
+                   "vs bf16", "vs generate", "warm-up"], rows)]
+    ln = d.get("learner") or {}
+    if ln.get("step_s"):
+        b = ln["batch"]
+        out += ["", *wrap(f"The learner ({ln['backend']}, one rank, micro-batch {ln['micro_batch']}): {b['groups']} "
+                          f"prompts x {b['group_size']} completions of {b['prompt_len']} + {b['completion_len']} "
+                          f"tokens ({ln['tokens_per_step']:,} tokens run per step, each prompt once), "
+                          f"{ln['step_s']:.2f} s per step, {ln['model_flops_per_s'] / 1e12:.0f} TFLOP/s "
+                          f"({ln['flops_formula']}), {pct(ln['share_of_matmul'])} of the matmul rate, peak "
+                          f"{ln['peak_gib']:.1f} GiB.")]
+    return out
+
+
 def generator_memory(d: dict) -> list[str]:
     """bench/quant_bytes.py --generator-memory: the torch generator's memory, in place against a rebuilt copy."""
     return table(["precision", "layout", "start RSS MB", "peak RSS MB", "tensors held MB", "s per sync"],
@@ -448,6 +480,11 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The torch generator holding one copy, re-quantized in place at each sync, against a bf16 master beside a "
          "quantized copy rebuilt at each sync; each in a fresh process, three full updates.", generator_memory),
     ]),
+    ("On a GPU", [
+        ("gpu_speed", "The torch generator and the learner on an H200",
+         "The torch generator per precision and decode loop against transformers' generate and the card's memory "
+         "bound, and the learner's step against its matmul rate, side by side in one run.", gpu_speed),
+    ]),
     ("Learner", [
         ("learner_profile", "The learner's step by variant",
          "The real learner (DeepSpeed ZeRO-0, bf16, one rank, in-process) on the TRL comparison's batch, each "
@@ -497,9 +534,10 @@ INTRO = """\
 # Performance
 
 Generated from the JSON files in `bench/published/` by `{command}`; do not edit. Each result below names what it
-measures, the command that produced it, the machine it ran on and its JSON file. No figure here was measured on a
-GPU: times depend on the CPU and on what else ran on it, so compare rows within one table. What was tried, what the
-figures say and why the defaults are what they are: [performance_history.md](performance_history.md).
+measures, the command that produced it, the machine it ran on and its JSON file. Every figure was measured on a CPU
+except those of "On a GPU": times depend on the machine and on what else ran on it, so compare rows within one
+table. What was tried, what the figures say and why the defaults are what they are:
+[performance_history.md](performance_history.md).
 """
 
 OUTRO = """\
@@ -522,6 +560,8 @@ Each script writes its JSON under `bench/results/` and prints a table; run them 
   one-step-off and asynchronous rollouts with 1-16 actors, from the published stage times.
 - `bench/stream_scaling.py`: the tiny job synchronous and streamed (`algo.max_staleness`) with 1 and 2 rollout actors.
 - `bench/calculator_job.py`: the calculator example whole, per seed: held-out accuracy and tool use.
+- `bench/gpu_speed.py` (CUDA): the torch generator per precision and decode loop (eager, CUDA graphs) against
+  transformers' generate and the card's memory bound, and the learner's step against its matmul rate.
 
 To publish a result, write its JSON to `bench/published/` with a `command` and a `machine` field, add it to
 `SECTIONS` in `bench/publish.py` and run `{command}` (`make docs` runs it too).
