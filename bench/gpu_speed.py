@@ -11,9 +11,10 @@ The model: a transformers Llama with Qwen2.5-1.5B's trunk (`--shape 1.3b`: 28 la
 key-value heads of 128, MLP 8960, rope_theta 1e6; 1.31 B parameters outside the embeddings) on the vocabulary of the
 builtin SmolLM2 tokenizer (`--tokenizer`; 49,152 tokens), untied input and output embeddings, bf16, random weights
 (seed 0). It is saved with the tokenizer to a temporary folder, which every variant loads as a real checkpoint.
-`--shape tiny` (2 layers, hidden 64) runs the same code in seconds on a CPU. Weights are random, so the text is noise:
-only speed is measured. Every completion runs the full `--max-new-tokens` (the generator's stop ids are emptied; the
-table's `full` says whether each run did).
+`--shape tiny` (2 layers, hidden 64) runs the same code in seconds on a CPU; `--shape 28x64` has the 1.3b shape's 28
+layers at that width, so the same operators per decode step (`ops/step`; on a CPU the graphs loop's steps run
+eagerly). Weights are random, so the text is noise: only speed is measured. Every completion runs the full
+`--max-new-tokens` (the generator's stop ids are emptied; the table's `full` says whether each run did).
 
 Generation: variants are precision (`--precisions`) x decode loop: `eager` is the generator's static-cache loop
 (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA graphs (the generator's `cuda_graphs`
@@ -30,7 +31,9 @@ per row and the KV cache (rows x layers x 2 x kv heads x head dim x 2 bytes x th
 tokens), so rows / (those bytes / the card's read bandwidth, measured here as a bf16 `torch.sum` over a
 `--bandwidth-gib` buffer) is the most a decode step can give; `of bound` decode tok/s over the variant's own bound,
 `of bf16` over bf16's bound at the same rows; `vs eager` graphs over eager, `vs bf16` the precision over bf16 (same loop
-and rows), `vs generate` over transformers' generate at the same rows (tok/s ratios).
+and rows), `vs generate` over transformers' generate at the same rows (tok/s ratios); `ops/step` the ATen operators
+of one decode step other than views (about one kernel each on a GPU; `--profile`, at the first `--rows` value) and
+`kernel ms/step` their GPU time (CUDA), both from the step run eagerly.
 
 Learner (`--learner`, on by default on CUDA): one full training step of the learner (qgrpo.learner.engine.Learner,
 DeepSpeed ZeRO-0, one rank; without DeepSpeed installed, `plain`: the same log-probs and GRPO loss with a torch AdamW
@@ -76,6 +79,9 @@ SHAPES = {
                  intermediate_size=8960, rope_theta=1e6),
     "tiny": dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                  intermediate_size=128, rope_theta=1e4),
+    # 1.3b's 28 layers at tiny's width: the same operators per decode step (ops_per_step), in seconds on a CPU
+    "28x64": dict(num_hidden_layers=28, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, rope_theta=1e4),
 }
 SMOLLM2_VOCAB = 49152  # the builtin SmolLM2 tokenizer's vocabulary: the model's when only a fallback tokenizer is found
 GROUP_SIZE = 8
@@ -223,8 +229,14 @@ def make_generator(path: str, precision: str, device: str, loop: str):
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     try:
-        return TorchGenerator(path, precision=precision, device=device,
-                              options={"cuda_graphs": loop == "graphs"}), None
+        gen = TorchGenerator(path, precision=precision, device=device, options={"cuda_graphs": loop == "graphs"})
+        if loop == "graphs" and gen.graphs is None and gen.decoder is not None and gen.device.type != "cuda":
+            from qgrpo.rollout.backends.torch_graphs import GraphDecoder
+
+            # No CUDA: the steps a graph would record, run eagerly (their operators and correctness, not a speed)
+            gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False)
+            return gen, "no CUDA: the graph loop's steps ran eagerly"
+        return gen, None
     except TypeError as e:
         if "options" not in str(e):
             raise
@@ -293,7 +305,7 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
             row["prefill_s"] = statistics.median(
                 timed(lambda: gen.prefill_seconds(items), args.device)[1] for _ in range(args.repeats))
             fill(row, runs, rows * L)
-            if args.profile and loop == "eager" and rows == args.rows[0]:
+            if args.profile and rows == args.rows[0]:
                 row.update(step_profile(gen, items, g, args.device))
             row.update({f"decode_{k}": v for k, v in decode_info(gen, note).items()})
             if row.get("decode_fallback") is None and note:
@@ -315,10 +327,11 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
 
 
 def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
-    """What one decode step of the eager loop runs: `ops_per_step`, the ATen operators dispatched other than views
-    (about one kernel launch each on a GPU; counted below autograd, after composite operators are decomposed, so a
-    CPU counts them too), and on CUDA `kernel_ms_per_step`, the GPU time of its kernels (torch.profiler). Both are
-    the difference between a call of `steps` + 1 new tokens and one of 1 (prefill and first pick), over `steps`."""
+    """What one decode step runs: `ops_per_step`, the ATen operators dispatched other than views (about one kernel
+    launch each on a GPU; counted below autograd, after composite operators are decomposed, so a CPU counts them too),
+    and on CUDA `kernel_ms_per_step`, the GPU time of its kernels (torch.profiler). Both are the difference between a
+    call of `steps` + 1 new tokens and one of 1 (prefill and first pick), over `steps`. The graphs loop's step is run
+    eagerly for this (a replay hides its operators from both counts); its kernels are the ones a replay runs."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -331,24 +344,35 @@ def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
             Count.n += not func.is_view  # a view launches no kernel
             return func(*args, **(kwargs or {}))
 
+    def call(new: int) -> None:
+        gen.generate(items, SamplingParams(g, new, temperature=1.0, seed=0))
+
     def ops(new: int) -> int:
         Count.n = 0
         with Count():
-            gen.generate(items, SamplingParams(g, new, temperature=1.0, seed=0))
+            call(new)
         return Count.n
 
-    out = {"ops_per_step": (ops(steps + 1) - ops(1)) / steps}
-    if "cuda" in device:
+    def kernel_us(new: int) -> float:
         from torch.profiler import ProfilerActivity, profile
 
-        def kernel_us(new: int) -> float:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            call(new)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as p:
-                gen.generate(items, SamplingParams(g, new, temperature=1.0, seed=0))
-                torch.cuda.synchronize()
-            return sum(e.device_time_total for e in p.key_averages())
+        return sum(e.device_time_total for e in p.key_averages())
 
-        out["kernel_ms_per_step"] = (kernel_us(steps + 1) - kernel_us(1)) / steps / 1000
+    graphs = getattr(gen, "graphs", None)
+    held = graphs.fallback if graphs is not None else None
+    if graphs is not None:
+        graphs.fallback = "profiling"  # eager steps until restored
+    try:
+        out = {"ops_per_step": (ops(steps + 1) - ops(1)) / steps}
+        if "cuda" in device:
+            out["kernel_ms_per_step"] = (kernel_us(steps + 1) - kernel_us(1)) / steps / 1000
+    finally:
+        if graphs is not None:
+            graphs.fallback = held
     return out
 
 
@@ -595,7 +619,7 @@ def fmt(x, spec: str) -> str:
 
 def table(res: dict) -> str:
     head = ["precision", "loop", "rows", "load s", "warm-up s", "s", "full", "tok/s", "decode tok/s", "bound tok/s",
-            "of bound", "of bf16", "vs eager", "vs bf16", "vs generate", "note"]
+            "of bound", "of bf16", "vs eager", "vs bf16", "vs generate", "ops/step", "kernel ms/step", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["generation"]:
         note = r.get("error") or r.get("skipped") or r.get("decode_fallback") or ""
@@ -607,6 +631,7 @@ def table(res: dict) -> str:
                  fmt(r.get("bound", {}).get("tokens_per_s"), ".0f"), fmt(r.get("share_of_bound"), ".1%"),
                  fmt(r.get("share_of_bf16_bound"), ".1%"), fmt(r.get("speedup_vs_eager"), ".2f"),
                  fmt(r.get("speedup_vs_bf16"), ".2f"), fmt(r.get("speedup_vs_generate"), ".2f"),
+                 fmt(r.get("ops_per_step"), ".0f"), fmt(r.get("kernel_ms_per_step"), ".2f"),
                  str(note).replace("|", "/")[:120]]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
     ln = res.get("learner")

@@ -92,10 +92,11 @@ def test_buffers_grow_and_are_kept(tiny_model_path):
     assert gen.graphs.keys[0] is keys  # a smaller call reuses the larger buffers (and their graphs)
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4"])
 def test_a_sync_keeps_the_weights_addresses_and_adapters_change_them(tiny_model_path, precision):
-    """A full sync re-quantizes into the storage a captured graph reads: the fingerprint that decides a new capture
-    stays, and the model computes the new weights. Wrapping adapters around the layers changes it."""
+    """A full sync re-quantizes into the storage a captured graph reads (bf16: copies into the fused projections'
+    buffers): the fingerprint that decides a new capture stays, and the model computes the new weights. Wrapping
+    adapters around the layers changes it, and the step then computes the wrapped layers."""
     from transformers import AutoModelForCausalLM
 
     gen = _eager_graphs(tiny_model_path, precision)
@@ -120,3 +121,22 @@ def test_a_sync_keeps_the_weights_addresses_and_adapters_change_them(tiny_model_
     fp = fresh.graphs._weights_fingerprint()
     fresh.load_adapters(1, tensors)
     assert fresh.graphs._weights_fingerprint() != fp
+    assert _max_logprob_gap(fresh, fresh.generate(ITEMS, SamplingParams(group_size=4, max_new_tokens=8,
+                                                                       temperature=1.0, seed=1))) < 0.05
+
+
+def test_projections_are_fused_into_views_of_one_buffer(tiny_model_path):
+    """bf16: q, k, v (and gate, up) become row views of one buffer, so a sync's copy into a parameter reaches the
+    product the step computes; a quantized model keeps its projections apart."""
+    gen = _eager_graphs(tiny_model_path)
+    layer, qkv, gate_up = gen.graphs.fused.layers[0]
+    att = layer.self_attn
+    buf = qkv[0]
+    assert buf.shape[0] == att.q_proj.out_features + att.k_proj.out_features + att.v_proj.out_features
+    assert att.k_proj.weight.data_ptr() == buf[att.q_proj.out_features].data_ptr() and gate_up is not None
+    with torch.no_grad():
+        att.k_proj.weight.add_(1.0)
+    assert torch.equal(buf[att.q_proj.out_features:att.q_proj.out_features + att.k_proj.out_features],
+                       att.k_proj.weight)
+    assert torch_graphs.torch_fused.FusedLayers(gen.model, 1, 1, 2).layers[0][1][0] is buf  # kept, not rebuilt
+    assert _eager_graphs(tiny_model_path, "int8").graphs.fused.layers[0][1:] == (None, None)

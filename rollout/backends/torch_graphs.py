@@ -1,9 +1,10 @@
 """The torch generator's decode loop replayed as CUDA graphs (`[rollout.torch] cuda_graphs`).
 
-A decode step of the static decoder (torch_decode.py) is a few hundred small kernels; on a GPU their launches and the
-host's Python, not the weights' bytes, bound the loop (a 1.3B model on an H200: ~26 ms a step where the weights take
-~0.6 ms to read). A CUDA graph records a step's kernels once and replays them with one launch. A graph replays fixed
-shapes at fixed addresses, so everything a step reads or writes lives in buffers allocated once:
+A decode step of the static decoder (torch_decode.py) is over a thousand small kernels; on a GPU their launches and
+the host's Python, not the weights' bytes, bound the loop (a 1.3B model on an H200: ~26 ms a step where the weights
+take ~0.7 ms to read). A CUDA graph records a step's kernels once and replays them with one launch; the step it
+records is torch_fused.py's, the same function in fewer operators. A graph replays fixed shapes at fixed addresses, so
+everything a step reads or writes lives in buffers allocated once:
 
 - **Buckets.** The step is captured per batch bucket: the rows rounded up to a power of two (`BUCKETS`, from 8). When
   finished rows leave the live ones within a smaller bucket, the live rows are moved to the front of the buffers
@@ -33,7 +34,8 @@ import time
 
 import torch
 
-from qgrpo.rollout.backends.torch_decode import StaticDecoder, _fixed_step, pick
+from qgrpo.rollout.backends import torch_fused
+from qgrpo.rollout.backends.torch_decode import StaticDecoder, pick
 
 BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 CHECK_EVERY = 8  # decode steps between two looks at the finished rows (one host synchronisation each)
@@ -67,6 +69,8 @@ class GraphDecoder:
         self.captures = 0  # graphs captured so far (a weight change or a larger buffer captures again)
         self._cap = (0, 0, 0)  # rows, width, steps the buffers hold
         self._graphs: dict = {}
+        s = self.static
+        self.fused = torch_fused.FusedLayers(model, s.q_heads, s.kv_heads, s.head_dim)  # fuses projections now
         self._fingerprint = None
 
     # ---------------------------------------------------------------- buffers
@@ -110,14 +114,20 @@ class GraphDecoder:
                         out.append((id(m), x.data_ptr()))
         return tuple(out)
 
+    def _prepare(self) -> None:
+        """The step's view of the layers, made again after modules or weights moved (a first call, adapters wrapped
+        around layers, a layer replaced at a sync): fused projections where they can be (torch_fused.fuse)."""
+        s = self.static
+        self.fused = torch_fused.FusedLayers(self.model, s.q_heads, s.kv_heads, s.head_dim)
+
     # ---------------------------------------------------------------- the step
     def _step(self, b: int, sp) -> None:
         """One decode step of the first `b` buffer rows, all on the device (what a graph records)."""
         s = self.static
         keys, values = [k[:b] for k in self.keys], [v[:b] for v in self.values]
         tok_in, live, rows = self.tok[:b], self.live[:b], self.rowmap[:b]
-        logits = _fixed_step(self.model, s.layers, tok_in, self.col, self.pos[:b], keys, values, self.bias[:b],
-                             s.q_heads, s.kv_heads, s.head_dim, s.scale)
+        logits = torch_fused.step(self.model, self.fused, tok_in, self.col, self.pos[:b], keys, values,
+                                  self.bias[:b], s.q_heads, s.kv_heads, s.head_dim, s.scale)
         u = None if sp.temperature <= 0 else self.u.index_select(0, self.stepi).squeeze(0).index_select(0, rows)
         tok, lp = pick(logits, sp, u)
         at = self.stepi.expand(b)
@@ -190,7 +200,11 @@ class GraphDecoder:
             fp = self._weights_fingerprint()
             if fp != self._fingerprint:
                 self._graphs.clear()
-                self._fingerprint = fp
+                self._prepare()
+                self._fingerprint = self._weights_fingerprint()
+        elif self._fingerprint is None or self._weights_fingerprint() != self._fingerprint:
+            self._prepare()  # eager steps read the projections as they are now too
+            self._fingerprint = self._weights_fingerprint()
         R = self._cap[0]
         # The call's state: the prefill's cache repeated to each prompt's rows, the mask of its columns (the rest -inf
         # until written), positions, the uniforms, the first token sampled from the prefill's logits.
