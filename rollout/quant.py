@@ -388,18 +388,31 @@ class Fp8Linear(nn.Module):
         self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach(), requires_grad=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features).float()
-        s = (rows.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)  # [M, 1] per-token scale
-        xq = (rows / s).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        # mat2 column-major: the transpose of the row-major [N, K] codes, as _scaled_mm wants it
-        y = torch._scaled_mm(xq, self.weight.t(), scale_a=s, scale_b=self.scale.view(1, -1),
-                             out_dtype=torch.bfloat16).to(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(x.dtype)
-        return y.reshape(*x.shape[:-1], self.out_features)
+        return fp8_linear(x, self.weight, self.scale, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+# A token's scale maps its largest magnitude to just under 448, so that the quotient never rounds past the largest
+# finite e4m3fn value (a cast beyond it gives NaN) and no clamp is needed: one kernel fewer per product.
+_ACT_SCALE = (1.0 + 2.0 ** -10) / FP8_MAX
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] (bf16 or float32) times float8_e4m3fn codes `weight` [N, K] with row scales `scale` [N]: the
+    activations quantized per token (absmax scaling, float32), the product in ``torch._scaled_mm`` with row-wise
+    scales, bf16 out, then `bias`; in x's dtype, [..., N]. Six kernels, no host synchronisation (CUDA graphs)."""
+    rows = x.reshape(-1, x.shape[-1])
+    s = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
+    s = s.mul_(_ACT_SCALE).clamp_(min=1e-12)  # [M, 1] per-token scale
+    xq = torch.div(rows, s).to(torch.float8_e4m3fn)
+    # mat2 column-major: the transpose of the row-major [N, K] codes, as _scaled_mm wants it
+    y = torch._scaled_mm(xq, weight.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16).to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def fp8_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -131,12 +131,43 @@ def test_projections_are_fused_into_views_of_one_buffer(tiny_model_path):
     gen = _eager_graphs(tiny_model_path)
     layer, qkv, gate_up = gen.graphs.fused.layers[0]
     att = layer.self_attn
-    buf = qkv[0]
+    assert qkv[0] == "bf16"
+    buf = qkv[1]
     assert buf.shape[0] == att.q_proj.out_features + att.k_proj.out_features + att.v_proj.out_features
     assert att.k_proj.weight.data_ptr() == buf[att.q_proj.out_features].data_ptr() and gate_up is not None
     with torch.no_grad():
         att.k_proj.weight.add_(1.0)
     assert torch.equal(buf[att.q_proj.out_features:att.q_proj.out_features + att.k_proj.out_features],
                        att.k_proj.weight)
-    assert torch_graphs.torch_fused.FusedLayers(gen.model, 1, 1, 2).layers[0][1][0] is buf  # kept, not rebuilt
+    assert torch_graphs.torch_fused.FusedLayers(gen.model, 1, 1, 2).layers[0][1][1] is buf  # kept, not rebuilt
     assert _eager_graphs(tiny_model_path, "int8").graphs.fused.layers[0][1:] == (None, None)
+
+
+def test_fp8_projections_are_fused_and_a_sync_reaches_them(tiny_model_path):
+    """fp8 (W8A8, whose numerics torch's CPU `_scaled_mm` runs): q/k/v and gate/up codes and scales become row views of
+    one buffer each and one fp8 product computes them; sampled log-probs are the served model's, and a sync's
+    re-quantization (into the same storage) reaches the joint buffers."""
+    from transformers import AutoModelForCausalLM
+
+    from qgrpo.rollout import quant
+
+    gen = _eager_graphs(tiny_model_path)
+    gen.model._qgrpo_quant = ("bf16", 64)  # quantize the bf16 generator's model to fp8 on the CPU (tests only)
+    gen.precision, gen._quantized = "fp8", quant.quantized_weight_names(gen.model, "fp8", 64, "cpu")
+    quant._quantize_layers(gen.model, "fp8", 64, torch.device("cpu"))
+    gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False)
+    layer, qkv, gate_up = gen.graphs.fused.layers[0]
+    assert qkv[0] == "fp8" and gate_up[0] == "fp8"
+    att = layer.self_attn
+    assert att.v_proj.scale.data_ptr() == qkv[2][att.q_proj.out_features + att.k_proj.out_features].data_ptr()
+    sp = SamplingParams(group_size=4, max_new_tokens=10, temperature=1.0, seed=2)
+    assert _max_logprob_gap(gen, gen.generate(ITEMS, sp)) < 0.05
+    before = gen.graphs._weights_fingerprint()
+    codes = qkv[1].clone()
+    new = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.neg_()
+    gen.load_weights(1, [(n, p.detach()) for n, p in new.named_parameters()])
+    assert gen.graphs._weights_fingerprint() == before and not torch.equal(qkv[1].float(), codes.float())
+    assert _max_logprob_gap(gen, gen.generate(ITEMS, sp)) < 0.05

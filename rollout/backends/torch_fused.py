@@ -6,9 +6,10 @@ H200, 3.4-3.9 ms of kernel time where the weights take 0.7 ms to read. This step
 fewer operators (`bench/gpu_speed.py` counts them, `ops_per_step`, on any device):
 
 - **Fused projections.** Where a layer's q, k and v projections (and its MLP's gate and up projections) are plain
-  bf16 `nn.Linear`s, their weights are moved into one buffer and each projection's parameter becomes a view of its
-  rows, so one product computes all three and a weight sync (which copies into the parameters) updates the buffer.
-  Quantized or adapter-wrapped projections stay separate products.
+  bf16 `nn.Linear`s, or fp8 `Fp8Linear`s, their weights (codes and scales) are moved into one buffer and each
+  projection's tensors become views of its rows, so one product computes all three and a weight sync (which copies
+  into those tensors) updates the buffer. fp8 then quantizes the activations once for the three. torchao's int8 /
+  int4, bitsandbytes' nf4 and adapter-wrapped projections stay separate products.
 - **Rotary embedding as one product.** q*cos + rotate_half(q)*sin is q @ (diag(cos) + R diag(sin)) with R the fixed
   signed permutation of rotate_half: one [head_dim x head_dim] matrix per row and step, built once per step for all
   layers, applied to the query and key heads together with one batched product (one rounding instead of three).
@@ -31,44 +32,73 @@ def _plain(lin) -> bool:
             and lin.weight.dtype == torch.bfloat16)
 
 
-def fuse(linears: list) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One weight buffer [sum of outs, in] (and bias) for plain linears of the same input: each linear's parameters
-    become views of their rows (a copy into a parameter writes the buffer). Kept as it is where they still are such
-    views; None where the linears cannot be fused (not plain, inputs differ, some with bias and some without)."""
-    if not all(_plain(lin) for lin in linears) or len({lin.in_features for lin in linears}) != 1:
+def _kind(lin) -> str | None:
+    """"bf16" or "fp8" for a projection `fuse` can join with others of its kind, else None."""
+    from qgrpo.rollout.quant import Fp8Linear
+
+    return "bf16" if _plain(lin) else "fp8" if type(lin) is Fp8Linear else None
+
+
+def fuse(linears: list) -> tuple | None:
+    """One product for projections of the same input: ("bf16", weight [sum of outs, in], bias) for plain bf16
+    linears, ("fp8", codes, row scales, bias) for Fp8Linears. Each projection's tensors become row views of the joint
+    ones, so a copy into them (a sync) writes the joint buffers. Kept as it is where they still are such views; None
+    where the projections cannot be joined (another kind, mixed kinds, inputs differ, some with bias and some
+    without)."""
+    kinds = {_kind(lin) for lin in linears}
+    if len(kinds) != 1 or None in kinds or len({lin.in_features for lin in linears}) != 1:
         return None
     biased = {lin.bias is not None for lin in linears}
     if len(biased) != 1:
         return None
-    biased = biased.pop()
+    kind, biased = kinds.pop(), biased.pop()
     held = getattr(linears[0], "_qgrpo_fused", None)
-    if held is not None and _views_of(linears, *held):
+    if held is not None and _views_of(linears, held):
         return held
+    names = ("weight",) if kind == "bf16" else ("weight", "scale")
     with torch.no_grad():
-        buf = torch.cat([lin.weight.data for lin in linears])
+        joint = [torch.cat([getattr(lin, n).data for lin in linears]) for n in names]
         bias = torch.cat([lin.bias.data for lin in linears]) if biased else None
+        spec = (kind, *joint, bias)
         off = 0
         for lin in linears:
-            n = lin.out_features
-            lin.weight.data = buf[off:off + n]
+            rows = slice(off, off + lin.out_features)
+            for n, t in zip(names, joint):
+                if kind == "bf16":
+                    lin.weight.data = t[rows]  # the parameter stays; its data is a view
+                else:
+                    setattr(lin, n, t[rows])  # Fp8Linear's codes and scales are buffers
             if bias is not None:
-                lin.bias.data = bias[off:off + n]
-            lin._qgrpo_fused = (buf, bias)
-            off += n
-    return buf, bias
+                lin.bias.data = bias[rows]
+            lin._qgrpo_fused = spec
+            off += lin.out_features
+    return spec
 
 
-def _views_of(linears: list, buf: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the linears' parameters are still the rows of `buf` (and `bias`), in order."""
+def _views_of(linears: list, spec: tuple) -> bool:
+    """Whether the projections' tensors are still the rows of the joint ones of `spec`, in order."""
+    kind, *joint, bias = spec
+    names = ("weight",) if kind == "bf16" else ("weight", "scale")
     off = 0
     for lin in linears:
-        n = lin.out_features
-        if getattr(lin, "_qgrpo_fused", (None,))[0] is not buf or lin.weight.data_ptr() != buf[off].data_ptr():
+        if getattr(lin, "_qgrpo_fused", None) is not spec:
             return False
+        for n, t in zip(names, joint):
+            if getattr(lin, n).data_ptr() != t[off].data_ptr():
+                return False
         if bias is not None and (lin.bias is None or lin.bias.data_ptr() != bias[off].data_ptr()):
             return False
-        off += n
-    return off == buf.shape[0]
+        off += lin.out_features
+    return off == joint[0].shape[0]
+
+
+def _project(h: torch.Tensor, spec: tuple) -> torch.Tensor:
+    """The joint product of `fuse`'s projections."""
+    if spec[0] == "bf16":
+        return F.linear(h, spec[1], spec[2])
+    from qgrpo.rollout.quant import fp8_linear
+
+    return fp8_linear(h, *spec[1:])
 
 
 class FusedLayers:
@@ -108,7 +138,7 @@ def step(model, fused: FusedLayers, tokens, col, pos, keys, values, bias, q_head
         att = layer.self_attn
         h = _norm(layer.input_layernorm, x)
         if qkv is not None:
-            y = F.linear(h, *qkv)  # [b, 1, nq + 2 nkv]
+            y = _project(h, qkv)  # [b, 1, nq + 2 nkv]
             qk, v = y[..., :nq + nkv], y[..., nq + nkv:]
         else:
             qk, v = torch.cat([att.q_proj(h), att.k_proj(h)], -1), att.v_proj(h)
@@ -122,7 +152,7 @@ def step(model, fused: FusedLayers, tokens, col, pos, keys, values, bias, q_head
         h = _norm(layer.post_attention_layernorm, x)
         mlp = layer.mlp
         if gate_up is not None:
-            y = F.linear(h, *gate_up)
+            y = _project(h, gate_up)
             half = y.shape[-1] // 2
             a = mlp.act_fn(y[..., :half]) * y[..., half:]
         else:
