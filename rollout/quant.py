@@ -272,14 +272,30 @@ def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     On CUDA: at most INT8PACK_ROWS bf16 rows through the Triton kernel of rollout/int8_triton.py, which reads the
     int8 weight itself (torchao's linear writes and reads a bf16 copy of it per call); anything else, or no Triton,
     through torchao's linear. Both read the layer's live ``qdata`` / ``scale`` (a weight sync copies into them)."""
-    if x.device.type != "cpu":
-        from qgrpo.rollout import int8_triton
-
-        if x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= INT8PACK_ROWS and int8_triton.available():
-            qdata, scale = self._int8
-            return int8_triton.int8_linear(x, qdata, scale, self.bias)
+    if x.device.type != "cpu" and not _int8_kernel_takes(x):
         return nn.functional.linear(x, self.weight, self.bias)
-    qdata, scale = self._int8
+    return int8_product(x, *self._int8, self.bias)
+
+
+def _int8_kernel_takes(x: torch.Tensor) -> bool:
+    """On CUDA: whether the Triton int8 kernel takes these activations (bf16, at most INT8PACK_ROWS rows)."""
+    from qgrpo.rollout import int8_triton
+
+    return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= INT8PACK_ROWS and int8_triton.available()
+
+
+def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the int8 weight `qdata` [N, K] with per-row `scale` [N] (+ bias), as `_int8_forward`: on
+    CUDA the Triton kernel where it takes the rows; on CPU `_weight_int8pack_mm` for at most INT8PACK_ROWS rows; else
+    torchao's weight-only arithmetic (x W_int8^T in x's dtype, then the per-row scale)."""
+    if x.device.type != "cpu":
+        if _int8_kernel_takes(x):
+            from qgrpo.rollout import int8_triton
+
+            return int8_triton.int8_linear(x, qdata, scale, bias)
+        y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)
+        return y if bias is None else y + bias
     rows = x.numel() // x.shape[-1]
     if x.dtype in (torch.bfloat16, torch.float32) and rows <= INT8PACK_ROWS:
         # float32 activations (model.compute_dtype) enter the kernel as bf16, as on every machine: its float32 path
@@ -289,7 +305,7 @@ def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
         y = y.reshape(*x.shape[:-1], qdata.shape[0])
     else:
         y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)
-    return y if self.bias is None else y + self.bias
+    return y if bias is None else y + bias
 
 
 @torch.no_grad()

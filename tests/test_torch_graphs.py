@@ -140,7 +140,13 @@ def test_projections_are_fused_into_views_of_one_buffer(tiny_model_path):
     assert torch.equal(buf[att.q_proj.out_features:att.q_proj.out_features + att.k_proj.out_features],
                        att.k_proj.weight)
     assert torch_graphs.torch_fused.FusedLayers(gen.model, 1, 1, 2).layers[0][1][1] is buf  # kept, not rebuilt
-    assert _eager_graphs(tiny_model_path, "int8").graphs.fused.layers[0][1:] == (None, None)
+    assert _eager_graphs(tiny_model_path, "int4").graphs.fused.layers[0][1:] == (None, None)
+    int8 = _eager_graphs(tiny_model_path, "int8")
+    layer, qkv, gate_up = int8.graphs.fused.layers[0]
+    assert qkv[0] == "int8" and gate_up[0] == "int8"
+    w = layer.self_attn.k_proj.weight
+    assert w.qdata.data_ptr() == qkv[1][layer.self_attn.q_proj.out_features].data_ptr()
+    assert layer.self_attn.k_proj._int8[0] is w.qdata  # its own forward reads the joint buffer too
 
 
 def test_fp8_projections_are_fused_and_a_sync_reaches_them(tiny_model_path):

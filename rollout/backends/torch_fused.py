@@ -6,10 +6,10 @@ H200, 3.4-3.9 ms of kernel time where the weights take 0.7 ms to read. This step
 fewer operators (`bench/gpu_speed.py` counts them, `ops_per_step`, on any device):
 
 - **Fused projections.** Where a layer's q, k and v projections (and its MLP's gate and up projections) are plain
-  bf16 `nn.Linear`s, or fp8 `Fp8Linear`s, their weights (codes and scales) are moved into one buffer and each
-  projection's tensors become views of its rows, so one product computes all three and a weight sync (which copies
-  into those tensors) updates the buffer. fp8 then quantizes the activations once for the three. torchao's int8 /
-  int4, bitsandbytes' nf4 and adapter-wrapped projections stay separate products.
+  bf16 `nn.Linear`s, fp8 `Fp8Linear`s or torchao int8 on its direct route, their weights (codes and scales) are
+  moved into one buffer and each projection's tensors become views of its rows, so one product computes all three
+  and a weight sync (which copies into those tensors) updates the buffer. fp8 then quantizes the activations once
+  for the three. int4, nf4 and adapter-wrapped projections stay separate products.
 - **Rotary embedding as one product.** q*cos + rotate_half(q)*sin is q @ (diag(cos) + R diag(sin)) with R the fixed
   signed permutation of rotate_half: one [head_dim x head_dim] matrix per row and step, built once per step for all
   layers, applied to the query and key heads together with one batched product (one rounding instead of three).
@@ -33,15 +33,45 @@ def _plain(lin) -> bool:
 
 
 def _kind(lin) -> str | None:
-    """"bf16" or "fp8" for a projection `fuse` can join with others of its kind, else None."""
+    """"bf16", "fp8" or "int8" (torchao's int8 on the direct route: `quant._int8_direct`) for a projection `fuse`
+    can join with others of its kind, else None."""
     from qgrpo.rollout.quant import Fp8Linear
 
-    return "bf16" if _plain(lin) else "fp8" if type(lin) is Fp8Linear else None
+    if _plain(lin):
+        return "bf16"
+    if type(lin) is Fp8Linear:
+        return "fp8"
+    return "int8" if type(lin) is nn.Linear and "_int8" in lin.__dict__ else None
+
+
+def _tensors(lin, kind: str) -> list[torch.Tensor]:
+    """The tensors of a projection that a joint product reads: bf16's weight, fp8's codes and scales, int8's codes
+    and per-row scales (torchao's `qdata` and `scale`)."""
+    if kind == "bf16":
+        return [lin.weight.data]
+    if kind == "fp8":
+        return [lin.weight, lin.scale]
+    return [lin.weight.qdata, lin.weight.scale.reshape(-1)]
+
+
+def _repoint(lin, kind: str, views: list[torch.Tensor]) -> None:
+    """Make the projection's tensors `views` (rows of the joint ones), keeping their shapes."""
+    if kind == "bf16":
+        lin.weight.data = views[0]
+    elif kind == "fp8":
+        lin.weight, lin.scale = views
+    else:
+        from qgrpo.rollout.quant import _int8_direct
+
+        w = lin.weight
+        w.qdata, w.scale = views[0], views[1].view(w.scale.shape)
+        _int8_direct(lin)  # its direct route reads the new (view) tensors
 
 
 def fuse(linears: list) -> tuple | None:
     """One product for projections of the same input: ("bf16", weight [sum of outs, in], bias) for plain bf16
-    linears, ("fp8", codes, row scales, bias) for Fp8Linears. Each projection's tensors become row views of the joint
+    linears, ("fp8" | "int8", codes, row scales, bias) for Fp8Linears | torchao int8 on its direct route (`_kind`).
+    Each projection's tensors become row views of the joint
     ones, so a copy into them (a sync) writes the joint buffers. Kept as it is where they still are such views; None
     where the projections cannot be joined (another kind, mixed kinds, inputs differ, some with bias and some
     without)."""
@@ -55,19 +85,15 @@ def fuse(linears: list) -> tuple | None:
     held = getattr(linears[0], "_qgrpo_fused", None)
     if held is not None and _views_of(linears, held):
         return held
-    names = ("weight",) if kind == "bf16" else ("weight", "scale")
     with torch.no_grad():
-        joint = [torch.cat([getattr(lin, n).data for lin in linears]) for n in names]
+        parts = [_tensors(lin, kind) for lin in linears]
+        joint = [torch.cat([p[i] for p in parts]) for i in range(len(parts[0]))]
         bias = torch.cat([lin.bias.data for lin in linears]) if biased else None
         spec = (kind, *joint, bias)
         off = 0
         for lin in linears:
             rows = slice(off, off + lin.out_features)
-            for n, t in zip(names, joint):
-                if kind == "bf16":
-                    lin.weight.data = t[rows]  # the parameter stays; its data is a view
-                else:
-                    setattr(lin, n, t[rows])  # Fp8Linear's codes and scales are buffers
+            _repoint(lin, kind, [t[rows] for t in joint])
             if bias is not None:
                 lin.bias.data = bias[rows]
             lin._qgrpo_fused = spec
@@ -78,13 +104,12 @@ def fuse(linears: list) -> tuple | None:
 def _views_of(linears: list, spec: tuple) -> bool:
     """Whether the projections' tensors are still the rows of the joint ones of `spec`, in order."""
     kind, *joint, bias = spec
-    names = ("weight",) if kind == "bf16" else ("weight", "scale")
     off = 0
     for lin in linears:
         if getattr(lin, "_qgrpo_fused", None) is not spec:
             return False
-        for n, t in zip(names, joint):
-            if getattr(lin, n).data_ptr() != t[off].data_ptr():
+        for mine, t in zip(_tensors(lin, kind), joint):
+            if mine.data_ptr() != t[off].data_ptr():
                 return False
         if bias is not None and (lin.bias is None or lin.bias.data_ptr() != bias[off].data_ptr()):
             return False
@@ -96,9 +121,9 @@ def _project(h: torch.Tensor, spec: tuple) -> torch.Tensor:
     """The joint product of `fuse`'s projections."""
     if spec[0] == "bf16":
         return F.linear(h, spec[1], spec[2])
-    from qgrpo.rollout.quant import fp8_linear
+    from qgrpo.rollout.quant import fp8_linear, int8_product
 
-    return fp8_linear(h, *spec[1:])
+    return (fp8_linear if spec[0] == "fp8" else int8_product)(h, *spec[1:])
 
 
 class FusedLayers:
