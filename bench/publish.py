@@ -412,6 +412,12 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("loss_variants_overlap", "With one-step-off-policy overlap",
          "The same job with `algo.overlap = true`: the next step's rollouts are generated while the learner "
          "updates.", loss_variants),
+        ("loss_variants_actors2_staleness1", "Asynchronous rollouts at staleness 1",
+         "The preset's job (gradient checkpointing on) as a stream, `algo.max_staleness = 1`, with two rollout actors "
+         "of one thread each (on 2 cores a stream with one actor of two threads competes with the learner for "
+         "both).", loss_variants),
+        ("loss_variants_actors2_staleness2", "Asynchronous rollouts at staleness 2",
+         "The same at `algo.max_staleness = 2`.", loss_variants),
         ("default_job", "By rollout precision",
          "The default job whole, once per seed and rollout precision (int8 with TIS, bf16), one run at a time.",
          default_job),
