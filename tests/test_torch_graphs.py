@@ -131,7 +131,7 @@ def test_projections_are_fused_into_views_of_one_buffer(tiny_model_path):
     gen = _eager_graphs(tiny_model_path)
     layer, qkv, gate_up = gen.graphs.fused.layers[0]
     att = layer.self_attn
-    assert qkv[0] == "bf16"
+    assert qkv[0] == "float"
     buf = qkv[1]
     assert buf.shape[0] == att.q_proj.out_features + att.k_proj.out_features + att.v_proj.out_features
     assert att.k_proj.weight.data_ptr() == buf[att.q_proj.out_features].data_ptr() and gate_up is not None

@@ -6,7 +6,7 @@ H200, 3.4-3.9 ms of kernel time where the weights take 0.7 ms to read. This step
 fewer operators (`bench/gpu_speed.py` counts them, `ops_per_step`, on any device):
 
 - **Fused projections.** Where a layer's q, k and v projections (and its MLP's gate and up projections) are plain
-  bf16 `nn.Linear`s, fp8 `Fp8Linear`s or torchao int8 on its direct route, their weights (codes and scales) are
+  float `nn.Linear`s, fp8 `Fp8Linear`s or torchao int8 on its direct route, their weights (codes and scales) are
   moved into one buffer and each projection's tensors become views of its rows, so one product computes all three
   and a weight sync (which copies into those tensors) updates the buffer. fp8 then quantizes the activations once
   for the three. int4, nf4 and adapter-wrapped projections stay separate products.
@@ -27,18 +27,19 @@ from torch.nn import functional as F
 
 
 def _plain(lin) -> bool:
-    """A bf16 `nn.Linear` whose weight is a plain tensor (not quantized, not wrapped with adapters)."""
+    """An `nn.Linear` whose weight is a plain floating tensor (not quantized, not wrapped with adapters): bf16, or
+    float32 where the model computes in it (model.compute_dtype on a CPU without native bf16)."""
     return (type(lin) is nn.Linear and type(lin.weight) in (torch.Tensor, nn.Parameter)  # torchao's are subclasses
-            and lin.weight.dtype == torch.bfloat16)
+            and lin.weight.dtype.is_floating_point)
 
 
 def _kind(lin) -> str | None:
-    """"bf16", "fp8" or "int8" (torchao's int8 on the direct route: `quant._int8_direct`) for a projection `fuse`
+    """"float", "fp8" or "int8" (torchao's int8 on the direct route: `quant._int8_direct`) for a projection `fuse`
     can join with others of its kind, else None."""
     from qgrpo.rollout.quant import Fp8Linear
 
     if _plain(lin):
-        return "bf16"
+        return "float"
     if type(lin) is Fp8Linear:
         return "fp8"
     return "int8" if type(lin) is nn.Linear and "_int8" in lin.__dict__ else None
@@ -47,7 +48,7 @@ def _kind(lin) -> str | None:
 def _tensors(lin, kind: str) -> list[torch.Tensor]:
     """The tensors of a projection that a joint product reads: bf16's weight, fp8's codes and scales, int8's codes
     and per-row scales (torchao's `qdata` and `scale`)."""
-    if kind == "bf16":
+    if kind == "float":
         return [lin.weight.data]
     if kind == "fp8":
         return [lin.weight, lin.scale]
@@ -56,7 +57,7 @@ def _tensors(lin, kind: str) -> list[torch.Tensor]:
 
 def _repoint(lin, kind: str, views: list[torch.Tensor]) -> None:
     """Make the projection's tensors `views` (rows of the joint ones), keeping their shapes."""
-    if kind == "bf16":
+    if kind == "float":
         lin.weight.data = views[0]
     elif kind == "fp8":
         lin.weight, lin.scale = views
@@ -69,14 +70,14 @@ def _repoint(lin, kind: str, views: list[torch.Tensor]) -> None:
 
 
 def fuse(linears: list) -> tuple | None:
-    """One product for projections of the same input: ("bf16", weight [sum of outs, in], bias) for plain bf16
-    linears, ("fp8" | "int8", codes, row scales, bias) for Fp8Linears | torchao int8 on its direct route (`_kind`).
+    """One product for projections of the same input: ("float", weight [sum of outs, in], bias) for plain linears
+    (`_plain`), ("fp8" | "int8", codes, row scales, bias) for Fp8Linears | torchao int8 on its direct route (`_kind`).
     Each projection's tensors become row views of the joint
     ones, so a copy into them (a sync) writes the joint buffers. Kept as it is where they still are such views; None
     where the projections cannot be joined (another kind, mixed kinds, inputs differ, some with bias and some
     without)."""
     kinds = {_kind(lin) for lin in linears}
-    if len(kinds) != 1 or None in kinds or len({lin.in_features for lin in linears}) != 1:
+    if len(kinds) != 1 or None in kinds or len({(lin.in_features, lin.weight.dtype) for lin in linears}) != 1:
         return None
     biased = {lin.bias is not None for lin in linears}
     if len(biased) != 1:
@@ -119,7 +120,7 @@ def _views_of(linears: list, spec: tuple) -> bool:
 
 def _project(h: torch.Tensor, spec: tuple) -> torch.Tensor:
     """The joint product of `fuse`'s projections."""
-    if spec[0] == "bf16":
+    if spec[0] == "float":
         return F.linear(h, spec[1], spec[2])
     from qgrpo.rollout.quant import fp8_linear, int8_product
 
