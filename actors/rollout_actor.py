@@ -1,6 +1,10 @@
 """Ray actor hosting one generator (any backend) behind the generator base class (rollout/backends: Generator): what
 a backend may lack (emulated grids, adapters, timing its re-quantization, a close) has a default there, so the actor
-asks and never probes."""
+asks and never probes.
+
+Weight loads run in a concurrency group of their own ("sync"), beside a generation call in flight: the buckets are
+fetched at once and the load is applied between two decode steps of that call, or at its end, by the update gate
+(actors/update_gate.py)."""
 from __future__ import annotations
 
 import math
@@ -12,6 +16,7 @@ import ray
 
 from qgrpo.actors.collective import CollectiveMember
 from qgrpo.actors.common import apply_threads, local_model, resolve_threads
+from qgrpo.actors.update_gate import UpdateGate
 from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
 from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
@@ -22,7 +27,7 @@ from qgrpo.rollout.noise import NormNoise
 from qgrpo.rollout.requantize import Requantizer
 
 
-@ray.remote
+@ray.remote(concurrency_groups={"sync": 1})
 class RolloutActor(CollectiveMember):
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None,
                  requantize: str = "nearest", visibility: bool = True, noise: NormNoise | None = None,
@@ -41,6 +46,7 @@ class RolloutActor(CollectiveMember):
         self.noise = noise if noise is not None and noise.start > 0 else None
         self.episodes = self._episodes(episodes) if episodes is not None else None
         self.calls = 0
+        self.gate = UpdateGate(self.gen)
         self.last_ack = self.load_weights(update) if update is not None else None
 
     def _episodes(self, setup: EpisodeSetup) -> Episodes:
@@ -71,35 +77,46 @@ class RolloutActor(CollectiveMember):
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
                  ) -> tuple[list[GroupRollout], GenerationStats]:
-        t0 = time.perf_counter()
+        """The groups of `items`, sampled under the gate: a weight load that arrives meanwhile is applied between
+        two decode steps (or after the call), and GenerationStats.policy_version is the version the call began with
+        (Completion.token_versions say where tokens were sampled by a later one)."""
+        return self.gate.call(lambda: self._generate(items, sampling, step))
+
+    def _generate(self, items: list[PromptItem], sampling: SamplingParams, step: int
+                  ) -> tuple[list[GroupRollout], GenerationStats]:
+        t0, version = time.perf_counter(), self.gen.policy_version
         if faults.fires("rollout.kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
         if faults.fires("rollout.hang", step):
             time.sleep(10**6)
+        self.gate.delay = faults.SLOW_DECODE_SECONDS if faults.fires("rollout.slow_decode", step) else 0.0
         env0 = self.episodes.env_seconds if self.episodes is not None else 0.0
         if self.episodes is not None:  # multi-turn: token in, token out against the environment
             self.calls += 1
             groups = self.episodes.run(items, sampling, f"{self.gen.generator_id}/{step}/{self.calls}",
-                                       self.gen.policy_version, self.gen.generator_id, self.gen.precision)
+                                       version, self.gen.generator_id, self.gen.precision)
         else:
             groups = self.gen.generate(items, sampling)
         if groups and faults.fires("rollout.nan", step):
             groups[0].completions[0].logprobs[0] = math.nan
         n = sum(len(c.token_ids) if c.model_mask is None else sum(c.model_mask) for g in groups for c in g.completions)
         env = self.episodes.env_seconds - env0 if self.episodes is not None else 0.0
-        return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, self.gen.policy_version,
-                                       env)
+        return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, version, env)
 
+    @ray.method(concurrency_group="sync")
     def load_weights(self, update: WeightUpdate) -> SyncAck:
-        """Load one versioned update from the object store (see `_load`)."""
+        """Load one versioned update from the object store (see `_load`): fetched now, loaded through the gate."""
         t0 = time.perf_counter()
         buckets = ObjectStoreTransport.fetch(update)
-        return self._load(update, buckets, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        return self.gate.load(lambda: self._load(update, buckets, seconds))
 
+    @ray.method(concurrency_group="sync")
     def receive_weights(self) -> SyncAck:
-        """Receive one update from learner rank 0's broadcast (sync.transport = "collective"; see `_load`)."""
+        """Receive one update from learner rank 0's broadcast (sync.transport = "collective"; see `_load`): received
+        now, loaded through the gate."""
         update, buckets, seconds = self._collective().receive()
-        return self._load(update, buckets, seconds)
+        return self.gate.load(lambda: self._load(update, buckets, seconds))
 
     def _load(self, update: WeightUpdate, buckets: list[Bucket], receive_seconds: float) -> SyncAck:
         """Load the received buckets, then prove it: the generator's log-probs on the update's probe sequence must
@@ -141,8 +158,14 @@ class RolloutActor(CollectiveMember):
                                 fingerprint_corr=fp["corr"], norm_noise=sigma, **visibility)
         return self.last_ack
 
+    @ray.method(concurrency_group="sync")
     def last_load(self) -> SyncAck | None:
         return self.last_ack
+
+    @ray.method(concurrency_group="sync")
+    def updates_mid_call(self) -> int:
+        """Weight loads applied between two decode steps of a generation call so far (the rest came between calls)."""
+        return self.gate.applied_mid_call
 
     def _tensor_device(self) -> str:
         device = self.gen.device  # None where its arrays are not torch's (MLX)

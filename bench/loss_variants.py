@@ -10,7 +10,9 @@ Variants (docs/algorithms.md, and the docstrings of [algo] in cluster/config/tra
   (verl's Geo-RS; the bounds its docs suggest, docs/algo/rollout_corr.md);
 - `gspo`: GSPO's sequence-level clip, with its paper's clip_low = 3e-4, clip_high = 4e-4 and loss_agg = "seq_mean";
 - `cispo`: CISPO's clipped stop-gradient weight on log pi;
-- `dynamic`: DAPO's dynamic sampling (groups with equal rewards dropped, more prompts drawn).
+- `dynamic`: DAPO's dynamic sampling (groups with equal rewards dropped, more prompts drawn);
+- `m2po`: M2PO's second-moment token mask for stale rollouts, as AReaL's example sets it (m2_threshold 0.04, each
+  token's ratio kept inside [0, 5]); the staleness correction beside `tis` for algo.max_staleness > 0.
 
 `--family requantize` runs instead, under bench/results/requantize[_TAG] (docs/quantization.md): `int4_nearest`,
 `int4_stochastic`, `int4_error_feedback` and the same at int8 (sync.requantize), and `int4_fake_quant`,
@@ -34,7 +36,7 @@ Runs go seed-major (s0 of every variant, then s1), so a slow spell of the machin
 Finished runs are kept in bench/results/loss_variants[_TAG]/<variant>_s<seed>.json and `--resume` skips them; a run
 that fails (e.g. an option the learner does not read yet) is reported with the end of its log and not kept.
 
-    .venv/bin/python bench/loss_variants.py                                   # 7 variants x seeds 0 1, 30 steps
+    .venv/bin/python bench/loss_variants.py                                   # 8 variants x seeds 0 1, 30 steps
     .venv/bin/python bench/loss_variants.py --variants tis icepop --seeds 0 --steps 10 --tag short
     .venv/bin/python bench/loss_variants.py --set rollout.prompts_per_step=4 --tag small
     .venv/bin/python bench/loss_variants.py --config configs/tiny.toml --steps 2 --seeds 0 --variants tis seq_mask \\
@@ -83,6 +85,8 @@ VARIANTS: dict[str, dict] = {
     "gspo": {"algo.policy_loss": "gspo", "algo.loss_agg": "seq_mean", "algo.clip_low": 3e-4, "algo.clip_high": 4e-4},
     "cispo": {"algo.policy_loss": "cispo"},
     "dynamic": {"algo.dynamic_sampling": True},
+    # M2PO's second-moment token mask as AReaL's example sets it (docs/algorithms.md): the staleness correction
+    "m2po": {**TIS, "algo.m2_threshold": 0.04, "algo.is_mode": "mask", "algo.is_cap": 5.0},
 }
 # --family requantize: sync.requantize on int4 and int8 rollouts, and quantization-aware learning
 # (learner.fake_quant) with nearest rounding (docs/quantization.md); results under "requantize".

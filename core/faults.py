@@ -9,6 +9,8 @@ it again. `POINT@STEP+` fires every time POINT is reached at STEP or later. The 
     rollout.kill       the rollout actor SIGKILLs its own process inside generate (a preempted node, an OOM kill)
     rollout.hang       the rollout actor sleeps inside generate and never returns
     rollout.nan        the rollout actor returns NaN sampler log-probs for its first completion
+    rollout.slow_decode  the rollout actor's decode loop sleeps SLOW_DECODE_SECONDS at every step boundary of the
+                       call (generators that stop between steps: a generation long enough for a sync to land in it)
     learner.nan_loss   learner rank 0 multiplies its loss by NaN (the other ranks stay finite)
     learner.kill       learner rank 0 SIGKILLs its own process at the start of its step
     save.kill          the driver SIGKILLs its whole process group after the model files of a checkpoint are written
@@ -25,9 +27,10 @@ import tempfile
 
 ENV = "QGRPO_FAULTS"
 STATE_ENV = "QGRPO_FAULTS_STATE"
-POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "learner.nan_loss", "learner.kill", "save.kill",
-          "driver.slow")
+POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "rollout.slow_decode", "learner.nan_loss", "learner.kill",
+          "save.kill", "driver.slow")
 SLOW_SECONDS = 1.0
+SLOW_DECODE_SECONDS = 0.25
 
 
 def env() -> dict[str, str]:

@@ -53,6 +53,15 @@ class Completion:
     # each turn: {"role", "content", "start", "end" (its token span in token_ids), "tool_calls", "error"}
     turns: list[dict] | None = None
     env_score: float | None = None  # the environment's score of the trajectory (a reward entry reads it)
+    # [L] the policy version whose weights sampled each token, where a weight update reached the generator between
+    # two decode steps of this completion (an in-flight update, algo.max_staleness > 0); None: every token was
+    # sampled by GroupRollout.policy_version. `logprobs` are each token's sampler's, so the loss's corrections work
+    # token by token. Tokens of an environment turn carry the version of the model turn before them.
+    token_versions: list[int] | None = None
+
+    def versions(self, default: int) -> list[int]:
+        """Each token's version: token_versions, or `default` (the group's policy_version) for every token."""
+        return self.token_versions if self.token_versions is not None else [default] * len(self.token_ids)
 
 
 @dataclass

@@ -83,6 +83,7 @@ class Trajectory:
     ids: list[int] = field(default_factory=list)  # everything after the prompt: model and environment turns
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # the policy version of each token (Completion.token_versions)
     turns: list[dict] = field(default_factory=list)
     finish: str = ""
     score: float = 0.0
@@ -241,11 +242,13 @@ class Episodes:
             return
         budget = max(min(lim.turn_tokens, lim.max_context - t.length) for t in live)
         seed = None if sampling.seed is None else sampling.seed + 7919 * (turn + 1)
+        version = self.gen.policy_version  # an update lands only inside a turn's decode (or after the whole call)
         comps = self.gen.continue_ids([t.prompt_ids + t.ids for t in live],
                                       dataclasses.replace(sampling, group_size=1, max_new_tokens=budget, seed=seed))
         for t, c in zip(live, comps, strict=True):
             room = min(lim.turn_tokens, lim.max_context - t.length)
             tokens, lps = list(c.token_ids[:room]), list(c.logprobs[:room])
+            t.versions += c.versions(version)[:room]
             text = c.text if len(tokens) == len(c.token_ids) else self.tokenizer.decode(tokens,
                                                                                        skip_special_tokens=True)
             start = len(t.ids)
@@ -281,6 +284,7 @@ class Episodes:
             t.ids += ids
             t.logprobs += [0.0] * len(ids)
             t.mask += [0] * len(ids)
+            t.versions += [t.versions[-1] if t.versions else self.gen.policy_version] * len(ids)
             for m in r.messages:
                 t.turns.append({"role": m.get("role", "user"), "content": m.get("content", ""), "start": start,
                                 "end": len(t.ids), "tool_calls": [], "error": r.info.get("error")})
@@ -296,7 +300,8 @@ class Episodes:
         for t in trajs:
             last = next((x["content"] for x in reversed(t.turns) if x["role"] == "assistant"), "")
             comps.append(Completion(token_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish, text=last,
-                                    model_mask=t.mask, turns=t.turns, env_score=t.score))
+                                    model_mask=t.mask, turns=t.turns, env_score=t.score,
+                                    token_versions=t.versions if set(t.versions) - {version} else None))
         return GroupRollout(item=item, prompt_ids=trajs[0].prompt_ids, completions=comps, policy_version=version,
                             generator_id=generator_id, precision=precision)
 

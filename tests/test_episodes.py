@@ -28,6 +28,8 @@ class ScriptedGenerator:
     """Answers each continue_ids call with the next scripted turn of each row (token ids), log-prob -0.5 a token;
     a turn ending in the stop token finishes with "stop". Records what it was given."""
 
+    policy_version = 0
+
     def __init__(self, tok, turns: dict[int, list[list[int]]]):
         self.tok, self.turns, self.calls = tok, turns, []
 

@@ -64,11 +64,14 @@ def _steps(run_dir: Path) -> list[dict]:
 
 
 def test_a_stream_trains_on_the_prompts_of_a_synchronous_run_within_its_bound(ray_session, tiny_model_path,
-                                                                               tmp_path, monkeypatch):
+                                                                               tmp_path, monkeypatch, faults):
+    """... and its syncs land inside the completions in flight: the stream's actors decode at 0.25 s a step (the
+    fault rollout.slow_decode), so a chunk outlasts the learner's step and the sync after it."""
     import pyarrow.parquet as pq
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     sync = _train(tiny_model_path, tmp_path, "sync")
+    faults("rollout.slow_decode@1+")
     stream = _train(tiny_model_path, tmp_path, "stream", "algo.max_staleness=2")
 
     def by_step(run_dir: Path) -> dict[int, list]:
@@ -85,6 +88,14 @@ def test_a_stream_trains_on_the_prompts_of_a_synchronous_run_within_its_bound(ra
         assert all(m["policy_version"] - 1 - v <= 2 for v in versions)  # the learner trained on from version - 1
     # The stream ran ahead: the groups of later steps were sampled before the syncs they would have waited for
     assert max(m["stream/staleness_max"] for m in _steps(stream)) >= 1
+    # In-flight updates: completions that span two versions, every token within the bound, all tokens counted
+    steps = _steps(stream)
+    assert sum(m["stream/mixed_completions"] for m in steps) > 0
+    assert any(r["last_version"] > r["policy_version"] for r in rows)  # the rollouts table says which ones
+    for m in steps:
+        ages = {int(k.removeprefix("stream/tokens_age")): n for k, n in m.items() if k.startswith("stream/tokens_age")}
+        assert ages and min(ages) >= 0 and max(ages) <= 2
+        assert sum(ages.values()) == round(m["rollout/completion_len"] * 8)  # one prompt of group_size 8
     # One prompt per step, two actors: the second generated later steps' prompts (no actor sat idle by design)
     assert len({r["generator_id"] for r in rows}) == 2
 

@@ -90,10 +90,29 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
     if any(s.env_seconds for s in gen_stats):  # multi-turn: the slowest actor's wait on its environments
         m["time/env"] = max(s.env_seconds for s in gen_stats)
     m.update(episode_metrics(rollouts.sample))
-    m.update(rollouts.stream)
+    if rollouts.stream:
+        m.update(rollouts.stream)
+        m.update(token_ages(rollouts.groups, first.version_before))
     if sync:
         m.update(sync.metrics())
     return m
+
+
+def token_ages(groups, trained_from: int) -> dict:
+    """The stream's tokens by the version that sampled them, as its age behind the policy the step trained from
+    (`stream/tokens_age<k>`: the model's tokens sampled k updates earlier), and `stream/mixed_completions`: those
+    whose tokens span two versions or more (a weight update landed between two of their decode steps)."""
+    ages: dict[int, int] = {}
+    mixed = 0
+    for g in groups:
+        for c in g.completions:
+            versions = c.versions(g.policy_version)
+            mask = c.model_mask or [1] * len(versions)
+            for v, keep in zip(versions, mask):
+                if keep:
+                    ages[trained_from - v] = ages.get(trained_from - v, 0) + 1
+            mixed += c.token_versions is not None and len(set(versions)) > 1
+    return {**{f"stream/tokens_age{k}": n for k, n in sorted(ages.items())}, "stream/mixed_completions": mixed}
 
 
 def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None,

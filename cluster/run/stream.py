@@ -10,9 +10,12 @@ discarding late groups (which would bias training towards fast prompts):
 - a step's rollouts are, synchronously, sampled by the weights published after the last sync before it. With
   S = max_staleness and U = algo.update_every, a chunk of step c may be generated once the actors hold the weights
   of step U * floor(c / U) - S * U or later: at most S syncs older than synchronous training would use.
-- A sync (Workers.sync_weights, in the driver) is queued on each actor behind its call in flight, so it reaches the
-  actor between two chunks; the chunks sent after it are sampled by the new weights. Every group records the
-  version that sampled it (GroupRollout.policy_version), which the learner's importance weights correct for.
+- A sync (Workers.sync_weights, in the driver) does not wait for the actors' calls in flight: each actor fetches the
+  weights at once and applies them between two decode steps of the completions it is generating (an in-flight
+  update, actors/update_gate.py; vLLM and MLX generators at the end of the call). Those completions continue under
+  the new weights; each token records the version that sampled it (Completion.token_versions, the group's
+  policy_version being the first) and that version's log-prob, which the learner's importance weights correct for
+  token by token. The bound holds a fortiori: a token is never older than its chunk's first.
 
 Extra rollout actors add throughput: with more actors than a step's prompts the chunks are single prompts, and the
 free actors take the next steps' chunks. The learner's wait for each step, the groups already generated for later
@@ -23,9 +26,10 @@ checkpoint saves the data cursor after the step trained (StepRollouts.cursor), a
 generates the prompts that were ahead again, from the checkpoint's weights. A chunk whose actor failed is sent
 again, first, to a live actor (the failed one is replaced as in a synchronous step).
 
-Limits of this first form: a chunk is the unit (a sync waits for each actor's chunk in flight, and a long-tail
-completion holds its chunk); steps are taken in order (a slow chunk of step c delays step c even when later steps'
-chunks are done).
+Limits: a chunk is the unit of admission (a long-tail completion holds its chunk, though it no longer holds a
+sync); steps are taken in order (a slow chunk of step c delays step c even when later steps' chunks are done).
+The metrics count the step's tokens by age (stream/tokens_age<k>) and the completions that span versions
+(stream/mixed_completions).
 """
 from __future__ import annotations
 
@@ -170,7 +174,7 @@ class RolloutStream:
             "stream/staleness_max": max(ages)})
 
     def before_sync(self) -> None:
-        """Nothing to wait for: the sync is queued on each actor behind its chunk in flight."""
+        """Nothing to wait for: each actor applies the sync between two decode steps of its chunk in flight."""
 
     def after_sync(self, done: int, version: int) -> None:
         """The actors now hold the weights of `done` steps, policy `version` (a sync, or a due sync the unchanged

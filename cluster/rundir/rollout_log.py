@@ -17,7 +17,8 @@ from pathlib import Path
 from qgrpo.core.records import GroupRollout
 
 SCHEMA_FIELDS = ("step", "prompt_id", "prompt", "reference", "completion", "reward", "advantage", "finish_reason",
-                 "num_tokens", "mean_logprob", "policy_version", "staleness", "precision", "generator_id", "turns")
+                 "num_tokens", "mean_logprob", "policy_version", "staleness", "last_version", "precision",
+                 "generator_id", "turns")
 
 
 def score_column(label: str) -> str:
@@ -39,14 +40,17 @@ class RolloutWriter:
         self.last_step: int | None = None
 
     def add(self, step: int, groups: list[GroupRollout], trained_from: int) -> None:
-        """`trained_from`: the learner's policy version the step trained from; staleness = it - the sampler's."""
+        """`trained_from`: the learner's policy version the step trained from; staleness = it - the sampler's
+        (policy_version: the version of the completion's first token; last_version: of its last, a later one where
+        a weight update landed while it was generated, Completion.token_versions)."""
         for g in groups:
             for c, r, a in zip(g.completions, g.rewards, g.advantages, strict=True):
                 mask = c.model_mask if c.model_mask is not None else [1] * len(c.token_ids)
                 n = sum(mask)
                 row = (step, g.item.prompt_id, g.item.prompt, g.item.reference, c.text, r, a, c.finish_reason,
                        n, sum(lp for lp, m in zip(c.logprobs, mask) if m) / max(n, 1), g.policy_version,
-                       trained_from - g.policy_version, g.precision, g.generator_id,
+                       trained_from - g.policy_version, c.versions(g.policy_version)[-1] if c.token_ids else
+                       g.policy_version, g.precision, g.generator_id,
                        None if c.turns is None else json.dumps(c.turns))
                 for k, v in zip(SCHEMA_FIELDS, row):
                     self.rows[k].append(v)

@@ -17,7 +17,7 @@ import platform
 import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
 
@@ -39,6 +39,32 @@ class Generator(ABC):
     requantize_seconds: float = float("nan")
     # The torch device its tensors live on; None where they are not torch tensors (MLX's arrays).
     device: torch.device | None = None
+    # In-flight weight updates: a generator whose decode loop calls `step_boundary` between two decode steps says
+    # `updates_between_steps`; the rollout actor then sets `step_boundary` to apply an update that arrived during a
+    # call (actors/rollout_actor.py: UpdateGate), and the columns sampled after it record the new version
+    # (Completion.token_versions). The others apply an update at the end of the call in progress.
+    updates_between_steps: bool = False
+    step_boundary: Callable[[], None] | None = None
+    # Which version sampled which output columns of the last call: [(first column, version), ...] from column 0
+    _changes: list[tuple[int, int]] = ()  # a list once a call starts (`_versions_start`)
+
+    def _versions_start(self) -> None:
+        """A call's sampling starts: its columns are the current version's until `_boundary` says otherwise."""
+        self._changes = [(0, self.policy_version)]
+
+    def _boundary(self, column: int) -> bool:
+        """Between two decode steps, before the logits of output column `column` are computed: `step_boundary`
+        applies a weight update that arrived during the call. The columns from here on are sampled by the new
+        weights (over the KV cache the old ones wrote, as an in-flight update in PipelineRL or AReaL does), which
+        `_changes` records. True if the weights changed."""
+        if self.step_boundary is None:
+            return False
+        before = self.policy_version
+        self.step_boundary()
+        if self.policy_version == before:
+            return False
+        self._changes.append((column, self.policy_version))
+        return True
 
     @abstractmethod
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:

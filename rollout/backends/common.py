@@ -124,23 +124,40 @@ def check_stream(expected: dict[str, tuple[int, ...]],
 
 def build_group(item: PromptItem, prompt_ids: list[int], samples: list[tuple[list[int], list[float]]],
                 stop_ids: list[int], tokenizer, policy_version: int, generator_id: str,
-                precision: str) -> GroupRollout:
-    """One prompt's G samples (token ids, their log-probs) -> a GroupRollout of their `build_completion`s."""
-    comps = [build_completion(toks, lps, stop_ids, tokenizer) for toks, lps in samples]
+                precision: str, changes: list[tuple[int, int]] | None = None) -> GroupRollout:
+    """One prompt's G samples (token ids, their log-probs) -> a GroupRollout of their `build_completion`s.
+    `changes`: which version sampled which columns, [(first column, version), ...] from column 0 (`policy_version`
+    is then the first's), where a weight update landed during the call; None: `policy_version` sampled them all."""
+    comps = [build_completion(toks, lps, stop_ids, tokenizer, changes) for toks, lps in samples]
     return GroupRollout(item=item, prompt_ids=list(prompt_ids), completions=comps, policy_version=policy_version,
                         generator_id=generator_id, precision=precision)
 
 
-def build_completion(toks: list[int], lps: list[float], stop_ids: list[int], tokenizer) -> Completion:
+def build_completion(toks: list[int], lps: list[float], stop_ids: list[int], tokenizer,
+                     changes: list[tuple[int, int]] | None = None) -> Completion:
     """One sample (token ids, their log-probs) -> a Completion, for `generate`'s groups and `continue_ids` alike. It
     ends at its first stop token (kept, finish_reason "stop"); one without a stop token ran to the length limit
-    ("length"); whatever a backend decoded past the end (padding of a finished row) is cut off."""
+    ("length"); whatever a backend decoded past the end (padding of a finished row) is cut off. `changes` as
+    `build_group` takes them: token_versions is set where the completion's tokens span more than one version."""
     stops = set(stop_ids)
     end = next((i + 1 for i, t in enumerate(toks) if t in stops), None)
     n = end if end is not None else len(toks)
     return Completion(token_ids=list(toks[:n]), logprobs=[float(x) for x in lps[:n]],
                       finish_reason="stop" if end is not None else "length",
-                      text=tokenizer.decode(toks[:n], skip_special_tokens=True))
+                      text=tokenizer.decode(toks[:n], skip_special_tokens=True),
+                      token_versions=token_versions(changes, n))
+
+
+def token_versions(changes: list[tuple[int, int]] | None, n: int) -> list[int] | None:
+    """The version of each of `n` tokens from the change points [(first column, version), ...] (column 0 first);
+    None where one version sampled all n (Completion.token_versions)."""
+    if not changes or len(changes) < 2 or changes[1][0] >= n:
+        return None
+    out = []
+    for k, (start, version) in enumerate(changes):
+        stop = changes[k + 1][0] if k + 1 < len(changes) else n
+        out += [version] * (min(stop, n) - len(out))
+    return out
 
 
 def continuation_prompts(generator_id: str, sequences: list[list[int]]) -> list[list[int]]:

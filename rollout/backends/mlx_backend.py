@@ -231,6 +231,8 @@ class MLXModel:
 
 
 class MLXGenerator(Generator):
+    updates_between_steps = True  # its decode loop calls `_boundary` (see Generator.step_boundary)
+
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                  generator_id: str = "mlx-0", seed: int = 0, initial_version: int = 0, chat_template: bool = True):
         from transformers import AutoTokenizer
@@ -249,8 +251,9 @@ class MLXGenerator(Generator):
         G = sampling.group_size
         prompts = [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
         toks, lps = self._sample(prompts, G, sampling, self._key(sampling))  # per row, rows i*G .. i*G+G-1 for prompt i
+        changes = self._changes  # the versions that sampled the columns (an update may land between two steps)
         return [build_group(it, prompts[i], [(toks[r], lps[r]) for r in range(i * G, (i + 1) * G)], self.stop_ids,
-                            self.tokenizer, self.policy_version, self.generator_id, self.precision)
+                            self.tokenizer, changes[0][1], self.generator_id, self.precision, changes)
                 for i, it in enumerate(items)]
 
     def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
@@ -260,7 +263,8 @@ class MLXGenerator(Generator):
         if not prompts:
             return []
         toks, lps = self._sample(prompts, 1, sampling, self._key(sampling))
-        return [build_completion(t, lp, self.stop_ids, self.tokenizer) for t, lp in zip(toks, lps, strict=True)]
+        return [build_completion(t, lp, self.stop_ids, self.tokenizer, self._changes)
+                for t, lp in zip(toks, lps, strict=True)]
 
     def _key(self, sampling: SamplingParams):
         """The call's random key, from (step seed, generator id): reproducible, and different on every actor; without
@@ -274,6 +278,7 @@ class MLXGenerator(Generator):
         mx = import_mlx()
         from mlx_lm.models.cache import BatchKVCache
 
+        self._versions_start()
         model = self.net.model
         P = max(len(p) for p in prompts)
         pad = [P - len(p) for p in prompts]
@@ -306,6 +311,8 @@ class MLXGenerator(Generator):
                 for c in cache:
                     c.filter(sel)
                 tok, live = tok[sel], [live[j] for j in keep]
+            self._boundary(step + 1)  # a weight update that arrived during the call is applied here
+            model = self.net.model  # (a load may replace the model's modules)
             logits = model(tok[:, None], cache=cache)[:, -1, :].astype(mx.float32)
             # Materialise the cache with the logits: left lazy, each step would recompute the chain of updates before
             # it.

@@ -44,6 +44,8 @@ def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.T
 
 
 class TorchGenerator(Generator):
+    updates_between_steps = True  # its decode loops call `_boundary` (see Generator.step_boundary)
+
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                  generator_id: str = "torch-0", seed: int = 0, device: str | None = None, initial_version: int = 0,
                  chat_template: bool = True, compute_dtype: str = "auto", options: dict | None = None):
@@ -96,12 +98,13 @@ class TorchGenerator(Generator):
         prompts, ids, attn = self._encode(items)
         rng = self._rng(sampling)
         new, logp = self._sample(ids.to(self.device), attn.to(self.device), G, sampling, rng)  # [N*G, L] each
+        changes = self._changes  # the versions that sampled the columns (an update may land between two steps)
         groups = []
         for i, it in enumerate(items):  # prompt i's G completions are rows i*G .. i*G+G-1
             rows = range(i * G, (i + 1) * G)
             groups.append(build_group(it, prompts[i], [(new[r].tolist(), logp[r].tolist()) for r in rows],
-                                      self.stop_ids, self.tokenizer, self.policy_version, self.generator_id,
-                                      self.precision))
+                                      self.stop_ids, self.tokenizer, changes[0][1], self.generator_id,
+                                      self.precision, changes))
         return groups
 
     @torch.inference_mode()
@@ -113,7 +116,7 @@ class TorchGenerator(Generator):
             return []
         ids, attn = self._pad(prompts)
         new, logp = self._sample(ids.to(self.device), attn.to(self.device), 1, sampling, self._rng(sampling))
-        return [build_completion(new[r].tolist(), logp[r].tolist(), self.stop_ids, self.tokenizer)
+        return [build_completion(new[r].tolist(), logp[r].tolist(), self.stop_ids, self.tokenizer, self._changes)
                 for r in range(len(prompts))]
 
     def _rng(self, sampling: SamplingParams) -> torch.Generator:
@@ -158,13 +161,16 @@ class TorchGenerator(Generator):
     def _sample(self, ids: torch.Tensor, attn: torch.Tensor, G: int, sp: SamplingParams,
                 rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompts [N, P] -> sampled tokens and their log-probs [N*G, L] (CPU), L <= max_new_tokens.
-        Rows that finished are padded after their stop token (log-prob 0)."""
+        Rows that finished are padded after their stop token (log-prob 0). `self._changes` says which policy version
+        sampled which columns ([(first column, version), ...], see `_boundary`)."""
+        self._versions_start()
         # Prefill each distinct prompt once, then copy its KV cache to its G rows (rows i*G .. i*G+G-1).
         out = self._prefill(ids, attn)
         B, L = ids.shape[0] * G, sp.max_new_tokens
         logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [B, V]
         if self.graphs is not None and self.decoder.fits(ids.shape[1] + L):
-            return self.graphs.run(out.past_key_values, attn, logits, G, L, sp, rng, self.stop_ids)
+            return self.graphs.run(out.past_key_values, attn, logits, G, L, sp, rng, self.stop_ids,
+                                   boundary=self._boundary if self.step_boundary is not None else None)
         if self.decoder is not None and self.decoder.fits(ids.shape[1] + L):
             self.decoder.start(out.past_key_values, attn, G, L)
             return self._decode(logits, self.decoder.step, self.decoder.compact, B, L, sp, rng)
@@ -213,6 +219,7 @@ class TorchGenerator(Generator):
                 idx = compact(~done)
                 if idx is not None:
                     rows, done, tok = rows[idx], done[idx], tok[idx]
+            self._boundary(i + 1)
             logits = step(tok)
         return toks[:, :i + 1].cpu(), lps[:, :i + 1].cpu()
 

@@ -120,6 +120,15 @@ class GraphDecoder:
         s = self.static
         self.fused = torch_fused.FusedLayers(self.model, s.q_heads, s.kv_heads, s.head_dim)
 
+    def _refresh(self) -> None:
+        """Where any weight the step reads moved since the step's view was made: the view made again (eager steps
+        read the projections as they are now too) and the graphs dropped, to be captured again."""
+        fp = self._weights_fingerprint()
+        if fp != self._fingerprint:
+            self._graphs.clear()
+            self._prepare()
+            self._fingerprint = self._weights_fingerprint()
+
     # ---------------------------------------------------------------- the step
     def _step(self, b: int, sp) -> None:
         """One decode step of the first `b` buffer rows, all on the device (what a graph records)."""
@@ -184,11 +193,15 @@ class GraphDecoder:
     # ---------------------------------------------------------------- a call
     @torch.inference_mode()
     def run(self, cache, attn: torch.Tensor, logits: torch.Tensor, group: int, max_new: int, sp,
-            rng: torch.Generator, stop_ids: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            rng: torch.Generator, stop_ids: list[int] | None = None,
+            boundary=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Decode after a prefill: `cache` (transformers' cache of N prompts, left-padded to P columns, `attn` [N, P]
         their mask), `logits` [N*group, V] float32 of each row's first token; -> sampled tokens and log-probs
         [N*group, <= max_new] on the CPU, rows padded after their stop token (log-prob 0), as the eager loop returns.
-        `stop_ids`: the generator's stop tokens, where they changed since the decoder was made."""
+        `stop_ids`: the generator's stop tokens, where they changed since the decoder was made. `boundary(column)`:
+        called at each look at the finished rows, before output column `column` is decoded, to apply a weight update
+        that arrived during the call (TorchGenerator._boundary); True if the weights changed, and if their addresses
+        moved with them (adapters, a replaced layer) the step's view is made again and its graphs captured again."""
         n, p = attn.shape
         B, L, dev = n * group, max_new, attn.device
         first = cache.layers[0].keys
@@ -196,15 +209,7 @@ class GraphDecoder:
             self.stop_ids = list(stop_ids)
             self._cap = (0, 0, 0)  # the graphs read the stop tokens' tensor: new buffers, new graphs
         self._alloc(bucket_for(B), _round_up(p + L, WIDTH_ROUND), L, first.dtype, dev)
-        if self.graphs and self.fallback is None:
-            fp = self._weights_fingerprint()
-            if fp != self._fingerprint:
-                self._graphs.clear()
-                self._prepare()
-                self._fingerprint = self._weights_fingerprint()
-        elif self._fingerprint is None or self._weights_fingerprint() != self._fingerprint:
-            self._prepare()  # eager steps read the projections as they are now too
-            self._fingerprint = self._weights_fingerprint()
+        self._refresh()
         R = self._cap[0]
         # The call's state: the prefill's cache repeated to each prompt's rows, the mask of its columns (the rest -inf
         # until written), positions, the uniforms, the first token sampled from the prefill's logits.
@@ -241,6 +246,8 @@ class GraphDecoder:
                 break
             if bucket_for(n_live) < b:
                 b = self._compact(b, bucket_for(n_live))
+            if boundary is not None and boundary(i):
+                self._refresh()
         toks, lps = self.out_tok[:B, :i].cpu(), self.out_lp[:B, :i].cpu()
         return _trim(toks, lps, self.stop_ids)
 

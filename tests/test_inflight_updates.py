@@ -1,0 +1,210 @@
+"""In-flight weight updates (algo.max_staleness > 0): a weight load that arrives while a rollout actor generates is
+applied between two decode steps (actors/update_gate.py), the completion continues under the new weights, and every
+token records the version that sampled it (Completion.token_versions) with that version's log-prob.
+
+The update used here (`_two_token_head`) lets one hidden dimension through the final norm and maps it to tokens 5 and
+6 only, with logits of +-1000: every token the new weights sample is 5 or 6 with log-prob ~0, which the tiny model's
+old weights (near uniform over its 32 tokens) never give; the split between versions is read off the tokens."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from qgrpo.actors.update_gate import UpdateGate
+from qgrpo.core.records import PromptItem, SamplingParams
+from qgrpo.rollout.backends import torch_graphs
+from qgrpo.rollout.backends.common import token_versions
+
+ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5)]
+SAMPLING = SamplingParams(group_size=4, max_new_tokens=24, temperature=1.0, seed=11)
+
+
+def test_token_versions_from_change_points():
+    assert token_versions([(0, 3)], 5) is None
+    assert token_versions([(0, 3), (5, 4)], 5) is None  # the change came after the last token
+    assert token_versions([(0, 3), (2, 4)], 5) == [3, 3, 4, 4, 4]
+    assert token_versions([(0, 3), (1, 4), (3, 6)], 4) == [3, 4, 4, 6]
+
+
+def _generator(tiny_model_path, loop: str, precision: str = "bf16"):
+    if loop == "mlx":  # mlx-lm's model in MLX's own decode loop (mlx-cpu here)
+        from qgrpo.rollout.backends import make_generator
+
+        return make_generator("mlx", model_path=tiny_model_path, precision=precision, generator_id="mlx-inflight")
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    gen = TorchGenerator(tiny_model_path, precision=precision)
+    if loop == "graphs":  # the CUDA-graph loop's steps, run eagerly on the CPU
+        gen.graphs = torch_graphs.GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False)
+    elif loop == "forward":  # transformers' forward on its dynamic cache
+        gen.decoder = None
+    return gen
+
+
+X, Y = 5, 6
+MLX = pytest.mark.skipif(sys.platform not in ("linux", "darwin"), reason="MLX runs on Linux and macOS")
+
+
+def _two_token_head(tiny_model_path) -> list[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    weights = load_file(f"{tiny_model_path}/model.safetensors")
+    norm, head = torch.zeros_like(weights["model.norm.weight"]), torch.zeros_like(weights["lm_head.weight"])
+    norm[0] = 1.0
+    head[X, 0], head[Y, 0] = 1000.0, -1000.0
+    weights["model.norm.weight"], weights["lm_head.weight"] = norm, head
+    return list(weights.items())
+
+
+def _new(c, start: int) -> bool:
+    """Tokens from `start` on are the new weights' (5 or 6, log-prob ~0)."""
+    return all(t in (X, Y) and lp > -1e-2 for t, lp in zip(c.token_ids[start:], c.logprobs[start:]))
+
+
+@pytest.mark.parametrize("loop, precision", [
+    ("static", "bf16"), ("static", "int8"), ("graphs", "bf16"), ("forward", "bf16"),
+    pytest.param("mlx", "bf16", marks=MLX), pytest.param("mlx", "int8", marks=MLX)])
+def test_an_update_between_two_steps_samples_the_rest_with_the_new_weights(tiny_model_path, loop, precision,
+                                                                          monkeypatch):
+    monkeypatch.setattr(torch_graphs, "CHECK_EVERY", 3)  # the graph loop looks between steps every 3 columns
+    gen = _generator(tiny_model_path, loop, precision)
+    before = gen.generate(ITEMS, SAMPLING)  # no update: the reference run
+    new = _two_token_head(tiny_model_path)
+    at = []
+
+    def boundary():  # what the gate does: apply the load waiting, here at the 7th boundary (graph loop: the 3rd)
+        if not at and len(seen) >= (2 if loop == "graphs" else 6):
+            gen.load_weights(1, new)
+            at.append(len(seen))
+        seen.append(0)
+
+    seen: list[int] = []
+    gen.step_boundary = boundary
+    groups = gen.generate(ITEMS, SAMPLING)
+    assert at, "no step boundary reached"
+    (col,) = [c for c, v in gen._changes if v == 1]
+    assert col == (1 + 3 * 3 if loop == "graphs" else 7)  # a boundary before each column; the graphs' every 3
+    mixed = 0
+    for g0, g in zip(before, groups):
+        assert g.policy_version == 0  # the version the call began with
+        for c0, c in zip(g0.completions, g.completions):
+            n = min(col, len(c0.token_ids))
+            assert c.token_ids[:n] == c0.token_ids[:n] and c.logprobs[:n] == c0.logprobs[:n]  # same draws
+            if len(c.token_ids) <= col:
+                assert c.token_versions is None
+                continue
+            mixed += 1
+            assert c.token_versions == [0] * col + [1] * (len(c.token_ids) - col)
+            assert _new(c, col)  # the new weights' tokens
+            assert all(lp < -1e-2 for lp in c.logprobs[:col])  # ... and not the old ones'
+            assert c.versions(0) == c.token_versions
+    assert mixed > 0
+    assert gen.policy_version == 1
+
+
+def test_without_a_boundary_hook_nothing_changes(tiny_model_path):
+    gen = _generator(tiny_model_path, "static")
+    a = gen.generate(ITEMS, SAMPLING)
+    gen.step_boundary = lambda: None
+    b = gen.generate(ITEMS, SAMPLING)
+    for ga, gb in zip(a, b):
+        for ca, cb in zip(ga.completions, gb.completions):
+            assert (ca.token_ids, ca.logprobs, cb.token_versions) == (cb.token_ids, cb.logprobs, None)
+
+
+def test_the_gate_runs_a_load_at_the_next_step_boundary_of_the_call_in_flight(tiny_model_path):
+    """Real threads: the generation call holds the gate; a load from another thread waits, runs in the decode loop
+    between two steps (not after the call), and its result returns to the loading thread."""
+    gen = _generator(tiny_model_path, "static")
+    gate = UpdateGate(gen)
+    gate.delay = 0.02  # a step every 20 ms: the call lasts long enough for the load to land in it
+    new = _two_token_head(tiny_model_path)
+    out, threads = {}, {}
+
+    def call():
+        out["groups"] = gate.call(lambda: gen.generate(ITEMS, SAMPLING))
+        out["call_end"] = time.monotonic()
+
+    def load():
+        threads["load"] = None
+        out["ack"] = gate.load(lambda: (threading.current_thread().name, gen.load_weights(1, new)))
+        out["load_end"] = time.monotonic()
+
+    t = threading.Thread(target=call, name="generate")
+    t.start()
+    time.sleep(0.15)  # a few steps in
+    load()
+    t.join(30)
+    assert out["ack"][0] == "generate"  # applied in the decode loop's thread
+    assert out["load_end"] < out["call_end"] and gate.applied_mid_call == 1
+    comps = [c for g in out["groups"] for c in g.completions]
+    assert any(c.token_versions is not None and c.token_versions[0] == 0 for c in comps)
+    # the model free again: a load now runs at once, in the caller's thread
+    assert gate.load(lambda: threading.current_thread().name) == threading.current_thread().name
+
+
+def test_a_load_that_fails_in_the_decode_loop_raises_in_the_loading_thread_only(tiny_model_path):
+    gen = _generator(tiny_model_path, "static")
+    gate = UpdateGate(gen)
+    gate.delay = 0.02
+    out = {}
+
+    def bad():
+        raise ValueError("broken update")
+
+    t = threading.Thread(target=lambda: out.setdefault("groups", gate.call(lambda: gen.generate(ITEMS, SAMPLING))))
+    t.start()
+    time.sleep(0.15)
+    with pytest.raises(ValueError, match="broken update"):
+        gate.load(bad)
+    t.join(30)
+    assert len(out["groups"]) == 2 and gen.policy_version == 0
+
+
+def test_a_rollout_actor_applies_a_sync_between_two_decode_steps_of_its_call_in_flight(ray_session, tiny_model_path,
+                                                                                       tmp_path):
+    """Real Ray: a RolloutActor (torch, int8) generates with 0.25 s per decode step (the fault rollout.slow_decode);
+    a sync sent meanwhile returns its SyncAck while the call is still running, and the call's completions switch to
+    the new weights' tokens at the boundary where it landed, each token with its version."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from qgrpo.actors.rollout_actor import RolloutActor
+    from qgrpo.actors.weights import ObjectStoreTransport
+    from qgrpo.rollout.backends.common import probe_ids
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    env = {"QGRPO_FAULTS": "rollout.slow_decode@1+", "QGRPO_FAULTS_STATE": str(tmp_path)}
+    actor = RolloutActor.options(runtime_env={"env_vars": env}).remote(
+        "torch", dict(model_path=tiny_model_path, precision="int8", generator_id="inflight-int8"), 1)
+    try:
+        new = _two_token_head(tiny_model_path)
+        update = ObjectStoreTransport(1 << 12).publish(1, new)
+        update.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
+        twin = TorchGenerator(tiny_model_path, precision="int8")  # the receiver's own format scores the probe
+        twin.load_weights(1, new)
+        update.probe_logprobs = twin.score(update.probe_ids)
+        ray.get(actor.info.remote())  # started
+        call = actor.generate.remote(ITEMS, SamplingParams(group_size=4, max_new_tokens=12, temperature=1.0, seed=3), 1)
+        time.sleep(1.0)  # a few steps in
+        ack = ray.get(actor.load_weights.remote(update), timeout=60)
+        assert ack.version == 1
+        assert not ray.wait([call], timeout=0)[0], "the sync waited for the whole call"
+        groups, stats = ray.get(call, timeout=60)
+        assert stats.policy_version == 0 and ray.get(actor.updates_mid_call.remote()) == 1
+        comps = [c for g in groups for c in g.completions]
+        mixed = [c for c in comps if c.token_versions is not None]
+        assert mixed and all(g.policy_version == 0 for g in groups)
+        for c in mixed:
+            col = c.token_versions.index(1)
+            assert 0 < col and c.token_versions == [0] * col + [1] * (len(c.token_ids) - col)
+            assert _new(c, col) and all(lp < -1e-2 for lp in c.logprobs[:col])
+        # the next call is all the new weights'
+        after = ray.get(actor.generate.remote(ITEMS, SamplingParams(group_size=2, max_new_tokens=4, seed=4), 1))[0]
+        assert all(_new(c, 0) and c.token_versions is None for g in after for c in g.completions)
+    finally:
+        ray.kill(actor)
