@@ -18,7 +18,8 @@ eagerly). Weights are random, so the text is noise: only speed is measured. Ever
 
 Generation: variants are precision (`--precisions`) x decode loop: `eager` is the generator's static-cache loop
 (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA graphs (the generator's `cuda_graphs`
-option; where it cannot, it falls back and says why: the `note` column). Each variant's generator is built once
+option; where it cannot, it falls back and says why: the `note` column), `graphs_fused` the graphs of the step in
+fewer operators (rollout/backends/torch_fused.py, the `fused_step` option). Each variant's generator is built once
 (`load s`: load and quantize), then per `--rows` value (prompts x group size 8) one warm-up generate (`warm-up s`, graph
 capture included) and `--repeats` timed ones at T=1 (median). `generate` is transformers' `model.generate` in bf16 on
 the same model and prompts (each prompt repeated group-size times, left padded, sampling at T=1, no top-k/top-p,
@@ -85,7 +86,8 @@ SHAPES = {
 }
 SMOLLM2_VOCAB = 49152  # the builtin SmolLM2 tokenizer's vocabulary: the model's when only a fallback tokenizer is found
 GROUP_SIZE = 8
-LOOP_NAMES = {"eager": "static", "graphs": "graphs"}  # --loops name -> the generator's decode_info()["loop"]
+# --loops name -> the generator's decode_info()["loop"]; graphs_fused: graphs of torch_fused's step (fused_step)
+LOOP_NAMES = {"eager": "static", "graphs": "graphs", "graphs_fused": "graphs"}
 LEARNER_GROUPS = dict(groups=8, group_size=8, len_spread=1.0)  # 64 sequences, every completion full length
 
 
@@ -229,12 +231,14 @@ def make_generator(path: str, precision: str, device: str, loop: str):
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     try:
-        gen = TorchGenerator(path, precision=precision, device=device, options={"cuda_graphs": loop == "graphs"})
-        if loop == "graphs" and gen.graphs is None and gen.decoder is not None and gen.device.type != "cuda":
+        graphs, fused = loop.startswith("graphs"), loop == "graphs_fused"
+        gen = TorchGenerator(path, precision=precision, device=device,
+                             options={"cuda_graphs": graphs, "fused_step": fused})
+        if graphs and gen.graphs is None and gen.decoder is not None and gen.device.type != "cuda":
             from qgrpo.rollout.backends.torch_graphs import GraphDecoder
 
             # No CUDA: the steps a graph would record, run eagerly (their operators and correctness, not a speed)
-            gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False)
+            gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False, fused=fused)
             return gen, "no CUDA: the graph loop's steps ran eagerly"
         return gen, None
     except TypeError as e:
@@ -470,7 +474,7 @@ def add_bounds_and_speedups(rows: list[dict], model: dict, bandwidth: float, con
         if r["variant"] == "torch":
             eager = by.get(("torch", r["precision"], "eager", r["rows"]))
             bf16 = by.get(("torch", "bf16", r["loop"], r["rows"]))
-            if r["loop"] == "graphs" and eager:
+            if r["loop"].startswith("graphs") and eager:
                 r["speedup_vs_eager"] = tps / eager["tokens_per_s"]
             if r["precision"] != "bf16" and bf16:
                 r["speedup_vs_bf16"] = tps / bf16["tokens_per_s"]
@@ -653,7 +657,7 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokenizer", default="builtin:smollm2-135m-instruct",
                     help="a tokenizer folder or builtin:NAME (its vocabulary is the model's)")
     ap.add_argument("--precisions", default="bf16,int8,int4,fp8")
-    ap.add_argument("--loops", default="eager,graphs")
+    ap.add_argument("--loops", default="eager,graphs,graphs_fused")
     ap.add_argument("--rows", default="8,16,64")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)

@@ -97,7 +97,7 @@ def _logprob_gap(gen, groups) -> float:
     return max(diffs)
 
 
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("graphs", [False, True, "fused"], ids=["eager", "graphs", "graphs_fused"])
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4", "fp8"])
 def test_static_decode_on_the_gpu_samples_the_served_models_distribution(tiny_model_path, precision, graphs,
                                                                          monkeypatch):
@@ -111,7 +111,7 @@ def test_static_decode_on_the_gpu_samples_the_served_models_distribution(tiny_mo
     skip_below_capability(precision)
     monkeypatch.setattr(torch_graphs, "CHECK_EVERY", 2)  # look at finished rows often: compactions happen
     gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False,
-                         options={"cuda_graphs": graphs})
+                         options={"cuda_graphs": bool(graphs), "fused_step": graphs == "fused"})
     assert gen.decoder is not None
     groups = gen.generate([PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)],
                           SamplingParams(group_size=8, max_new_tokens=12, temperature=1.0, seed=7))
@@ -122,8 +122,9 @@ def test_static_decode_on_the_gpu_samples_the_served_models_distribution(tiny_mo
     assert _logprob_gap(gen, groups) < 0.05
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["static_step", "fused_step"])
 @pytest.mark.parametrize("precision", ["bf16", "int8", "int4", "nf4", "fp8"])
-def test_a_sync_changes_what_the_graph_computes(tiny_model_path, precision):
+def test_a_sync_changes_what_the_graph_computes(tiny_model_path, precision, fused):
     """A captured graph replays the addresses it recorded: a sync must write the new weights (codes and scales) into
     that storage. After a sync the same graphs (no new capture) sample the new weights' distribution, and greedy
     output changes; a re-allocated weight would have kept the old policy."""
@@ -134,7 +135,8 @@ def test_a_sync_changes_what_the_graph_computes(tiny_model_path, precision):
 
     skip_below_capability(precision)
     gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False,
-                         options={"cuda_graphs": True})
+                         options={"cuda_graphs": True, "fused_step": fused})
+    assert gen.decode_info()["fused"] == fused
     items = [PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)]
     greedy = SamplingParams(group_size=2, max_new_tokens=10, temperature=0.0)
     before = [c.token_ids for g in gen.generate(items, greedy) for c in g.completions]

@@ -31,7 +31,8 @@ def test_dry_run_measures_every_variant_on_a_cpu(tmp_path):
     V = res["model"]["vocab"]
     assert res["model"]["params"] == 2 * V * 64 + 2 * TINY_LAYER + 64  # untied embeddings
     rows = {(r["precision"], r["loop"], r["rows"]): r for r in res["generation"]}
-    assert set(rows) == {("bf16", "eager", 8), ("bf16", "graphs", 8), ("bf16", "generate", 8), ("int8", "graphs", 8),
+    assert set(rows) == {("bf16", "eager", 8), ("bf16", "graphs", 8), ("bf16", "graphs_fused", 8),
+                         ("bf16", "generate", 8), ("int8", "graphs", 8), ("int8", "graphs_fused", 8),
                          ("int8", "eager", 8)}
     for key, r in rows.items():
         assert "error" not in r and "skipped" not in r, (key, r)
@@ -58,7 +59,8 @@ def test_a_spent_budget_skips_every_variant_and_says_so(tmp_path):
     gpu_speed.main(["--device", "cpu", "--shape", "tiny", "--rows", "8", "--precisions", "bf16,int8", "--no-learner",
                     "--budget-s", "0", "--out", str(out)])
     res = json.loads(out.read_text(), parse_constant=_reject)
-    assert res["budget"]["skipped"] == ["bf16/eager", "bf16/graphs", "bf16/generate", "int8/graphs", "int8/eager"]
+    assert res["budget"]["skipped"] == ["bf16/eager", "bf16/graphs", "bf16/graphs_fused", "bf16/generate",
+                                        "int8/graphs_fused", "int8/graphs", "int8/eager"]
     assert all(r["skipped"] == "budget spent" for r in res["generation"])
     assert res["bandwidth"]["bytes_per_s"] > 0 and res["matmul"]["flops_per_s"] > 0
 

@@ -124,6 +124,7 @@ def test_a_killed_rollout_actor_in_a_stream_loses_and_repeats_no_prompt(ray_sess
 
 
 @pytest.mark.ray  # a qgrpo process of its own
+@pytest.mark.slow  # 90-140 s; the synchronous kill-while-checkpointing test (tests/test_faults.py) stays in make test
 def test_a_stream_killed_mid_run_resumes_without_skipping_or_repeating_a_prompt(tiny_model_path, tmp_path):
     """The whole streamed run (driver, Ray, actors) is SIGKILLed while writing step 4's checkpoint, with later
     steps' groups generated ahead; `--resume` continues from step 2's checkpoint, and steps 1-5 train on the same

@@ -18,12 +18,13 @@ def test_bucket_choice():
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
 
 
-def _eager_graphs(tiny_model_path, precision="bf16"):
-    """A CPU generator whose decode goes through the graph loop's steps, run eagerly."""
+def _eager_graphs(tiny_model_path, precision="bf16", fused=True):
+    """A CPU generator whose decode goes through the graph loop's steps, run eagerly: torch_fused's step, or the
+    static decoder's (`fused=False`, what `[rollout.torch] fused_step = false` records)."""
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     gen = TorchGenerator(tiny_model_path, precision=precision)
-    gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False)
+    gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False, fused=fused)
     return gen
 
 
@@ -40,11 +41,12 @@ def _max_logprob_gap(gen, groups) -> float:
     return max(gaps)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_step", "static_step"])
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_sampled_logprobs_are_the_models_with_compaction(tiny_model_path, precision, monkeypatch):
+def test_sampled_logprobs_are_the_models_with_compaction(tiny_model_path, precision, fused, monkeypatch):
     """24 rows decode in bucket 32; rows that stop move the live ones into smaller buckets (checked every 2 steps
     here); every sampled token's log-prob is that of the served model's own forward over prompt + completion."""
-    gen = _eager_graphs(tiny_model_path, precision)
+    gen = _eager_graphs(tiny_model_path, precision, fused)
     monkeypatch.setattr(torch_graphs, "CHECK_EVERY", 2)
     buckets = []
     compact = gen.graphs._compact
@@ -55,14 +57,16 @@ def test_sampled_logprobs_are_the_models_with_compaction(tiny_model_path, precis
     assert buckets and buckets == sorted(buckets, reverse=True) and buckets[-1] < 32
     assert _max_logprob_gap(gen, groups) < 0.05  # nats: bf16 rounding, cached decode vs full forward
     assert gen.decode_info()["loop"] == "static"  # eager steps: no graphs on a CPU
+    assert gen.decode_info()["fused"] == fused and (gen.graphs.fused is None) == (not fused)
 
 
-def test_greedy_output_is_the_static_decoders(tiny_model_path):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused_step", "static_step"])
+def test_greedy_output_is_the_static_decoders(tiny_model_path, fused):
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     sp = SamplingParams(group_size=2, max_new_tokens=16, temperature=0.0)
     want = TorchGenerator(tiny_model_path).generate(ITEMS, sp)
-    got = _eager_graphs(tiny_model_path).generate(ITEMS, sp)
+    got = _eager_graphs(tiny_model_path, fused=fused).generate(ITEMS, sp)
     for a, b in zip(want, got):
         assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
         for ca, cb in zip(a.completions, b.completions):

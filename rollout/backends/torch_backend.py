@@ -86,7 +86,7 @@ class TorchGenerator(Generator):
         self.options = TorchOptions(**(options or {}))
         self.graphs = None
         if self.decoder is not None and self.device.type == "cuda" and self.options.cuda_graphs:
-            self.graphs = GraphDecoder(self.model, self.pad_id, self.stop_ids)
+            self.graphs = GraphDecoder(self.model, self.pad_id, self.stop_ids, fused=self.options.fused_step)
         self.adapters: dict[str, torch_adapters.LoraDelta] = {}
         self._base_only = True  # adapters-only updates are relative to the base the generator started from
         self._seed = seed
@@ -262,7 +262,8 @@ class TorchGenerator(Generator):
             return self.graphs.info()
         why = None if not self.options.cuda_graphs else (
             "CUDA graphs need a CUDA device" if self.device.type != "cuda" else "the model's layers are not Llama's")
-        return {"loop": "static" if self.decoder is not None else "forward", "capture_s": 0.0, "captures": 0,
+        return {"loop": "static" if self.decoder is not None else "forward", "fused": False, "capture_s": 0.0,
+                "captures": 0,
                 "fallback": why}
 
     def quant_grids(self) -> dict:

@@ -3,8 +3,9 @@
 A decode step of the static decoder (torch_decode.py) is over a thousand small kernels; on a GPU their launches and
 the host's Python, not the weights' bytes, bound the loop (a 1.3B model on an H200: ~26 ms a step where the weights
 take ~0.7 ms to read). A CUDA graph records a step's kernels once and replays them with one launch; the step it
-records is torch_fused.py's, the same function in fewer operators. A graph replays fixed shapes at fixed addresses, so
-everything a step reads or writes lives in buffers allocated once:
+records is the static decoder's (`fused=False`, the step measured on an H200) or torch_fused.py's, the same function
+in fewer operators (`fused=True`, `[rollout.torch] fused_step`, not yet measured on a GPU). A graph replays fixed
+shapes at fixed addresses, so everything a step reads or writes lives in buffers allocated once:
 
 - **Buckets.** The step is captured per batch bucket: the rows rounded up to a power of two (`BUCKETS`, from 8). When
   finished rows leave the live ones within a smaller bucket, the live rows are moved to the front of the buffers
@@ -35,7 +36,7 @@ import time
 import torch
 
 from qgrpo.rollout.backends import torch_fused
-from qgrpo.rollout.backends.torch_decode import StaticDecoder, pick
+from qgrpo.rollout.backends.torch_decode import StaticDecoder, _fixed_step, pick
 
 BUCKETS = (8, 16, 32, 64, 128, 256, 512, 1024)
 CHECK_EVERY = 8  # decode steps between two looks at the finished rows (one host synchronisation each)
@@ -58,7 +59,7 @@ class GraphDecoder:
     """Decodes a prefilled batch with fixed-shape steps (see the module docstring); `graphs` replays them as CUDA
     graphs, else runs them eagerly."""
 
-    def __init__(self, model, pad_id: int, stop_ids: list[int], graphs: bool = True):
+    def __init__(self, model, pad_id: int, stop_ids: list[int], graphs: bool = True, fused: bool = True):
         self.model = model
         self.static = StaticDecoder(model)  # its model geometry (heads, head_dim, scale, window)
         self.pad_id = pad_id
@@ -70,7 +71,9 @@ class GraphDecoder:
         self._cap = (0, 0, 0)  # rows, width, steps the buffers hold
         self._graphs: dict = {}
         s = self.static
-        self.fused = torch_fused.FusedLayers(model, s.q_heads, s.kv_heads, s.head_dim)  # fuses projections now
+        self.fuse = fused
+        # torch_fused's view of the layers (it joins projections into one buffer now), or None: the static step
+        self.fused = torch_fused.FusedLayers(model, s.q_heads, s.kv_heads, s.head_dim) if fused else None
         self._fingerprint = None
 
     # ---------------------------------------------------------------- buffers
@@ -118,7 +121,8 @@ class GraphDecoder:
         """The step's view of the layers, made again after modules or weights moved (a first call, adapters wrapped
         around layers, a layer replaced at a sync): fused projections where they can be (torch_fused.fuse)."""
         s = self.static
-        self.fused = torch_fused.FusedLayers(self.model, s.q_heads, s.kv_heads, s.head_dim)
+        if self.fuse:
+            self.fused = torch_fused.FusedLayers(self.model, s.q_heads, s.kv_heads, s.head_dim)
 
     def _refresh(self) -> None:
         """Where any weight the step reads moved since the step's view was made: the view made again (eager steps
@@ -135,8 +139,12 @@ class GraphDecoder:
         s = self.static
         keys, values = [k[:b] for k in self.keys], [v[:b] for v in self.values]
         tok_in, live, rows = self.tok[:b], self.live[:b], self.rowmap[:b]
-        logits = torch_fused.step(self.model, self.fused, tok_in, self.col, self.pos[:b], keys, values,
-                                  self.bias[:b], s.q_heads, s.kv_heads, s.head_dim, s.scale)
+        if self.fused is not None:
+            logits = torch_fused.step(self.model, self.fused, tok_in, self.col, self.pos[:b], keys, values,
+                                      self.bias[:b], s.q_heads, s.kv_heads, s.head_dim, s.scale)
+        else:
+            logits = _fixed_step(self.model, s.layers, tok_in, self.col, self.pos[:b], keys, values, self.bias[:b],
+                                 s.q_heads, s.kv_heads, s.head_dim, s.scale)
         u = None if sp.temperature <= 0 else self.u.index_select(0, self.stepi).squeeze(0).index_select(0, rows)
         tok, lp = pick(logits, sp, u)
         at = self.stepi.expand(b)
@@ -266,7 +274,7 @@ class GraphDecoder:
         return nb
 
     def info(self) -> dict:
-        return {"loop": "graphs" if self.graphs and self.fallback is None else "static",
+        return {"loop": "graphs" if self.graphs and self.fallback is None else "static", "fused": self.fuse,
                 "capture_s": round(self.capture_seconds, 3), "captures": self.captures, "fallback": self.fallback,
                 "buffer_rows": self._cap[0], "buffer_width": self._cap[1]}
 
