@@ -202,11 +202,15 @@ class TrainingRun:
                         **self.ladder.state()})
         self.eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
         if cfg.algo.max_staleness:
-            from qgrpo.cluster.run.stream import RolloutStream
+            from qgrpo.cluster.run.stream import RolloutStream, read_buffer
 
+            buffer = read_buffer(resume) if resume is not None else None
             self.source = RolloutStream(self.workers, sampler, ro, cfg.run.seed, cfg.algo.max_staleness,
                                         cfg.algo.update_every, self.state.step, self.state.published_version,
-                                        cfg.run.steps, cfg.faults.generate_timeout_s)
+                                        cfg.run.steps, cfg.faults.generate_timeout_s, buffer)
+            if buffer:  # the groups generated ahead of the checkpoint, trained on as they were sampled
+                self.log.write({"event": "stream_restored", "step": self.state.step, "groups": self.source.restored,
+                                "steps": sorted(int(s) + 1 for s in buffer["steps"])})
         else:
             self.source = RolloutSource(self.workers, sampler, ro, cfg.run.seed, cfg.algo.overlap)
         self.metric = task_judge(cfg.rewards, self.eval_task or sampler.task, cfg.task.eval_size, self.rewards.model)
@@ -313,8 +317,18 @@ class TrainingRun:
             step=done, policy_version=result.policy_version, cursor=cursor, published_version=self.published,
             model_path=self.model_path, guard=self.ladder.state(), rollout_precision=self.ladder.rollout,
             config=self.cfg.to_dict())
-        path = save_checkpoint(self.dir.root, done, self.workers.save, self.state.to_dict(), self.cfg.run.keep_last)
+        path = save_checkpoint(self.dir.root, done, self._write_checkpoint, self.state.to_dict(),
+                               self.cfg.run.keep_last)
         self.log.write({"event": "checkpoint", "step": done, "path": str(path)})
+
+    def _write_checkpoint(self, folder: str) -> None:
+        """The learners' model files, and a stream's state beyond the step (cluster/run/stream.py: snapshot)."""
+        self.workers.save(folder)
+        buffer = self.source.snapshot()
+        if buffer is not None:
+            from qgrpo.cluster.run.stream import write_buffer
+
+            write_buffer(folder, buffer)
 
     def failed(self, err: BaseException, step: int) -> Exception:
         """The error to end the run with: what happened, at which step (1-based), and how to resume (logged first)."""

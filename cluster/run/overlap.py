@@ -106,6 +106,11 @@ class RolloutSource:
             if self.ahead[2].exception() is not None:
                 raise self.ahead[2].exception()
 
+    def snapshot(self) -> dict | None:
+        """Nothing beyond the step trained is kept for a checkpoint: a resume draws from the checkpoint's cursor
+        (with algo.overlap, the step that was ahead is generated again)."""
+        return None
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=False, cancel_futures=True)

@@ -22,9 +22,13 @@ free actors take the next steps' chunks. The learner's wait for each step, the g
 steps (the buffer) and the staleness of the groups taken are logged as stream/* metrics.
 
 Nothing lost, nothing twice: the groups of step c are trained on at step c, in the order the prompts were drawn. A
-checkpoint saves the data cursor after the step trained (StepRollouts.cursor), as with algo.overlap; a resumed run
-generates the prompts that were ahead again, from the checkpoint's weights. A chunk whose actor failed is sent
-again, first, to a live actor (the failed one is replaced as in a synchronous step).
+checkpoint holds the stream's state (`snapshot`, written as rollout_buffer.json beside the model): the steps drawn
+beyond the one trained, each with its chunks' prompts and the groups already generated, and the data cursor after
+them. A resumed run (`restore`) trains on those groups as they were sampled, generates again only the chunks that
+were waiting or in flight, and draws on from that cursor. A checkpoint without the file (a synchronous run's, or a
+run resumed with algo.max_staleness > 0 from one) leaves the stream to draw from the checkpoint's own cursor. A
+chunk whose actor failed is sent again, first, to a live actor (the failed one is replaced as in a synchronous
+step).
 
 Limits: a chunk is the unit of admission (a long-tail completion holds its chunk, though it no longer holds a
 sync); steps are taken in order (a slow chunk of step c delays step c even when later steps' chunks are done).
@@ -33,6 +37,7 @@ The metrics count the step's tokens by age (stream/tokens_age<k>) and the comple
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -41,9 +46,10 @@ from dataclasses import dataclass
 import ray
 
 from qgrpo.cluster.run.overlap import StepRollouts
-from qgrpo.core.records import SamplingParams
+from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem, SamplingParams
 
 POLL_S = 0.05
+BUFFER_FILE = "rollout_buffer.json"  # a checkpoint's copy of the stream's state (RolloutStream.snapshot)
 
 
 @dataclass
@@ -55,7 +61,8 @@ class Chunk:
 
 class RolloutStream:
     def __init__(self, workers, sampler, ro, seed: int, max_staleness: int, update_every: int, start_step: int,
-                 published: int, steps: int, timeout_s: float):
+                 published: int, steps: int, timeout_s: float, buffer: dict | None = None):
+        """`buffer`: a checkpoint's snapshot to take up (`restore`) before anything is drawn."""
         self.pool, self.sampler, self.ro, self.seed = workers.rollout, sampler, ro, seed
         self.S, self.U, self.steps, self.timeout_s = max_staleness, update_every, steps, timeout_s
         self.held = start_step  # the actors hold the weights of this many steps (the last sync's)
@@ -64,11 +71,13 @@ class RolloutStream:
         self.queue: deque[Chunk] = deque()  # drawn, not yet sent
         self.flight: dict = {}  # ObjectRef -> (Chunk, actor slot, time sent)
         self.done: dict[int, dict[int, tuple]] = {}  # step -> chunk index -> (groups, stats)
+        self.chunks: dict[int, list[list]] = {}  # step -> its chunks' prompts (for a checkpoint's snapshot)
         self.expected: dict[int, tuple[int, int]] = {}  # step -> (number of chunks, cursor after its prompts)
         self.error: BaseException | None = None
         self.paused = False
         self.cv = threading.Condition()
         self.stop = threading.Event()
+        self.restored = self.restore(buffer) if buffer else 0
         self.thread = threading.Thread(target=self._pump, name="rollout-stream", daemon=True)
         self.thread.start()
 
@@ -92,6 +101,7 @@ class RolloutStream:
             chunks = [c for c in _split(items, len(self.pool.actors)) if c]
             self.expected[self.next_step] = (len(chunks), self.sampler.cursor)
             self.done[self.next_step] = {}
+            self.chunks[self.next_step] = chunks
             self.queue.extend(Chunk(self.next_step, k, c) for k, c in enumerate(chunks))
             self.next_step += 1
 
@@ -163,6 +173,7 @@ class RolloutStream:
                 self.cv.wait(1.0)
             results = self.done.pop(step)
             n, cursor = self.expected.pop(step)
+            self.chunks.pop(step, None)
             buffered = sum(len(gs) for d in self.done.values() for gs, _ in d.values())
             in_flight = sum(len(c.items) for c, _, _ in self.flight.values())
         groups = [g for k in range(n) for g in results[k][0]]
@@ -197,9 +208,90 @@ class RolloutStream:
             self.paused = False
             self.cv.notify_all()
 
+    # --- checkpoints ---
+    def snapshot(self) -> dict:
+        """The stream's state beyond the steps trained, JSON-safe: every step drawn and not yet taken, with its
+        chunks' prompts and the groups of the chunks already generated (those waiting or in flight are generated
+        again after a resume), and the sampler's cursor after them."""
+        with self.cv:
+            steps = {}
+            for step in sorted(self.expected):
+                n, cursor = self.expected[step]
+                steps[str(step)] = {"cursor": cursor, "chunks": [[_item_json(i) for i in c] for c in self.chunks[step]],
+                                    "done": {str(k): {"groups": [_group_json(g) for g in gs], "stats": _stats_json(st)}
+                                             for k, (gs, st) in self.done[step].items()}}
+            return {"next_step": self.next_step, "cursor": self.sampler.cursor, "steps": steps}
+
+    def restore(self, state: dict) -> int:
+        """Take up a checkpoint's snapshot (the constructor does, before the pump draws anything): its steps' groups
+        as they were generated, their other chunks queued again, the sampler at the snapshot's cursor. Returns the
+        groups restored."""
+        with self.cv:
+            if self.expected:
+                raise RuntimeError("RolloutStream.restore: the stream has drawn prompts already")
+            restored = 0
+            for key in sorted(state["steps"], key=int):
+                step, entry = int(key), state["steps"][key]
+                chunks = [[_item_of(i) for i in c] for c in entry["chunks"]]
+                self.expected[step] = (len(chunks), entry["cursor"])
+                self.chunks[step] = chunks
+                self.done[step] = {int(k): ([_group_of(g) for g in d["groups"]], _stats_of(d["stats"]))
+                                   for k, d in entry["done"].items()}
+                restored += sum(len(gs) for gs, _ in self.done[step].values())
+                self.queue.extend(Chunk(step, k, c) for k, c in enumerate(chunks) if k not in self.done[step])
+            self.next_step = state["next_step"]
+            self.sampler.cursor = state["cursor"]
+            self.cv.notify_all()
+            return restored
+
     def more(self, step: int, n: int, round_: int) -> StepRollouts:
         raise RuntimeError("RolloutStream.more: dynamic sampling cannot run with algo.max_staleness > 0")
 
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
+
+
+# --- the snapshot's JSON (records are plain dataclasses of JSON-safe fields) ---
+def _item_json(item: PromptItem) -> dict:
+    return dataclasses.asdict(item)
+
+
+def _item_of(d: dict) -> PromptItem:
+    return PromptItem(**{**d, "history": tuple(tuple(turn) for turn in d.get("history") or ())})
+
+
+def _group_json(g: GroupRollout) -> dict:
+    return {**dataclasses.asdict(g), "item": _item_json(g.item)}
+
+
+def _group_of(d: dict) -> GroupRollout:
+    return GroupRollout(**{**d, "item": _item_of(d["item"]),
+                            "completions": [Completion(**c) for c in d["completions"]]})
+
+
+def _stats_json(st: GenerationStats) -> dict:
+    return dataclasses.asdict(st)
+
+
+def _stats_of(d: dict) -> GenerationStats:
+    return GenerationStats(**d)
+
+
+def write_buffer(checkpoint, state: dict) -> None:
+    """The stream's snapshot into a checkpoint folder (a path or URI) being written."""
+    import json
+
+    from qgrpo.core import storage
+
+    storage.write_text(storage.join(checkpoint, BUFFER_FILE), json.dumps(state))
+
+
+def read_buffer(checkpoint) -> dict | None:
+    """A checkpoint's stream snapshot, or None where it holds none."""
+    import json
+
+    from qgrpo.core import storage
+
+    f = storage.join(checkpoint, BUFFER_FILE)
+    return json.loads(storage.read_text(f)) if storage.is_file(f) else None
