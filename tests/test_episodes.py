@@ -90,10 +90,12 @@ def _item(n: int, answer: int) -> PromptItem:
 def test_a_trajectory_is_the_sampled_tokens_plus_the_rendered_environment_turns(tok):
     five, three = _ids(tok, "5") + [IM_END], _ids(tok, "3") + [IM_END]
     gen = ScriptedGenerator(tok, {1: [five, three]})
+    gen.policy_version = 7
     episodes = Episodes(gen, tok, [IM_END], GuessClient(), EpisodeLimits(max_turns=4, turn_tokens=8, max_context=512))
     (group,) = episodes.run([_item(1, 3)], SamplingParams(1, 8, seed=5), "k", 7, "gen-0", "int8")
     (c,) = group.completions
     assert c.finish_reason == "stop" and c.env_score == 1.0 and c.text == "3"
+    assert group.policy_version == 7 and c.token_versions is None  # one version sampled every token
     # The model's tokens are exactly those sampled; between them the environment's "lower" as the template puts it
     messages = [{"role": "user", "content": "guess 1: a digit"}, {"role": "assistant", "content": "5"},
                 {"role": "user", "content": "lower"}, {"role": "assistant", "content": "3"}]
@@ -111,6 +113,29 @@ def test_a_trajectory_is_the_sampled_tokens_plus_the_rendered_environment_turns(
     # The learner's loss mask is the model's tokens only
     packed = pack_rollouts([group], 0, 8)
     assert packed.completion_mask[0, p:p + len(c.token_ids)].tolist() == [float(x) for x in c.model_mask]
+
+
+def test_a_weight_update_inside_a_turn_is_recorded_token_by_token(tok):
+    """An update lands between the two tokens of the first model turn (the generator says so in that turn's
+    token_versions): the trajectory's token_versions carry it, the environment's tokens take the version of the model
+    turn before them, and the next turn is sampled by the new version throughout."""
+    five, three = _ids(tok, "5") + [IM_END], _ids(tok, "3") + [IM_END]
+    assert len(five) == 2
+
+    class Updated(ScriptedGenerator):
+        def continue_ids(self, sequences, sampling):
+            out = super().continue_ids(sequences, sampling)
+            if len(self.calls) == 1:
+                out[0].token_versions = [0, 1]
+                self.policy_version = 1  # the update was applied inside this call
+            return out
+
+    gen = Updated(tok, {1: [five, three]})
+    episodes = Episodes(gen, tok, [IM_END], GuessClient(), EpisodeLimits(max_turns=4, turn_tokens=8, max_context=512))
+    (group,) = episodes.run([_item(1, 3)], SamplingParams(1, 8, seed=5), "k", 0, "gen-0", "int8")
+    (c,) = group.completions
+    env = len(c.token_ids) - len(five) - len(three)
+    assert group.policy_version == 0 and c.token_versions == [0, 1] + [1] * env + [1, 1]
 
 
 def test_a_model_turn_is_never_retokenized(tok):
