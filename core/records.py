@@ -103,6 +103,7 @@ class TrainStepResult:
     policy_version: int  # optimizer updates applied so far, this step's included: the version a sync would publish
     version_before: int  # the policy version the batch was trained from (the rollouts' staleness is counted from it)
     staleness: float  # mean over this rank's rows of version_before - the version that sampled the row, in updates
+    #                   (over its completion tokens where tokens record their own versions: learner/batch.py)
     timing: dict[str, float]  # seconds per phase, summed over micro-batches and passes: "forward", "backward",
     #                           "optimizer"
     skipped: str = ""  # why the guard skipped the update ("" = every update taken): "sampler_logprobs",

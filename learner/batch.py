@@ -24,6 +24,9 @@ class TrainBatch:
     prompt_lens: torch.Tensor | None = None  # [B] int64, tokens of each row's prompt
     group_ids: torch.Tensor | None = None  # [B] int64, rows with equal ids are completions of the same prompt
     seq_lens: torch.Tensor | None = None  # [B] int64, tokens of each row's prompt + completion (padding excluded)
+    # [B, T] int64, the policy version that sampled each completion token, where a weight update landed inside a
+    # completion (Completion.token_versions); None: every token of a row was sampled by its policy_versions entry
+    token_versions: torch.Tensor | None = None
     # Global sizes of the whole step's batch, kept when sharding so every rank and micro-batch normalises alike.
     total_sequences: int = 0
     total_tokens: float = 0.0
@@ -66,6 +69,7 @@ class PackedRollouts:
     group_ids: torch.Tensor  # [B] int64
     seq_lens: torch.Tensor  # [B] int64
     max_new_tokens: int
+    token_versions: torch.Tensor | None = None  # [B, T] int64, as TrainBatch's
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -89,17 +93,21 @@ class PackedRollouts:
             input_ids=self.input_ids, completion_mask=self.completion_mask, mu_logp=self.mu_logp,
             advantages=advantages.to(torch.float32), policy_versions=self.policy_versions, ref_logp=ref_logp,
             prompt_lens=self.prompt_lens, group_ids=self.group_ids, seq_lens=self.seq_lens,
-            total_sequences=len(self), total_tokens=float(self.completion_mask.sum()),
+            token_versions=self.token_versions, total_sequences=len(self),
+            total_tokens=float(self.completion_mask.sum()),
             max_new_tokens=self.max_new_tokens)
 
 
 def pack_rollouts(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) -> PackedRollouts:
     """The groups' prompts and completions as right-padded [B, T] tensors, a row per completion in group order."""
-    rows, masks, mus, versions, plens, gids = [], [], [], [], [], []
+    rows, masks, mus, versions, plens, gids, per_token = [], [], [], [], [], [], []
+    mixed = any(c.token_versions is not None for g in groups for c in g.completions)
     for gid, g in enumerate(groups):
         for comp in g.completions:
             p, c = len(g.prompt_ids), len(comp.token_ids)
             rows.append(g.prompt_ids + comp.token_ids)
+            if mixed:
+                per_token.append([g.policy_version] * p + comp.versions(g.policy_version))
             # the loss sees the model's tokens only: a multi-turn trajectory's environment turns are masked out
             masks.append([0.0] * p + ([1.0] * c if comp.model_mask is None else [float(x) for x in comp.model_mask]))
             mus.append([0.0] * p + list(comp.logprobs))
@@ -115,11 +123,27 @@ def pack_rollouts(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) 
         input_ids[i, : len(r)] = torch.tensor(r)
         mask[i, : len(m)] = torch.tensor(m)
         mu[i, : len(u)] = torch.tensor(u)
+    token_versions = None
+    if mixed:  # padding holds the row's version (masked out like the rest of it)
+        token_versions = torch.tensor(versions, dtype=torch.long)[:, None].repeat(1, T)
+        for i, v in enumerate(per_token):
+            token_versions[i, : len(v)] = torch.tensor(v)
     return PackedRollouts(
         input_ids=input_ids, completion_mask=mask, mu_logp=mu,
         policy_versions=torch.tensor(versions, dtype=torch.long), prompt_lens=torch.tensor(plens, dtype=torch.long),
         group_ids=torch.tensor(gids, dtype=torch.long), seq_lens=torch.tensor([len(r) for r in rows], dtype=torch.long),
-        max_new_tokens=max_new_tokens)
+        max_new_tokens=max_new_tokens, token_versions=token_versions)
+
+
+def staleness(batch: TrainBatch, version_before: int) -> float:
+    """How many updates the batch's samples are behind the policy trained from (`version_before`): the mean over
+    its rows of that less the row's policy version, or, where tokens record their own versions (an in-flight
+    update), the mean over its completion tokens."""
+    if batch.token_versions is None:
+        return float((version_before - batch.policy_versions).float().mean())
+    m = batch.completion_mask
+    ages = (version_before - batch.token_versions).float()
+    return float((ages * m).sum() / m.sum().clamp(min=1.0))
 
 
 def advantages_of(groups: list[GroupRollout]) -> torch.Tensor:

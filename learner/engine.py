@@ -22,7 +22,7 @@ from qgrpo.core.devices import bind, collective_device, current_device, dist_bac
 from qgrpo.core.records import TrainStepResult
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.adapters import adapter_weights, merged_weights, save_adapters, unwrap
-from qgrpo.learner.batch import TrainBatch
+from qgrpo.learner.batch import TrainBatch, staleness
 from qgrpo.learner.objective.loss import aggregation_weights, grpo_loss, merge_stats
 from qgrpo.learner.optim import GuardedLambdaLR, guarded_optimizer, lr_factor
 from qgrpo.learner.settings import LearnerSettings
@@ -199,7 +199,7 @@ class Learner:
             stats={k: float(v) for k, v in stats_acc.items()}, loss=loss_total / (update + 1),
             grad_norm=grad_norms[-1], lr=self.scheduler.get_last_lr()[0], policy_version=self.version,
             version_before=version_before,
-            staleness=float((version_before - batch.policy_versions).float().mean()), timing=clock, skipped=skipped,
+            staleness=staleness(batch, version_before), timing=clock, skipped=skipped,
         )
 
     @torch.no_grad()

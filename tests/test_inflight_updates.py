@@ -208,3 +208,25 @@ def test_a_rollout_actor_applies_a_sync_between_two_decode_steps_of_its_call_in_
         assert all(_new(c, 0) and c.token_versions is None for g in after for c in g.completions)
     finally:
         ray.kill(actor)
+
+
+def test_token_versions_reach_the_learners_batch_and_its_staleness():
+    """pack_rollouts carries each completion token's version to the learner ([B, T], prompt and padding at the row's
+    version); the learner's staleness is then the mean over completion tokens. Without token versions the batch holds
+    none and the staleness is the rows' mean, as before."""
+    from qgrpo.core.records import Completion, GroupRollout
+    from qgrpo.learner.batch import advantages_of, pack_rollouts, staleness
+
+    item = PromptItem("p", "1+1=", "2")
+    mixed = Completion([4, 5, 6], [-1.0, -1.0, -1.0], "length", "", token_versions=[3, 4, 4])
+    plain = Completion([7], [-1.0], "stop", "")
+    groups = [GroupRollout(item, [1, 2], [mixed, plain], policy_version=3, generator_id="g", precision="bf16",
+                           advantages=[1.0, -1.0])]
+    batch = pack_rollouts(groups, 0, 3).train_batch(advantages_of(groups))
+    assert batch.token_versions.tolist() == [[3, 3, 3, 4, 4], [3, 3, 3, 3, 3]]
+    # version_before 5: ages 2, 1, 1 and 2 over the four completion tokens
+    assert staleness(batch, 5) == pytest.approx((2 + 1 + 1 + 2) / 4)
+    assert staleness(batch.shard(1, 2), 5) == pytest.approx(2.0)
+    groups[0].completions[0].token_versions = None
+    batch = pack_rollouts(groups, 0, 3).train_batch(advantages_of(groups))
+    assert batch.token_versions is None and staleness(batch, 5) == pytest.approx(2.0)
