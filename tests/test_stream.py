@@ -96,6 +96,9 @@ def test_a_stream_trains_on_the_prompts_of_a_synchronous_run_within_its_bound(ra
         ages = {int(k.removeprefix("stream/tokens_age")): n for k, n in m.items() if k.startswith("stream/tokens_age")}
         assert ages and min(ages) >= 0 and max(ages) <= 2
         assert sum(ages.values()) == round(m["rollout/completion_len"] * 8)  # one prompt of group_size 8
+        if m["stream/mixed_completions"]:  # the tokens' versions reached the learner: its staleness is their mean
+            mean = sum(k * n for k, n in ages.items()) / sum(ages.values())
+            assert m["rollout/staleness"] == pytest.approx(mean, abs=1e-6)
     # One prompt per step, two actors: the second generated later steps' prompts (no actor sat idle by design)
     assert len({r["generator_id"] for r in rows}) == 2
 
