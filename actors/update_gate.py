@@ -64,10 +64,7 @@ class UpdateGate:
         try:
             return fn()
         finally:
-            try:
-                self._run_waiting()
-            finally:
-                self._release()
+            self._drain_and_release()
 
     def load(self, fn: Callable):
         """Run a weight load `fn` now if the model is free, else at the next step boundary of the call in flight
@@ -88,6 +85,19 @@ class UpdateGate:
         if job.error is not None:
             raise job.error
         return job.result
+
+    def _drain_and_release(self) -> None:
+        """Run the loads waiting, and free the model once none is: the look and the release are one step under the
+        lock, so a load that arrives meanwhile is either run here or finds the model free (never left waiting)."""
+        while True:
+            try:
+                self._run_waiting()
+            finally:
+                with self.cv:
+                    if not self.waiting:
+                        self.busy = False
+                        self.cv.notify_all()
+                        return
 
     def _run_waiting(self) -> int:
         with self.cv:

@@ -230,3 +230,26 @@ def test_token_versions_reach_the_learners_batch_and_its_staleness():
     groups[0].completions[0].token_versions = None
     batch = pack_rollouts(groups, 0, 3).train_batch(advantages_of(groups))
     assert batch.token_versions is None and staleness(batch, 5) == pytest.approx(2.0)
+
+
+def test_a_load_arriving_as_a_call_ends_is_not_left_waiting():
+    """A load that arrives after the call's last look at the waiting loads, before the model is freed, is run
+    before the call returns (the look and the release are one step); it never waits for a next call."""
+    gen = type("Gen", (), {"updates_between_steps": False})()
+    gate = UpdateGate(gen)
+    run_waiting, out = gate._run_waiting, {}
+
+    def late_load():  # the call's first look at the waiting loads found none; a load comes in just then
+        n = run_waiting()
+        if "thread" not in out:
+            out["thread"] = threading.Thread(target=lambda: out.setdefault("ack", gate.load(lambda: "loaded")),
+                                             daemon=True)
+            out["thread"].start()
+            while not gate.waiting:  # it waits for the model, which the call still holds
+                time.sleep(0.001)
+        return n
+
+    gate._run_waiting = late_load
+    assert gate.call(lambda: "generated") == "generated"
+    out["thread"].join(5)
+    assert out.get("ack") == "loaded" and not gate.busy
