@@ -90,14 +90,12 @@ class UpdateGate:
         """Run the loads waiting, and free the model once none is: the look and the release are one step under the
         lock, so a load that arrives meanwhile is either run here or finds the model free (never left waiting)."""
         while True:
-            try:
-                self._run_waiting()
-            finally:
-                with self.cv:
-                    if not self.waiting:
-                        self.busy = False
-                        self.cv.notify_all()
-                        return
+            self._run_waiting()  # a load's own error is handed to its caller (_Load.run): this never raises
+            with self.cv:
+                if not self.waiting:
+                    self.busy = False
+                    self.cv.notify_all()
+                    return
 
     def _run_waiting(self) -> int:
         with self.cv:
