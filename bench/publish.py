@@ -418,6 +418,19 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "both).", loss_variants),
         ("loss_variants_actors2_staleness2", "Asynchronous rollouts at staleness 2",
          "The same at `algo.max_staleness = 2`.", loss_variants),
+        ("loss_variants_actors2_staleness1_inflight", "Staleness 1 with in-flight updates: TIS and M2PO",
+         "The staleness-1 stream again, after in-flight weight updates landed (a sync reaches an actor between two "
+         "decode steps), with TIS beside M2PO's second-moment mask (`m2_threshold = 0.04`, `is_mode = \"mask\"`, "
+         "`is_cap = 5`, AReaL's example). Here the two actors generate faster than the learner trains: a sync found "
+         "them waiting for admission, never mid-completion (`stream/mixed_completions` 0 in every step), so every "
+         "token came from one version, almost all one update behind.", loss_variants),
+        ("loss_variants_actors2_staleness2_inflight", "Staleness 2 with M2PO",
+         "The staleness-2 stream with M2PO, as the run above.", loss_variants),
+        ("loss_variants_gc_m2po", "The preset's job with M2PO, and a same-machine baseline",
+         "The synchronous preset (gradient checkpointing on, one rollout actor) with M2PO, two seeds, and with TIS "
+         "for seed 0 only, on the machine and in the session of the two runs above: the preset's published run "
+         "(the first table of this page) was measured on a faster machine, so compare the streams' s/step with "
+         "this one.", loss_variants),
         ("default_job", "By rollout precision",
          "The default job whole, once per seed and rollout precision (int8 with TIS, bf16), one run at a time.",
          default_job),
