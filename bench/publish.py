@@ -428,9 +428,9 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The staleness-2 stream with M2PO, as the run above.", loss_variants),
         ("loss_variants_gc_m2po", "The preset's job with M2PO, and a same-machine baseline",
          "The synchronous preset (gradient checkpointing on, one rollout actor) with M2PO, two seeds, and with TIS "
-         "for seed 0 only, on the machine and in the session of the two runs above: the preset's published run "
-         "(the first table of this page) was measured on a faster machine, so compare the streams' s/step with "
-         "this one.", loss_variants),
+         "for seed 0 only, on the machine and in the session of the two runs above. The preset's published run "
+         "(the first table of this page) was measured in another session, at 11.7-12.1 s/step; the same job's speed "
+         "differs between sessions' machines, so compare the streams' s/step with this one.", loss_variants),
         ("default_job", "By rollout precision",
          "The default job whole, once per seed and rollout precision (int8 with TIS, bf16), one run at a time.",
          default_job),
