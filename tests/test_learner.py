@@ -244,7 +244,8 @@ def test_batch_moves_every_tensor_to_the_learners_device():
 
     batch = group_batch(32)
     batch = replace(batch, ref_logp=-1.0 * batch.completion_mask,
-                    seq_lens=batch.prompt_lens + batch.completion_mask.sum(-1).long())
+                    seq_lens=batch.prompt_lens + batch.completion_mask.sum(-1).long(),
+                    token_versions=torch.zeros_like(batch.input_ids))
     assert all(getattr(batch, f.name) is not None for f in fields(TrainBatch))  # every field is set, so checked
     moved = batch.to("meta")
     for f in fields(TrainBatch):
