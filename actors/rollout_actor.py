@@ -27,8 +27,7 @@ from qgrpo.rollout.noise import NormNoise
 from qgrpo.rollout.requantize import Requantizer
 
 
-@ray.remote(concurrency_groups={"sync": 1})
-class RolloutActor(CollectiveMember):
+class _RolloutActor(CollectiveMember):
     def __init__(self, backend: str, generator_kwargs: dict, threads: int, update: WeightUpdate | None = None,
                  requantize: str = "nearest", visibility: bool = True, noise: NormNoise | None = None,
                  episodes: EpisodeSetup | None = None):
@@ -103,7 +102,6 @@ class RolloutActor(CollectiveMember):
         env = self.episodes.env_seconds - env0 if self.episodes is not None else 0.0
         return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, version, env)
 
-    @ray.method(concurrency_group="sync")
     def load_weights(self, update: WeightUpdate) -> SyncAck:
         """Load one versioned update from the object store (see `_load`): fetched now, loaded through the gate."""
         t0 = time.perf_counter()
@@ -111,7 +109,6 @@ class RolloutActor(CollectiveMember):
         seconds = time.perf_counter() - t0
         return self.gate.load(lambda: self._load(update, buckets, seconds))
 
-    @ray.method(concurrency_group="sync")
     def receive_weights(self) -> SyncAck:
         """Receive one update from learner rank 0's broadcast (sync.transport = "collective"; see `_load`): received
         now, loaded through the gate."""
@@ -158,11 +155,9 @@ class RolloutActor(CollectiveMember):
                                 fingerprint_corr=fp["corr"], norm_noise=sigma, **visibility)
         return self.last_ack
 
-    @ray.method(concurrency_group="sync")
     def last_load(self) -> SyncAck | None:
         return self.last_ack
 
-    @ray.method(concurrency_group="sync")
     def updates_mid_call(self) -> int:
         """Weight loads applied between two decode steps of a generation call so far (the rest came between calls)."""
         return self.gate.applied_mid_call
@@ -189,3 +184,36 @@ class RolloutActor(CollectiveMember):
     def set_threads(self, threads: int) -> None:
         """Local mode: more actors now share this machine's cores (or fewer do)."""
         apply_threads(threads)
+
+
+class _ThreadedRolloutActor(_RolloutActor):
+    """Weight loads in a concurrency group of their own, beside the generation call in flight (the update gate
+    applies them between two decode steps)."""
+
+    @ray.method(concurrency_group="sync")
+    def load_weights(self, update: WeightUpdate) -> SyncAck:
+        return super().load_weights(update)
+
+    @ray.method(concurrency_group="sync")
+    def receive_weights(self) -> SyncAck:
+        return super().receive_weights()
+
+    @ray.method(concurrency_group="sync")
+    def last_load(self) -> SyncAck | None:
+        return super().last_load()
+
+    @ray.method(concurrency_group="sync")
+    def updates_mid_call(self) -> int:
+        return super().updates_mid_call()
+
+
+RolloutActor = ray.remote(concurrency_groups={"sync": 1})(_ThreadedRolloutActor)
+# For a backend whose spec says one_thread (MLX): every call on the actor's one thread, a sync after the call in flight
+OneThreadRolloutActor = ray.remote(_RolloutActor)
+
+
+def rollout_actor_class(backend: str):
+    """The rollout actor for `backend` (rollout/backends: BackendSpec.one_thread)."""
+    from qgrpo.rollout.backends import REGISTRY
+
+    return OneThreadRolloutActor if REGISTRY[backend].one_thread else RolloutActor

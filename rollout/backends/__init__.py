@@ -239,6 +239,10 @@ class BackendSpec:
     multi_turn: bool = False
     # its rounding is the fake-quant grid's down to the output head (learner.fake_quant simulates the head too)
     fake_quant_head: bool = False
+    # its arrays must be used from the thread that made them (MLX: "no Stream(cpu, 0) in current thread" otherwise):
+    # its rollout actor runs every call on one thread, so weight loads wait for the call in flight (no in-flight
+    # updates)
+    one_thread: bool = False
     length_field: str = ""  # the field of its options capping prompt + completion tokens (0 = the model's context)
     # precision -> the grid its format rounds linear weights onto, for the precisions whose grid the project emulates
     # (sync.requantize other than "nearest", learner.fake_quant = "rollout"); the others round by themselves
@@ -356,6 +360,7 @@ REGISTRY: dict[str, BackendSpec] = {
             "mlx-lm models on MLX: Metal on Apple silicon, the MLX CPU build on Linux; nn.quantize int8/int4 "
             "(group 64); bf16 = unquantized, computed in fp32 on CPU",
             requires="mlx_lm", systems=("darwin", "linux"), reference_scorer="MLXReferenceScorer", multi_turn=True,
+            one_thread=True,
             install="`make install` puts mlx and mlx-lm in .venv (macOS: mlx; Linux: mlx[cpu]); or "
                     "`pip install -e '.[mlx]'`",
         ),
