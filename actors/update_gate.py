@@ -6,12 +6,14 @@ generation. Loading them into the model is handed to the gate:
 
 - no call in flight: the load runs at once, in the sync's thread, and a generation call that comes meanwhile waits
   for it;
-- a call in flight on a generator whose decode loop stops between steps (`Generator.updates_between_steps`, the torch
-  generator): the load waits in the gate and the decode loop runs it at its next step boundary
-  (`Generator.step_boundary`), in the generation's own thread, so the model is never touched by two threads at once.
+- a call in flight on a generator whose decode loop stops between steps (`Generator.updates_between_steps`: torch,
+  and vLLM, which is stepped by its generator): the load waits in the gate and the decode loop runs it at its next
+  step boundary (`Generator.step_boundary`), in the generation's own thread, so the model is never touched by two
+  threads at once.
   The completion continues under the new weights, and the generator records which version sampled which tokens
   (Completion.token_versions);
-- a call in flight on any other generator (vLLM, MLX): the load runs when the call ends, as a queued sync did before.
+- a call in flight on any other generator (MLX, whose actor runs every call on one thread; vLLM with an fp8 KV cache
+  or adapters only): the load runs when the call ends, as a queued sync did before.
 
 The sync returns once the load ran (its SyncAck), or raises what the load raised; a load that fails inside a
 generation call does not end that call.

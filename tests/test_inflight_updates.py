@@ -106,6 +106,52 @@ def test_an_update_between_two_steps_samples_the_rest_with_the_new_weights(tiny_
     assert gen.policy_version == 1
 
 
+VLLM = [pytest.mark.vllm, pytest.mark.skipif(sys.platform != "linux", reason="vLLM runs on Linux")]
+
+
+@pytest.mark.parametrize("precision", [pytest.param("bf16", marks=VLLM), pytest.param("int8", marks=VLLM)])
+def test_vllm_applies_an_update_between_two_engine_steps(tiny_model_path, precision):
+    """vLLM's engine is stepped by the generator, with the step boundary between two steps: a load there samples the
+    rest of every completion in flight with the new weights, and vLLM's own weight-version spans say which tokens
+    each version sampled. The requests are scheduled together, so after 7 engine steps each holds 7 tokens."""
+    from qgrpo.rollout.backends import make_generator
+
+    gen = make_generator("vllm", model_path=tiny_model_path, precision=precision, generator_id=f"vllm-{precision}")
+    try:
+        assert gen.updates_between_steps
+        before = gen.generate(ITEMS, SAMPLING)
+        new, seen = _two_token_head(tiny_model_path), []
+
+        def boundary():  # the gate's step_boundary: the load waiting runs after the 7th engine step
+            if len(seen) == 6:
+                gen.load_weights(1, new)
+            seen.append(0)
+
+        gen.step_boundary = boundary
+        groups = gen.generate(ITEMS, SAMPLING)
+        col, mixed = 7, 0
+        for g0, g in zip(before, groups):
+            assert g.policy_version == 0  # the version the call began with
+            for c0, c in zip(g0.completions, g.completions):
+                n = min(col, len(c0.token_ids))
+                assert c.token_ids[:n] == c0.token_ids[:n]  # the same draws up to the load
+                assert c.logprobs[:n] == pytest.approx(c0.logprobs[:n], abs=1e-5)
+                if len(c.token_ids) <= col:
+                    assert c.token_versions is None
+                    continue
+                mixed += 1
+                assert c.token_versions == [0] * col + [1] * (len(c.token_ids) - col)
+                assert _new(c, col) and all(lp < -1e-2 for lp in c.logprobs[:col])
+        assert mixed > 0 and gen.policy_version == 1
+        assert not gen._stale_prefix  # the prefix cache the old weights wrote was reset once the call ended
+        gen.step_boundary = None
+        for g in gen.generate(ITEMS, SAMPLING):  # the next call: the new weights throughout, one version
+            assert g.policy_version == 1
+            assert all(c.token_versions is None and _new(c, 0) for c in g.completions)
+    finally:
+        gen.close()
+
+
 def test_without_a_boundary_hook_nothing_changes(tiny_model_path):
     gen = _generator(tiny_model_path, "static")
     a = gen.generate(ITEMS, SAMPLING)

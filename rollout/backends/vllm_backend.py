@@ -19,6 +19,13 @@
 - Adapters only (sync.adapters_only, `lora_rank` > 0): the engine starts with vLLM's LoRA support and keeps its
   quantized base; each adapters update is written as a peft folder and served as a new LoRARequest with every
   generation and score (`load_adapters`).
+- In-flight updates (Generator.updates_between_steps): a call's requests are enqueued and the engine is stepped here
+  (`LLM.enqueue`, then `LLMEngine.step` until none is unfinished), so a load waiting in the rollout actor's gate runs
+  between two engine steps. vLLM labels each step's tokens with the engine's weight version (`update_weight_version`,
+  set at every load) and returns each completion's spans (CompletionOutput.weight_versions), which become its
+  token_versions. The requests in flight keep the KV cache the old weights wrote; the prefix cache is reset once
+  none is running. Not with an fp8 KV cache (its recalibration after a load is an engine call of its own) nor with
+  adapters (a request keeps the LoRARequest it started with): those apply a load when the call ends.
 """
 from __future__ import annotations
 
@@ -38,7 +45,6 @@ from qgrpo.rollout.backends import REGISTRY, Generator, VLLMOptions
 from qgrpo.rollout.backends.common import (
     WeightMismatchError,
     build_completion,
-    build_group,
     check_stream,
     continuation_prompts,
     format_prompt,
@@ -228,15 +234,23 @@ class VLLMGenerator(Generator):
         # fp8 KV cache: scales from this engine's own keys and values, again after every load (vllm_kv.py)
         self.kv_cache_dtype, self._calibration = opts.kv_cache_dtype, probe_ids(self.tokenizer)
         self.kv_scales = recalibrate(self.llm, self.kv_cache_dtype, self._calibration)
+        # Loads between two engine steps (the module's docstring says where not); the engine's weight version labels
+        # the tokens each step samples
+        self.updates_between_steps = self.kv_cache_dtype == "auto" and not lora_rank
+        self._stale_prefix = False  # a load came while requests held the prefix cache: reset it when they finish
+        self.llm.update_weight_version(str(initial_version))
 
     def _prompts(self, items: list[PromptItem]) -> list[list[int]]:
         return [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
         prompts = self._prompts(items)
+        version = self.policy_version  # the group's: the version the call began with
         samples = self._sample(prompts, sampling, sampling.group_size)
-        return [build_group(it, p, s, self.stop_ids, self.tokenizer, self.policy_version, self.generator_id,
-                            self.precision) for it, p, s in zip(items, prompts, samples, strict=True)]
+        return [GroupRollout(item=it, prompt_ids=list(p), policy_version=version, generator_id=self.generator_id,
+                             precision=self.precision, completions=[
+                                 build_completion(t, lp, self.stop_ids, self.tokenizer, ch) for t, lp, ch in s])
+                for it, p, s in zip(items, prompts, samples, strict=True)]
 
     def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """One continuation per sequence: the sequences go to the engine as token-id prompts, one request each, as
@@ -244,12 +258,14 @@ class VLLMGenerator(Generator):
         prompts = continuation_prompts(self.generator_id, sequences)
         if not prompts:
             return []
-        return [build_completion(*s[0], self.stop_ids, self.tokenizer) for s in self._sample(prompts, sampling, 1)]
+        return [build_completion(t, lp, self.stop_ids, self.tokenizer, ch)
+                for (t, lp, ch), in self._sample(prompts, sampling, 1)]
 
     def _sample(self, prompts: list[list[int]], sampling: SamplingParams,
-                n: int) -> list[list[tuple[list[int], list[float]]]]:
-        """`n` samples (token ids, their log-probs) of each token-id prompt, in one engine call seeded as the call's
-        seed says."""
+                n: int) -> list[list[tuple[list[int], list[float], list[tuple[int, int]]]]]:
+        """`n` samples (token ids, their log-probs, the versions that sampled them as change points [(first token,
+        version), ...] from the call's own) of each token-id prompt, in one engine call seeded as the call's seed
+        says."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -263,8 +279,8 @@ class VLLMGenerator(Generator):
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
             stop_token_ids=self.stop_ids,
         )
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sp, use_tqdm=False,
-                                 lora_request=self._lora)
+        start = self.policy_version
+        outs = self._run([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
         result = []
         for out in outs:
             samples = []
@@ -272,11 +288,34 @@ class VLLMGenerator(Generator):
                 toks = list(c.token_ids)
                 # logprobs=0: one dict per position holding the sampled token's Logprob
                 lps = [pos[t].logprob for t, pos in zip(toks, c.logprobs, strict=True)]
-                samples.append((toks, lps))
+                changes = [(0, start)] + [(span.start, int(span.version)) for span in c.weight_versions or ()
+                                          if int(span.version) != start or span.start > 0]
+                samples.append((toks, lps, changes))
             if greedy:  # one greedy answer stands for the n identical ones (vLLM refuses n > 1 when greedy)
                 samples = samples * n
             result.append(samples)
         return result
+
+    def _run(self, prompts: list, sp) -> list:
+        """The engine's finished outputs of `prompts`, in their order. The engine is stepped here, as
+        `LLM.wait_for_completion` steps it, with the step boundary (a load waiting in the gate) between two steps."""
+        engine = self.llm.llm_engine
+        ids = self.llm.enqueue(prompts, sp, use_tqdm=False, lora_request=self._lora)  # the engine's internal ids
+        finished = []
+        try:
+            while engine.has_unfinished_requests():
+                finished += [out for out in engine.step() if out.finished]
+                if self.step_boundary is not None and engine.has_unfinished_requests():
+                    self.step_boundary()
+        except BaseException:
+            engine.abort_request(ids, internal=True)  # nothing of this call is left in the engine for the next one
+            raise
+        finally:
+            if self._stale_prefix and self.llm.reset_prefix_cache():
+                self._stale_prefix = False
+        if len(finished) != len(ids):
+            raise RuntimeError(f"{self.generator_id}: vLLM finished {len(finished)} of the call's {len(ids)} requests")
+        return sorted(finished, key=lambda out: int(out.request_id))  # the external ids count up, as enqueued
 
     def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams as VSamplingParams
@@ -304,8 +343,10 @@ class VLLMGenerator(Generator):
         self.requantize_seconds = time.perf_counter() - t0
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": received})
         self._lora, self._base_only = None, False  # a full update replaces any adapters
-        self.llm.reset_prefix_cache()  # cached prompt KV was computed with the old weights
+        # cached prompt KV was computed with the old weights (refused while a call's requests hold it: see _run)
+        self._stale_prefix = not self.llm.reset_prefix_cache()
         self.kv_scales = recalibrate(self.llm, self.kv_cache_dtype, self._calibration)
+        self.llm.update_weight_version(str(version))
         self.policy_version = version
 
     def load_adapters(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -344,6 +385,7 @@ class VLLMGenerator(Generator):
         self._lora = LoRARequest(f"{self.generator_id}-v{version}", self._lora_count, str(folder))
         self._lora_names = set(expected)
         self.llm.reset_prefix_cache()
+        self.llm.update_weight_version(str(version))
         if previous is not None and previous != folder:
             shutil.rmtree(previous, ignore_errors=True)
         self.requantize_seconds = time.perf_counter() - t0  # the folder's writing: nothing is re-quantized
