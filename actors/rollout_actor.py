@@ -20,7 +20,7 @@ from qgrpo.actors.update_gate import UpdateGate
 from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
 from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
-from qgrpo.rollout.backends import make_generator
+from qgrpo.rollout.backends import REGISTRY, make_generator
 from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, hf_tensors
 from qgrpo.rollout.episodes import Episodes, EpisodeSetup, tools_for
 from qgrpo.rollout.noise import NormNoise
@@ -40,12 +40,14 @@ class _RolloutActor(CollectiveMember):
         # A builtin model is built on this node; a checkpoint given as a URI (a resume) is read from this node's copy
         # of its model files.
         model_path = local_model(generator_kwargs["model_path"], skip=("optimizer",))
-        self.gen = make_generator(backend, **{**generator_kwargs, "model_path": model_path})
-        self.requant = self._requantizer(model_path, requantize, visibility)
+        # MLX's arrays stay on the thread that made them: the gate's home thread builds, loads and runs its generator
+        self.gate = UpdateGate(home=REGISTRY[backend].one_thread)
+        self.gen = self.gate.run(lambda: make_generator(backend, **{**generator_kwargs, "model_path": model_path}))
+        self.requant = self.gate.run(lambda: self._requantizer(model_path, requantize, visibility))
         self.noise = noise if noise is not None and noise.start > 0 else None
         self.episodes = self._episodes(episodes) if episodes is not None else None
         self.calls = 0
-        self.gate = UpdateGate(self.gen)
+        self.gate.attach(self.gen)
         self.last_ack = self.load_weights(update) if update is not None else None
 
     def _episodes(self, setup: EpisodeSetup) -> Episodes:
@@ -170,14 +172,14 @@ class _RolloutActor(CollectiveMember):
         """Release the generator's engine and device memory before the actor is killed (the precision ladder
         starts a replacement on the same GPU, which waits for the memory to be free)."""
         if self.gen is not None:  # a second close finds it gone
-            self.gen.close()
+            self.gate.run(self.gen.close)
         self.gen = None
 
     def info(self) -> dict:
         import torch
 
         return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
-                "precision": self.gen.precision, "memory_bytes": self.gen.memory_bytes(),
+                "precision": self.gen.precision, "memory_bytes": self.gate.run(self.gen.memory_bytes),
                 "device": self._tensor_device(),
                 "node_id": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads()}
 
@@ -208,12 +210,3 @@ class _ThreadedRolloutActor(_RolloutActor):
 
 
 RolloutActor = ray.remote(concurrency_groups={"sync": 1})(_ThreadedRolloutActor)
-# For a backend whose spec says one_thread (MLX): every call on the actor's one thread, a sync after the call in flight
-OneThreadRolloutActor = ray.remote(_RolloutActor)
-
-
-def rollout_actor_class(backend: str):
-    """The rollout actor for `backend` (rollout/backends: BackendSpec.one_thread)."""
-    from qgrpo.rollout.backends import REGISTRY
-
-    return OneThreadRolloutActor if REGISTRY[backend].one_thread else RolloutActor

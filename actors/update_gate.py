@@ -12,8 +12,13 @@ generation. Loading them into the model is handed to the gate:
   threads at once.
   The completion continues under the new weights, and the generator records which version sampled which tokens
   (Completion.token_versions);
-- a call in flight on any other generator (MLX, whose actor runs every call on one thread; vLLM with an fp8 KV cache
-  or adapters only): the load runs when the call ends, as a queued sync did before.
+- a call in flight on any other generator (vLLM with an fp8 KV cache or adapters only): the load runs when the call
+  ends, as a queued sync did before.
+
+A backend whose arrays must stay on the thread that made them (BackendSpec.one_thread: MLX, whose arrays fail on
+another thread with "no Stream(cpu, 0) in current thread") gets a home thread: the gate runs every generation call,
+every load and whatever else touches the model (`run`) on that one thread, so the decode loop's step boundary is
+there too.
 
 The sync returns once the load ran (its SyncAck), or raises what the load raised; a load that fails inside a
 generation call does not end that call.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 
@@ -39,14 +45,26 @@ class _Load:
 
 
 class UpdateGate:
-    def __init__(self, gen):
+    def __init__(self, gen=None, home: bool = False):
+        """`gen`: the generator (or `attach` it once built, by `run` on the home thread); `home`: run everything that
+        touches the model on one thread of the gate's own."""
         self.cv = threading.Condition()
         self.busy = False  # a generation call, or a load run at once, holds the model
         self.waiting: deque[_Load] = deque()
         self.applied_mid_call = 0  # loads a decode loop ran between two of its steps
         self.delay = 0.0  # seconds to sleep at every step boundary (the fault rollout.slow_decode, core/faults.py)
+        self.home = ThreadPoolExecutor(1, thread_name_prefix="model") if home else None
+        if gen is not None:
+            self.attach(gen)
+
+    def attach(self, gen) -> None:
+        """Give a generator whose decode loop stops between steps the gate's step boundary."""
         if getattr(gen, "updates_between_steps", False):
             gen.step_boundary = self._between_steps
+
+    def run(self, fn: Callable):
+        """`fn()` on the home thread (in the caller's thread without one); returns or raises what it does."""
+        return fn() if self.home is None else self.home.submit(fn).result()
 
     def _hold(self) -> None:
         with self.cv:
@@ -64,7 +82,7 @@ class UpdateGate:
         boundary run as it ends."""
         self._hold()
         try:
-            return fn()
+            return self.run(fn)
         finally:
             self._drain_and_release()
 
@@ -80,7 +98,7 @@ class UpdateGate:
                 self.waiting.append(job)
         if now:
             try:
-                job.run()
+                self.run(job.run)
             finally:
                 self._release()
         job.done.wait()
@@ -92,7 +110,7 @@ class UpdateGate:
         """Run the loads waiting, and free the model once none is: the look and the release are one step under the
         lock, so a load that arrives meanwhile is either run here or finds the model free (never left waiting)."""
         while True:
-            self._run_waiting()  # a load's own error is handed to its caller (_Load.run): this never raises
+            self.run(self._run_waiting)  # a load's own error is handed to its caller (_Load.run): never raises
             with self.cv:
                 if not self.waiting:
                     self.busy = False

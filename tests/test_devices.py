@@ -48,9 +48,7 @@ def test_roles_get_their_environment(monkeypatch, tiny_model_path):
         def remote(self, *a, **k):
             return object()
 
-    monkeypatch.setattr(qgrpo.actors.rollout_actor.RolloutActor, "options", lambda **kw: Capture(**kw), raising=False)
-    monkeypatch.setattr("qgrpo.cluster.run.workers.rollout_actor_class",
-                        lambda backend: qgrpo.actors.rollout_actor.RolloutActor)
+    monkeypatch.setattr(qgrpo.cluster.run.workers.RolloutActor, "options", lambda **kw: Capture(**kw), raising=False)
     cfg = load_config(None, [f"model.path='{tiny_model_path}'"])
     RolloutPool(cfg, tiny_model_path, 0, "bf16", RoleRequest("rollout", 1, 1.0, 0.0), threads=1)
     RolloutPool(cfg, tiny_model_path, 0, "bf16", RoleRequest("rollout", 1, 1.0, 0.5), threads=1)

@@ -211,27 +211,30 @@ def test_a_load_that_fails_in_the_decode_loop_raises_in_the_loading_thread_only(
     assert len(out["groups"]) == 2 and gen.policy_version == 0
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=MLX)])
 def test_a_rollout_actor_applies_a_sync_between_two_decode_steps_of_its_call_in_flight(ray_session, tiny_model_path,
-                                                                                       tmp_path):
-    """Real Ray: a RolloutActor (torch, int8) generates with 0.25 s per decode step (the fault rollout.slow_decode);
-    a sync sent meanwhile returns its SyncAck while the call is still running, and the call's completions switch to
-    the new weights' tokens at the boundary where it landed, each token with its version."""
+                                                                                       tmp_path, backend):
+    """Real Ray: a RolloutActor (int8) generates with 0.25 s per decode step (the fault rollout.slow_decode); a sync
+    sent meanwhile returns its SyncAck while the call is still running, and the call's completions switch to the new
+    weights' tokens at the boundary where it landed, each token with its version. MLX's generator lives on the
+    actor's home thread, where its loads run too."""
     import ray
     from transformers import AutoTokenizer
 
     from qgrpo.actors.rollout_actor import RolloutActor
     from qgrpo.actors.weights import ObjectStoreTransport
+    from qgrpo.rollout.backends import make_generator
     from qgrpo.rollout.backends.common import probe_ids
-    from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     env = {"QGRPO_FAULTS": "rollout.slow_decode@1+", "QGRPO_FAULTS_STATE": str(tmp_path)}
     actor = RolloutActor.options(runtime_env={"env_vars": env}).remote(
-        "torch", dict(model_path=tiny_model_path, precision="int8", generator_id="inflight-int8"), 1)
+        backend, dict(model_path=tiny_model_path, precision="int8", generator_id=f"inflight-{backend}"), 1)
     try:
         new = _two_token_head(tiny_model_path)
         update = ObjectStoreTransport(1 << 12).publish(1, new)
         update.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
-        twin = TorchGenerator(tiny_model_path, precision="int8")  # the receiver's own format scores the probe
+        # the receiver's own format scores the probe
+        twin = make_generator(backend, model_path=tiny_model_path, precision="int8", generator_id="twin")
         twin.load_weights(1, new)
         update.probe_logprobs = twin.score(update.probe_ids)
         ray.get(actor.info.remote())  # started

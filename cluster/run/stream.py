@@ -12,8 +12,8 @@ discarding late groups (which would bias training towards fast prompts):
   of step U * floor(c / U) - S * U or later: at most S syncs older than synchronous training would use.
 - A sync (Workers.sync_weights, in the driver) does not wait for the actors' calls in flight: each actor fetches the
   weights at once and applies them between two decode steps of the completions it is generating (an in-flight
-  update, actors/update_gate.py; vLLM and MLX generators at the end of the call). Those completions continue under
-  the new weights; each token records the version that sampled it (Completion.token_versions, the group's
+  update, actors/update_gate.py; vLLM with an fp8 KV cache or adapters at the end of the call). Those completions
+  continue under the new weights; each token records the version that sampled it (Completion.token_versions, the group's
   policy_version being the first) and that version's log-prob, which the learner's importance weights correct for
   token by token. The bound holds a fortiori: a token is never older than its chunk's first.
 

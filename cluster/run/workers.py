@@ -20,7 +20,7 @@ import torch
 from qgrpo.actors.collective import CollectiveGroup
 from qgrpo.actors.common import END_WAIT_S, end_actors, thread_env
 from qgrpo.actors.reference_actor import ReferenceActor
-from qgrpo.actors.rollout_actor import rollout_actor_class
+from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
 from qgrpo.cluster.config.plan import RAY_BUILTIN_RESOURCES, RoleRequest, infeasible, role_requests
 from qgrpo.cluster.config.schema import Config
@@ -114,7 +114,7 @@ class RolloutPool:
         if self.group is not None and self.last_update is None:  # a collective sync leaves it to learner rank 0
             self.last_update = self.group.last_published(self.cfg.sync.timeout_s)
         self.spawned[slot] += 1
-        return rollout_actor_class(ro.backend).options(**self.request.actor_options(),
+        return RolloutActor.options(**self.request.actor_options(),
                                     runtime_env={"env_vars": {**thread_env(self.threads),
                                                               **role_env(self.request.gpus)}}).remote(
             ro.backend,

@@ -240,8 +240,7 @@ class BackendSpec:
     # its rounding is the fake-quant grid's down to the output head (learner.fake_quant simulates the head too)
     fake_quant_head: bool = False
     # its arrays must be used from the thread that made them (MLX: "no Stream(cpu, 0) in current thread" otherwise):
-    # its rollout actor runs every call on one thread, so weight loads wait for the call in flight (no in-flight
-    # updates)
+    # its rollout actor builds, loads and runs it on one home thread (actors/update_gate.py)
     one_thread: bool = False
     length_field: str = ""  # the field of its options capping prompt + completion tokens (0 = the model's context)
     # precision -> the grid its format rounds linear weights onto, for the precisions whose grid the project emulates
