@@ -211,13 +211,13 @@ def test_a_load_that_fails_in_the_decode_loop_raises_in_the_loading_thread_only(
     assert len(out["groups"]) == 2 and gen.policy_version == 0
 
 
-@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=MLX)])
+@pytest.mark.parametrize("backend", ["torch", pytest.param("mlx", marks=MLX), pytest.param("vllm", marks=VLLM)])
 def test_a_rollout_actor_applies_a_sync_between_two_decode_steps_of_its_call_in_flight(ray_session, tiny_model_path,
                                                                                        tmp_path, backend):
     """Real Ray: a RolloutActor (int8) generates with 0.25 s per decode step (the fault rollout.slow_decode); a sync
     sent meanwhile returns its SyncAck while the call is still running, and the call's completions switch to the new
     weights' tokens at the boundary where it landed, each token with its version. MLX's generator lives on the
-    actor's home thread, where its loads run too."""
+    actor's home thread, where its loads run too; vLLM's engine is stepped by its generator."""
     import ray
     from transformers import AutoTokenizer
 
@@ -237,6 +237,7 @@ def test_a_rollout_actor_applies_a_sync_between_two_decode_steps_of_its_call_in_
         twin = make_generator(backend, model_path=tiny_model_path, precision="int8", generator_id="twin")
         twin.load_weights(1, new)
         update.probe_logprobs = twin.score(update.probe_ids)
+        twin.close()
         ray.get(actor.info.remote())  # started
         call = actor.generate.remote(ITEMS, SamplingParams(group_size=4, max_new_tokens=12, temperature=1.0, seed=3), 1)
         time.sleep(1.0)  # a few steps in

@@ -241,6 +241,7 @@ class VLLMGenerator(Generator):
         self.updates_between_steps = (self.kv_cache_dtype == "auto" and not lora_rank
                                       and not self.llm.llm_engine.vllm_config.scheduler_config.async_scheduling)
         self._stale_prefix = False  # a load came while requests held the prefix cache: reset it when they finish
+        self._finished: dict = {}  # finished outputs by request id, until the `_run` that enqueued them takes them
         self.llm.update_weight_version(str(initial_version))
 
     def _prompts(self, items: list[PromptItem]) -> list[list[int]]:
@@ -299,34 +300,37 @@ class VLLMGenerator(Generator):
             result.append(samples)
         return result
 
-    def _run(self, prompts: list, sp) -> list:
+    def _run(self, prompts: list, sp, boundary: bool = True) -> list:
         """The engine's finished outputs of `prompts`, in their order. The engine is stepped here, as
-        `LLM.wait_for_completion` steps it, with the step boundary (a load waiting in the gate) between two steps."""
+        `LLM.wait_for_completion` steps it, with the step boundary (a load waiting in the gate) between two steps
+        where `boundary`. A load's fingerprint check scores at that boundary, inside a call: its own `_run` steps the
+        engine, and the call's outputs that finish meanwhile are kept for the call (`_finished`)."""
         engine = self.llm.llm_engine
         ids = self.llm.enqueue(prompts, sp, use_tqdm=False, lora_request=self._lora)  # the engine's internal ids
-        finished = []
+        ours = [i.rsplit("-", 1)[0] for i in ids]  # the outputs' (external) ids: vLLM suffixes them internally
         try:
-            while engine.has_unfinished_requests():
-                finished += [out for out in engine.step() if out.finished]
-                if self.step_boundary is not None and engine.has_unfinished_requests():
+            while missing := [i for i in ours if i not in self._finished]:
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"{self.generator_id}: vLLM has no request left, and {len(missing)} of this "
+                                       f"call's {len(ours)} did not finish")
+                self._finished.update((out.request_id, out) for out in engine.step() if out.finished)
+                if boundary and self.step_boundary is not None and engine.has_unfinished_requests():
                     self.step_boundary()
         except BaseException:
             engine.abort_request(ids, internal=True)  # nothing of this call is left in the engine for the next one
             raise
         finally:
-            if self._stale_prefix and self.llm.reset_prefix_cache():
+            outs = [self._finished.pop(i, None) for i in ours]
+            if boundary and self._stale_prefix and self.llm.reset_prefix_cache():
                 self._stale_prefix = False
-        if len(finished) != len(ids):
-            raise RuntimeError(f"{self.generator_id}: vLLM finished {len(finished)} of the call's {len(ids)} requests")
-        return sorted(finished, key=lambda out: int(out.request_id))  # the external ids count up, as enqueued
+        return outs
 
     def score(self, token_ids: list[int]) -> list[float]:
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
         sp = VSamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], sp, use_tqdm=False,
-                                lora_request=self._lora)[0]
+        out, = self._run([TokensPrompt(prompt_token_ids=list(token_ids))], sp, boundary=False)
         return [pos[t].logprob for t, pos in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)]
 
     def quant_grids(self) -> dict:
