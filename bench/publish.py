@@ -437,6 +437,11 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The preset (gradient checkpointing on, one rollout actor) with `algo.overlap = true`, M2PO beside TIS, two "
          "seeds, on the machine type of the runs above (a later session). The TIS runs reproduce the older "
          "one-step-off table's held-out accuracies exactly (63% and 71%).", loss_variants),
+        ("loss_variants_actors2_staleness0", "Synchronous with two actors: the streams' control",
+         "The synchronous preset with the streams' two rollout actors (one thread each), TIS, two seeds, on the same "
+         "machine type: it learned as much as the streams at staleness 1 and 2 (77% held-out), so their gain over "
+         "the one-actor preset came from the two actors, not from staleness; the streams' steps were 5% shorter.",
+         loss_variants),
         ("default_job", "By rollout precision",
          "The default job whole, once per seed and rollout precision (int8 with TIS, bf16), one run at a time.",
          default_job),
