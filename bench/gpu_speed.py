@@ -16,14 +16,15 @@ layers at that width, so the same operators per decode step (`ops/step`; on a CP
 eagerly). Weights are random, so the text is noise: only speed is measured. Every completion runs the full
 `--max-new-tokens` (the generator's stop ids are emptied; the table's `full` says whether each run did).
 
-Generation: variants are precision (`--precisions`) x decode loop: `eager` is the generator's static-cache loop
-(rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA graphs (the generator's `cuda_graphs`
-option; where it cannot, it falls back and says why: the `note` column), `graphs_fused` the graphs of the step in
-fewer operators (rollout/backends/torch_fused.py, the `fused_step` option). Each variant's generator is built once
-(`load s`: load and quantize), then per `--rows` value (prompts x group size 8) one warm-up generate (`warm-up s`, graph
-capture included) and `--repeats` timed ones at T=1 (median). `generate` is transformers' `model.generate` in bf16 on
-the same model and prompts (each prompt repeated group-size times, left padded, sampling at T=1, no top-k/top-p,
-min_new_tokens = max_new_tokens): what TRL runs without vLLM.
+Generation: variants are precision (`--precisions`; `fp8/scaled_mm` is fp8 with every product W8A8 through
+`torch._scaled_mm`, instead of the weight-only kernel for a decode step's rows: rollout/fp8.py) x decode loop: `eager`
+is the generator's static-cache loop (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA
+graphs (the generator's `cuda_graphs` option; where it cannot, it falls back and says why: the `note` column),
+`graphs_fused` the graphs of the step in fewer operators (rollout/backends/torch_fused.py, the `fused_step` option).
+Each variant's generator is built once (`load s`: load and quantize), then per `--rows` value (prompts x group size 8)
+one warm-up generate (`warm-up s`, graph capture included) and `--repeats` timed ones at T=1 (median). `generate` is
+transformers' `model.generate` in bf16 on the same model and prompts (each prompt repeated group-size times, left
+padded, sampling at T=1, no top-k/top-p, min_new_tokens = max_new_tokens): what TRL runs without vLLM.
 
 Columns: `s` seconds of one generate (prefill included); `tok/s` rows x new tokens / s; `decode tok/s` the same
 without the prefill (the prompts' forward timed alone); `bound` the memory bound in tokens/s: a decode step must read
@@ -276,14 +277,17 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
     import torch
 
     from qgrpo.core.records import SamplingParams
+    from qgrpo.rollout import fp8
 
     base = {"variant": "torch", "precision": precision, "loop": loop}
     out = []
     gen = None
+    served, _, route = precision.partition("/")  # "fp8/scaled_mm": fp8 with W8A8 products at every call
     try:
+        fp8.FP8_DECODE = route or "weight_only"
         if "cuda" in args.device:
             torch.cuda.reset_peak_memory_stats()
-        (gen, note), load_s = timed(lambda: make_generator(path, precision, args.device, loop), args.device)
+        (gen, note), load_s = timed(lambda: make_generator(path, served, args.device, loop), args.device)
         never_stop(gen)
         linear = int(gen.memory_bytes()["linear"])
         for rows in args.rows:
@@ -326,6 +330,7 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
         emit()
     finally:
         gen = None
+        fp8.FP8_DECODE = "weight_only"
         release(args.device)
     return out
 
@@ -656,7 +661,7 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.3b")
     ap.add_argument("--tokenizer", default="builtin:smollm2-135m-instruct",
                     help="a tokenizer folder or builtin:NAME (its vocabulary is the model's)")
-    ap.add_argument("--precisions", default="bf16,int8,int4,fp8")
+    ap.add_argument("--precisions", default="bf16,int8,int4,fp8,fp8/scaled_mm")
     ap.add_argument("--loops", default="eager,graphs,graphs_fused")
     ap.add_argument("--rows", default="8,16,64")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -678,6 +683,9 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--learner-reserve-s", type=float, default=60.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_speed.json"))
     args = ap.parse_args(argv)
+    routed = [p for p in args.precisions.split(",") if "/" in p and p != "fp8/scaled_mm"]
+    if routed:
+        ap.error(f"--precisions: {', '.join(routed)}: the only routed precision is fp8/scaled_mm")
     import torch
 
     args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")

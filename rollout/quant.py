@@ -32,12 +32,13 @@ it, ``serves`` says whether the torch backend serves it (the registry's ``precis
 - nf4, cuda (``bnb.nf4_cuda``): the same ``Linear4bit``, quantized by ``Params4bit.to(<the CUDA device>)`` (bnb's
   CUDA ``quantize_4bit`` kernel): packed uint8 [N*K/2, 1] + fp32 absmax per block (~4.5 bits/weight). The repack and
   its probe forward are CPU-only (bnb's forward repacks only ``x.device.type == "cpu"``), so none is run.
-- fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear``: float8_e4m3fn weight [N, K] with one fp32 scale per row
-  (row absmax / 448, ~8 bits/weight), activations quantized per token to float8_e4m3fn at each call the same way,
-  and the product by torch's own ``torch._scaled_mm`` (row-wise scales, bf16 out): float8 tensor cores, so compute
-  capability >= 8.9 (Ada or Hopper; we refuse older GPUs, naming the field). Both operands are fp8 (W8A8), unlike the
-  weight-only paths above. Not served on CPU, where torch 2.13's ``_scaled_mm`` runs the same arithmetic slowly: the
-  tests check the numerics there (tests/test_quant.py). No emulated grid (like vLLM's fp8, ``BackendSpec.grids``).
+- fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear`` (rollout/fp8.py): float8_e4m3fn weight [N, K] with one
+  fp32 scale per row (row absmax / 448, ~8 bits/weight). A decode step's few bf16 rows go through a weight-only Triton
+  kernel that reads the fp8 codes (rollout/w8_triton.py); other calls (prefill) quantize the activations per token to
+  float8_e4m3fn the same way and run torch's own ``torch._scaled_mm`` (row-wise scales, bf16 out, W8A8) on float8
+  tensor cores. Both need compute capability >= 8.9 (Ada or Hopper; we refuse older GPUs, naming the field). Not
+  served on CPU, where torch 2.13's ``_scaled_mm`` runs the same arithmetic slowly: the tests check the numerics there
+  (tests/test_quant.py). No emulated grid (like vLLM's fp8, ``BackendSpec.grids``).
 
 Re-quantization at a weight sync (``requantize_in_place``) keeps the storage: each layer's new weight is quantized
 into a temporary layer the usual way and its storage tensors (``_storage_tensors``: torchao's inner tensors, bnb's
@@ -69,6 +70,7 @@ from torch import nn
 
 from qgrpo.rollout.backends import REGISTRY
 from qgrpo.rollout.backends import TORCH_PRECISIONS as PRECISIONS  # declared by the backend registry
+from qgrpo.rollout.fp8 import Fp8Linear, quantize_fp8
 
 # The precisions the torch backend serves on each device: the registry's truth, so the config refuses what this module
 # cannot run (rollout/backends: BackendSpec.precisions_by_device). Every pair served has a path in _PATHS below.
@@ -89,7 +91,6 @@ _CPU_OUT_MULTIPLE = {"int4": 16,  # aten._convert_weight_to_int4pack_for_cpu: "e
 _TINYGEMM_MIN_CAPABILITY = (8, 0)
 # float8 tensor cores (torch._scaled_mm with float8_e4m3fn operands) need Ada or Hopper: compute capability >= 8.9.
 _FP8_MIN_CAPABILITY = (8, 9)
-FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no infinity: larger values would become NaN)
 _FP8_MULTIPLE = 16  # torch._scaled_mm: K and N (the weight's in and out features) must be multiples of 16
 
 
@@ -167,7 +168,7 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
     bf16: no-op. int8: torchao weight-only int8 per output channel. int4: torchao weight-only int4, group-wise along
     in_features with ``group_size`` (32, 64 or 128; 64 default, like MLX's nn.quantize): the CPU kernel on CPU,
     torch's tinygemm on CUDA. nf4: bitsandbytes NF4 ``Linear4bit`` with blocks of ``group_size`` weights along
-    in_features. fp8 (CUDA): ``Fp8Linear``, float8 weights and activations through ``torch._scaled_mm``. Layers that
+    in_features. fp8 (CUDA): ``Fp8Linear``, float8 weights (rollout/fp8.py). Layers that
     don't fit the kernel's shapes (``layer_fits``) stay bf16, as does a tied lm_head. Activations stay bf16;
     ``model(input_ids)`` and ``model.generate`` keep working on the same device. A model is quantized once; new
     weights for its quantized layers go through ``requantize_in_place``.
@@ -206,7 +207,7 @@ def _quantize_layers(model: nn.Module, precision: str, group_size: int, device: 
     if precision == "nf4":
         _quantize_nf4(model, layers, group_size, device)
     elif precision == "fp8":
-        _quantize_fp8(model, layers)
+        quantize_fp8(model, layers)
     else:
         _quantize_torchao(model, precision, group_size, device, {id(m) for _, m in layers})
     return model
@@ -235,7 +236,7 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
             quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
     else:
         quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
-    if precision == "int8":  # CPU: torch's int8 kernel; CUDA: rollout/int8_triton.py's (see _int8_forward)
+    if precision == "int8":  # CPU: torch's int8 kernel; CUDA: rollout/w8_triton.py's (see _int8_forward)
         for m in model.modules():
             if id(m) in chosen:
                 _int8_direct(m)
@@ -269,7 +270,7 @@ def _int8_direct(module: nn.Module) -> None:
 def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Few rows: `_weight_int8pack_mm` on the int8 weight; more: torchao's weight-only arithmetic (x W_int8^T in
     x's dtype, then the per-row scale in that dtype) without its tensor-subclass dispatch.
-    On CUDA: at most INT8PACK_ROWS bf16 rows through the Triton kernel of rollout/int8_triton.py, which reads the
+    On CUDA: at most INT8PACK_ROWS bf16 rows through the Triton kernel of rollout/w8_triton.py, which reads the
     int8 weight itself (torchao's linear writes and reads a bf16 copy of it per call); anything else, or no Triton,
     through torchao's linear. Both read the layer's live ``qdata`` / ``scale`` (a weight sync copies into them)."""
     if x.device.type != "cpu" and not _int8_kernel_takes(x):
@@ -279,9 +280,9 @@ def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _int8_kernel_takes(x: torch.Tensor) -> bool:
     """On CUDA: whether the Triton int8 kernel takes these activations (bf16, at most INT8PACK_ROWS rows)."""
-    from qgrpo.rollout import int8_triton
+    from qgrpo.rollout import w8_triton
 
-    return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= INT8PACK_ROWS and int8_triton.available()
+    return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= INT8PACK_ROWS and w8_triton.available()
 
 
 def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
@@ -291,9 +292,9 @@ def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     torchao's weight-only arithmetic (x W_int8^T in x's dtype, then the per-row scale)."""
     if x.device.type != "cpu":
         if _int8_kernel_takes(x):
-            from qgrpo.rollout import int8_triton
+            from qgrpo.rollout import w8_triton
 
-            return int8_triton.int8_linear(x, qdata, scale, bias)
+            return w8_triton.w8_linear(x, qdata, scale, bias)
         y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
     rows = x.numel() // x.shape[-1]
@@ -383,70 +384,6 @@ def _replace_layer(model: nn.Module, name: str, old: nn.Module, new: nn.Module, 
         old.weight = new.weight
         if precision == "int8":
             _int8_direct(old)
-
-
-class Fp8Linear(nn.Module):
-    """A linear layer in fp8 (W8A8): float8_e4m3fn weight [out, in] with one float32 scale per row (row absmax / 448),
-    and at each call the activations quantized per token the same way; the product runs in ``torch._scaled_mm``
-    (row-wise scales, bf16 out) and the bias is added in the input's dtype. The weight and its scale are buffers, not
-    parameters: ``compute_in`` (rollout/backends/compute.py) casts floating parameters to the compute dtype, which
-    would turn the codes back into bf16 or float32 (``model.to(dtype)`` / ``.float()`` would cast them too: change a
-    quantized model's compute dtype with compute_in only). The forward has no host synchronisation and no branch on
-    data, so it can run inside a CUDA graph; `requantize_in_place` writes new codes and scales into the same tensors."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """`weight`: the bf16 (or float32) weight [out, in] to quantize, on the layer's device; `bias` [out] or None."""
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        codes, scale = fp8_per_row(weight)
-        self.register_buffer("weight", codes)
-        self.register_buffer("scale", scale)
-        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach(), requires_grad=False))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, self.weight, self.scale, self.bias)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
-# A token's scale maps its largest magnitude to just under 448, so that the quotient never rounds past the largest
-# finite e4m3fn value (a cast beyond it gives NaN) and no clamp is needed: one kernel fewer per product.
-_ACT_SCALE = (1.0 + 2.0 ** -10) / FP8_MAX
-
-
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (bf16 or float32) times float8_e4m3fn codes `weight` [N, K] with row scales `scale` [N]: the
-    activations quantized per token (absmax scaling, float32), the product in ``torch._scaled_mm`` with row-wise
-    scales, bf16 out, then `bias`; in x's dtype, [..., N]. Six kernels, no host synchronisation (CUDA graphs)."""
-    rows = x.reshape(-1, x.shape[-1])
-    s = torch.linalg.vector_norm(rows, float("inf"), dim=-1, keepdim=True, dtype=torch.float32)
-    s = s.mul_(_ACT_SCALE).clamp_(min=1e-12)  # [M, 1] per-token scale
-    xq = torch.div(rows, s).to(torch.float8_e4m3fn)
-    # mat2 column-major: the transpose of the row-major [N, K] codes, as _scaled_mm wants it
-    y = torch._scaled_mm(xq, weight.t(), scale_a=s, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16).to(x.dtype)
-    if bias is not None:
-        y = y + bias.to(x.dtype)
-    return y.reshape(*x.shape[:-1], weight.shape[0])
-
-
-def fp8_per_row(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn codes [N, K] and float32 scales [N] of a [N, K] weight, computed in float32: scale = max|w_row| /
-    448 (at least 1e-12), codes = w / scale rounded to nearest by the cast, after clamping to +-448 (e4m3fn has no
-    infinity). codes * scale reconstructs each weight within 2^-4 of its magnitude (3 mantissa bits), or, where its
-    code is below 2^-6 (subnormal), within 2^-10 of the scale."""
-    w = w.detach().float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
-def _quantize_fp8(model: nn.Module, layers: list[tuple[str, nn.Linear]]) -> None:
-    """Each listed nn.Linear replaced by an Fp8Linear of its weight (and its bias), one layer at a time."""
-    for name, lin in layers:
-        q = Fp8Linear(lin.weight.data, lin.bias)
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, q)
 
 
 def _quantize_nf4(model: nn.Module, layers: list[tuple[str, nn.Linear]], group_size: int,

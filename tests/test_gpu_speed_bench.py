@@ -75,3 +75,9 @@ def test_memory_bound_counts_weights_embedding_rows_and_kv_cache():
     # More rows share the weights' read: a higher bound, though less than proportionally (the cache grows).
     b8 = gpu_speed.decode_bound(3 * 10**9, model, rows=8, context=100.0, bandwidth=4.0e12)
     assert b8["tokens_per_s"] < b["tokens_per_s"] < 8 * b8["tokens_per_s"]
+
+
+def test_only_fp8_takes_a_route():
+    gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,fp8/scaled_mm"])
+    with pytest.raises(SystemExit):
+        gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,int8/scaled_mm"])

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import qgrpo.rollout.quant as quant
+from qgrpo.rollout import fp8
 from qgrpo.rollout.quant import SERVED, linear_weight_bytes, quant_config_summary, quantize_model
 from tests.helpers import LOGPROB_BOUNDS, next_token_logprobs, tiny_llama  # LOGPROB_BOUNDS: measured there
 
@@ -212,7 +213,7 @@ def test_fp8_linear_against_float32(seed):
     w = torch.randn(128, 256, generator=g).to(torch.bfloat16)
     b = torch.randn(128, generator=g).to(torch.bfloat16)
     x = torch.randn(4, 16, 256, generator=g).to(torch.bfloat16)
-    layer = quant.Fp8Linear(w, b)
+    layer = fp8.Fp8Linear(w, b)
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight.shape == (128, 256)
     assert layer.scale.dtype == torch.float32 and layer.scale.shape == (128,)
     ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
@@ -230,7 +231,7 @@ def test_fp8_activation_scale_is_per_token():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(64, 128, generator=g)
     x = torch.randn(3, 128, generator=g) * torch.tensor([[1e3], [1.0], [1e-3]])
-    y = quant.Fp8Linear(w)(x)
+    y = fp8.Fp8Linear(w)(x)
     ref = x @ w.T
     for row in range(3):
         assert _rel_err(y[row], ref[row]) < 0.075, (row, _rel_err(y[row], ref[row]))
@@ -244,7 +245,7 @@ def test_fp8_per_row_codes():
     w = torch.randn(32, 64, generator=g) * torch.logspace(-3, 3, 32)[:, None]
     w[5] = 0.0
     w[7, 3] = 3e38
-    codes, scale = quant.fp8_per_row(w)
+    codes, scale = fp8.fp8_per_row(w)
     back = codes.float() * scale[:, None]
     assert torch.isfinite(back).all() and torch.equal(back[5], torch.zeros(64))
     tol = torch.maximum(w.abs() * 2.0 ** -4, scale[:, None] * 2.0 ** -10) * (1 + 1e-6)

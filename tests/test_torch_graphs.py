@@ -156,7 +156,13 @@ def test_projections_are_fused_into_views_of_one_buffer(tiny_model_path):
 def test_fp8_projections_are_fused_and_a_sync_reaches_them(tiny_model_path):
     """fp8 (W8A8, whose numerics torch's CPU `_scaled_mm` runs): q/k/v and gate/up codes and scales become row views of
     one buffer each and one fp8 product computes them; sampled log-probs are the served model's, and a sync's
-    re-quantization (into the same storage) reaches the joint buffers."""
+    re-quantization (into the same storage) reaches the joint buffers. The same through the weight-only kernel of a
+    decode step on CUDA: tests/test_w8_triton.py, in Triton's interpreter."""
+    check_fp8_fused_decode_and_sync(tiny_model_path)
+
+
+def check_fp8_fused_decode_and_sync(tiny_model_path) -> None:
+    """The fp8 test above, on whichever route rollout/fp8.py takes for these activations."""
     from transformers import AutoModelForCausalLM
 
     from qgrpo.rollout import quant

@@ -1,22 +1,29 @@
-"""A weight-only int8 matmul for CUDA that reads the int8 weight itself: y = (x @ W_int8^T) * scale (+ bias).
+"""A weight-only 8-bit matmul for CUDA that reads the 8-bit weight itself: y = (x @ W^T) * scale (+ bias), where W
+holds int8 or float8_e4m3fn codes [N, K] with one scale per row.
 
 Why: torchao's weight-only int8 linear (``Int8Tensor``) casts the whole int8 weight to the activation dtype at every
 call, so each product writes and reads a bf16 copy of the weight: more bytes than the bf16 model moves, and on an H200
-int8 decode ran slower than bf16. This Triton kernel loads the int8 codes [N, K] tile by tile, converts them to bf16
-in registers, accumulates ``x @ w^T`` in fp32 with ``tl.dot``, then applies the per-row fp32 scale and the bias and
-stores bf16. Meant for decode-sized products (rollout/quant.py routes at most ``INT8PACK_ROWS`` rows here); larger
-ones are compute-bound and keep the plain cast-and-mm path.
+int8 decode ran slower than bf16. fp8's W8A8 product (``torch._scaled_mm``) reads fp8 bytes but first quantizes the
+activations per token, five kernels of its own per product, and on an H200 fp8 decode ran at about half bf16's speed:
+a decode step's few rows make a product bound by the weight's bytes and by kernel launches, not by arithmetic. This
+Triton kernel loads the 8-bit codes tile by tile, converts them to bf16 in registers, accumulates ``x @ w^T`` in fp32
+with ``tl.dot``, then applies the per-row fp32 scale and the bias and stores bf16. Meant for decode-sized products
+(rollout/quant.py routes int8's at most ``INT8PACK_ROWS`` rows here, rollout/fp8.py fp8's at most
+``FP8_WEIGHT_ONLY_ROWS``); larger ones are compute-bound and keep their own paths. fp8 codes need a GPU whose Triton
+converts float8_e4m3fn (Ada or Hopper, compute capability >= 8.9, which fp8 requires anyway).
 
 Layout: one program per (N tile, M tile, K split). When the N x M tiles alone would leave the GPU's multiprocessors
 idle (the narrow projections of a decode step), K is split: each split writes its fp32 partial sums to a workspace
 [splits, M, N] and a second small kernel sums the splits and applies the scale and the bias (deterministic, no
 atomics). Only long-stable Triton APIs are used (program_id, arange, load / store with masks, dot, trans, cdiv) so it
 runs on Triton 3.x. No host syncs: a launch is capturable in a CUDA graph, once each shape has run before capture
-(Triton compiles a kernel per constexpr config and per specialization of its integer arguments at the first call).
+(Triton compiles a kernel per constexpr config, per code dtype and per specialization of its integer arguments at the
+first call).
 
 Importing this module needs neither Triton nor a GPU (without Triton, ``available()`` is False). With
 ``TRITON_INTERPRET=1`` set before Triton's import, the same kernel runs on CPU tensors through Triton's interpreter
-(tests/test_int8_triton.py); its bf16 ``tl.dot`` and int -> bf16 cast work on raw bits, so there the dot runs in fp32.
+(tests/test_w8_triton.py); its bf16 ``tl.dot`` and 8-bit -> bf16 casts work on raw bits, so there the dot runs in
+fp32.
 """
 
 import functools
@@ -45,14 +52,14 @@ def _cuda() -> bool:
 
 
 def available() -> bool:
-    """Whether ``int8_linear`` can run: Triton importable and a CUDA device, or Triton's interpreter requested
+    """Whether ``w8_linear`` can run: Triton importable and a CUDA device, or Triton's interpreter requested
     (``TRITON_INTERPRET=1``, CPU tensors; for tests)."""
     return tl is not None and (_INTERPRET or _cuda())
 
 
 if tl is not None:
     @triton.jit
-    def _int8_mm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
+    def _w8_mm(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_xk, stride_wn, stride_wk,
                  stride_ym, stride_yn,
                  HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, K_STEPS: tl.constexpr, DOT_F32: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -75,8 +82,9 @@ if tl is not None:
             kk = k_start + step * BLOCK_K + rk
             k_ok = kk < K
             x = tl.load(x_rows + kk[None, :] * stride_xk, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0)
-            if DOT_F32:  # Triton's interpreter: its bf16 dot and int -> bf16 cast work on raw bits
+            # other=0.0, not 0: Triton's interpreter cannot cast an integer 0 to float8_e4m3fn
+            w = tl.load(w_rows + kk[None, :] * stride_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if DOT_F32:  # Triton's interpreter: its bf16 dot and 8-bit -> bf16 casts work on raw bits
                 acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)))
             else:
                 acc += tl.dot(x, tl.trans(w.to(tl.bfloat16)))
@@ -137,20 +145,24 @@ def _split(tiles: int, k: int, block_k: int, sms: int) -> tuple[int, int]:
     return -(-k // per_split), per_split
 
 
-def int8_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """y = (x @ qdata^T) * scale (+ bias), in bf16, reading the int8 weight directly.
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
-    x: bf16 [..., K]; qdata: int8 [N, K] (any strides); scale: [N] or [N, 1] per output row (fp32 or bf16, read as
-    fp32); bias: [N] or None. Accumulates in fp32; returns bf16 [..., N] on x's device. Any number of rows works, but
-    it is built for few (decode): more than ``MAX_ROWS`` rows are tiled 64 at a time and re-read the weight per tile.
+
+def w8_linear(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = (x @ qdata^T) * scale (+ bias), in bf16, reading the 8-bit weight directly.
+
+    x: bf16 [..., K]; qdata: int8 or float8_e4m3fn codes [N, K] (any strides); scale: [N] or [N, 1] per output row
+    (fp32 or bf16, read as fp32); bias: [N] or None. Accumulates in fp32; returns bf16 [..., N] on x's device. Any
+    number of rows works, but it is built for few (decode): more than ``MAX_ROWS`` rows are tiled 64 at a time and
+    re-read the weight per tile.
     """
-    if x.dtype != torch.bfloat16 or qdata.dtype != torch.int8 or qdata.dim() != 2:
-        raise ValueError(f"int8_linear: needs bf16 x and a 2-D int8 weight, got x {x.dtype}, weight {qdata.dtype} "
-                         f"{tuple(qdata.shape)}")
+    if x.dtype != torch.bfloat16 or qdata.dtype not in CODE_DTYPES or qdata.dim() != 2:
+        raise ValueError(f"w8_linear: needs bf16 x and a 2-D int8 or float8_e4m3fn weight, got x {x.dtype}, "
+                         f"weight {qdata.dtype} {tuple(qdata.shape)}")
     n, k = qdata.shape
     if x.shape[-1] != k or scale.numel() != n or (bias is not None and bias.numel() != n):
-        raise ValueError(f"int8_linear: shapes don't match: x {tuple(x.shape)}, weight {tuple(qdata.shape)}, "
+        raise ValueError(f"w8_linear: shapes don't match: x {tuple(x.shape)}, weight {tuple(qdata.shape)}, "
                          f"scale {tuple(scale.shape)}, bias {None if bias is None else tuple(bias.shape)}")
     x2 = x.reshape(-1, k)
     rows = x2.shape[0]
@@ -171,7 +183,7 @@ def _launch(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: to
     y = torch.empty(rows, n, device=x2.device, dtype=torch.bfloat16)
     ws = y if split == 1 else torch.empty(split, rows, n, device=x2.device, dtype=torch.float32)
     b = bias if bias is not None else scale  # any pointer: HAS_BIAS=False never reads it
-    _int8_mm[grid](x2, qdata, scale, b, ws, rows, n, k, x2.stride(0), x2.stride(1), qdata.stride(0),
+    _w8_mm[grid](x2, qdata, scale, b, ws, rows, n, k, x2.stride(0), x2.stride(1), qdata.stride(0),
                    qdata.stride(1), ws.stride(-2), ws.stride(-1),
                    HAS_BIAS=bias is not None, SPLIT_K=split, K_STEPS=per_split // block_k, DOT_F32=_INTERPRET,
                    BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
