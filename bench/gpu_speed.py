@@ -20,11 +20,13 @@ Generation: variants are precision (`--precisions`; `fp8/scaled_mm` is fp8 with 
 `torch._scaled_mm`, instead of the weight-only kernel for a decode step's rows: rollout/fp8.py) x decode loop: `eager`
 is the generator's static-cache loop (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA
 graphs (the generator's `cuda_graphs` option; where it cannot, it falls back and says why: the `note` column),
-`graphs_fused` the graphs of the step in fewer operators (rollout/backends/torch_fused.py, the `fused_step` option).
-Each variant's generator is built once (`load s`: load and quantize), then per `--rows` value (prompts x group size 8)
-one warm-up generate (`warm-up s`, graph capture included) and `--repeats` timed ones at T=1 (median). `generate` is
-transformers' `model.generate` in bf16 on the same model and prompts (each prompt repeated group-size times, left
-padded, sampling at T=1, no top-k/top-p, min_new_tokens = max_new_tokens): what TRL runs without vLLM.
+`graphs_fused` the graphs of the step in fewer operators (rollout/backends/torch_fused.py, the `fused_step` option, with
+the Triton kernels of rollout/backends/triton_step.py where they pass their self-check: else the `note` says why),
+`graphs_fused_torch` the same step with torch ops only. Each variant's generator is built once (`load s`: load and
+quantize), then per `--rows` value (prompts x group size 8) one warm-up generate (`warm-up s`, graph capture included)
+and `--repeats` timed ones at T=1 (median). `generate` is transformers' `model.generate` in bf16 on the same model and
+prompts (each prompt repeated group-size times, left padded, sampling at T=1, no top-k/top-p, min_new_tokens =
+max_new_tokens): what TRL runs without vLLM.
 
 Columns: `s` seconds of one generate (prefill included); `tok/s` rows x new tokens / s; `decode tok/s` the same
 without the prefill (the prompts' forward timed alone); `bound` the memory bound in tokens/s: a decode step must read
@@ -88,7 +90,7 @@ SHAPES = {
 SMOLLM2_VOCAB = 49152  # the builtin SmolLM2 tokenizer's vocabulary: the model's when only a fallback tokenizer is found
 GROUP_SIZE = 8
 # --loops name -> the generator's decode_info()["loop"]; graphs_fused: graphs of torch_fused's step (fused_step)
-LOOP_NAMES = {"eager": "static", "graphs": "graphs", "graphs_fused": "graphs"}
+LOOP_NAMES = {"eager": "static", "graphs": "graphs", "graphs_fused": "graphs", "graphs_fused_torch": "graphs"}
 LEARNER_GROUPS = dict(groups=8, group_size=8, len_spread=1.0)  # 64 sequences, every completion full length
 
 
@@ -229,10 +231,12 @@ def decode_bound(linear_bytes: int, model: dict, rows: int, context: float, band
 def make_generator(path: str, precision: str, device: str, loop: str):
     """(TorchGenerator, note): built with the `cuda_graphs` option; a generator that takes no options yet is built
     without (its loop is then the static one)."""
+    from qgrpo.rollout.backends import torch_fused
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     try:
-        graphs, fused = loop.startswith("graphs"), loop == "graphs_fused"
+        graphs, fused = loop.startswith("graphs"), loop.startswith("graphs_fused")
+        torch_fused.KERNELS = loop != "graphs_fused_torch"  # read as the generator builds its step
         gen = TorchGenerator(path, precision=precision, device=device,
                              options={"cuda_graphs": graphs, "fused_step": fused})
         if graphs and gen.graphs is None and gen.decoder is not None and gen.device.type != "cuda":
@@ -278,6 +282,7 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
 
     from qgrpo.core.records import SamplingParams
     from qgrpo.rollout import fp8
+    from qgrpo.rollout.backends import torch_fused
 
     base = {"variant": "torch", "precision": precision, "loop": loop}
     out = []
@@ -331,16 +336,22 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
     finally:
         gen = None
         fp8.FP8_DECODE = "weight_only"
+        torch_fused.KERNELS = True
         release(args.device)
     return out
 
 
+UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}  # ATen: no kernel
+
+
 def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
     """What one decode step runs: `ops_per_step`, the ATen operators dispatched other than views (about one kernel
-    launch each on a GPU; counted below autograd, after composite operators are decomposed, so a CPU counts them too),
-    and on CUDA `kernel_ms_per_step`, the GPU time of its kernels (torch.profiler). Both are the difference between a
-    call of `steps` + 1 new tokens and one of 1 (prefill and first pick), over `steps`. The graphs loop's step is run
-    eagerly for this (a replay hides its operators from both counts); its kernels are the ones a replay runs."""
+    launch each on a GPU; counted below autograd, after composite operators are decomposed, so a CPU counts them too)
+    plus the launches of our Triton kernels (rollout/w8_triton.py, rollout/backends/triton_step.py), which ATen does
+    not see; and on CUDA `kernel_ms_per_step`, the GPU time of its kernels (torch.profiler). Both are the difference
+    between a call of `steps` + 1 new tokens and one of 1 (prefill and first pick), over `steps`. The graphs loop's
+    step is run eagerly for this (a replay hides its operators from both counts); its kernels are the ones a replay
+    runs."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -348,19 +359,49 @@ def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
 
     class Count(TorchDispatchMode):
         n = 0
+        inside = 0  # > 0 inside a Triton kernel: under TRITON_INTERPRET its body runs as torch ops, not counted
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.n += not func.is_view  # a view launches no kernel
+            # a view or an uninitialised allocation launches no kernel
+            Count.n += not (func.is_view or Count.inside or func.__name__.split(".")[0] in UNINITIALISED)
             return func(*args, **(kwargs or {}))
+
+    class Uncounted:
+        """A Triton kernel whose launches (`kernel[grid](...)`) pause Count: one launch, counted by LAUNCHES."""
+
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                Count.inside += 1
+                try:
+                    return self.kernel[grid](*args, **kwargs)
+                finally:
+                    Count.inside -= 1
+            return launch
 
     def call(new: int) -> None:
         gen.generate(items, SamplingParams(g, new, temperature=1.0, seed=0))
 
     def ops(new: int) -> int:
+        from qgrpo.rollout import w8_triton
+        from qgrpo.rollout.backends import triton_step
+
+        kernels = {(m, k): getattr(m, k) for m, names in ((w8_triton, ("_w8_mm", "_splitk_sum")),
+                                                          (triton_step, ("_add_rms_norm", "_silu_mul", "_rope_write",
+                                                                         "_attend"))) for k in names if hasattr(m, k)}
         Count.n = 0
-        with Count():
-            call(new)
-        return Count.n
+        launched = w8_triton.LAUNCHES[0] + triton_step.LAUNCHES[0]
+        try:
+            for (m, k), kernel in kernels.items():
+                setattr(m, k, Uncounted(kernel))
+            with Count():
+                call(new)
+        finally:
+            for (m, k), kernel in kernels.items():
+                setattr(m, k, kernel)
+        return Count.n + w8_triton.LAUNCHES[0] + triton_step.LAUNCHES[0] - launched  # Triton's launches: not ATen's
 
     def kernel_us(new: int) -> float:
         from torch.profiler import ProfilerActivity, profile
@@ -631,7 +672,9 @@ def table(res: dict) -> str:
             "of bound", "of bf16", "vs eager", "vs bf16", "vs generate", "ops/step", "kernel ms/step", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["generation"]:
-        note = r.get("error") or r.get("skipped") or r.get("decode_fallback") or ""
+        kernels = r.get("decode_kernels")
+        note = r.get("error") or r.get("skipped") or r.get("decode_fallback") or (
+            f"kernels: {kernels}" if kernels not in (None, "triton") and r["loop"] == "graphs_fused" else "")
         ran = r.get("decode_loop")
         loop = r["loop"] if ran in (None, LOOP_NAMES.get(r["loop"], r["loop"])) else f"{r['loop']} (ran {ran})"
         cells = [r["precision"], loop, r["rows"], fmt(r.get("load_s"), ".1f"), fmt(r.get("warmup_s"), ".2f"),

@@ -39,6 +39,7 @@ except ImportError:  # no Triton: available() is False and the kernel is never d
 
 BLOCK_K = 128
 MAX_ROWS = 64  # the most rows one call takes (BLOCK_M grows to 64 with the rows); more go through cast-and-mm
+LAUNCHES = [0]  # kernels launched from Python so far (bench/gpu_speed.py's ops_per_step; ATen does not see them)
 
 
 # Triton's interpreter is on: its own jitted helpers (tl.zeros, ...) are built as interpreted or compiled functions
@@ -183,6 +184,7 @@ def _launch(x2: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor, bias: to
     y = torch.empty(rows, n, device=x2.device, dtype=torch.bfloat16)
     ws = y if split == 1 else torch.empty(split, rows, n, device=x2.device, dtype=torch.float32)
     b = bias if bias is not None else scale  # any pointer: HAS_BIAS=False never reads it
+    LAUNCHES[0] += 1 + (split > 1)
     _w8_mm[grid](x2, qdata, scale, b, ws, rows, n, k, x2.stride(0), x2.stride(1), qdata.stride(0),
                    qdata.stride(1), ws.stride(-2), ws.stride(-1),
                    HAS_BIAS=bias is not None, SPLIT_K=split, K_STEPS=per_split // block_k, DOT_F32=_INTERPRET,

@@ -194,3 +194,19 @@ def skip_below_capability(precision: str) -> None:
     cap = torch.cuda.get_device_capability()
     if cap < MIN_CAPABILITY[precision]:
         pytest.skip(f"{precision} on CUDA needs compute capability >= {MIN_CAPABILITY[precision]}, this GPU is {cap}")
+
+
+def rerun_in_triton_interpreter(test_file: str) -> None:
+    """Run `test_file`'s ``*_in_interpreter`` tests in a fresh Python with TRITON_INTERPRET=1 (Triton reads it at its
+    first import, so this process cannot switch to it); fail with their output unless all pass and none skip."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "in_interpreter",
+                          str(Path(test_file).resolve())], cwd=root, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]

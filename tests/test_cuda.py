@@ -119,6 +119,8 @@ def test_static_decode_on_the_gpu_samples_the_served_models_distribution(tiny_mo
     assert info["loop"] == ("graphs" if graphs else "static"), info
     if graphs:
         assert info["captures"] >= 1 and info["fallback"] is None, info
+    if graphs == "fused":  # triton_step's kernels passed their self-check on this GPU and run in the step
+        assert info["kernels"] == "triton", info
     assert _logprob_gap(gen, groups) < 0.05
 
 
@@ -136,7 +138,7 @@ def test_a_sync_changes_what_the_graph_computes(tiny_model_path, precision, fuse
     skip_below_capability(precision)
     gen = TorchGenerator(tiny_model_path, precision, device="cuda:0", chat_template=False,
                          options={"cuda_graphs": True, "fused_step": fused})
-    assert gen.decode_info()["fused"] == fused
+    assert gen.decode_info()["fused"] == fused and gen.decode_info()["kernels"] == ("triton" if fused else None)
     items = [PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)]
     greedy = SamplingParams(group_size=2, max_new_tokens=10, temperature=0.0)
     before = [c.token_ids for g in gen.generate(items, greedy) for c in g.completions]

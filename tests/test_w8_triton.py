@@ -14,15 +14,14 @@ bits: 2**-8 relative rounding to nearest; the interpreter's fp32 -> bf16 cast tr
 """
 
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from qgrpo.rollout import fp8, quant, w8_triton
+from qgrpo.rollout.backends import torch_fused
+from tests.helpers import rerun_in_triton_interpreter
 
 RTOL = 1e-2
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
@@ -63,13 +62,8 @@ def test_interpreter_tests_pass_in_a_subprocess():
     pytest.importorskip("triton")
     if INTERPRETING:
         pytest.skip("this process interprets: the interpreter tests run here")
-    root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-k", "in_interpreter",
-                          str(Path(__file__).resolve())], cwd=root, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+    rerun_in_triton_interpreter(__file__)
+
 
 @pytest.mark.parametrize("codes", ["int8", "fp8"])
 @pytest.mark.parametrize("m, k, n", SHAPES)
@@ -141,6 +135,7 @@ def test_fp8_fused_decode_through_the_kernel_in_interpreter(interpreter, tiny_mo
         return kernel(x, qdata, *rest)
 
     monkeypatch.setattr(w8_triton, "w8_linear", counted)
+    monkeypatch.setattr(torch_fused, "KERNELS", False)  # the step's own kernels: tests/test_triton_step.py
     monkeypatch.setattr(fp8, "weight_only_takes",  # the CUDA route's test without its device check
                         lambda x: x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= fp8.FP8_WEIGHT_ONLY_ROWS)
     check_fp8_fused_decode_and_sync(tiny_model_path)

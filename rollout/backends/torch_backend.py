@@ -262,9 +262,8 @@ class TorchGenerator(Generator):
             return self.graphs.info()
         why = None if not self.options.cuda_graphs else (
             "CUDA graphs need a CUDA device" if self.device.type != "cuda" else "the model's layers are not Llama's")
-        return {"loop": "static" if self.decoder is not None else "forward", "fused": False, "capture_s": 0.0,
-                "captures": 0,
-                "fallback": why}
+        return {"loop": "static" if self.decoder is not None else "forward", "fused": False, "kernels": None,
+                "capture_s": 0.0, "captures": 0, "fallback": why}
 
     def quant_grids(self) -> dict:
         """{HF tensor name: core.grids.Grid} of the weights this generator quantizes onto a grid the rollout actor

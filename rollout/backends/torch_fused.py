@@ -16,6 +16,9 @@ fewer operators (`bench/gpu_speed.py` counts them, `ops_per_step`, on any device
   layers, applied to the query and key heads together with one batched product (one rounding instead of three).
 - **Norms** through `torch.nn.functional.rms_norm` (one fused kernel on CUDA; float32 inside, as the model's norm).
 - **Attention** scores scaled and masked in one `torch.add(bias, scores, alpha=scale)`.
+- **Triton kernels** (triton_step.py), where they passed their self-check on the model's device (`FusedLayers.kernels`):
+  the residual sum with the next norm, SwiGLU, rotary with the cache write and attention each in one kernel, in place
+  of the torch ops above: 293 operators a step for 28 layers instead of 520.
 
 The logits agree with the model's forward to bf16 rounding (tests/test_torch_graphs.py checks every sampled token's
 log-prob against the served model's forward).
@@ -129,9 +132,15 @@ def _project(h: torch.Tensor, spec: tuple) -> torch.Tensor:
     return (fp8_linear if spec[0] == "fp8" else int8_product)(h, *spec[1:])
 
 
+# Whether the step may use triton_step's kernels where they pass their self-check (bench/gpu_speed.py's loop
+# "graphs_fused_torch" turns them off to compare).
+KERNELS = True
+
+
 class FusedLayers:
     """Each decoder layer's projections as this step computes them: fused buffers where `fuse` could make them, else
-    the modules. Made again when the model's modules or weights moved (GraphDecoder's fingerprint)."""
+    the modules; and whether the step runs triton_step's kernels (`kernels`; `kernels_why` says why not). Made again
+    when the model's modules or weights moved (GraphDecoder's fingerprint)."""
 
     def __init__(self, model, q_heads: int, kv_heads: int, head_dim: int):
         self.layers = []
@@ -140,6 +149,8 @@ class FusedLayers:
             self.layers.append((layer, fuse([att.q_proj, att.k_proj, att.v_proj]),
                                 fuse([mlp.gate_proj, mlp.up_proj])))
         self.q, self.kv, self.hd = q_heads * head_dim, kv_heads * head_dim, head_dim
+        self.kernels_why = _kernels_refused(model, q_heads, kv_heads, head_dim)
+        self.kernels = self.kernels_why is None
         half = head_dim // 2
         emb = model.model.embed_tokens.weight
         r = torch.zeros(head_dim, head_dim)
@@ -148,42 +159,76 @@ class FusedLayers:
         self.rotate = r.to(device=emb.device, dtype=emb.dtype)  # on the device: no copy inside a captured step
 
 
+def _kernels_refused(model, q_heads: int, kv_heads: int, head_dim: int) -> str | None:
+    """Why the step runs torch ops instead of triton_step's kernels, or None: they run where Triton can run them on
+    the model's device, its MLPs are SwiGLU, its shapes suit them and `triton_step.self_check` passed there."""
+    from qgrpo.rollout.backends import triton_step
+
+    emb = model.model.embed_tokens.weight
+    if not KERNELS:
+        return "off (torch_fused.KERNELS)"
+    if not triton_step.available(emb.device):
+        return f"no Triton for {emb.device.type} tensors"
+    if any(type(layer.mlp.act_fn).__name__ not in ("SiLU", "SiLUActivation") for layer in model.model.layers):
+        return "an MLP's activation is not SiLU"  # torch's nn.SiLU or transformers' own
+    return triton_step.self_check(model, q_heads, kv_heads, head_dim)
+
+
 def _norm(module, x: torch.Tensor) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
 
 
+def _add_norm(fused: FusedLayers, x: torch.Tensor, r: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + r, `module`'s RMSNorm of it): one kernel where the step runs triton_step's."""
+    if fused.kernels:
+        from qgrpo.rollout.backends import triton_step
+
+        return triton_step.add_rms_norm(x, r, module.weight, module.variance_epsilon)
+    x = x + r
+    return x, _norm(module, x)
+
+
 def step(model, fused: FusedLayers, tokens, col, pos, keys, values, bias, q_heads, kv_heads, head_dim, scale):
     """One decode step, as `torch_decode._fixed_step` (same arguments and result: float32 logits [rows, vocab]), with
-    the fused products of the module docstring."""
+    the fused products of the module docstring, and triton_step's kernels where `fused.kernels`."""
     m = model.model
     x = m.embed_tokens(tokens[:, None])  # [b, 1, hidden]
     b, g, hd = x.shape[0], q_heads // kv_heads, head_dim
     cos, sin = m.rotary_emb(x, pos[:, None])  # [b, 1, hd] each, in x's dtype
-    rot = torch.diag_embed(cos[:, 0]) + fused.rotate * sin  # [b, hd, hd]: x @ rot = x*cos + rotate_half(x)*sin
+    kernels = fused.kernels
+    if kernels:
+        from qgrpo.rollout.backends import triton_step
+    else:
+        rot = torch.diag_embed(cos[:, 0]) + fused.rotate * sin  # [b, hd, hd]: x @ rot = x*cos + rotate_half(x)*sin
     bias.index_fill_(-1, col, 0.0)
     nq, nkv = fused.q, fused.kv
+    norms = [layer.input_layernorm for layer, _, _ in fused.layers[1:]] + [m.norm]  # after each layer's residual
+    h = _norm(fused.layers[0][0].input_layernorm, x)
     for i, (layer, qkv, gate_up) in enumerate(fused.layers):
         att = layer.self_attn
-        h = _norm(layer.input_layernorm, x)
         if qkv is not None:
             y = _project(h, qkv)  # [b, 1, nq + 2 nkv]
-            qk, v = y[..., :nq + nkv], y[..., nq + nkv:]
         else:
-            qk, v = torch.cat([att.q_proj(h), att.k_proj(h)], -1), att.v_proj(h)
-        qk = torch.bmm(qk.reshape(b, q_heads + kv_heads, hd), rot)  # rotary on query and key heads at once
-        q, k = qk[:, :q_heads], qk[:, q_heads:]
-        keys[i].index_copy_(2, col, k.unsqueeze(2))
-        values[i].index_copy_(2, col, v.reshape(b, kv_heads, 1, hd))
-        scores = torch.add(bias, torch.matmul(q.reshape(b, kv_heads, g, hd), keys[i].transpose(-1, -2)), alpha=scale)
-        o = torch.matmul(scores.softmax(-1).to(values[i].dtype), values[i])  # [b, kv, g, hd]
-        x = x + att.o_proj(o.reshape(b, 1, q_heads * hd))
-        h = _norm(layer.post_attention_layernorm, x)
+            y = torch.cat([att.q_proj(h), att.k_proj(h), att.v_proj(h)], -1)
+        if kernels:
+            q = triton_step.rope_write(y, cos, sin, keys[i], values[i], col, q_heads, kv_heads)
+            o = triton_step.attend(q, keys[i], values[i], bias, scale)  # [b, q_heads, hd]
+        else:
+            qk, v = y[..., :nq + nkv], y[..., nq + nkv:]
+            qk = torch.bmm(qk.reshape(b, q_heads + kv_heads, hd), rot)  # rotary on query and key heads at once
+            q, k = qk[:, :q_heads], qk[:, q_heads:]
+            keys[i].index_copy_(2, col, k.unsqueeze(2))
+            values[i].index_copy_(2, col, v.reshape(b, kv_heads, 1, hd))
+            scores = torch.add(bias, torch.matmul(q.reshape(b, kv_heads, g, hd), keys[i].transpose(-1, -2)),
+                               alpha=scale)
+            o = torch.matmul(scores.softmax(-1).to(values[i].dtype), values[i])  # [b, kv, g, hd]
+        x, h = _add_norm(fused, x, att.o_proj(o.reshape(b, 1, q_heads * hd)), layer.post_attention_layernorm)
         mlp = layer.mlp
         if gate_up is not None:
             y = _project(h, gate_up)
             half = y.shape[-1] // 2
-            a = mlp.act_fn(y[..., :half]) * y[..., half:]
+            a = triton_step.silu_mul(y) if kernels else mlp.act_fn(y[..., :half]) * y[..., half:]
         else:
             a = mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h)
-        x = x + mlp.down_proj(a)
-    return model.lm_head(_norm(m.norm, x))[:, 0].float()
+        x, h = _add_norm(fused, x, mlp.down_proj(a), norms[i])
+    return model.lm_head(h)[:, 0].float()

@@ -4,7 +4,7 @@ A decode step of the static decoder (torch_decode.py) is over a thousand small k
 the host's Python, not the weights' bytes, bound the loop (a 1.3B model on an H200: ~26 ms a step where the weights
 take ~0.7 ms to read). A CUDA graph records a step's kernels once and replays them with one launch; the step it
 records is the static decoder's (`fused=False`, the step measured on an H200) or torch_fused.py's, the same function
-in fewer operators (`fused=True`, `[rollout.torch] fused_step`, not yet measured on a GPU). A graph replays fixed
+in fewer kernels (`fused=True`, `[rollout.torch] fused_step`, not yet measured on a GPU). A graph replays fixed
 shapes at fixed addresses, so everything a step reads or writes lives in buffers allocated once:
 
 - **Buckets.** The step is captured per batch bucket: the rows rounded up to a power of two (`BUCKETS`, from 8). When
@@ -274,9 +274,10 @@ class GraphDecoder:
         return nb
 
     def info(self) -> dict:
+        kernels = None if self.fused is None else ("triton" if self.fused.kernels else self.fused.kernels_why)
         return {"loop": "graphs" if self.graphs and self.fallback is None else "static", "fused": self.fuse,
-                "capture_s": round(self.capture_seconds, 3), "captures": self.captures, "fallback": self.fallback,
-                "buffer_rows": self._cap[0], "buffer_width": self._cap[1]}
+                "kernels": kernels, "capture_s": round(self.capture_seconds, 3), "captures": self.captures,
+                "fallback": self.fallback, "buffer_rows": self._cap[0], "buffer_width": self._cap[1]}
 
 
 def _trim(toks: torch.Tensor, lps: torch.Tensor, stop_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
