@@ -122,13 +122,14 @@ def check_stream(expected: dict[str, tuple[int, ...]],
         raise WeightMismatchError(f"weight stream lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
 
 
-def build_group(item: PromptItem, prompt_ids: list[int], samples: list[tuple[list[int], list[float]]],
-                stop_ids: list[int], tokenizer, policy_version: int, generator_id: str,
-                precision: str, changes: list[tuple[int, int]] | None = None) -> GroupRollout:
-    """One prompt's G samples (token ids, their log-probs) -> a GroupRollout of their `build_completion`s.
+def build_group(item: PromptItem, prompt_ids: list[int], samples: list[tuple], stop_ids: list[int], tokenizer,
+                policy_version: int, generator_id: str, precision: str,
+                changes: list[tuple[int, int]] | None = None) -> GroupRollout:
+    """One prompt's G samples -> a GroupRollout of their `build_completion`s. A sample is (token ids, their log-probs)
+    or (token ids, log-probs, its own changes), where each completion has its own (vLLM's per-request versions).
     `changes`: which version sampled which columns, [(first column, version), ...] from column 0 (`policy_version`
     is then the first's), where a weight update landed during the call; None: `policy_version` sampled them all."""
-    comps = [build_completion(toks, lps, stop_ids, tokenizer, changes) for toks, lps in samples]
+    comps = [build_completion(s[0], s[1], stop_ids, tokenizer, s[2] if len(s) > 2 else changes) for s in samples]
     return GroupRollout(item=item, prompt_ids=list(prompt_ids), completions=comps, policy_version=policy_version,
                         generator_id=generator_id, precision=precision)
 

@@ -47,6 +47,7 @@ from qgrpo.rollout.backends import REGISTRY, Generator, VLLMOptions
 from qgrpo.rollout.backends.common import (
     WeightMismatchError,
     build_completion,
+    build_group,
     check_stream,
     continuation_prompts,
     format_prompt,
@@ -251,9 +252,7 @@ class VLLMGenerator(Generator):
         prompts = self._prompts(items)
         version = self.policy_version  # the group's: the version the call began with
         samples = self._sample(prompts, sampling, sampling.group_size)
-        return [GroupRollout(item=it, prompt_ids=list(p), policy_version=version, generator_id=self.generator_id,
-                             precision=self.precision, completions=[
-                                 build_completion(t, lp, self.stop_ids, self.tokenizer, ch) for t, lp, ch in s])
+        return [build_group(it, p, s, self.stop_ids, self.tokenizer, version, self.generator_id, self.precision)
                 for it, p, s in zip(items, prompts, samples, strict=True)]
 
     def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
