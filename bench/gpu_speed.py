@@ -16,17 +16,17 @@ layers at that width, so the same operators per decode step (`ops/step`; on a CP
 eagerly). Weights are random, so the text is noise: only speed is measured. Every completion runs the full
 `--max-new-tokens` (the generator's stop ids are emptied; the table's `full` says whether each run did).
 
-Generation: variants are precision (`--precisions`; `fp8/scaled_mm` is fp8 with every product W8A8 through
-`torch._scaled_mm`, instead of the weight-only kernel for a decode step's rows: rollout/fp8.py) x decode loop: `eager`
-is the generator's static-cache loop (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA
-graphs (the generator's `cuda_graphs` option; where it cannot, it falls back and says why: the `note` column),
-`graphs_fused` the graphs of the step in fewer operators (rollout/backends/torch_fused.py, the `fused_step` option, with
-the Triton kernels of rollout/backends/triton_step.py where they pass their self-check: else the `note` says why),
-`graphs_fused_torch` the same step with torch ops only. Each variant's generator is built once (`load s`: load and
-quantize), then per `--rows` value (prompts x group size 8) one warm-up generate (`warm-up s`, graph capture included)
-and `--repeats` timed ones at T=1 (median). `generate` is transformers' `model.generate` in bf16 on the same model and
-prompts (each prompt repeated group-size times, left padded, sampling at T=1, no top-k/top-p, min_new_tokens =
-max_new_tokens): what TRL runs without vLLM.
+Generation: variants are precision (`--precisions`; `fp8/weight_only` is fp8 with a decode step's products through the
+weight-only kernel instead of W8A8 `torch._scaled_mm`: rollout/fp8.py) x decode loop: `eager` is the generator's
+static-cache loop (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA graphs (the generator's
+`cuda_graphs` option; where it cannot, it falls back and says why: the `note` column), `graphs_fused` the graphs of the
+step in fewer operators (rollout/backends/torch_fused.py, the `fused_step` option, with the Triton kernels of
+rollout/backends/triton_step.py where they pass their self-check: else the `note` says why), `graphs_fused_torch` the
+same step with torch ops only. Each variant's generator is built once (`load s`: load and quantize), then per `--rows`
+value (prompts x group size 8) one warm-up generate (`warm-up s`, graph capture included) and `--repeats` timed ones at
+T=1 (median). `generate` is transformers' `model.generate` in bf16 on the same model and prompts (each prompt repeated
+group-size times, left padded, sampling at T=1, no top-k/top-p, min_new_tokens = max_new_tokens): what TRL runs without
+vLLM.
 
 Columns: `s` seconds of one generate (prefill included); `tok/s` rows x new tokens / s; `decode tok/s` the same
 without the prefill (the prompts' forward timed alone); `bound` the memory bound in tokens/s: a decode step must read
@@ -287,9 +287,9 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
     base = {"variant": "torch", "precision": precision, "loop": loop}
     out = []
     gen = None
-    served, _, route = precision.partition("/")  # "fp8/scaled_mm": fp8 with W8A8 products at every call
+    served, _, route = precision.partition("/")  # "fp8/weight_only": fp8 decode through the weight-only kernel
     try:
-        fp8.FP8_DECODE = route or "weight_only"
+        fp8.FP8_DECODE = route or "scaled_mm"
         if "cuda" in args.device:
             torch.cuda.reset_peak_memory_stats()
         (gen, note), load_s = timed(lambda: make_generator(path, served, args.device, loop), args.device)
@@ -335,7 +335,7 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
         emit()
     finally:
         gen = None
-        fp8.FP8_DECODE = "weight_only"
+        fp8.FP8_DECODE = "scaled_mm"
         torch_fused.KERNELS = True
         release(args.device)
     return out
@@ -704,7 +704,7 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.3b")
     ap.add_argument("--tokenizer", default="builtin:smollm2-135m-instruct",
                     help="a tokenizer folder or builtin:NAME (its vocabulary is the model's)")
-    ap.add_argument("--precisions", default="bf16,int8,int4,fp8,fp8/scaled_mm")
+    ap.add_argument("--precisions", default="bf16,int8,int4,fp8,fp8/weight_only")
     ap.add_argument("--loops", default="eager,graphs,graphs_fused")
     ap.add_argument("--rows", default="8,16,64")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -726,9 +726,9 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--learner-reserve-s", type=float, default=60.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_speed.json"))
     args = ap.parse_args(argv)
-    routed = [p for p in args.precisions.split(",") if "/" in p and p != "fp8/scaled_mm"]
+    routed = [p for p in args.precisions.split(",") if "/" in p and p != "fp8/weight_only"]
     if routed:
-        ap.error(f"--precisions: {', '.join(routed)}: the only routed precision is fp8/scaled_mm")
+        ap.error(f"--precisions: {', '.join(routed)}: the only routed precision is fp8/weight_only")
     import torch
 
     args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")

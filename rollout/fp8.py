@@ -1,16 +1,17 @@
 """fp8 layers for the torch generator on CUDA (rollout/quant.py's ``torch.fp8_scaled_mm`` path): float8_e4m3fn
 weights with one float32 scale per row, and the two ways a product reads them.
 
-- **A decode step's rows** (CUDA, bf16 activations, at most ``FP8_WEIGHT_ONLY_ROWS`` rows, Triton at hand): the
-  weight-only kernel of rollout/w8_triton.py. It reads the fp8 codes, converts them to bf16 in registers and
-  accumulates in fp32: the activations stay bf16. Why: such a product is bound by the weight's bytes and by kernel
-  launches, not by arithmetic. The W8A8 product below spends five kernels quantizing the activations before its one
-  product; on an H200 (CUDA graphs, 8-64 rows) fp8 decode through it ran at 0.53-0.57x bf16's tokens/s, while the same
-  weight-only kernel on int8 codes ran at 0.93-1.01x. Weight-only is also the more exact of the two (only the weight
-  is rounded), so fp8's bounds against the bf16 model hold a fortiori.
-- **Any other call** (prefill, more rows, float32 activations, ``FP8_DECODE = "scaled_mm"``): W8A8, the activations
-  quantized per token (absmax scaling) and the product on float8 tensor cores by ``torch._scaled_mm`` (row-wise
-  scales, bf16 out), where its arithmetic rate pays.
+- **A decode step's rows**, where ``FP8_DECODE = "weight_only"`` (CUDA, bf16 activations, at most
+  ``FP8_WEIGHT_ONLY_ROWS`` rows, Triton at hand): the weight-only kernel of rollout/w8_triton.py. It reads the fp8
+  codes, converts them to bf16 in registers and accumulates in fp32: the activations stay bf16. Why: such a product is
+  bound by the weight's bytes and by kernel launches, not by arithmetic. The W8A8 product below spends five kernels
+  quantizing the activations before its one product; on an H200 (CUDA graphs, 8-64 rows) fp8 decode through it ran at
+  0.53-0.57x bf16's tokens/s, while the same weight-only kernel on int8 codes ran at 0.93-1.01x. Weight-only is also the
+  more exact of the two (only the weight is rounded), so fp8's bounds against the bf16 model hold a fortiori. Not yet
+  run on a GPU, so not the default: bench/gpu_speed.py's precision ``fp8/weight_only`` measures it beside ``fp8``.
+- **Every other call** (the default ``FP8_DECODE = "scaled_mm"``; prefill, more rows, float32 activations): W8A8, the
+  activations quantized per token (absmax scaling) and the product on float8 tensor cores by ``torch._scaled_mm``
+  (row-wise scales, bf16 out), where its arithmetic rate pays.
 
 Both read the layer's live codes and scales, so a weight sync that copies into them (rollout/quant.py:
 ``requantize_in_place``) changes what a captured CUDA graph computes. Neither has a host synchronisation or a branch
@@ -24,9 +25,9 @@ import torch
 from torch import nn
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no infinity: larger values would become NaN)
-# How a decode step's fp8 products run on CUDA: "weight_only" (rollout/w8_triton.py, at most FP8_WEIGHT_ONLY_ROWS bf16
-# rows) or "scaled_mm" (W8A8 for every call; bench/gpu_speed.py's precision "fp8/scaled_mm" compares the two).
-FP8_DECODE = "weight_only"
+# How a decode step's fp8 products run on CUDA: "scaled_mm" (W8A8 for every call, as run on an H200) or "weight_only"
+# (rollout/w8_triton.py, at most FP8_WEIGHT_ONLY_ROWS bf16 rows; bench/gpu_speed.py's precision "fp8/weight_only").
+FP8_DECODE = "scaled_mm"
 FP8_WEIGHT_ONLY_ROWS = 64
 # A token's scale maps its largest magnitude to just under 448, so that the quotient never rounds past the largest
 # finite e4m3fn value (a cast beyond it gives NaN) and no clamp is needed: one kernel fewer per product.
@@ -35,7 +36,7 @@ _ACT_SCALE = (1.0 + 2.0 ** -10) / FP8_MAX
 
 class Fp8Linear(nn.Module):
     """A linear layer in fp8: float8_e4m3fn weight [out, in] with one float32 scale per row (row absmax / 448); its
-    product is ``fp8_linear`` (weight-only for a decode step's rows on CUDA, else W8A8 through ``torch._scaled_mm``)
+    product is ``fp8_linear`` (W8A8 through ``torch._scaled_mm``, or weight-only for a decode step's rows on CUDA)
     and the bias is added in the input's dtype. The weight and its scale are buffers, not parameters: ``compute_in``
     (rollout/backends/compute.py) casts floating parameters to the compute dtype, which would turn the codes back into
     bf16 or float32 (``model.to(dtype)`` / ``.float()`` would cast them too: change a quantized model's compute dtype
@@ -72,8 +73,8 @@ def weight_only_takes(x: torch.Tensor) -> bool:
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (bf16 or float32) times float8_e4m3fn codes `weight` [N, K] with row scales `scale` [N], then
-    `bias`; in x's dtype, [..., N]. A decode step's rows on CUDA: the weight-only kernel (`weight_only_takes`), one or
-    two kernels. Otherwise W8A8: the activations quantized per token (absmax scaling, float32), the product in
+    `bias`; in x's dtype, [..., N]. Where `weight_only_takes` x: the weight-only kernel, one or two kernels.
+    Otherwise W8A8: the activations quantized per token (absmax scaling, float32), the product in
     ``torch._scaled_mm`` with row-wise scales, bf16 out: six kernels. No host synchronisation (CUDA graphs)."""
     if weight_only_takes(x):
         from qgrpo.rollout import w8_triton

@@ -29,16 +29,17 @@ it, ``serves`` says whether the torch backend serves it (the registry's ``precis
   quantization), quantized by ``Params4bit.to("cpu")``. On CPUs with AVX512-BF16 bnb repacks the weight at the first
   no-grad forward to uint8 [N, K/2] + bf16 absmax per block (~4.25 bits/weight); we trigger that repack here so
   storage and speed don't change after the first rollout.
-- nf4, cuda (``bnb.nf4_cuda``): the same ``Linear4bit``, quantized by ``Params4bit.to(<the CUDA device>)`` (bnb's
-  CUDA ``quantize_4bit`` kernel): packed uint8 [N*K/2, 1] + fp32 absmax per block (~4.5 bits/weight). The repack and
-  its probe forward are CPU-only (bnb's forward repacks only ``x.device.type == "cpu"``), so none is run.
-- fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear`` (rollout/fp8.py): float8_e4m3fn weight [N, K] with one
-  fp32 scale per row (row absmax / 448, ~8 bits/weight). A decode step's few bf16 rows go through a weight-only Triton
-  kernel that reads the fp8 codes (rollout/w8_triton.py); other calls (prefill) quantize the activations per token to
-  float8_e4m3fn the same way and run torch's own ``torch._scaled_mm`` (row-wise scales, bf16 out, W8A8) on float8
-  tensor cores. Both need compute capability >= 8.9 (Ada or Hopper; we refuse older GPUs, naming the field). Not
-  served on CPU, where torch 2.13's ``_scaled_mm`` runs the same arithmetic slowly: the tests check the numerics there
-  (tests/test_quant.py). No emulated grid (like vLLM's fp8, ``BackendSpec.grids``).
+- nf4, cuda (``bnb.nf4_cuda``): the same ``Linear4bit``, quantized by ``Params4bit.to(<the CUDA device>)`` (bnb's CUDA
+  ``quantize_4bit`` kernel): packed uint8 [N*K/2, 1] + fp32 absmax per block (~4.5 bits/weight). The repack and its
+  probe forward are CPU-only (bnb's forward repacks only ``x.device.type == "cpu"``), so none is run.
+- fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear`` (rollout/fp8.py): float8_e4m3fn weight [N, K] with one fp32
+  scale per row (row absmax / 448, ~8 bits/weight); the activations quantized per token to float8_e4m3fn the same way at
+  each call and the product by torch's own ``torch._scaled_mm`` (row-wise scales, bf16 out, W8A8) on float8 tensor
+  cores. Or, with ``fp8.FP8_DECODE = "weight_only"`` (not the default until measured on a GPU), a decode step's few bf16
+  rows through a weight-only Triton kernel that reads the fp8 codes (rollout/w8_triton.py). Both need compute capability
+  >= 8.9 (Ada or Hopper; we refuse older GPUs, naming the field). Not served on CPU, where torch 2.13's ``_scaled_mm``
+  runs the same arithmetic slowly: the tests check the numerics there (tests/test_quant.py). No emulated grid (like
+  vLLM's fp8, ``BackendSpec.grids``).
 
 Re-quantization at a weight sync (``requantize_in_place``) keeps the storage: each layer's new weight is quantized
 into a temporary layer the usual way and its storage tensors (``_storage_tensors``: torchao's inner tensors, bnb's

@@ -78,6 +78,6 @@ def test_memory_bound_counts_weights_embedding_rows_and_kv_cache():
 
 
 def test_only_fp8_takes_a_route():
-    gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,fp8/scaled_mm"])
+    gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,fp8/weight_only"])
     with pytest.raises(SystemExit):
-        gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,int8/scaled_mm"])
+        gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,int8/weight_only"])

@@ -136,8 +136,10 @@ def test_fp8_fused_decode_through_the_kernel_in_interpreter(interpreter, tiny_mo
 
     monkeypatch.setattr(w8_triton, "w8_linear", counted)
     monkeypatch.setattr(torch_fused, "KERNELS", False)  # the step's own kernels: tests/test_triton_step.py
+    monkeypatch.setattr(fp8, "FP8_DECODE", "weight_only")
     monkeypatch.setattr(fp8, "weight_only_takes",  # the CUDA route's test without its device check
-                        lambda x: x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= fp8.FP8_WEIGHT_ONLY_ROWS)
+                        lambda x: fp8.FP8_DECODE == "weight_only" and x.dtype == torch.bfloat16
+                        and x.numel() // x.shape[-1] <= fp8.FP8_WEIGHT_ONLY_ROWS)
     check_fp8_fused_decode_and_sync(tiny_model_path)
     assert calls and set(calls) == {torch.float8_e4m3fn}
 
@@ -198,8 +200,10 @@ def test_off_cpu_forward_routes_decode_rows_to_the_kernel_on_live_storage(monkey
 
 
 def test_fp8_decode_rows_route_to_the_kernel_on_live_storage(monkeypatch):
-    # An Fp8Linear off the CPU: a decode step's bf16 rows go to the weight-only kernel with the layer's own codes,
-    # scales and bias; more rows, float32 activations, no Triton or FP8_DECODE = "scaled_mm" go to torch._scaled_mm.
+    # An Fp8Linear off the CPU with FP8_DECODE = "weight_only": a decode step's bf16 rows go to the weight-only kernel
+    # with the layer's own codes, scales and bias; more rows, float32 activations, no Triton or the default
+    # FP8_DECODE = "scaled_mm" go to torch._scaled_mm.
+    assert fp8.FP8_DECODE == "scaled_mm"  # the default until the weight-only route is measured on a GPU
     layer = fp8.Fp8Linear(torch.randn(64, 256)).to("meta")
     calls = []
 
@@ -214,6 +218,7 @@ def test_fp8_decode_rows_route_to_the_kernel_on_live_storage(monkeypatch):
     monkeypatch.setattr(w8_triton, "w8_linear", fake_kernel)
     monkeypatch.setattr(torch, "_scaled_mm", fake_scaled_mm)
     monkeypatch.setattr(w8_triton, "available", lambda: True)
+    monkeypatch.setattr(fp8, "FP8_DECODE", "weight_only")
     y = layer(torch.empty(2, 32, 256, device="meta", dtype=torch.bfloat16))  # 64 rows: a decode step's most
     assert y.shape == (2, 32, 64)
     kind, shape, qdata, scale, bias = calls.pop()
@@ -311,8 +316,9 @@ def test_torchao_int8_linear_on_cuda_runs_the_kernel():
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.usefixtures("on_gpu")
-def test_fp8_linear_on_cuda_runs_the_kernel_for_decode_rows():
+def test_fp8_linear_on_cuda_runs_the_kernel_for_decode_rows(monkeypatch):
     _codes_on_this_gpu("fp8")
+    monkeypatch.setattr(fp8, "FP8_DECODE", "weight_only")
     torch.manual_seed(0)
     w = torch.randn(8960, 1536, device="cuda", dtype=torch.bfloat16) * 0.02
     b = torch.randn(8960, device="cuda", dtype=torch.bfloat16)
@@ -329,3 +335,28 @@ def test_fp8_linear_on_cuda_runs_the_kernel_for_decode_rows():
         # a weight sync writes new codes into the same storage: the forward reads them
         layer.weight.copy_(fp8.fp8_per_row(-w)[0])
         _check(layer(x), w8_triton.reference(x, layer.weight, layer.scale, b))
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["static_step", "fused_step"])
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.usefixtures("on_gpu")
+def test_fp8_weight_only_decode_in_cuda_graphs_samples_the_served_model(tiny_model_path, fused, monkeypatch):
+    """The torch generator at fp8 with FP8_DECODE = "weight_only", decode replayed as CUDA graphs: each sampled token's
+    log-prob is the served model's own full forward's (whose rows take the same route here: fewer than 64)."""
+    from qgrpo.core.records import PromptItem, SamplingParams
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+    from tests.test_cuda import _logprob_gap
+
+    _codes_on_this_gpu("fp8")
+    monkeypatch.setattr(fp8, "FP8_DECODE", "weight_only")
+    kernel, calls = w8_triton.w8_linear, []
+    monkeypatch.setattr(w8_triton, "w8_linear", lambda x, q, *rest: calls.append(q.dtype) or kernel(x, q, *rest))
+    gen = TorchGenerator(tiny_model_path, "fp8", device="cuda:0", chat_template=False,
+                         options={"cuda_graphs": True, "fused_step": fused})
+    groups = gen.generate([PromptItem(f"p{i}", f"{i}+{i + 1}=", "0") for i in (0, 5, 12)],
+                          SamplingParams(group_size=8, max_new_tokens=12, temperature=1.0, seed=7))
+    info = gen.decode_info()
+    assert info["loop"] == "graphs" and info["fallback"] is None, info
+    assert calls and set(calls) == {torch.float8_e4m3fn}
+    assert _logprob_gap(gen, groups) < 0.05
