@@ -18,12 +18,12 @@ def test_bucket_choice():
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
 
 
-def _eager_graphs(tiny_model_path, precision="bf16", fused=True):
+def _eager_graphs(tiny_model_path, precision="bf16", fused=True, compute_dtype="auto"):
     """A CPU generator whose decode goes through the graph loop's steps, run eagerly: torch_fused's step, or the
     static decoder's (`fused=False`, what `[rollout.torch] fused_step = false` records)."""
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
-    gen = TorchGenerator(tiny_model_path, precision=precision)
+    gen = TorchGenerator(tiny_model_path, precision=precision, compute_dtype=compute_dtype)
     gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False, fused=fused)
     return gen
 
@@ -161,13 +161,13 @@ def test_fp8_projections_are_fused_and_a_sync_reaches_them(tiny_model_path):
     check_fp8_fused_decode_and_sync(tiny_model_path)
 
 
-def check_fp8_fused_decode_and_sync(tiny_model_path) -> None:
+def check_fp8_fused_decode_and_sync(tiny_model_path, compute_dtype="auto") -> None:
     """The fp8 test above, on whichever route rollout/fp8.py takes for these activations."""
     from transformers import AutoModelForCausalLM
 
     from qgrpo.rollout import quant
 
-    gen = _eager_graphs(tiny_model_path)
+    gen = _eager_graphs(tiny_model_path, compute_dtype=compute_dtype)
     gen.model._qgrpo_quant = ("bf16", 64)  # quantize the bf16 generator's model to fp8 on the CPU (tests only)
     gen.precision, gen._quantized = "fp8", quant.quantized_weight_names(gen.model, "fp8", 64, "cpu")
     quant._quantize_layers(gen.model, "fp8", 64, torch.device("cpu"))
