@@ -27,7 +27,8 @@ The model:
 - **sync**: a step splits its prompts over the actors (whole groups, near-equal chunks, as cluster/run/workers.py
   does) and waits for the slowest; then reference, learn, sync;
 - **one-step-off** (`algo.overlap`): step k+1's rollouts are generated, on the weights before step k's update, while
-  step k is scored and trained; the sync waits for them (as cluster/run/overlap.py's settle does);
+  step k is scored and trained; the sync waits for them (as the one-step-off loop did before `algo.overlap` became
+  an alias of the stream at staleness 1, whose sync reaches them mid-call);
 - **async-S**: each actor takes the next chunk of prompts whenever it is free (the same chunk size as sync's, or
   `--chunk-groups`), loading the newest weights first if the learner has published any (a sync reaches an actor
   between chunks), and pushes the finished groups to a buffer; admission is paced as AReaL does: an actor holding
@@ -115,7 +116,7 @@ def chunk_seconds(st: Stages, lengths: Lengths, prompts: range) -> float:
 
 
 def split(start: int, n: int, actors: int) -> list[range]:
-    """Near-equal contiguous chunks of whole prompts, as cluster/run/workers.py's _split."""
+    """Near-equal contiguous chunks of whole prompts, as cluster/run/workers.py's split_prompts."""
     k, r = divmod(n, actors)
     out, i = [], start
     for a in range(actors):

@@ -210,3 +210,47 @@ def rerun_in_triton_interpreter(test_file: str) -> None:
                          timeout=900)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and " skipped" not in run.stdout.splitlines()[-1], run.stdout[-2000:]
+
+
+class FakePool:
+    """The rollout pool's public dispatch (cluster/run/workers.py: RolloutPool: split, free_slots, submit, wait,
+    collect, overdue, name) over a plain function instead of Ray actors: `generate(items, sampling, step) -> (groups,
+    stats)` runs in a thread per call; what it raises, `collect` raises. `sent` lists (slot, step, items) per call."""
+
+    def __init__(self, generate, actors: int = 1):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.generate, self.actors, self.sent = generate, [None] * actors, []
+        self.threads = ThreadPoolExecutor(8, thread_name_prefix="fake-actor")
+
+    def split(self, items):
+        from qgrpo.cluster.run.workers import split_prompts
+
+        return split_prompts(items, len(self.actors))
+
+    def free_slots(self, busy):
+        return [s for s in range(len(self.actors)) if s not in busy]
+
+    def submit(self, slot, items, sampling, step):
+        import time
+
+        from qgrpo.cluster.run.workers import Call
+
+        self.sent.append((slot, step, list(items)))
+        future = self.threads.submit(self.generate, items, sampling, step)
+        return Call(future, slot, tuple(str(getattr(i, "prompt_id", i)) for i in items), step, time.monotonic())
+
+    def wait(self, calls, timeout):
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        done, _ = wait([c.ref for c in calls], timeout, return_when=FIRST_COMPLETED)
+        return [c for c in calls if c.ref in done]
+
+    def collect(self, call):
+        return call.ref.result()
+
+    def overdue(self, calls, seconds):
+        pass
+
+    def name(self, slot):
+        return f"fake-{slot}"

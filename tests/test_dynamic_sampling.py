@@ -16,16 +16,18 @@ import torch
 
 from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.run.driver import StageClock
-from qgrpo.cluster.run.overlap import ROUND_SEED_STRIDE, RolloutSource, StepRollouts
 from qgrpo.cluster.run.rewarding import Scored
 from qgrpo.cluster.run.step_data import step_data
+from qgrpo.cluster.run.stream import RolloutStream
+from qgrpo.cluster.run.supply import ROUND_SEED_STRIDE, StepRollouts
 from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem
 from qgrpo.learner.batch import pack_rollouts
 from qgrpo.learner.objective.groups import has_signal, prompts_to_draw, select_groups
 from qgrpo.learner.objective.loss import aggregation_weights, grpo_loss
 from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.objective.shaping import overlong_penalties, shape_groups, truncated
-from tests.helpers import CountingSampler  # the prompt sampler stand-in: ids 0, 1, 2, ...
+from qgrpo.learner.objective.staleness import admission
+from tests.helpers import CountingSampler, FakePool  # the prompt sampler stand-in: ids 0, 1, 2, ...
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,8 +121,8 @@ def test_a_wholly_filtered_batch_has_a_finite_zero_loss():
 # ------------------------------------------------------------------------------------------------ the driver's loop
 
 class _Workers:
-    """Stands in for the rollout actors: prompt i's two completions are SPEC[i] (else two flat "0"s of 1 token);
-    each call takes 1 s of generator time."""
+    """Stands in for the rollout actors (one actor's call: groups and its stats): prompt i's two completions are
+    SPEC[i] (else two flat "0"s of 1 token); each call takes 1 s of generator time."""
 
     def __init__(self, spec, log):
         self.spec, self.log, self.calls = spec, log, []
@@ -130,8 +132,7 @@ class _Workers:
         self.calls.append((list(items), sampling.seed, step))
         self.log.append("generate")
         groups = [_group(f"p-{i}", self.spec.get(i, [("0", 1, "stop"), ("0", 1, "stop")])) for i in items]
-        return groups, [GenerationStats("fake-0", 1.0, sum(len(c.token_ids) for g in groups for c in g.completions),
-                                        0)]
+        return groups, GenerationStats("fake-0", 1.0, sum(len(c.token_ids) for g in groups for c in g.completions), 0)
 
     def reference_logprobs(self, batch):
         self.log.append("reference")
@@ -168,18 +169,26 @@ def _run(spec, rounds=3, buffer=0, overlong_filter=False, per_step=4, max_new_to
         f"algo.dynamic_sampling_rounds={rounds}", "algo.advantage_scale='none'", f"algo.overlong_buffer={buffer}",
         "algo.overlong_penalty=1.0", f"algo.overlong_filter={str(overlong_filter).lower()}", "run.steps=10"],
         check_environment=False)
-    ro = cfg.rollout
     log: list[str] = []
     workers = _Workers(spec, log)
-    return SimpleNamespace(cfg=cfg, workers=workers, rewards=_Rewards(log),
-                           source=RolloutSource(workers, CountingSampler(), ro, seed=1, overlap=False)), log
+    return SimpleNamespace(cfg=cfg, workers=workers, rewards=_Rewards(log), supply=None), log
+
+
+def _supply(workers, ro, step: int, overlap: bool = False) -> RolloutStream:
+    """The run's supply over the stand-in generators, starting at `step` with its weights held."""
+    return RolloutStream(FakePool(workers.generate), CountingSampler(), ro, seed=1, rule=admission(0, 1, overlap),
+                         start_step=step, published=step, steps=10, timeout_s=60.0)
 
 
 MIXED = [("1", 1, "stop"), ("0", 1, "stop")]
 
 
 def _step(run, step, clock):
-    data = step_data(run, step, clock)
+    run.supply = _supply(run.workers, run.cfg.rollout, step)
+    try:
+        data = step_data(run, step, clock)
+    finally:
+        run.supply.close()
     return data.rollouts, data.batch, data.reward_metrics
 
 
@@ -194,7 +203,7 @@ def test_dynamic_loop_draws_by_keep_rate_until_the_batch_is_full():
     assert [c[1] for c in run.workers.calls] == [base, base + ROUND_SEED_STRIDE, base + 2 * ROUND_SEED_STRIDE]
     assert {c[2] for c in run.workers.calls} == {3}  # every round generates for the same step
     assert [g.item.prompt_id for g in rollouts.groups] == ["p-0", "p-1", "p-4", "p-9"]  # p-10 is past the cap
-    assert rollouts.cursor == 11 and run.source.sampler.cursor == 11  # after every prompt drawn this step
+    assert rollouts.cursor == 11 and run.supply.sampler.cursor == 11  # after every prompt drawn this step
     assert len(rollouts.stats) == 3 and rollouts.seconds == 3.0  # every round's generation, rounds add up
     assert [g.item.prompt_id for g in rollouts.sample] == ["p-0", "p-1", "p-2", "p-3"]  # the first round
     assert m["reward/mean"] == 0.25  # the first round's 8 completions (2 right), not the batch's (4 of 8)
@@ -253,9 +262,9 @@ def test_the_parallel_path_shapes_before_the_advantages_and_filters():
     assert batch.total_tokens == 4.0 and log == ["generate", "reference", "rewards"]  # reference and rewards overlap
 
 
-def test_rollout_source_refuses_more_prompts_with_overlap():
-    src = RolloutSource(_Workers({}, []), CountingSampler(), _run({})[0].cfg.rollout, seed=0, overlap=True)
-    with pytest.raises(RuntimeError, match="overlap"):
+def test_a_supply_that_draws_ahead_refuses_more_prompts():
+    src = _supply(_Workers({}, []), _run({})[0].cfg.rollout, 0, overlap=True)
+    with pytest.raises(RuntimeError, match="synchronous supply"):
         src.more(0, 2, 1)
     src.close()
     assert StepRollouts([], [GenerationStats("a", 2.0, 1, 0), GenerationStats("b", 3.0, 1, 0)], 0).seconds == 3.0

@@ -1,7 +1,8 @@
-"""Asynchronous rollouts with a staleness bound (cluster/run/stream.py, algo.max_staleness): the bound by hand, the
-config's refusals, and real runs of configs/tiny.toml through Ray, where a synchronous run and a stream at staleness 2
-train on the same prompts in the same steps, the stream's groups are never staler than the bound, and a rollout actor
-beyond a step's prompts generates later steps' prompts."""
+"""Asynchronous rollouts with a staleness bound (cluster/run/stream.py, algo.max_staleness; the bound by hand is in
+tests/test_staleness.py): the config's refusals, and real runs of configs/tiny.toml through Ray, where a synchronous
+run and a stream at staleness 2 train on the same prompts in the same steps, the stream's groups are never staler than
+the bound, and a rollout actor beyond a step's prompts generates later steps' prompts; a stream's checkpoint snapshot
+taken up by a resumed stream over a stand-in pool."""
 from __future__ import annotations
 
 import json
@@ -13,26 +14,6 @@ from qgrpo.cluster.config.schema import ConfigError, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
-
-
-class _Stream:
-    """RolloutStream's bound alone (no thread, no actors)."""
-
-    def __init__(self, S: int, U: int):
-        from qgrpo.cluster.run.stream import RolloutStream
-
-        self.S, self.U, self.needed = S, U, RolloutStream.needed.__get__(self)
-
-
-@pytest.mark.parametrize("S, U, expected", [
-    (0, 1, [0, 1, 2, 3, 4, 5]),  # synchronous: step c waits for the weights of step c
-    (1, 1, [0, 0, 1, 2, 3, 4]),  # one sync behind
-    (2, 1, [0, 0, 0, 1, 2, 3]),
-    (0, 2, [0, 0, 2, 2, 4, 4]),  # update_every = 2: the synchronous run samples steps 2 and 3 from step 2's weights
-    (1, 2, [0, 0, 0, 0, 2, 2]),  # ... and one sync (two steps) earlier
-])
-def test_a_chunk_of_step_c_waits_for_the_weights_the_bound_names(S, U, expected):
-    assert [_Stream(S, U).needed(c) for c in range(6)] == expected
 
 
 @pytest.mark.parametrize("other, words", [
@@ -175,40 +156,35 @@ def test_a_stream_killed_mid_run_resumes_without_skipping_or_repeating_a_prompt(
         {s: sorted(ids) for s, ids in expected.items()}  # each prompt once, in its step, group_size times
 
 
-class _FakeActor:
-    """A rollout actor's `generate.remote` for the stream alone: one single-token group per prompt, sampled by the
-    weights of the step before (policy_version = step - 1), its call logged; the result is put in Ray's store."""
+def _fake_generate(calls: list):
+    """A rollout actor's generate for the stream alone: one single-token group per prompt, sampled by the weights of
+    the step before (policy_version = step - 1), its call logged."""
 
-    def __init__(self, calls: list):
-        self.calls, self.generate = calls, self
-
-    def remote(self, items, sampling, step):
-        import ray
-
+    def generate(items, sampling, step):
         from qgrpo.core.records import Completion, GenerationStats, GroupRollout
 
-        self.calls.append((step, [i.prompt_id for i in items]))
+        calls.append((step, [i.prompt_id for i in items]))
         groups = [GroupRollout(item=i, prompt_ids=[1, 2], completions=[Completion([5], [-0.25], "stop", "5")],
                                policy_version=step - 1, generator_id="fake", precision="int8") for i in items]
-        return ray.put((groups, GenerationStats("fake", 0.01, len(items), step - 1)))
+        return groups, GenerationStats("fake", 0.01, len(items), step - 1)
 
-
-class _FakePool:
-    def __init__(self, n: int, calls: list):
-        self.actors, self.failures = [_FakeActor(calls) for _ in range(n)], [0] * n
+    return generate
 
 
 def _stream(calls: list, start: int, buffer=None):
     from qgrpo.cluster.run.stream import RolloutStream
+    from qgrpo.learner.objective.staleness import admission
     from qgrpo.rollout.tasks import PromptSampler, make_task
+    from tests.helpers import FakePool
 
     cfg = load_config(str(TINY), ["rollout.prompts_per_step=4", "rollout.group_size=2"])
-    workers = type("Workers", (), {"rollout": _FakePool(2, calls)})()
     sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=4 * start)
-    return RolloutStream(workers, sampler, cfg.rollout, 0, 2, 1, start, start, 6, 60.0, buffer), sampler
+    return RolloutStream(FakePool(_fake_generate(calls), actors=2), sampler, cfg.rollout, seed=0,
+                         rule=admission(2, 1), start_step=start, published=start, steps=6, timeout_s=60.0,
+                         buffer=buffer), sampler
 
 
-def test_a_checkpoint_holds_the_stream_and_a_resume_trains_on_its_groups_as_sampled(ray_session):
+def test_a_checkpoint_holds_the_stream_and_a_resume_trains_on_its_groups_as_sampled():
     """After step 0 is taken, the stream's snapshot holds steps 1 and 2 (drawn ahead at staleness 2): their prompts
     and the groups generated, as JSON. A stream resumed from it generates again only the chunk the snapshot lacked
     (one of step 2's, left out as if in flight at the save), takes steps 1 and 2 with the very groups of the first
@@ -223,13 +199,13 @@ def test_a_checkpoint_holds_the_stream_and_a_resume_trains_on_its_groups_as_samp
     try:
         deadline = clock.monotonic() + 30
         with first.cv:  # steps 0-2 are admitted at once (S = 2): wait until all their chunks are in
-            while any(len(first.done.get(s, {})) < 2 for s in range(3)):
+            while any(len(first.done.get((s, 0), {})) < 2 for s in range(3)):
                 first.cv.wait(0.1)
                 assert clock.monotonic() < deadline
-        first.take(0, 6)
+        first.take(0)
         with first.cv:
-            missing = first.done[2].pop(1)  # as if in flight at the save
-            before = {s: [g for k in sorted(first.done[s]) for g in first.done[s][k][0]] for s in (1, 2)}
+            missing = first.done[(2, 0)].pop(1)  # as if in flight at the save
+            before = {s: [g for k in sorted(first.done[(s, 0)]) for g in first.done[(s, 0)][k][0]] for s in (1, 2)}
         snap = json.loads(json.dumps(first.snapshot()))  # JSON-safe, as the checkpoint writes it
     finally:
         first.close()
@@ -239,7 +215,7 @@ def test_a_checkpoint_holds_the_stream_and_a_resume_trains_on_its_groups_as_samp
     second, _ = _stream(calls, 1, snap)
     try:
         assert second.restored == 4 + 2
-        got = {s: second.take(s, 6).groups for s in (1, 2, 3)}
+        got = {s: second.take(s).groups for s in (1, 2, 3)}
     finally:
         second.close()
     assert [(g.item, g.completions, g.policy_version) for g in got[1]] == \

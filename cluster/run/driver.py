@@ -4,8 +4,10 @@ Departures from the GRPO paper, on purpose: rollouts come from quantized generat
 policy-gradient term is weighted by min(pi_old/mu, C) (FlashRL's truncated importance sampling) and the mismatch
 between mu and pi_old is logged each step; log-probs everywhere are those of softmax(logits / temperature).
 A step the learner's precision guard skipped moves the generators (or the reference) up the precision ladder.
-Each step's data (rollouts -> scored rollouts -> train batch) is built once, as values, by cluster/run/step_data.py;
-DAPO's dynamic sampling is where its groups come from (cluster/run/sampling.py).
+Each step's groups come from the run's rollout supply (cluster/run/supply.py: synchronous, one step off or a stream
+with a staleness bound, one implementation); each step's data (rollouts -> scored rollouts -> train batch) is built
+once, as values, by cluster/run/step_data.py; DAPO's dynamic sampling asks the same supply for more groups
+(cluster/run/sampling.py).
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.control import wanted_rollout_actors
 from qgrpo.cluster.run.follow import FollowWatch
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
-from qgrpo.cluster.run.overlap import RolloutSource, StepRollouts
 from qgrpo.cluster.run.step_data import step_data
 from qgrpo.cluster.run.stopping import StopRequest
+from qgrpo.cluster.run.stream import read_buffer, stream_ages, write_buffer
+from qgrpo.cluster.run.supply import StepRollouts, open_supply
 from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, complete_checkpoints, save_checkpoint
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
 from qgrpo.cluster.rundir.rollout_log import RolloutWriter
@@ -80,7 +83,7 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
         "loss/grad_norm": first.grad_norm,
         "loss/lr": first.lr,
         **{(k if "/" in k else f"loss/{k}"): v for k, v in loss_stats.items()},  # mismatch/*, entropy/* as named
-        # the generators' own time (they run side by side; with algo.overlap, while the learner trains)
+        # the generators' own time (they run side by side; with stale rollouts allowed, while the learner trains)
         "perf/gen_tokens_per_s": new_tokens / max(rollouts.seconds, 1e-9),
         "perf/learn_tokens_per_s": batch.total_tokens / max(clock.seconds["learn"], 1e-9),
         **{f"time/learn_{k}": v for k, v in first.timing.items()},  # rank 0's split
@@ -92,27 +95,10 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
     m.update(episode_metrics(rollouts.sample))
     if rollouts.stream:
         m.update(rollouts.stream)
-        m.update(token_ages(rollouts.groups, first.version_before))
+        m.update(stream_ages(rollouts.groups, first.version_before))
     if sync:
         m.update(sync.metrics())
     return m
-
-
-def token_ages(groups, trained_from: int) -> dict:
-    """The stream's tokens by the version that sampled them, as its age behind the policy the step trained from
-    (`stream/tokens_age<k>`: the model's tokens sampled k updates earlier), and `stream/mixed_completions`: those
-    whose tokens span two versions or more (a weight update landed between two of their decode steps)."""
-    ages: dict[int, int] = {}
-    mixed = 0
-    for g in groups:
-        for c in g.completions:
-            versions = c.versions(g.policy_version)
-            mask = c.model_mask or [1] * len(versions)
-            for v, keep in zip(versions, mask):
-                if keep:
-                    ages[trained_from - v] = ages.get(trained_from - v, 0) + 1
-            mixed += c.token_versions is not None and len(set(versions)) > 1
-    return {**{f"stream/tokens_age{k}": n for k, n in sorted(ages.items())}, "stream/mixed_completions": mixed}
 
 
 def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None,
@@ -143,8 +129,6 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             data = step_data(run, step, clock)  # sample, generate, score, reference, advantages
             results = workers.learn(data.batch, step + 1)
             clock.lap("learn")
-            run.source.before_sync()  # algo.overlap: the next step's rollouts are done (a stream goes on)
-            clock.lap("rollout_wait")
             sync = run.sync(step + 1, results[0])
             climbed = run.climb(step + 1, results[0].skipped)
             clock.lap("sync")
@@ -201,18 +185,14 @@ class TrainingRun:
                         "resumed_from": str(resume) if resume else None, "set_aside": str(aside) if aside else None,
                         **self.ladder.state()})
         self.eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
-        if cfg.algo.max_staleness:
-            from qgrpo.cluster.run.stream import RolloutStream, read_buffer
-
-            buffer = read_buffer(resume) if resume is not None else None
-            self.source = RolloutStream(self.workers, sampler, ro, cfg.run.seed, cfg.algo.max_staleness,
-                                        cfg.algo.update_every, self.state.step, self.state.published_version,
-                                        cfg.run.steps, cfg.faults.generate_timeout_s, buffer)
-            if buffer:  # the groups generated ahead of the checkpoint, trained on as they were sampled
-                self.log.write({"event": "stream_restored", "step": self.state.step, "groups": self.source.restored,
-                                "steps": sorted(int(s) + 1 for s in buffer["steps"])})
-        else:
-            self.source = RolloutSource(self.workers, sampler, ro, cfg.run.seed, cfg.algo.overlap)
+        # Where each step's groups come from (cluster/run/supply.py), resumed with what a checkpoint drew beyond its
+        # step
+        buffer = read_buffer(resume) if resume is not None else None
+        self.supply = open_supply(cfg, self.workers.rollout, sampler, self.state.step, self.state.published_version,
+                                  buffer)
+        if buffer:  # the groups generated ahead of the checkpoint, trained on as they were sampled
+            self.log.write({"event": "stream_restored", "step": self.state.step, "groups": self.supply.restored,
+                            "steps": sorted(int(s) + 1 for s in buffer["steps"])})
         self.metric = task_judge(cfg.rewards, self.eval_task or sampler.task, cfg.task.eval_size, self.rewards.model)
         self.log.write({"event": "judge", "metric": self.metric.name, "judge": self.metric.describe()})
         # What always giving the train split's most common answer scores on the held-out prompts (no step: not a
@@ -233,9 +213,9 @@ class TrainingRun:
         """`qgrpo scale`: applied between steps, when nothing is in flight."""
         want = wanted_rollout_actors(self.dir.root)
         if want and want != len(self.workers.rollout.actors):
-            self.source.settle()  # a stream's calls in flight come in first
+            self.supply.pause()  # the calls in flight come in first
             self.log.write({"step": done, **self.workers.rollout.resize(want)})
-            self.source.resume()
+            self.supply.resume()
 
     def _last(self, done: int) -> bool:
         return done == self.cfg.run.steps
@@ -247,7 +227,7 @@ class TrainingRun:
         sync = self.workers.sync_weights() if due and result.policy_version != self.published else None
         self.published = sync.version if sync else self.published
         if due:
-            self.source.after_sync(done, self.published)
+            self.supply.advance(done, self.published)
         warning = self.follow.after(sync) if sync else None
         if warning:
             self.log.write({"event": "warning", "step": done, "message": warning})
@@ -256,8 +236,10 @@ class TrainingRun:
     def climb(self, done: int, skipped: str) -> bool:
         """A step the guard skipped moves the generators (or the reference) up the precision ladder; True if so."""
         up_rollout, up_reference = self.ladder.after_step(skipped, done)
-        if up_rollout:
+        if up_rollout:  # the calls in flight (a stream's) end on the old actors first
+            self.supply.pause()
             self.workers.rollout.set_precision(up_rollout)
+            self.supply.resume()
         if up_reference:
             self.workers.set_reference_precision(up_reference)
         return bool(up_rollout or up_reference)
@@ -322,12 +304,10 @@ class TrainingRun:
         self.log.write({"event": "checkpoint", "step": done, "path": str(path)})
 
     def _write_checkpoint(self, folder: str) -> None:
-        """The learners' model files, and a stream's state beyond the step (cluster/run/stream.py: snapshot)."""
+        """The learners' model files, and the supply's state beyond the step (cluster/run/stream.py: snapshot)."""
         self.workers.save(folder)
-        buffer = self.source.snapshot()
+        buffer = self.supply.snapshot()
         if buffer is not None:
-            from qgrpo.cluster.run.stream import write_buffer
-
             write_buffer(folder, buffer)
 
     def failed(self, err: BaseException, step: int) -> Exception:
@@ -357,7 +337,7 @@ class TrainingRun:
 
     def close(self, failing: bool, stopping: bool = False) -> None:
         self.rewards.close(wait_s=0 if stopping else END_WAIT_S)
-        self.source.close()
+        self.supply.close()
         self.samples.close()
         self.log.close()
         # Stopping on a signal: the learners' placement group is left to Ray, which removes it with the job. A

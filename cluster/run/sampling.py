@@ -10,16 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from qgrpo.cluster.run.overlap import StepRollouts
 from qgrpo.cluster.run.rewarding import Scored
+from qgrpo.cluster.run.supply import RolloutSupply, StepRollouts
 from qgrpo.core.records import GroupRollout
 from qgrpo.learner.objective.groups import has_signal, prompts_to_draw, select_groups
 
 
-def dynamic_rollouts(source, score: Callable[[list[GroupRollout]], Scored], want: int, max_rounds: int, step: int,
-                     steps: int, clock) -> tuple[StepRollouts, dict]:
+def dynamic_rollouts(supply: RolloutSupply, score: Callable[[list[GroupRollout]], Scored], want: int, max_rounds: int,
+                     step: int, clock) -> tuple[StepRollouts, dict]:
     """Step `step`'s rollouts under dynamic sampling: `want` groups (the rollout.prompts_per_step), those with
-    signal first, from at most `max_rounds` rounds of generation. `source`: cluster/run/overlap.py's RolloutSource;
+    signal first, from at most `max_rounds` rounds of generation. `supply`: the run's (cluster/run/supply.py);
     `score(groups)` returns them with their rewards (shaped) and their reward metrics; `clock` the step's
     StageClock (laps "generate" and "rewards" add up over the rounds).
 
@@ -27,7 +27,7 @@ def dynamic_rollouts(source, score: Callable[[list[GroupRollout]], Scored], want
     and the metrics: the reward metrics of the FIRST round only, the step's own fresh sample of the policy (the batch
     kept is biased towards groups with mixed results, so its accuracy would read near 50% whatever the policy does),
     and `dynamic/dropped_group_frac`, `dynamic/extra_prompts`, `dynamic/rounds`, `dynamic/topped_up`."""
-    first = source.take(step, steps)
+    first = supply.take(step)
     clock.lap("generate")
     # The step's reward metrics are this first round's: the policy's own sample. Those of the batch kept would be
     # biased towards groups of mixed results (accuracy near 50%), so later rounds' are not logged.
@@ -39,7 +39,7 @@ def dynamic_rollouts(source, score: Callable[[list[GroupRollout]], Scored], want
         kept = sum(has_signal(g.rewards) for g in groups)
         if kept >= want:
             break
-        more = source.more(step, prompts_to_draw(want - kept, kept, len(groups), want), rounds)
+        more = supply.more(step, prompts_to_draw(want - kept, kept, len(groups), want), rounds)
         clock.lap("generate")
         later = score(more.groups)
         clock.lap("rewards")

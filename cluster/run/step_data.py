@@ -1,7 +1,7 @@
 """Each step's data, built once, as values: rollouts -> scored rollouts -> train batch.
 
-    rollouts  where the step's groups come from (cluster/run/sampling.py): its prompts, generated (one step ahead
-              under algo.overlap), or the rounds of DAPO's dynamic sampling; with a handle on their rewards
+    rollouts  the step's groups from the run's rollout supply (cluster/run/supply.py), or the rounds of DAPO's
+              dynamic sampling asked of it (cluster/run/sampling.py); with a handle on their rewards
     scored    the groups with their rewards (shaped by algo.overlong_buffer) and the reward metrics
     batch     the packed tokens, the reference's log-probs, the advantages (algo.advantage_scale) and the truncated
               completions left out (algo.overlong_filter): the learner's TrainBatch, made once
@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from qgrpo.cluster.run.overlap import StepRollouts
 from qgrpo.cluster.run.rewarding import Scored
 from qgrpo.cluster.run.sampling import dynamic_rollouts
+from qgrpo.cluster.run.supply import StepRollouts
 from qgrpo.learner.batch import TrainBatch, advantages_of, pack_rollouts
 from qgrpo.learner.objective.advantages import with_advantages
 from qgrpo.learner.objective.shaping import shape_groups, truncated
@@ -73,16 +73,16 @@ def step_rollouts(run, step: int, clock) -> tuple[StepRollouts, object]:
     with their rewards in flight, or (algo.dynamic_sampling) the groups kept from the rounds, already scored."""
     cfg, scoring = run.cfg, Scoring(run.rewards, run.cfg)
     if cfg.algo.dynamic_sampling:
-        rollouts, metrics = dynamic_rollouts(run.source, scoring, cfg.rollout.prompts_per_step,
-                                             cfg.algo.dynamic_sampling_rounds, step, cfg.run.steps, clock)
+        rollouts, metrics = dynamic_rollouts(run.supply, scoring, cfg.rollout.prompts_per_step,
+                                             cfg.algo.dynamic_sampling_rounds, step, clock)
         return rollouts, _Done(Scored(rollouts.groups, metrics))
-    rollouts = run.source.take(step, cfg.run.steps)
+    rollouts = run.supply.take(step)
     clock.lap("generate")
     return rollouts, scoring.submit(rollouts.groups)
 
 
 def step_data(run, step: int, clock) -> StepData:
-    """Step `step`'s rollouts, scored, and its train batch (`run`: the driver's TrainingRun: cfg, source, rewards,
+    """Step `step`'s rollouts, scored, and its train batch (`run`: the driver's TrainingRun: cfg, supply, rewards,
     workers). Laps of `clock`: generate, rewards (dynamic sampling: per round), pack, reference, then rewards again
     for the wait on the rewards and the advantages."""
     algo = run.cfg.algo

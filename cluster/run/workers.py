@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from dataclasses import dataclass
 
 import ray
 import torch
@@ -43,15 +44,27 @@ from qgrpo.rollout.models import BUILTIN_PREFIX, hub_cache_folder
 from qgrpo.rollout.noise import NormNoise
 
 
-def _split(items: list, n: int) -> list[list]:
-    """Near-equal contiguous chunks (whole prompts, so a group never spans generators)."""
+def split_prompts(items: list, n: int) -> list[list]:
+    """Near-equal contiguous chunks, one per actor, empty ones left out (whole prompts: a group never spans
+    generators)."""
     k, r = divmod(len(items), n)
     out, i = [], 0
     for a in range(n):
         j = i + k + (a < r)
         out.append(items[i:j])
         i = j
-    return out
+    return [c for c in out if c]
+
+
+@dataclass(eq=False)
+class Call:
+    """One generation call in flight on a rollout actor (RolloutPool.submit)."""
+
+    ref: ray.ObjectRef
+    slot: int  # the actor's place in the pool
+    prompt_ids: tuple[str, ...]
+    step: int  # the generators' (1-based) step, for messages
+    sent: float  # time.monotonic() when sent: its deadline runs from here
 
 
 class RunFailed(RuntimeError):
@@ -147,36 +160,66 @@ class RolloutPool:
                                 "replacement": self.name(slot), "weights_version": self.last_update.version
                                 if self.last_update else self.policy_version})
 
+    # --- dispatch: what the rollout supply (cluster/run/stream.py) and `generate` build on ---
+    def split(self, items: list[PromptItem]) -> list[list[PromptItem]]:
+        """A step's prompts as chunks, one per actor the pool has now."""
+        return split_prompts(items, len(self.actors))
+
+    def free_slots(self, busy: set[int]) -> list[int]:
+        """The actors with no call in flight (`busy`: those with one), the ones that have not just failed first."""
+        free = [s for s in range(len(self.actors)) if s not in busy]
+        return sorted(free, key=lambda s: self.failures[s] > 0)
+
+    def submit(self, slot: int, items: list[PromptItem], sampling: SamplingParams, step: int) -> Call:
+        """Send one chunk to the actor at `slot`; returns at once."""
+        ref = self.actors[slot].generate.remote(items, sampling, step)
+        return Call(ref, slot, tuple(i.prompt_id for i in items), step, time.monotonic())
+
+    def wait(self, calls: list[Call], timeout: float) -> list[Call]:
+        """The calls of `calls` that are done, waiting up to `timeout` seconds for the first."""
+        by_ref = {c.ref: c for c in calls}
+        ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=max(timeout, 0.0)) if calls else ([], [])
+        return [by_ref[r] for r in ready]
+
+    def collect(self, call: Call) -> tuple[list[GroupRollout], GenerationStats] | None:
+        """A finished call's groups and stats; None where its actor failed: the failure is counted (and logged),
+        a dead actor replaced, and the caller sends the chunk again. Too many failures in a row raise RunFailed."""
+        try:
+            out = ray.get(call.ref)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+            self._failed(call.slot, e, list(call.prompt_ids), f"generate at step {call.step}")
+            return None
+        self.failures[call.slot] = 0
+        return out
+
+    def overdue(self, calls: list[Call], seconds: float) -> None:
+        """Raise StageTimeout if a call has run past `seconds` (faults.generate_timeout_s) since it was sent."""
+        now = time.monotonic()
+        late = [c for c in calls if now - c.sent > seconds]
+        if late:
+            held = "; ".join(f"{self.name(c.slot)} held {', '.join(c.prompt_ids)}" for c in late)
+            raise StageTimeout(f"generate at step {late[0].step}: no result within {seconds:.0f} s ({held}); raise "
+                               "faults.generate_timeout_s if generation is that slow, or look for a hung actor")
+
     def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int
                  ) -> tuple[list[GroupRollout], list[GenerationStats]]:
-        """Every prompt generated exactly once, whole groups per actor, results in the order of `items`."""
+        """Every prompt generated exactly once, whole groups per actor, results in the order of `items` (a held-out
+        evaluation; training steps come through the rollout supply). A chunk whose actor failed goes again to a live
+        actor: one that has not failed, with the fewest calls queued (else the replacement)."""
         timeout = self.cfg.faults.generate_timeout_s
-        chunks = [c for c in _split(items, len(self.actors)) if c]
+        chunks = self.split(items)
         results: list = [None] * len(chunks)
-        pending = {self.actors[j].generate.remote(c, sampling, step): (j, j) for j, c in enumerate(chunks)}
-        deadline = time.monotonic() + timeout
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
-            if not ready:
-                held = "; ".join(f"{self.name(s)} held {', '.join(i.prompt_id for i in chunks[j])}"
-                                 for j, s in pending.values())
-                raise StageTimeout(f"generate at step {step}: no result within {timeout:.0f} s ({held}); raise "
-                                   "faults.generate_timeout_s if generation is that slow, or look for a hung actor")
-            j, slot = pending.pop(ready[0])
-            try:
-                results[j] = ray.get(ready[0])
-                self.failures[slot] = 0
-                continue
-            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-                self._failed(slot, e, [i.prompt_id for i in chunks[j]], f"generate at step {step}")
-            # Again on a live actor: one that has not failed, with the least work queued (else the replacement).
-            busy = [s for _, s in pending.values()]
-            live = [s for s in range(len(self.actors)) if s != slot and self.failures[s] == 0] or [slot]
-            target = min(live, key=busy.count)
-            pending[self.actors[target].generate.remote(chunks[j], sampling, step)] = (j, target)
-            deadline = max(deadline, time.monotonic() + timeout)
-        groups = [g for gs, _ in results for g in gs]
-        return groups, [s for _, s in results]
+        flight = {self.submit(j, c, sampling, step): j for j, c in enumerate(chunks)}
+        while flight:
+            for call in self.wait(list(flight), min(1.0, timeout)):
+                j = flight.pop(call)
+                results[j] = self.collect(call)
+                if results[j] is None:
+                    busy = [c.slot for c in flight]
+                    live = [s for s in range(len(self.actors)) if s != call.slot and self.failures[s] == 0]
+                    flight[self.submit(min(live or [call.slot], key=busy.count), chunks[j], sampling, step)] = j
+            self.overdue(list(flight), timeout)
+        return [g for gs, _ in results for g in gs], [s for _, s in results]
 
     def load(self, update: WeightUpdate, seconds: float) -> list[SyncAck]:
         """Every actor loads `update` within `seconds`; an actor lost meanwhile is replaced (and loads it)."""

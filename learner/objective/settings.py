@@ -76,15 +76,15 @@ class ObjectiveSettings:
     top_entropy_quantile: float = knob(1.0, """Train the policy term on the highest-entropy tokens only: the top q of
         each micro-batch's completion tokens by entropy (1 = every token; "Beyond the 80/20 rule" uses 0.2). The KL
         term still covers every token.""", gt=0, le=1)
-    # How stale the data may be (cluster/run/overlap.py, the learner's updates)
+    # How stale the data may be (learner/objective/staleness.py, the learner's updates)
     update_every: int = knob(1, "Generators get new weights every N learner steps (1 = on-policy up to quantization).",
                              ge=1, why="1 = sync after every step")
     updates_per_batch: int = knob(1, "Optimizer updates on each batch (> 1 makes the clip matter).", ge=1)
-    overlap: bool = knob(False, """One-step-off-policy: step k+1's rollouts are generated while the learner trains on
-        step k (cluster/run/overlap.py). They are one update stale at update_every = 1, corrected by the importance
-        weights (is_mode); staleness is recorded per rollout. Pays off when generators and learner have their own
-        devices or nodes.""")
-    max_staleness: int = knob(0, """Asynchronous rollouts (cluster/run/stream.py): the rollout actors generate
+    overlap: bool = knob(False, """One-step-off-policy, an alias: max_staleness = 1 with step k+1's prompts drawn
+        when the learner takes step k, so they are generated while it trains on step k, by weights one update behind
+        (a sync in flight reaches them between two decode steps). Corrected by the importance weights (is_mode);
+        staleness is recorded per token. Pays off when generators and learner have their own devices or nodes.""")
+    max_staleness: int = knob(0, """Asynchronous rollouts (cluster/run/supply.py): the rollout actors generate
         continuously, up to this many weight syncs ahead of the learner, which trains on each step's groups as soon
         as they are in. 0 = synchronous (each step's rollouts are generated after the previous step's sync). A group
         is never trained on more than max_staleness syncs after the weights that sampled it; the importance weights
