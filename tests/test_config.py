@@ -1,10 +1,11 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from qgrpo.cluster.config.schema import ConfigError, config_from_dict, load_config
+from qgrpo.cluster.config.schema import ConfigError, config_from_dict, load_config, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -357,12 +358,126 @@ def test_a_configs_paths_are_read_against_its_own_folder(tmp_path, monkeypatch):
         assert cfg.rewards.functions[0].function == f"{folder / 'rewards.py'}:within_tolerance"
     monkeypatch.chdir(ROOT)
     old = {"task": {"path": "examples/own_rewards/problems.jsonl"}, "rewards": {"functions": [{"name": "correct"}]}}
-    anchor_paths(old, folder)
+    anchor_paths(old, folder, schema())
     assert old["task"]["path"] == "examples/own_rewards/problems.jsonl"  # found from here only: left as written
     gone = {"task": {"path": "nowhere.jsonl", "eval_path": "s3://bucket/eval.jsonl"}}
-    anchor_paths(gone, folder)
+    anchor_paths(gone, folder, schema())
     assert gone["task"] == {"path": str(folder / "nowhere.jsonl"), "eval_path": "s3://bucket/eval.jsonl"}
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.jsonl").write_text('{"question": "1+1", "answer": 2}\n' * 4)
     cfg = load_config(folder / "config.toml", ["task.path='mine.jsonl'", "task.eval_size=1"])
     assert cfg.task.path == "mine.jsonl"  # an override is the command line's: the working directory's
+
+
+def test_model_paths_and_the_cache_are_read_against_the_configs_folder(tmp_path, monkeypatch):
+    """model.path, reward_model.path and model.cache_dir resolve like the data files; run.output_dir stays the
+    working directory's, as TRL's output_dir; a Hub id and builtin:NAME are never changed."""
+    from qgrpo.cluster.config.tomlio import anchor_paths
+
+    tmp_path = tmp_path.resolve()
+    folder, elsewhere = tmp_path / "exp", tmp_path / "elsewhere"
+    for d in (folder / "mymodel", folder / "rm", folder / "runs", elsewhere / "legacy-model"):
+        d.mkdir(parents=True)
+    (folder / "config.toml").write_text('[run]\noutput_dir = "runs"\n\n[model]\npath = "mymodel"\n'
+                                        'cache_dir = "cache"\n\n[reward_model]\npath = "./rm"\n\n[rewards]\n'
+                                        'functions = [{name = "correct"}, {name = "reward_model", weight = 0.1}]\n')
+    monkeypatch.chdir(elsewhere)
+    cfg = load_config(folder / "config.toml", check_environment=False)
+    assert cfg.model.path == str(folder / "mymodel")  # a folder beside the config, not in the working directory
+    assert cfg.model.cache_dir == str(folder / "cache")  # not there yet (made on first use): the config's folder
+    assert cfg.reward_model.path == str(folder / "rm")
+    assert cfg.run.output_dir == "runs"  # the working directory's, though a runs/ is beside the config
+    # --set values are the command line's
+    cfg = load_config(folder / "config.toml", ["model.path='mymodel'", "model.cache_dir='cache'"],
+                      check_environment=False)
+    assert (cfg.model.path, cfg.model.cache_dir) == ("mymodel", "cache")
+    # A folder found nowhere is named where it was looked for: beside the config
+    (folder / "missing.toml").write_text('[model]\npath = "gone-model"\n')
+    with pytest.raises(ConfigError, match=re.escape(f"model.path: folder '{folder / 'gone-model'}' does not exist")):
+        load_config(folder / "missing.toml")
+
+    def anchored(model: str, reward_model: str = "") -> tuple[str, str]:
+        data = {"model": {"path": model}, "reward_model": {"path": reward_model}}
+        anchor_paths(data, folder, schema(), cwd=elsewhere)
+        return data["model"]["path"], data["reward_model"]["path"]
+
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert anchored(hub, "builtin:tiny-reward") == (hub, "builtin:tiny-reward")  # never changed
+    assert anchored("builtin:smollm2-135m-instruct", hub) == ("builtin:smollm2-135m-instruct", hub)
+    (folder / "org" / "name").mkdir(parents=True)  # a folder of a Hub id's shape beside the config wins, as in
+    assert anchored("org/name")[0] == str(folder / "org" / "name")  # resolve_model_path (a folder over the cache)
+    assert anchored("legacy-model")[0] == "legacy-model"  # found from the working directory only: left as written
+    # Found nowhere: a value that can only be a folder is anchored (its error names where it was looked for); one of
+    # a Hub id's shape is left for the Hub cache (or the working directory) to answer
+    assert anchored("gone")[0] == str(folder / "gone")
+    assert anchored("../models/gone")[0] == str(tmp_path / "models" / "gone")
+    assert anchored("./org/gone")[0] == str(folder / "org" / "gone")
+    assert anchored("org/gone")[0] == "org/gone"
+    assert anchored("/abs/model", "~/rm") == ("/abs/model", "~/rm")
+    assert anchored("", "") == ("", "")
+
+
+# A str field whose name says it holds a path but which is read as it is, with the reason (none today: run.output_dir
+# is marked "cwd", read against the working directory on purpose).
+NOT_PATHS: dict[str, str] = {}
+
+
+def _schema_fields(cls: type, loc: tuple = ()):
+    """(location, FieldInfo) of every leaf field of `cls`: a location is a tuple of keys, "[]" standing for an item
+    of a list of tables (rewards.functions[])."""
+    import dataclasses
+    import typing
+
+    for name, info in cls.__pydantic_fields__.items():
+        args = typing.get_args(info.annotation)
+        if dataclasses.is_dataclass(info.annotation):
+            yield from _schema_fields(info.annotation, (*loc, name))
+        elif typing.get_origin(info.annotation) is list and args and dataclasses.is_dataclass(args[0]):
+            yield from _schema_fields(args[0], (*loc, name, "[]"))
+        else:
+            yield (*loc, name), info
+
+
+def test_every_path_field_is_marked_and_every_marked_field_is_anchored(tmp_path):
+    """Which fields are paths is the schema's mark (setting(path=KIND)), so a new path field cannot be forgotten:
+    every str field named ...path, ...dir or ...file is marked (or listed in NOT_PATHS with its reason), and
+    anchor_paths anchors every marked field wherever it sits (sections, nested sections, lists of tables)."""
+    from qgrpo.cluster.config.fields import PATH_KINDS, path_kind
+    from qgrpo.cluster.config.tomlio import anchor_paths
+
+    fields = list(_schema_fields(schema()))
+    dotted = {".".join(loc).replace(".[]", "[]"): info for loc, info in fields}
+    named = {k for k, info in dotted.items() if info.annotation is str and k.endswith(("path", "dir", "file"))}
+    unmarked = sorted(k for k in named if not path_kind(dotted[k]) and k not in NOT_PATHS)
+    assert unmarked == [], f"path fields without setting(path=KIND) (cluster/config/fields.py PATH_KINDS): {unmarked}"
+    assert set(NOT_PATHS) <= set(dotted), "NOT_PATHS names a field the schema no longer has"
+    marked = {k: path_kind(info) for k, info in dotted.items() if path_kind(info)}
+    assert marked == {"run.output_dir": "cwd", "model.path": "path_or_hub", "model.cache_dir": "file",
+                      "task.path": "file", "task.eval_path": "file", "rewards.functions[].function": "module_file",
+                      "environment.name": "module_file", "reward_model.path": "path_or_hub"}
+    assert set(marked.values()) <= set(PATH_KINDS)
+
+    folder, cwd = tmp_path.resolve() / "cfg", tmp_path.resolve() / "cwd"
+    folder.mkdir()
+    cwd.mkdir()
+    relative = {"file": "data/x.jsonl", "module_file": "lib/x.py:fn", "path_or_hub": "./models/x", "cwd": "out"}
+    data: dict = {}
+    for loc, info in fields:
+        if kind := path_kind(info):
+            table = data
+            for i, key in enumerate(loc[:-1]):
+                if key == "[]":
+                    continue
+                if i + 1 < len(loc) - 1 and loc[i + 1] == "[]":
+                    table = table.setdefault(key, [{}])[0]
+                else:
+                    table = table.setdefault(key, {})
+            table[loc[-1]] = relative[kind]
+    anchor_paths(data, folder, schema(), cwd=cwd)
+    for loc, info in fields:
+        if kind := path_kind(info):
+            value: object = data
+            for key in loc:
+                value = value[0] if key == "[]" else value[key]
+            want = relative[kind] if kind == "cwd" else str(folder / relative[kind])
+            assert value == want, (loc, kind, value)

@@ -232,7 +232,8 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
         overrides.append(f"run.output_dir={json.dumps(absolute)}")
         notes.append(f"run.output_dir {out!r} is relative; the job writes under {absolute} (on a cluster of several "
                      "nodes that must be shared storage, or give an s3:// URI)")
-    # What the job could not see otherwise goes into _submitted/ (paths as load_config reads them: against the cwd).
+    # What the job could not see otherwise goes into _submitted/ (paths as load_config gives them: the config's own
+    # made absolute against its folder, a --set value or an older config's against the cwd).
     uploads: list[tuple[Path, str]] = []
     for field, kind in _LOCAL_INPUTS:
         section, key = field.split(".")

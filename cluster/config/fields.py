@@ -3,7 +3,9 @@ fields that carry why their bounds are what they are.
 
 Every section is a pydantic dataclass (`SECTION`): still a dataclass (attribute access, `dataclasses.asdict` /
 `replace`, pickling into Ray actors), validated by pydantic from TOML tables. A field's docstring is its description
-(docs/reference/config.md is generated from them by `python -m qgrpo.cluster.config.reference`).
+(docs/reference/config.md is generated from them by `python -m qgrpo.cluster.config.reference`). A field that names
+a file, a folder or a model says so with `setting(path=KIND)` (PATH_KINDS): that mark is how a relative path in a
+config file is read (tomlio.anchor_paths walks the schema for it) and what the reference says of it.
 """
 from __future__ import annotations
 
@@ -50,11 +52,37 @@ def choice(values: tuple, template: str = Choice.template) -> Any:
     return Annotated[literal, Choice(template)]
 
 
-def setting(default: Any = ..., *, why: str = "", fix: str = "", allowed: str = "", **constraints: Any) -> Any:
+# The kinds of path-valued fields (`setting(path=KIND)`), and what the field reference says of each. A relative path
+# in a config file is read against the file's folder, as the tools that read config files do, so that a config works
+# from any directory (tomlio.anchor_paths); a `--set` value is the command line's, read against the working directory.
+PATH_KINDS = {
+    "file": "A relative path in a config file is read against the file's folder (a `--set` value: the working "
+            "directory).",
+    "module_file": "A relative FILE.py in a config file is read against the file's folder (a `--set` value: the "
+                   "working directory); MODULE:NAME is imported.",
+    "path_or_hub": "A relative folder in a config file is read against the file's folder when it is there, or when "
+                   "the value cannot be a Hub id (./NAME, ../NAME, NAME without a '/'); a Hub id and builtin:NAME are "
+                   "left as written; a `--set` value: the working directory.",
+    "cwd": "A relative path is read against the working directory, also in a config file (as TRL's output_dir).",
+}
+
+
+def path_kind(info: Any) -> str:
+    """The PATH_KINDS mark of a field (its FieldInfo), "" for a field that names no path."""
+    extra = info.json_schema_extra if info is not None else None
+    return extra.get("path", "") if isinstance(extra, dict) else ""
+
+
+def setting(default: Any = ..., *, why: str = "", fix: str = "", allowed: str = "", path: str = "",
+            **constraints: Any) -> Any:
     """A field with bounds (ge, gt, le, lt, min_length, ...) and the words its error adds: `why` after the rule in
     parentheses, `fix` after the value given. `allowed` describes valid values the bounds cannot state (the precisions
-    of each backend), for the field reference."""
-    extra = {k: v for k, v in (("why", why), ("fix", fix), ("allowed", allowed)) if v}
+    of each backend), for the field reference. `path` marks a field that names a file, folder or model, by its kind
+    (PATH_KINDS): "file" (a file or folder), "module_file" (FILE.py:NAME or MODULE:NAME), "path_or_hub" (a folder,
+    a Hub id or builtin:NAME) or "cwd" (read against the working directory, never the config file's folder)."""
+    if path and path not in PATH_KINDS:
+        raise ValueError(f"setting(path={path!r}): the kinds are {', '.join(PATH_KINDS)}")
+    extra = {k: v for k, v in (("why", why), ("fix", fix), ("allowed", allowed), ("path", path)) if v}
     if "default_factory" in constraints:
         return Field(json_schema_extra=extra or None, **constraints)
     return Field(default, json_schema_extra=extra or None, **constraints)

@@ -16,6 +16,7 @@ from typing import Any
 import annotated_types as at
 
 from qgrpo.cluster.config.errors import bounds
+from qgrpo.cluster.config.fields import PATH_KINDS, path_kind
 from qgrpo.cluster.config.tomlio import value_text
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "config.md"
@@ -72,6 +73,12 @@ def allowed_text(info: Any) -> str:
     return "; ".join(parts)
 
 
+def description_text(info: Any) -> str:
+    """The field's docstring, then, for a field marked as a path (fields.PATH_KINDS), how a relative one is read."""
+    kind = path_kind(info)
+    return " ".join(t for t in (info.description or "", PATH_KINDS[kind] if kind else "") if t)
+
+
 def _cell(text: str) -> str:
     """Markdown table cell: one line, pipes escaped, tags shown as text (a code span shows its text as it is)."""
     text = " ".join(text.split()).replace("|", "\\|")
@@ -83,7 +90,7 @@ def rows(name: str, cls: type) -> list[str]:
     lines = ["| field | type | default | allowed | description |", "|---|---|---|---|---|"]
     for field, info in cls.__pydantic_fields__.items():
         cells = [f"`{field}`", type_name(info.annotation), default_text(info, f"{name}.{field}"), allowed_text(info),
-                 info.description or ""]
+                 description_text(info)]
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return lines + [""]
 
@@ -104,7 +111,9 @@ def render() -> str:
              f"Generated from the schema (cluster/config/sections.py, training.py; [algo] from learner/objective/) by "
              f"`{COMMAND}`; do not edit.",
              "A config is a TOML file of these sections; any field may also be set with `--set section.key=value`.",
-             "Every field is optional: a field left out takes its default. An unknown key is an error.", ""]
+             "Every field is optional: a field left out takes its default. An unknown key is an error.",
+             "How a relative path is read (a config file's folder, or the working directory): "
+             "[configuration.md](../configuration.md#relative-paths).", ""]
     for name, cls in sections(schema()):
         lines += table(name, cls)
     lines += ["## MLX-GRPO keys", "",

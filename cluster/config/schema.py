@@ -185,7 +185,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
                 check_environment: bool = True) -> Config:
     """Read a TOML preset, apply `section.key=value` overrides, build and validate. Raises ConfigError.
     Without a path, `base` (an effective config saved by a run, e.g. a checkpoint's) is the starting point. The
-    file's relative data and reward-file paths are read against its own folder (tomlio.anchor_paths).
+    file's relative paths (every field the schema marks as one: data, reward and environment files, model folders,
+    the cache folder; not run.output_dir) are read against its own folder (tomlio.anchor_paths).
     An MLX-GRPO file (cluster/config/mlx_grpo.py) is translated first: its `key=value` overrides apply before the
     translation, ours after; how each key mapped is appended to `notes`. `check_environment=False` leaves out the
     checks of this machine (model folder, data files, packages): for a config meant for another machine."""
@@ -203,7 +204,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
                 raise ConfigError([f"{x} (in {p}, read as an MLX-GRPO config)" for x in bad])
             if notes is not None:
                 notes.extend(lines)
-        anchor_paths(data, p.resolve().parent)  # the file's own paths; --set values stay the working directory's
+        anchor_paths(data, p.resolve().parent, schema=schema())  # the file's paths; --set values stay the cwd's
     apply_overrides(data, overrides, problems, schema())
     cfg, more = check(data, check_environment)
     problems += more

@@ -48,7 +48,7 @@ def _precisions(backends: dict) -> str:
 class RunConfig:
     name: Str = setting("run", allowed="not empty, without '/'")
     """Run directory name under output_dir (a timestamp is appended); non-empty, without '/'."""
-    output_dir: Str = "runs"
+    output_dir: Str = setting("runs", path="cwd")
     """Where run directories go: a local folder (on a cluster, one shared by every node), or a URI pyarrow opens
     (s3://bucket/runs, gs://, hdfs://, file:///abs/path): logs are staged locally and mirrored there, checkpoints
     uploaded by the learner ranks."""
@@ -82,10 +82,11 @@ class RunConfig:
 @dataclass(config=SECTION)
 class ModelConfig:
     path: Str = setting("", allowed="a local HF model folder, a Hub id ORG/NAME in the local Hugging Face cache, or "
-                        + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS if n not in CLASSIFIER_BUILTINS))
+                        + ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS if n not in CLASSIFIER_BUILTINS),
+                        path="path_or_hub")
     """The model trained: a local HF folder, a Hub id already in the local Hugging Face cache (`hf download ORG/NAME`
     first; nothing is downloaded during a run), or builtin:NAME (built offline, cached)."""
-    cache_dir: Str = ""
+    cache_dir: Str = setting("", path="file")
     """Where builtin models are materialised ("" = $QGRPO_CACHE or ~/.cache/qgrpo)."""
     compute_dtype: choice(COMPUTE_DTYPES, "must be {quoted}") = "auto"
     """What the learner, the reference and the torch generator compute in: "auto" takes bf16 where the role's device
@@ -132,10 +133,10 @@ class TaskConfig:
     <answer></answer>.")."""
     chat_template: Bool = True
     """Wrap prompts in the tokenizer's chat template (done by the generators); chat-format rows need it."""
-    path: Str = ""
+    path: Str = setting("", path="file")
     """jsonl/parquet: the dataset file; hf_disk: the folder written by save_to_disk. Every column of a row reaches
     the reward functions as a keyword argument of that name."""
-    eval_path: Str = ""
+    eval_path: Str = setting("", path="file")
     """File tasks: a held-out file or hf_disk folder, whose first eval_size rows are the eval split ("" = hold out
     the last eval_size rows of path, or read task.eval_split)."""
     split: Str = "train"
@@ -169,9 +170,9 @@ class RewardSpec:
                  "function = \"FILE.py:NAME\" for one of your own") = ""
     """A built-in reward (rollout/rewards): correct, answer_correct, lenient_correct, ... ; rg_score (reasoning-gym's
     own verifier), math_verify (LaTeX/numeric answers), reward_model (the [reward_model] classifier)."""
-    function: Str = ""
-    """A function of your own: "FILE.py:NAME" (relative to the working directory) or "MODULE:NAME", called on a batch
-    as fn(prompts, completions, completion_ids, references, ..., **columns) -> one float (or None) per completion."""
+    function: Str = setting("", path="module_file")
+    """A function of your own: "FILE.py:NAME" or "MODULE:NAME", called on a batch as fn(prompts, completions,
+    completion_ids, references, ..., **columns) -> one float (or None) per completion."""
     url: Str = ""
     """A remote reward: POST the batch as JSON to this http(s) URL; the reply is one number (or null) per completion,
     as a list or {"rewards": [...]}."""
@@ -228,10 +229,10 @@ class EnvironmentConfig:
     """[environment]: multi-turn rollouts against an environment of your own (docs/environments.md). Off by
     default: without a name, a rollout is one prompt and one completion."""
 
-    name: Str = setting("", allowed="\"\" (single-turn), FILE.py:NAME or MODULE:NAME")
-    """The environment: "FILE.py:NAME" (relative to the config file's folder) or "MODULE:NAME", NAME an Environment
-    subclass or a function returning a new instance; "" = none (single-turn rollouts). Each trajectory gets its own
-    instance: reset from the dataset row, then a step per model turn."""
+    name: Str = setting("", allowed="\"\" (single-turn), FILE.py:NAME or MODULE:NAME", path="module_file")
+    """The environment: "FILE.py:NAME" or "MODULE:NAME", NAME an Environment subclass or a function returning a new
+    instance; "" = none (single-turn rollouts). Each trajectory gets its own instance: reset from the dataset row,
+    then a step per model turn."""
     params: Table = setting(default_factory=dict, fix="e.g. {turn_penalty = 0.1}")
     """Keyword settings of the environment (its class's or factory's parameters), e.g. {turn_penalty = 0.1}."""
     max_turns: Int = setting(4, ge=1)
@@ -331,7 +332,7 @@ class RewardModelConfig(role_resources("per reward model actor", "reward_node", 
     {name = "reward_model", weight = ...} in rewards.functions (rollout/rewards/classifier.py)."""
 
     path: Str = setting("", allowed="\"\" (none), a local folder of a sequence classifier with one label, a Hub id "
-                        "ORG/NAME in the local Hugging Face cache, or builtin:tiny-reward")
+                        "ORG/NAME in the local Hugging Face cache, or builtin:tiny-reward", path="path_or_hub")
     """The reward model ("" = none): a folder saved from AutoModelForSequenceClassification with num_labels = 1 and
     its tokenizer, a Hub id already in the local Hugging Face cache, or builtin:tiny-reward (a tiny random one, for
     tests). It scores each completion after the row's earlier turns and its prompt, in its own chat template."""

@@ -1,5 +1,6 @@
-"""TOML in and out: `--set section.key=value` overrides read against the schema, and a config (or the part of one a
-translation set) written back as TOML that loads as the same config.
+"""TOML in and out: `--set section.key=value` overrides read against the schema, a config (or the part of one a
+translation set) written back as TOML that loads as the same config, and the relative paths of a config file read
+against its folder (anchor_paths, driven by the schema's path marks).
 """
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import json
 import math
 import re
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any
 
 from qgrpo.cluster.config.errors import field_at
+from qgrpo.cluster.config.fields import path_kind
 
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
@@ -112,35 +115,67 @@ def to_toml(data: Any, schema: type | None = None) -> str:
     return "\n".join(lines)
 
 
-def anchor_paths(data: dict, folder: Path, cwd: Path | None = None) -> None:
-    """In place: the relative paths a config file names (task.path, task.eval_path, a reward function's FILE.py, the
-    environment's FILE.py) are
-    read against the file's own folder, as tools that read config files do, so a config works from any directory.
-    A path found only against the working directory (a config written before this rule) is left as it is; one found
-    nowhere is anchored at the file's folder, so the error names where it was looked for."""
-    cwd = cwd or Path.cwd()
+# ---------------------------------------------------------------------------------------------------------------------
+# Relative paths of a config file
 
-    def anchored(value: str) -> str:
-        if not value or "://" in value or Path(value).expanduser().is_absolute():
-            return value
-        here = folder / value
-        return value if not here.exists() and (cwd / value).exists() else str(here.resolve())
+MODULE_PREFIXES = ("openenv:",)  # a FILE.py:NAME spec after one of these still names a file (an OpenEnv environment's)
 
-    task = data.get("task")
-    if isinstance(task, dict):
-        for key in ("path", "eval_path"):
-            if isinstance(task.get(key), str):
-                task[key] = anchored(task[key])
-    rewards = data.get("rewards")
-    for entry in rewards.get("functions", []) if isinstance(rewards, dict) else []:
-        spec = entry.get("function") if isinstance(entry, dict) else None
-        if isinstance(spec, str) and ".py:" in spec:
-            target, name = spec.rsplit(":", 1)
-            entry["function"] = f"{anchored(target)}:{name}"
-    env = data.get("environment")
-    spec = env.get("name") if isinstance(env, dict) else None
-    if isinstance(spec, str) and ".py:" in spec:
-        prefix = "openenv:" if spec.startswith("openenv:") else ""  # an OpenEnv environment's file
-        target, name = spec[len(prefix):].rsplit(":", 1)
-        env["name"] = f"{prefix}{anchored(target)}:{name}"
 
+def _anchored_file(value: str, folder: Path, cwd: Path) -> str:
+    """A file or folder ("file"): a relative one is read against `folder`, unless it is found only against `cwd` (a
+    config written before this rule), which leaves it as written; absolute paths, ~ and URIs are left as written."""
+    if not value or "://" in value or Path(value).expanduser().is_absolute():
+        return value
+    here = folder / value
+    return value if not here.exists() and (cwd / value).exists() else str(here.resolve())
+
+
+def _anchored_module_file(spec: str, folder: Path, cwd: Path) -> str:
+    """FILE.py:NAME ("module_file"): the file, anchored as a "file"; MODULE:NAME and anything else as written."""
+    prefix = next((p for p in MODULE_PREFIXES if spec.startswith(p)), "")
+    target, sep, name = spec[len(prefix):].rpartition(":")
+    if not sep or not target.endswith(".py"):
+        return spec
+    return f"{prefix}{_anchored_file(target, folder, cwd)}:{name}"
+
+
+def _anchored_model(value: str, folder: Path, cwd: Path) -> str:
+    """A model ("path_or_hub"): builtin:NAME is left as written, and so is a value that may be a Hub id (ORG/NAME,
+    rollout.models.HUB_ID) unless a folder of that name is beside the config file (a local folder wins over the
+    cache, as in rollout.models.resolve_model_path). Every other value (./NAME, ../NAME, NAME, a/b/c) can only be a
+    folder: anchored as a "file", so a missing one is named where it was looked for."""
+    from qgrpo.rollout.models import BUILTIN_PREFIX, HUB_ID
+
+    if not value or value.startswith(BUILTIN_PREFIX) or (HUB_ID.match(value) and not (folder / value).exists()):
+        return value
+    return _anchored_file(value, folder, cwd)
+
+
+ANCHORS = {"file": _anchored_file, "module_file": _anchored_module_file, "path_or_hub": _anchored_model,
+           "cwd": lambda value, folder, cwd: value}  # every kind of fields.PATH_KINDS; "cwd" is never anchored
+
+
+def _anchor_table(table: dict, cls: type, folder: Path, cwd: Path) -> None:
+    for key, info in cls.__pydantic_fields__.items():
+        value, args = table.get(key), typing.get_args(info.annotation)
+        inner = args[0] if typing.get_origin(info.annotation) is list and args else None
+        if dataclasses.is_dataclass(info.annotation):  # a nested section: [rollout.vllm]
+            if isinstance(value, dict):
+                _anchor_table(value, info.annotation, folder, cwd)
+        elif inner is not None and dataclasses.is_dataclass(inner):  # a list of tables: rewards.functions
+            for item in value if isinstance(value, list) else []:
+                if isinstance(item, dict):
+                    _anchor_table(item, inner, folder, cwd)
+        elif (kind := path_kind(info)) and isinstance(value, str):
+            table[key] = ANCHORS[kind](value, folder, cwd)
+
+
+def anchor_paths(data: dict, folder: Path, schema: type, cwd: Path | None = None) -> None:
+    """In place: the relative paths a config file names are read against the file's own folder, as tools that read
+    config files do, so a config works from any directory. Which values are paths, and of what kind, the schema says
+    (`setting(path=KIND)`, fields.PATH_KINDS): every marked field of every section, nested section and list of tables
+    is anchored by its kind, except "cwd" ones (run.output_dir). A path found only against the working directory (a
+    config written before this rule) is left as it is; one found nowhere is anchored at the file's folder, so the
+    error names where it was looked for. Values of the wrong type are left for validation to name. `schema`: the
+    Config class (cluster/config/schema.py passes it: this module sits below the schema)."""
+    _anchor_table(data, schema, folder, cwd or Path.cwd())

@@ -11,8 +11,9 @@ The loss, per completion token t of sequence i (docs/algorithms.md gives each ch
     w_t     = the sampler correction from r = pi_old/mu at is_level (token, sequence, geometric), truncated, masked
               or rejected at [is_floor, is_cap] (learner/objective/corrections.py); TIS min(r_t, 2) by default;
               x M2PO's second-moment token mask with m2_threshold > 0 (off by default)
-    keep_t  = DeepSeek-V3.2's off-policy sequence mask x the top-entropy token mask (both optional)
-    loss_t  = keep_t w_t pg_t + kl_coeff KL_t (x rho_t with kl_bias_correction) - entropy_coeff keep_t H_t
+    top_t   = the top-entropy token mask (optional; every completion token without it)
+    keep_t  = DeepSeek-V3.2's off-policy sequence mask (optional) x top_t
+    loss_t  = keep_t w_t pg_t + kl_coeff KL_t (x rho_t with kl_bias_correction) - entropy_coeff top_t H_t
     loss    = sum_t loss_t * weight_t                                 weight_t from aggregation_weights()
 
 The aggregation is a per-token weight so that micro-batches and data-parallel ranks, each given the *global*
@@ -185,9 +186,9 @@ def grpo_loss(
     entropy [B, T] or None: the policy's per-token entropy (core/scoring.py, with_entropy=True); required when
     cfg.entropy_coeff > 0 or cfg.top_entropy_quantile < 1, logged whenever given.
 
-    The sampler correction and the masks multiply the policy term only. Arithmetic is float32 (inputs are upcast; the
-    gradient flows back to logp and entropy in their own dtype). old_logp, mu_logp, ref_logp and advantages are
-    detached.
+    The sampler correction and the masks multiply the policy term only, except the top-entropy mask, which also
+    masks the entropy bonus. Arithmetic is float32 (inputs are upcast; the gradient flows back to logp and entropy in
+    their own dtype). old_logp, mu_logp, ref_logp and advantages are detached.
 
     Returns (loss, stats); stats are detached 0-dim sums over masked tokens (and sequences) so callers can add them
     across micro-batches and ranks (merge_stats; *_max / *_min keys combine by max / min), then call finalize_stats.

@@ -71,8 +71,9 @@ class ObjectiveSettings:
         the tokens of largest (log pi_old/mu)^2 are left out of the policy term, on top of the is_mode correction
         (0 = off; AReaL's M2PO example uses 0.04).""", ge=0, why="0 = off")
     entropy_coeff: float = knob(0.0, """Entropy bonus: subtract coeff x the policy's token entropy, aggregated as
-        loss_agg over the tokens the policy term trains on (all of them at top_entropy_quantile = 1), from the
-        loss.""", ge=0)
+        loss_agg over every completion token (with top_entropy_quantile < 1: the top-entropy tokens only), from the
+        loss. No other mask touches it (offpolicy_mask_kl, m2_threshold and the sampler correction weigh the policy
+        term only).""", ge=0)
     top_entropy_quantile: float = knob(1.0, """Train the policy term on the highest-entropy tokens only: the top q of
         each micro-batch's completion tokens by entropy (1 = every token; "Beyond the 80/20 rule" uses 0.2). The KL
         term still covers every token.""", gt=0, le=1)
