@@ -1,6 +1,8 @@
 """Reward functions of the user's own: loading, the calling convention, deadlines, on_error, and the Ray reward pool
 (real Ray workers; a run whose rewards come from a user file)."""
+import dataclasses
 import json
+import re
 import textwrap
 import time
 from pathlib import Path
@@ -112,8 +114,9 @@ def test_a_trajectory_reaches_rewards_as_its_messages_and_the_environment_s_scor
     turns = [{"role": "assistant", "content": "5", "start": 0, "end": 1, "tool_calls": [], "error": None},
              {"role": "user", "content": "lower", "start": 1, "end": 3, "tool_calls": [], "error": None},
              {"role": "assistant", "content": "3", "start": 3, "end": 4, "tool_calls": [], "error": None}]
-    for c, score in zip(groups[0].completions, (1.0, 0.0, 0.5)):
-        c.turns, c.env_score, c.model_mask = turns, score, [1, 0, 0, 1]
+    groups[0] = dataclasses.replace(groups[0], completions=[
+        dataclasses.replace(c, turns=turns, env_score=score, model_mask=[1, 0, 0, 1])
+        for c, score in zip(groups[0].completions, (1.0, 0.0, 0.5))])
     kw = group_kwargs(groups)
     assert kw["completions"][0] == [{"role": "assistant", "content": "5"}, {"role": "user", "content": "lower"},
                                     {"role": "assistant", "content": "3"}]
@@ -144,8 +147,12 @@ def test_module_functions_and_builtins_share_the_signature(tmp_path, monkeypatch
 
 
 def test_load_errors_name_the_entry(tmp_path, user_file):
-    with pytest.raises(RewardLoadError, match=r"f: cannot read 'nope.py'.*working directory"):
-        read_source("nope.py:fn", "f", tmp_path)
+    with pytest.raises(RewardLoadError, match=rf"f: cannot read 'nope.py'.*taken from {re.escape(str(tmp_path))}$"):
+        read_source("nope.py:fn", "f", tmp_path)  # where relative paths were read from (a config file's folder)
+    with pytest.raises(RewardLoadError, match=r"f: cannot read 'nope.py'.*taken from the working directory"):
+        read_source("nope.py:fn", "f")
+    with pytest.raises(RewardLoadError, match=r"cannot read '/nowhere/nope.py' \(FileNotFoundError[^;]*$"):
+        read_source("/nowhere/nope.py:fn", "f")  # absolute (a config file's, anchored): no word on relative paths
     with pytest.raises(RewardLoadError, match=r"has no 'tolerent'; its functions: .*tolerant"):
         _fn(user_file, "tolerent")
     with pytest.raises(RewardLoadError, match="is not FILE.py:FUNCTION or MODULE:FUNCTION"):

@@ -26,9 +26,9 @@ Chat rows get TRL's conversational shape, plain rows (and every row of digit_sum
 A function with **kwargs gets them all; one without gets only the keywords it names, and each of its parameters
 without a default must be one of them. `async def` functions are awaited.
 
-A user's function is named "FILE.py:NAME" (a file, relative to the working directory) or "MODULE:NAME" (importable on
-every node). A file is read once in the driver and its source shipped to the reward workers, so it need not exist on
-the nodes they run on.
+A user's function is named "FILE.py:NAME" (a file; relative to the config file's folder, or to the working directory
+for a --set value) or "MODULE:NAME" (importable on every node). A file is read once in the driver and its source
+shipped to the reward workers, so it need not exist on the nodes they run on.
 """
 from __future__ import annotations
 
@@ -126,13 +126,16 @@ def read_source(spec: str, field: str, base: Path | None = None) -> Source:
     target, _ = split_spec(spec, field)
     if not target.endswith(".py"):
         return Source(spec)
-    path = Path(target).expanduser()
-    path = path if path.is_absolute() else (base or Path.cwd()) / path
+    given = Path(target).expanduser()
+    path = given if given.is_absolute() else (base or Path.cwd()) / given
     try:
         return Source(spec, str(path.resolve()), path.read_text(encoding="utf-8"))
     except OSError as e:
-        raise RewardLoadError(f"{field}: cannot read {target!r} ({type(e).__name__}: {e.strerror or e}); a relative "
-                              f"path is taken from the working directory ({base or Path.cwd()})") from None
+        # a config file's relative paths arrive anchored at its folder (absolute); a --set value is the cwd's
+        where = "" if given.is_absolute() else "; a relative path is taken from " + (
+            str(base) if base else f"the working directory ({Path.cwd()})")
+        raise RewardLoadError(f"{field}: cannot read {target!r} ({type(e).__name__}: {e.strerror or e}){where}"
+                              ) from None
 
 
 _MODULES: dict[str, types.ModuleType] = {}
