@@ -55,7 +55,7 @@ def _group(pid: str, spec: list[tuple[str, int, str]], version: int = 0) -> Grou
 def test_shape_groups_adds_the_penalty_and_reports_it():
     a = _group("a", [("1", 2, "stop"), ("1", 4, "length")])
     b = _group("b", [("0", 3, "stop"), ("0", 1, "stop")])
-    a.rewards, b.rewards = [1.0, 1.0], [0.0, 0.0]
+    a, b = dataclasses.replace(a, rewards=[1.0, 1.0]), dataclasses.replace(b, rewards=[0.0, 0.0])
     (a2, b2), m = shape_groups([a, b], max_new_tokens=4, buffer=2, penalty=1.0)  # free up to 2 tokens
     assert a2.rewards == [1.0, 0.0] and b2.rewards == [-0.5, 0.0]
     assert a.rewards == [1.0, 1.0] and b.rewards == [0.0, 0.0]  # new values: the groups given are unchanged
@@ -146,7 +146,7 @@ class _Rewards:
     def __init__(self, log):
         self.log, self.asked = log, 0
 
-    def submit(self, groups):
+    def submit(self, groups, step=0):
         self.asked += 1
         pool = self
 

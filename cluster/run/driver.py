@@ -23,8 +23,8 @@ from qgrpo.cluster.run.follow import FollowWatch
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
 from qgrpo.cluster.run.step_data import step_data
 from qgrpo.cluster.run.stopping import StopRequest
-from qgrpo.cluster.run.stream import read_buffer, stream_ages, write_buffer
-from qgrpo.cluster.run.supply import StepRollouts, open_supply
+from qgrpo.cluster.run.stream import open_supply, read_buffer, stream_ages, write_buffer
+from qgrpo.cluster.run.supply import StepRollouts
 from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, complete_checkpoints, save_checkpoint
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future
 from qgrpo.cluster.rundir.rollout_log import RolloutWriter
@@ -125,7 +125,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
             if faults.fires("driver.slow", step + 1):
                 time.sleep(faults.SLOW_SECONDS)
             run.scale(step)
-            clock, run.rewards.step = StageClock(), step + 1
+            clock = StageClock()
             data = step_data(run, step, clock)  # sample, generate, score, reference, advantages
             results = workers.learn(data.batch, step + 1)
             clock.lap("learn")

@@ -139,7 +139,6 @@ class RewardPool:
         self.cfg = cfg
         self.entries = entries_from_config(cfg.rewards, environment=cfg.environment)
         self.health = RewardHealth(self.entries, cfg.rewards.max_failed_steps, run_dir)
-        self.step = 0  # the step being scored (1-based), for the error log
         self.on_error = cfg.rewards.on_error
         self.calls = [e for e in self.entries if e.kind != "model"]
         self.workers = [self._spawn() for _ in range(cfg.rewards.num_workers)] if self.calls else []
@@ -159,9 +158,10 @@ class RewardPool:
 
         return RewardWorker.options(num_cpus=self.cfg.rewards.num_cpus, max_restarts=0).remote(self.calls)
 
-    def submit(self, groups: list[GroupRollout]) -> "PendingRewards":
+    def submit(self, groups: list[GroupRollout], step: int = 0) -> "PendingRewards":
+        """Score `groups` (of `step`, 1-based, for the error log); returns at once."""
         kwargs = group_kwargs(groups)
-        pending = PendingRewards(self, groups, kwargs)
+        pending = PendingRewards(self, groups, kwargs, step)
         if self.inline is not None:
             pending.inline = self.inline.submit(score_batch, self.calls, self.fns, kwargs)
         for slot, (_, _, c0, c1) in enumerate(_slices(groups, len(self.workers))):
@@ -198,8 +198,8 @@ class RewardPool:
 
 
 class PendingRewards:
-    def __init__(self, pool: RewardPool, groups: list[GroupRollout], kwargs: dict[str, list]):
-        self.pool, self.groups, self.kwargs = pool, groups, kwargs
+    def __init__(self, pool: RewardPool, groups: list[GroupRollout], kwargs: dict[str, list], step: int):
+        self.pool, self.groups, self.kwargs, self.step = pool, groups, kwargs, step
         self.refs: dict = {}
         self.inline: Future | None = None
         self.started = time.monotonic()
@@ -251,7 +251,7 @@ class PendingRewards:
                 scores.add(r, 0, n)
         for slot in sorted(self._collect(scores)):
             self.pool.replace(slot)
-        self.pool.health.record(scores, self.pool.step)
+        self.pool.health.record(scores, self.step)
         try:
             totals, metrics = combine(self.pool.entries, scores, self.kwargs["item_ids"], self.pool.on_error)
         except RewardError as e:

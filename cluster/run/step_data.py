@@ -37,14 +37,14 @@ class StepData:
 
 
 class Scoring:
-    """A step's rewards: the reward pool's (`pool.submit(groups).result()` -> Scored), shaped by
-    algo.overlong_buffer. `submit` returns at once; `result()` waits."""
+    """Step `step`'s rewards (1-based): the reward pool's (`pool.submit(groups, step).result()` -> Scored), shaped
+    by algo.overlong_buffer. `submit` returns at once; `result()` waits."""
 
-    def __init__(self, pool, cfg):
-        self.pool, self.max_new_tokens, self.algo = pool, cfg.rollout.max_new_tokens, cfg.algo
+    def __init__(self, pool, cfg, step: int):
+        self.pool, self.max_new_tokens, self.algo, self.step = pool, cfg.rollout.max_new_tokens, cfg.algo, step
 
     def submit(self, groups) -> "Scoring.Pending":
-        return Scoring.Pending(self, self.pool.submit(groups))
+        return Scoring.Pending(self, self.pool.submit(groups, self.step))
 
     def __call__(self, groups) -> Scored:
         return self.submit(groups).result()
@@ -71,7 +71,7 @@ class _Done:
 def step_rollouts(run, step: int, clock) -> tuple[StepRollouts, object]:
     """Where step `step`'s groups come from, and a handle whose `result()` is their Scored: the step's own prompts
     with their rewards in flight, or (algo.dynamic_sampling) the groups kept from the rounds, already scored."""
-    cfg, scoring = run.cfg, Scoring(run.rewards, run.cfg)
+    cfg, scoring = run.cfg, Scoring(run.rewards, run.cfg, step + 1)
     if cfg.algo.dynamic_sampling:
         rollouts, metrics = dynamic_rollouts(run.supply, scoring, cfg.rollout.prompts_per_step,
                                              cfg.algo.dynamic_sampling_rounds, step, clock)

@@ -44,9 +44,9 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from qgrpo.cluster.run.supply import StepRollouts, step_sampling
+from qgrpo.cluster.run.supply import RolloutSupply, StepRollouts, step_sampling
 from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem
-from qgrpo.learner.objective.staleness import Admission, token_ages
+from qgrpo.learner.objective.staleness import Admission, admission, token_ages
 
 POLL_S = 0.05
 BUFFER_FILE = "rollout_buffer.json"  # a checkpoint's copy of the stream's state (RolloutStream.snapshot)
@@ -250,6 +250,17 @@ class RolloutStream:
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
+
+
+def open_supply(cfg, pool, sampler, start_step: int, published: int, buffer: dict | None) -> RolloutSupply:
+    """The run's supply: a stream over the rollout pool (`pool`: cluster/run/workers.py's RolloutPool) under the
+    [algo] section's admission rule, starting after `start_step` steps with the actors holding policy `published`;
+    `buffer`: a checkpoint's snapshot to take up (None: draw from the sampler's cursor)."""
+    a = cfg.algo
+    return RolloutStream(pool, sampler, cfg.rollout, seed=cfg.run.seed,
+                         rule=admission(a.max_staleness, a.update_every, a.overlap), start_step=start_step,
+                         published=published, steps=cfg.run.steps, timeout_s=cfg.faults.generate_timeout_s,
+                         buffer=buffer)
 
 
 def stream_ages(groups: list[GroupRollout], trained_from: int) -> dict:
