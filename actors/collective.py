@@ -115,8 +115,8 @@ class CollectiveTransport:
         dropped then (the object store holds it), so the cost stays one copy."""
         if self.handed_out is None and self.published is not None:
             update, buckets = self.published
-            self.handed_out = put_buckets(update.version, buckets)
-            self.handed_out.probe_ids, self.handed_out.probe_logprobs = update.probe_ids, update.probe_logprobs
+            self.handed_out = put_buckets(update.version, buckets, probe_ids=update.probe_ids,
+                                          probe_logprobs=update.probe_logprobs)
             self.published = (update, [])
         return self.handed_out
 

@@ -5,6 +5,7 @@ a placement group), rank 0 picks the rendezvous address on its own node (its nod
 then every rank builds its Learner against that address (`start_learners`)."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -80,11 +81,10 @@ class LearnerActor(CollectiveMember):
         if self.rank == 0 and transport == "collective":
             return self._collective().publish(self.learner.version, weights, bucket_bytes, probe, probe_logprobs)
         if self.rank == 0:
-            update = ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights)
-            update.probe_ids, update.probe_logprobs = probe, probe_logprobs
-            update.kind = "adapters" if adapters_only else "full"
-            update.export_seconds = time.perf_counter() - t0
-            return update
+            update = ObjectStoreTransport(bucket_bytes).publish(self.learner.version, weights, probe_ids=probe,
+                                                                probe_logprobs=probe_logprobs,
+                                                                kind="adapters" if adapters_only else "full")
+            return dataclasses.replace(update, export_seconds=time.perf_counter() - t0)
         for _ in weights:
             pass
         return None

@@ -25,9 +25,10 @@ class Bucket:
     data: np.ndarray  # [nbytes] uint8, tensors back to back
 
 
-@dataclass
+@dataclass(frozen=True)
 class WeightUpdate:
-    """What travels to every rollout actor for one sync: the version and handles to its buckets."""
+    """What travels to every rollout actor for one sync: the version and handles to its buckets. Made whole by the
+    sender (frozen): nothing is filled in after publishing."""
 
     version: int
     buckets: list = field(default_factory=list)  # carrier-specific handles (ray ObjectRefs here)
@@ -91,8 +92,10 @@ class ObjectStoreTransport:
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
 
-    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> WeightUpdate:
-        return put_buckets(version, pack_buckets(named_tensors, self.bucket_bytes))
+    def publish(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]], **fields) -> WeightUpdate:
+        """The update of `version`, its buckets in the object store; `fields`: the rest of the WeightUpdate (the
+        probe, the kind)."""
+        return put_buckets(version, pack_buckets(named_tensors, self.bucket_bytes), **fields)
 
     @staticmethod
     def fetch(update: WeightUpdate) -> list[Bucket]:
@@ -109,14 +112,13 @@ class ObjectStoreTransport:
             yield from unpack_bucket(ray.get(ref))
 
 
-def put_buckets(version: int, buckets: Iterable[Bucket]) -> WeightUpdate:
-    """An object-store WeightUpdate of packed buckets (each put once); the caller adds the probe."""
+def put_buckets(version: int, buckets: Iterable[Bucket], **fields) -> WeightUpdate:
+    """An object-store WeightUpdate of packed buckets (each put once); `fields`: its probe and kind."""
     import ray
 
-    update = WeightUpdate(version=version)
+    refs, num_tensors, nbytes = [], 0, 0
     for b in buckets:
-        update.buckets.append(ray.put(b))
-        update.num_tensors += len(b.names)
-        update.nbytes += b.data.nbytes
-    update.num_buckets = len(update.buckets)
-    return update
+        refs.append(ray.put(b))
+        num_tensors += len(b.names)
+        nbytes += b.data.nbytes
+    return WeightUpdate(version, refs, num_tensors, nbytes, len(refs), **fields)

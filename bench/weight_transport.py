@@ -36,6 +36,7 @@ Prints a table and writes bench/results/weight_transport.json.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -103,8 +104,8 @@ def _sender_class():
             if transport == "collective":
                 update = self._collective().publish(1, weights, bucket_bytes, self.probe, logprobs)
             else:
-                update = ObjectStoreTransport(bucket_bytes).publish(1, weights)
-                update.probe_ids, update.probe_logprobs = self.probe, logprobs
+                update = ObjectStoreTransport(bucket_bytes).publish(1, weights, probe_ids=self.probe,
+                                                                    probe_logprobs=logprobs)
             self.send_s = time.perf_counter() - t0
             return update
 
@@ -147,10 +148,10 @@ def _lora_sender_class():
                 logprobs = self.score()
             t0 = time.perf_counter()
             weights = adapter_weights(self.model) if adapters_only else merged_weights(self.model)
-            update = ObjectStoreTransport(bucket_bytes).publish(1, weights)
-            update.probe_ids, update.probe_logprobs = self.probe, logprobs
-            update.kind, update.export_seconds = ("adapters" if adapters_only else "full"), time.perf_counter() - t0
-            return update
+            update = ObjectStoreTransport(bucket_bytes).publish(1, weights, probe_ids=self.probe,
+                                                                probe_logprobs=logprobs,
+                                                                kind="adapters" if adapters_only else "full")
+            return dataclasses.replace(update, export_seconds=time.perf_counter() - t0)
 
     return LoraSender
 

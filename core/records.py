@@ -1,4 +1,6 @@
-"""Typed records passed between stages. Plain dataclasses: they cross Ray process boundaries by pickling.
+"""Typed records passed between stages. Plain dataclasses: they cross Ray process boundaries by pickling. The records
+of rollouts (Completion, GroupRollout, GenerationStats) are frozen: a stage that adds to them (rewards, advantages)
+returns new ones (dataclasses.replace), so a value handed on never changes under its reader.
 
 Shape comments use B = sequences in a batch, T = padded sequence length, G = group size.
 """
@@ -39,7 +41,7 @@ class SamplingParams:
     seed: int | None = None
 
 
-@dataclass
+@dataclass(frozen=True)
 class Completion:
     token_ids: list[int]  # [L] sampled tokens, the stop token included when the model emitted it
     logprobs: list[float]  # [L] log mu(token) under the distribution actually sampled from (after temperature/top-p)
@@ -64,7 +66,7 @@ class Completion:
         return self.token_versions if self.token_versions is not None else [default] * len(self.token_ids)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GroupRollout:
     """All G completions of one prompt; a group never spans generators."""
 
@@ -74,14 +76,14 @@ class GroupRollout:
     policy_version: int  # version of the weights the generator sampled with
     generator_id: str
     precision: str  # generator precision, e.g. "int4"
-    rewards: list[float] = field(default_factory=list)  # [G], filled by the driver
-    advantages: list[float] = field(default_factory=list)  # [G], filled by the driver
+    rewards: list[float] = field(default_factory=list)  # [G]: empty as generated; set by scoring (a new record)
+    advantages: list[float] = field(default_factory=list)  # [G]: empty until the advantages (a new record)
     # each reward entry's own score, label -> [G] (None where it returned None or its call failed), unweighted;
-    # filled by the driver with the rewards
+    # set with the rewards
     scores: dict[str, list[float | None]] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(frozen=True)
 class GenerationStats:
     generator_id: str
     seconds: float

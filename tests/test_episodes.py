@@ -3,6 +3,8 @@ stand-ins for the generator and the environment client only: the tokens of a tra
 and the environment's as the template renders them, appended; the masks, log-probs, turns and finish reasons."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from transformers import AutoTokenizer
 
@@ -126,7 +128,7 @@ def test_a_weight_update_inside_a_turn_is_recorded_token_by_token(tok):
         def continue_ids(self, sequences, sampling):
             out = super().continue_ids(sequences, sampling)
             if len(self.calls) == 1:
-                out[0].token_versions = [0, 1]
+                out[0] = dataclasses.replace(out[0], token_versions=[0, 1])
                 self.policy_version = 1  # the update was applied inside this call
             return out
 

@@ -7,6 +7,7 @@ The update used here (`_two_token_head`) lets one hidden dimension through the f
 old weights (near uniform over its 32 tokens) never give; the split between versions is read off the tokens."""
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 import time
@@ -231,12 +232,11 @@ def test_a_rollout_actor_applies_a_sync_between_two_decode_steps_of_its_call_in_
         backend, dict(model_path=tiny_model_path, precision="int8", generator_id=f"inflight-{backend}"), 1)
     try:
         new = _two_token_head(tiny_model_path)
-        update = ObjectStoreTransport(1 << 12).publish(1, new)
-        update.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
+        probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
         # the receiver's own format scores the probe
         twin = make_generator(backend, model_path=tiny_model_path, precision="int8", generator_id="twin")
         twin.load_weights(1, new)
-        update.probe_logprobs = twin.score(update.probe_ids)
+        update = ObjectStoreTransport(1 << 12).publish(1, new, probe_ids=probe, probe_logprobs=twin.score(probe))
         twin.close()
         ray.get(actor.info.remote())  # started
         call = actor.generate.remote(ITEMS, SamplingParams(group_size=4, max_new_tokens=12, temperature=1.0, seed=3), 1)
@@ -277,7 +277,7 @@ def test_token_versions_reach_the_learners_batch_and_its_staleness():
     # version_before 5: ages 2, 1, 1 and 2 over the four completion tokens
     assert staleness(batch, 5) == pytest.approx((2 + 1 + 1 + 2) / 4)
     assert staleness(batch.shard(1, 2), 5) == pytest.approx(2.0)
-    groups[0].completions[0].token_versions = None
+    groups[0] = dataclasses.replace(groups[0], completions=[dataclasses.replace(mixed, token_versions=None), plain])
     batch = pack_rollouts(groups, 0, 3).train_batch(advantages_of(groups))
     assert batch.token_versions is None and staleness(batch, 5) == pytest.approx(2.0)
 

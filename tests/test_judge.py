@@ -1,5 +1,6 @@
 """Held-out accuracy by the task's own judge (rollout/rewards/judge.py): text_match for word answers, any reward entry
 by its label with a threshold, the default chosen from the references, and what `check` says about it."""
+import dataclasses
 import json
 import textwrap
 import tomllib
@@ -254,6 +255,6 @@ def test_the_step_accuracy_reads_back_an_entrys_scores_and_judges_the_rest():
     groups = _groups(items, ["It is Paris.", "Milan"])
     judge = choose_judge(_cfg({"functions": [{"name": "text_match"}]}).rewards, ["Paris"])
     assert judge.sample_accuracy(groups) == 0.5  # no scores on the groups: judged here
-    for g, score in zip(groups, ([0.0], [1.0])):  # scores that differ from what text_match would say: read back
-        g.scores = {"text_match": score}
+    # scores that differ from what text_match would say: read back
+    groups = [dataclasses.replace(g, scores={"text_match": score}) for g, score in zip(groups, ([0.0], [1.0]))]
     assert judge.sample_accuracy(groups) == 0.5 and judge.sample_accuracy(groups[:1]) == 0.0

@@ -1,6 +1,8 @@
 """Weight sync on real Ray + a real DeepSpeed learner: after one sync every rollout actor (torch bf16/int8/int4, vLLM
 bf16/int8) reports the learner's version, passes the fingerprint check, and its sampled log-probs follow the new
 weights (not the old ones, not garbage); syncing the original weights back restores the original greedy outputs."""
+import dataclasses
+
 import pytest
 import ray
 import torch
@@ -53,8 +55,7 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
     # One real GRPO update with a large learning rate so the weights move visibly.
     groups = before[("torch", "bf16")]
     rewards = torch.tensor([[float(c.token_ids[0] % 2) for c in g.completions] for g in groups])
-    for g, a in zip(groups, group_advantages(rewards).tolist()):
-        g.advantages = a
+    groups = [dataclasses.replace(g, advantages=a) for g, a in zip(groups, group_advantages(rewards).tolist())]
     metrics = ray.get(learner.train_step.remote(build_train_batch(groups, 0, SAMPLING.max_new_tokens)))
     assert metrics.policy_version == 1 and metrics.grad_norm > 0
     update = ray.get(learner.publish_weights.remote(1 << 12))  # small buckets: several objects
@@ -131,9 +132,10 @@ def test_a_fingerprint_failure_under_requantize_names_it(ray_session, tiny_model
 
     actor = RolloutActor.remote("torch", dict(model_path=tiny_model_path, precision="int4", generator_id="ef-int4"),
                                 1, None, "error_feedback")
-    update = ObjectStoreTransport(1 << 12).publish(1, load_file(f"{tiny_model_path}/model.safetensors").items())
-    update.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
-    update.probe_logprobs = [-30.0] * (len(update.probe_ids) - 1)  # no generator can match these
+    probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
+    update = ObjectStoreTransport(1 << 12).publish(1, load_file(f"{tiny_model_path}/model.safetensors").items(),
+                                                   probe_ids=probe,
+                                                   probe_logprobs=[-30.0] * (len(probe) - 1))  # no generator matches
     try:
         with pytest.raises(ray.exceptions.RayTaskError, match=r"(?s)correlation.*sync.requantize = 'error_feedback'"
                                                             r".*use sync.requantize = \"nearest\""):

@@ -4,6 +4,7 @@ actor holds exactly the weights the object-store transport delivers for the same
 after a member is killed and after one is added (which first loads the published version, not the learner's newer
 one); a member that dies mid-broadcast makes the sync raise instead of hanging; `sync.transport=collective` runs the
 real job end to end."""
+import dataclasses
 import json
 import math
 import os
@@ -53,8 +54,7 @@ def _train_step(learner, rollout) -> int:
     """One real GRPO update with a large learning rate, so the weights move visibly; returns the new version."""
     groups, _ = ray.get(rollout.generate.remote(ITEMS, SAMPLING))
     rewards = torch.tensor([[float(c.token_ids[0] % 2) for c in g.completions] for g in groups])
-    for g, a in zip(groups, group_advantages(rewards).tolist()):
-        g.advantages = a
+    groups = [dataclasses.replace(g, advantages=a) for g, a in zip(groups, group_advantages(rewards).tolist())]
     return ray.get(learner.train_step.remote(build_train_batch(groups, 0, SAMPLING.max_new_tokens))).policy_version
 
 

@@ -3,6 +3,7 @@
 column, and each reward entry's own score is a column of the rollouts Parquet."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import textwrap
@@ -254,11 +255,10 @@ def test_rollout_parquet_has_a_column_per_entry(tmp_path):
     from qgrpo.cluster.rundir.rollout_log import RolloutWriter, score_column
 
     assert score_column("answer_correct") == "reward_answer_correct" and score_column("only a") == "reward_only_a"
-    groups = _pool_groups()
-    for g in groups:
-        g.rewards, g.advantages = [0.0] * 3, [0.0] * 3
-    groups[0].scores = {"correct": [1.0, 0.0, 0.0], "only a": [1.0, 1.0, 1.0], "only-a": [0.5] * 3}
-    groups[1].scores = {"correct": [0.0, 1.0, 0.0], "only a": [None] * 3, "only-a": [None] * 3}
+    scores = [{"correct": [1.0, 0.0, 0.0], "only a": [1.0, 1.0, 1.0], "only-a": [0.5] * 3},
+              {"correct": [0.0, 1.0, 0.0], "only a": [None] * 3, "only-a": [None] * 3}]
+    groups = [dataclasses.replace(g, rewards=[0.0] * 3, advantages=[0.0] * 3, scores=s)
+              for g, s in zip(_pool_groups(), scores)]
     writer = RolloutWriter(tmp_path, flush_every=1)
     writer.add(1, groups, 0)
     resumed = RolloutWriter(tmp_path, flush_every=1)  # a resumed run: a new writer, the same entries
@@ -273,10 +273,8 @@ def test_rollout_parquet_has_a_column_per_entry(tmp_path):
                           (2, 0.0, None, None)], key=repr)
     # a group without scores (none computed) gets nulls; a column first seen later is null before it
     late = RolloutWriter(tmp_path / "late", flush_every=2)
-    bare = _pool_groups()
-    for g in bare:
-        g.rewards, g.advantages = [0.0] * 3, [0.0] * 3
-    bare[1].scores = {"correct": [1.0, 1.0, 1.0]}
+    bare = [dataclasses.replace(g, rewards=[0.0] * 3, advantages=[0.0] * 3, scores=s)
+            for g, s in zip(_pool_groups(), ({}, {"correct": [1.0, 1.0, 1.0]}))]
     late.add(1, bare, 0)
     late.close()
     assert pq.read_table(tmp_path / "late" / "rollouts").column("reward_correct").to_pylist() == [None] * 3 + [1.0] * 3
