@@ -65,9 +65,9 @@ SYNCS, LR = 10, 1e-5
 
 def requantize_costs(base: LlamaForCausalLM) -> list[dict]:
     """sync.requantize on the model's linear weights: see the module docstring."""
-    from qgrpo.rollout.backends import EMULATED_FORMATS
+    from qgrpo.rollout.backends import EMULATED_FORMATS, served_grid
     from qgrpo.rollout.quant import quantized_weight_names
-    from qgrpo.rollout.requantize import Requantizer, served_grid
+    from qgrpo.rollout.requantize import Requantizer
 
     params = dict(base.named_parameters())
     rows = []

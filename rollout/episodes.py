@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
+from qgrpo.rollout.backends.versions import VersionSpans
 from qgrpo.rollout.environments.contract import EnvFailure, row_of
 
 
@@ -83,7 +84,7 @@ class Trajectory:
     ids: list[int] = field(default_factory=list)  # everything after the prompt: model and environment turns
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # the policy version of each token (Completion.token_versions)
+    versions: VersionSpans = field(default_factory=VersionSpans)  # which version sampled which of `ids`
     turns: list[dict] = field(default_factory=list)
     finish: str = ""
     score: float = 0.0
@@ -248,10 +249,10 @@ class Episodes:
         for t, c in zip(live, comps, strict=True):
             room = min(lim.turn_tokens, lim.max_context - t.length)
             tokens, lps = list(c.token_ids[:room]), list(c.logprobs[:room])
-            t.versions += c.versions(version)[:room]
             text = c.text if len(tokens) == len(c.token_ids) else self.tokenizer.decode(tokens,
                                                                                        skip_special_tokens=True)
             start = len(t.ids)
+            t.versions.extend(start, c.versions(version)[:room])  # the turn's versions, from its first token on
             t.ids += tokens
             t.logprobs += lps
             t.mask += [1] * len(tokens)
@@ -284,7 +285,8 @@ class Episodes:
             t.ids += ids
             t.logprobs += [0.0] * len(ids)
             t.mask += [0] * len(ids)
-            t.versions += [t.versions[-1] if t.versions else self.gen.policy_version] * len(ids)
+            if ids and not t.versions:  # the environment's tokens carry the last model token's version, or now's
+                t.versions.change(start, self.gen.policy_version)
             for m in r.messages:
                 t.turns.append({"role": m.get("role", "user"), "content": m.get("content", ""), "start": start,
                                 "end": len(t.ids), "tool_calls": [], "error": r.info.get("error")})
@@ -301,7 +303,7 @@ class Episodes:
             last = next((x["content"] for x in reversed(t.turns) if x["role"] == "assistant"), "")
             comps.append(Completion(token_ids=t.ids, logprobs=t.logprobs, finish_reason=t.finish, text=last,
                                     model_mask=t.mask, turns=t.turns, env_score=t.score,
-                                    token_versions=t.versions if set(t.versions) - {version} else None))
+                                    token_versions=t.versions.token_versions(len(t.ids), version)))
         return GroupRollout(item=item, prompt_ids=trajs[0].prompt_ids, completions=comps, policy_version=version,
                             generator_id=generator_id, precision=precision)
 

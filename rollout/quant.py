@@ -1,7 +1,8 @@
 """Weight-only quantization of a HF causal LM's nn.Linear layers, on the device its weights are on (CPU or CUDA).
 
 Which library path each (precision, device) uses (torch 2.13, torchao 0.18, bitsandbytes 0.50); ``quant_path`` names
-it, ``serves`` says whether the torch backend serves it (the registry's ``precisions_by_device`` for torch):
+it, ``serves`` says whether it is served (``SERVED``, declared in rollout/options.py; the torch backend serves
+exactly that):
 
 - bf16, cpu | cuda: no-op.
 - int8, cpu | cuda (``torchao.int8``): torchao ``Int8WeightOnlyConfig`` -> ``Int8Tensor`` (per output channel).
@@ -69,22 +70,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qgrpo.rollout.backends import REGISTRY
-from qgrpo.rollout.backends import TORCH_PRECISIONS as PRECISIONS  # declared by the backend registry
 from qgrpo.rollout.fp8 import Fp8Linear, quantize_fp8
+from qgrpo.rollout.options import QUANT_PATHS as _PATHS
+from qgrpo.rollout.options import QUANT_SERVED as SERVED
 
-# The precisions the torch backend serves on each device: the registry's truth, so the config refuses what this module
-# cannot run (rollout/backends: BackendSpec.precisions_by_device). Every pair served has a path in _PATHS below.
-SERVED: dict[str, tuple[str, ...]] = dict(REGISTRY["torch"].precisions_by_device)
+# (precision, device type) -> the library path that quantizes and runs it (see the module docstring), and the
+# precisions served on each device, are declared without torch in rollout/options.py: the torch backend's spec reads
+# them from there (rollout/backends: BackendSpec.precisions_by_device), so the config refuses what this module cannot
+# run, and this module needs nothing of the backends built on it.
+PRECISIONS = tuple(dict.fromkeys(p for served in SERVED.values() for p in served))  # every precision, CPU's first
 
-# (precision, device type) -> the library path that quantizes and runs it (see the module docstring).
-_PATHS = {
-    ("bf16", "cpu"): "none", ("bf16", "cuda"): "none",
-    ("int8", "cpu"): "torchao.int8", ("int8", "cuda"): "torchao.int8",
-    ("int4", "cpu"): "torchao.int4_opaque_cpu", ("int4", "cuda"): "torchao.int4_tile_packed_cuda",
-    ("nf4", "cpu"): "bnb.nf4_cpu", ("nf4", "cuda"): "bnb.nf4_cuda",
-    ("fp8", "cuda"): "torch.fp8_scaled_mm",
-}
 # out_features must be a multiple of this on CPU, else the layer stays bf16 (measured: the CPU packers raise otherwise).
 _CPU_OUT_MULTIPLE = {"int4": 16,  # aten._convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
                      "nf4": 32}  # bnb's CPU repack (_convert_weight_packed_for_cpu) asserts N % 32 == 0

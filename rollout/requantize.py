@@ -3,7 +3,8 @@
 
 At the learning rates RL uses, one step changes a weight by far less than a step of an int8 or int4 grid, so a
 generator that rounds every received weight to nearest keeps most of its codes from sync to sync (QuRL, ICLR 2026).
-Three modes, each on the grid the generator's own format rounds onto (core/grids.py, `served_grid`):
+Three modes, each on the grid the generator's own format rounds onto (core/grids.py), which the caller passes in: its
+backend's spec declares it (rollout/backends: `served_grid`), so this module needs nothing of the backends built on it.
 
 - ``nearest``: the weights are handed over as received; the backend rounds to nearest (what every backend does).
 - ``stochastic``: each weight's code is floor(w / scale + u), u ~ U[0, 1), so the served value is w in expectation
@@ -33,25 +34,18 @@ from typing import Iterable
 import torch
 
 from qgrpo.core.grids import Encoded, Grid, bits, decode, encode, handed
-from qgrpo.rollout.backends import EMULATED_FORMATS, REGISTRY
 from qgrpo.rollout.options import REQUANTIZE_MODES
 
 VISIBILITY_KEYS = ("code_change_frac", "bf16_change_frac", "update_norm_ratio", "update_projection")
 
 
 def served_grid(backend: str, precision: str, group_size: int = 64) -> Grid | None:
-    """The grid that `backend` at `precision` rounds its linear weights onto (its spec's `grids`), or None where it
-    is not emulated (bf16; nf4 and fp8, whose grids are not uniform; MLX)."""
-    spec = REGISTRY[backend].grids.get(precision)
-    if spec is None:
-        return None
-    return Grid(spec.family, spec.qmin, spec.qmax, group=group_size if spec.grouped else 0, divisor=spec.divisor,
-                eps=spec.eps, dtype=getattr(torch, spec.dtype))
+    """Moved to rollout/backends (`served_grid`), where the grids are declared. Kept, importing the backends, only
+    until its last callers (cluster/run/learners.py, rollout/backends/vllm_backend.py) import it from there: then
+    delete it."""
+    from qgrpo.rollout.backends import served_grid as declared
 
-
-def requantize_supported() -> list[str]:
-    """'backend precision' pairs whose grid is emulated, for error messages."""
-    return [f"{b} {p}" for b, p in EMULATED_FORMATS]
+    return declared(backend, precision, group_size)
 
 
 @dataclass
@@ -79,8 +73,8 @@ class Requantizer:
         if mode not in REQUANTIZE_MODES:
             raise ValueError(f"sync.requantize must be one of {REQUANTIZE_MODES}, got {mode!r}")
         if mode != "nearest" and not grids:
-            raise ValueError(f"sync.requantize = {mode!r}: this generator's format has no emulated grid; it is "
-                             f"available for {', '.join(requantize_supported())}")
+            raise ValueError(f"sync.requantize = {mode!r}: this generator's format has no emulated grid (its backend's "
+                             "spec says which formats have one: BackendSpec.grids); set sync.requantize = \"nearest\"")
         self.mode, self.grids = mode, grids
         self.kept: dict[str, _Kept] = {}
         for name, w in initial:

@@ -11,8 +11,8 @@ from torch import nn
 from qgrpo.core.grids import decode, encode
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.fake_quant import fake_quant_layers, fake_quantize
+from qgrpo.rollout.backends import served_grid
 from qgrpo.rollout.quant import quantize_model
-from qgrpo.rollout.requantize import served_grid
 
 
 @pytest.fixture(scope="module")

@@ -1,8 +1,10 @@
 """The layout's rules, checked on the source: no module imports from a layer above its own (lazy imports inside
-functions included), no two modules import each other through any chain (lazy imports and `import_module("...")` of
-a constant included; imports for type checkers only are not imports at run time), pyproject.toml installs every
-package folder under `qgrpo`. Sizes (modules per folder, lines per file and per function) are guides, not rules: a
-test warns past them, so that files are split by concept, not cut to a ruler.
+functions, `import_module("...")` and `__import__("...")` of a constant, and the "qgrpo.module:name" strings a spec
+resolves included), no two modules import each other through any chain (the same, but for those strings; imports for
+type checkers only are not imports at run time), nothing outside rollout/backends/ knows a backend by name (compares
+one, looks its spec up by a constant, imports its module), pyproject.toml installs every package folder under
+`qgrpo`. Sizes (modules per folder, lines per file and per function) are guides, not rules: a test warns past them, so
+that files are split by concept, not cut to a ruler.
 
 Layers, lowest first: the package root (`qgrpo/__init__`, its version) and core < rollout, learner (siblings: neither
 imports the other) < actors < cluster.config < cluster.rundir < cluster.run < cluster.report < cluster.cli <
@@ -11,6 +13,7 @@ imports the other) < actors < cluster.config < cluster.rundir < cluster.run < cl
 from __future__ import annotations
 
 import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -24,6 +27,14 @@ LAYERS = {"": 0, "core": 0, "rollout": 1, "learner": 1, "actors": 2, "cluster": 
 MAX_MODULES = 12  # per folder: past it, a warning
 MAX_FILE_LINES = 400  # past it, a warning
 MAX_FUNCTION_LINES = 80  # past it, a warning
+# A "module:name" string naming our code (BackendSpec.target, reference_scorer, preflight): the module it names is
+# imported where the string is resolved, which is the module holding it (rollout/backends: `_load`).
+TARGET = re.compile(r"qgrpo(\.\w+)+:\w+")
+BACKENDS = ROOT / "rollout" / "backends"
+# Modules of rollout/backends/ that belong to no one backend, which code outside may import: what every generator
+# shares (prompt ids, stop tokens, weight streams, the fingerprint probe: common.py; which version sampled which
+# tokens: versions.py) and the compute dtype the torch generator and the torch reference scorer share (compute.py).
+SHARED_BACKEND_MODULES = {"common", "compute", "versions"}
 
 
 def _sources(*tops: str) -> list[Path]:
@@ -45,17 +56,28 @@ def _layer(module: str) -> str:
     return ""
 
 
+def _named(node: ast.AST, targets: bool = True) -> list[str]:
+    """The modules (dotted, any package) `node` imports: an import statement; `importlib.import_module` or
+    `__import__` of a string constant; with `targets`, a "qgrpo.module:name" string constant (TARGET)."""
+    if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and (getattr(node.func, "attr", "") == "import_module"
+                 or getattr(node.func, "id", "") in ("import_module", "__import__"))):
+        return [node.args[0].value]
+    if targets and isinstance(node, ast.Constant) and isinstance(node.value, str) and TARGET.fullmatch(node.value):
+        return [node.value.split(":")[0]]
+    return []
+
+
 def _imports(path: Path) -> list[tuple[int, str]]:
-    """(line, module without `qgrpo.`) of every import of our own code in the file."""
+    """(line, module without `qgrpo.`) of every import of our own code in the file, string-loaded ones included."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        else:
-            continue
-        for name in names:
+        for name in _named(node):
             if name == "qgrpo" or name.startswith("qgrpo."):
                 found.append((node.lineno, name.removeprefix("qgrpo").removeprefix(".")))
     return found
@@ -91,6 +113,17 @@ def test_the_layer_check_can_fail(tmp_path):
         "probe.py:1 (rollout) imports qgrpo.learner.objective.loss (learner)",
         "probe.py:1 (rollout) imports qgrpo.learner.objective.loss.grpo_loss (learner)"]
     assert _layer("rollout.backends.torch_backend") == "rollout" and _layer("cluster.run.driver") == "cluster.run"
+
+
+def test_the_layer_check_sees_modules_loaded_by_name(tmp_path):
+    # A rollout module that reaches the run layer through a string is found as if it imported it.
+    fake = tmp_path / "probe.py"
+    fake.write_text("import importlib\nm = importlib.import_module('qgrpo.cluster.run.driver')\n"
+                    "n = __import__('qgrpo.actors.rollout_actor')\nTARGET = 'qgrpo.cluster.cli.app:main'\n"
+                    "fine = importlib.import_module('qgrpo.core.records'), 'qgrpo.rollout.quant:quantize_model'\n")
+    assert _upward(fake, "rollout.probe") == ["probe.py:2 (rollout) imports qgrpo.cluster.run.driver (cluster.run)",
+                                              "probe.py:3 (rollout) imports qgrpo.actors.rollout_actor (actors)",
+                                              "probe.py:4 (rollout) imports qgrpo.cluster.cli.app (cluster.cli)"]
 
 
 def test_no_own_code_imports_top_level_names():
@@ -160,9 +193,59 @@ def test_the_backend_comparison_check_can_fail(tmp_path):
                                                                        "probe.py:5"]
 
 
+def _backend_by_name(path: Path, module: str | None = None) -> list[str]:
+    """How `path` (the module `module`, dotted without `qgrpo.`) knows a backend by name other than comparing it, one
+    `file:line what` each: a spec looked up by a string constant (`REGISTRY["torch"]`), and an import of one backend's
+    module (qgrpo.rollout.backends.X, X not in SHARED_BACKEND_MODULES), by a statement or a string. [] for a module
+    of rollout/backends/, where the backends are named."""
+    if (module or _module(path)).startswith("rollout.backends"):
+        return []
+    where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+    bad: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if (isinstance(node, ast.Subscript) and "REGISTRY" in (getattr(node.value, "id", ""),
+                                                               getattr(node.value, "attr", ""))
+                and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)):
+            bad.append((node.lineno, f"REGISTRY[{node.slice.value!r}]"))
+    for line, target in _imports(path):
+        parts = target.split(".")
+        if parts[:2] != ["rollout", "backends"] or len(parts) < 3 or parts[2] in SHARED_BACKEND_MODULES:
+            continue
+        if (BACKENDS / f"{parts[2]}.py").is_file() or (BACKENDS / parts[2] / "__init__.py").is_file():
+            bad.append((line, f"imports qgrpo.rollout.backends.{parts[2]}"))
+    # by line; once each (`from m import a` names both m and m.a)
+    return [f"{where}:{line} {what}" for line, what in sorted(set(bad))]
+
+
+def test_no_backend_is_known_by_name_outside_the_backends():
+    """Code above the backends asks the spec of the backend the config names (`REGISTRY[cfg.rollout.backend]`); what
+    is one backend's own (its generator, reference scorer, pre-run checks) its spec names as "module:name", resolved
+    in rollout/backends. A constant lookup or an import of a backend's module would tie that code to one backend."""
+    bad = [b for p in _sources(*PACKAGES) for b in _backend_by_name(p)]
+    assert bad == [], ("backends known by name (ask the spec of the configured backend; a capability or hook on "
+                       "BackendSpec; or list a module every backend shares in SHARED_BACKEND_MODULES):\n"
+                       + "\n".join(bad))
+
+
+def test_the_backend_name_check_can_fail(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from qgrpo.rollout.backends import REGISTRY, vllm_kv\nfrom qgrpo.rollout import backends\n"
+                     "a = REGISTRY['torch'].served('cpu')\nb = backends.REGISTRY[\"vllm\"]\n"
+                     "c = REGISTRY[cfg.rollout.backend]\nfrom qgrpo.rollout.backends.common import probe_ids\n"
+                     "def f():\n    from qgrpo.rollout.backends.mlx_backend import import_mlx\n"
+                     "g = 'qgrpo.rollout.backends.mlx_reference:MLXReferenceScorer'\n")
+    assert _backend_by_name(probe, "cluster.config.probe") == [
+        "probe.py:1 imports qgrpo.rollout.backends.vllm_kv", "probe.py:3 REGISTRY['torch']",
+        "probe.py:4 REGISTRY['vllm']", "probe.py:8 imports qgrpo.rollout.backends.mlx_backend",
+        "probe.py:9 imports qgrpo.rollout.backends.mlx_reference"]
+    assert _backend_by_name(probe, "rollout.backends.probe") == []  # the backends' own package may
+
+
 def _runtime_imports(path: Path) -> set[str]:
     """The modules of ours (without `qgrpo.`) `path` imports when it runs: at the top, inside functions, and by
-    `importlib.import_module` of a constant; not what an `if TYPE_CHECKING:` block imports for type checkers."""
+    `importlib.import_module` or `__import__` of a constant; not what an `if TYPE_CHECKING:` block imports for type
+    checkers. Nor a spec's "module:name" strings: the registry names its backends so as not to import them, and each
+    backend imports the registry's base class; that is a plug-in, loaded when chosen, not two modules tangled."""
     tree = ast.parse(path.read_text(), str(path))
     typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                    and getattr(node.test, "id", getattr(node.test, "attr", "")) == "TYPE_CHECKING"
@@ -171,16 +254,7 @@ def _runtime_imports(path: Path) -> set[str]:
     for node in ast.walk(tree):
         if id(node) in typing_only:
             continue
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        elif isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module" and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
-            names = [node.args[0].value]
-        else:
-            continue
-        found |= {n.removeprefix("qgrpo.") for n in names if n.startswith("qgrpo.")}
+        found |= {n.removeprefix("qgrpo.") for n in _named(node, targets=False) if n.startswith("qgrpo.")}
     return found
 
 
@@ -227,8 +301,9 @@ def test_the_circle_check_can_fail(tmp_path):
     a, b = tmp_path / "a.py", tmp_path / "b.py"
     a.write_text("def f():\n    from qgrpo.x.b import g\n")
     b.write_text("import importlib\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qgrpo.x.c import h\n"
-                 "m = importlib.import_module('qgrpo.x.a')\n")
-    assert _runtime_imports(a) == {"x.b", "x.b.g"} and _runtime_imports(b) == {"x.a"}  # the type-only one left out
+                 "m = importlib.import_module('qgrpo.x.a')\nn = __import__('qgrpo.x.d')\nt = 'qgrpo.x.e:Plugin'\n")
+    # the type-only import and the plug-in's name left out
+    assert _runtime_imports(a) == {"x.b", "x.b.g"} and _runtime_imports(b) == {"x.a", "x.d"}
     assert circles({"x.a": {"x.b"}, "x.b": {"x.a"}, "x.c": {"x.a"}}) == [["x.a", "x.b"]]
     assert circles({"x.a": {"x.b"}, "x.b": {"x.c"}}) == []
 

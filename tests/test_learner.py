@@ -270,8 +270,8 @@ def test_fake_quant_learner_scores_like_its_int4_generators_and_trains(tiny_mode
         monkeypatch.setattr(torch.nn.functional, "linear", ZeroInit.linear_bk)
 
     from qgrpo.learner.engine import Learner
+    from qgrpo.rollout.backends import served_grid
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
-    from qgrpo.rollout.requantize import served_grid
 
     generator = TorchGenerator(tiny_model_path, precision="int4")
     vocab = generator.model.config.vocab_size

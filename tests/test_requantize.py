@@ -9,8 +9,9 @@ import torch
 from torch import nn
 
 from qgrpo.core.grids import Grid, decode, encode, handed
+from qgrpo.rollout.backends import served_grid
 from qgrpo.rollout.quant import int8_per_channel, quantize_model
-from qgrpo.rollout.requantize import Requantizer, served_grid
+from qgrpo.rollout.requantize import Requantizer
 
 TORCH_FORMATS = [("int8", "nearest"), ("int8", "stochastic"), ("int4", "nearest"), ("int4", "stochastic")]
 
@@ -139,7 +140,7 @@ def test_prepare_changes_nothing_until_commit():
 def test_modes_and_formats_are_checked():
     with pytest.raises(ValueError, match="sync.requantize must be one of"):
         Requantizer("round_up", {})
-    with pytest.raises(ValueError, match="torch int8, torch int4, vllm int8"):
+    with pytest.raises(ValueError, match="has no emulated grid"):
         Requantizer("stochastic", {})  # a format without an emulated grid (bf16, nf4, fp8, MLX)
     assert served_grid("torch", "nf4") is None and served_grid("vllm", "fp8") is None
     assert served_grid("mlx", "int4") is None and served_grid("torch", "int4", 32).group == 32

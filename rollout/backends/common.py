@@ -11,6 +11,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator
 
 from qgrpo.core.records import Completion, GroupRollout, PromptItem
+from qgrpo.rollout.backends.versions import VersionSpans, token_versions
+
+# One sample of a prompt: (token ids, their log-probs, the versions that sampled them; None: the call's version)
+Sample = tuple[list[int], list[float], VersionSpans | None]
 
 if TYPE_CHECKING:
     import torch
@@ -122,23 +126,21 @@ def check_stream(expected: dict[str, tuple[int, ...]],
         raise WeightMismatchError(f"weight stream lacks {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
 
 
-def build_group(item: PromptItem, prompt_ids: list[int], samples: list[tuple], stop_ids: list[int], tokenizer,
-                policy_version: int, generator_id: str, precision: str,
-                changes: list[tuple[int, int]] | None = None) -> GroupRollout:
-    """One prompt's G samples -> a GroupRollout of their `build_completion`s. A sample is (token ids, their log-probs)
-    or (token ids, log-probs, its own changes), where each completion has its own (vLLM's per-request versions).
-    `changes`: which version sampled which columns, [(first column, version), ...] from column 0 (`policy_version`
-    is then the first's), where a weight update landed during the call; None: `policy_version` sampled them all."""
-    comps = [build_completion(s[0], s[1], stop_ids, tokenizer, s[2] if len(s) > 2 else changes) for s in samples]
+def build_group(item: PromptItem, prompt_ids: list[int], samples: list[Sample], stop_ids: list[int], tokenizer,
+                policy_version: int, generator_id: str, precision: str) -> GroupRollout:
+    """One prompt's G samples -> a GroupRollout of their `build_completion`s. A sample is (token ids, their log-probs,
+    the versions that sampled them: a VersionSpans from the call's version `policy_version`, or None where that
+    version sampled them all). The call's rows share one (torch, MLX); vLLM reports each request's own."""
+    comps = [build_completion(toks, lps, stop_ids, tokenizer, versions) for toks, lps, versions in samples]
     return GroupRollout(item=item, prompt_ids=list(prompt_ids), completions=comps, policy_version=policy_version,
                         generator_id=generator_id, precision=precision)
 
 
 def build_completion(toks: list[int], lps: list[float], stop_ids: list[int], tokenizer,
-                     changes: list[tuple[int, int]] | None = None) -> Completion:
+                     versions: VersionSpans | None = None) -> Completion:
     """One sample (token ids, their log-probs) -> a Completion, for `generate`'s groups and `continue_ids` alike. It
     ends at its first stop token (kept, finish_reason "stop"); one without a stop token ran to the length limit
-    ("length"); whatever a backend decoded past the end (padding of a finished row) is cut off. `changes` as
+    ("length"); whatever a backend decoded past the end (padding of a finished row) is cut off. `versions` as
     `build_group` takes them: token_versions is set where the completion's tokens span more than one version."""
     stops = set(stop_ids)
     end = next((i + 1 for i, t in enumerate(toks) if t in stops), None)
@@ -146,19 +148,7 @@ def build_completion(toks: list[int], lps: list[float], stop_ids: list[int], tok
     return Completion(token_ids=list(toks[:n]), logprobs=[float(x) for x in lps[:n]],
                       finish_reason="stop" if end is not None else "length",
                       text=tokenizer.decode(toks[:n], skip_special_tokens=True),
-                      token_versions=token_versions(changes, n))
-
-
-def token_versions(changes: list[tuple[int, int]] | None, n: int) -> list[int] | None:
-    """The version of each of `n` tokens from the change points [(first column, version), ...] (column 0 first);
-    None where one version sampled all n (Completion.token_versions)."""
-    if not changes or len(changes) < 2 or changes[1][0] >= n:
-        return None
-    out = []
-    for k, (start, version) in enumerate(changes):
-        stop = changes[k + 1][0] if k + 1 < len(changes) else n
-        out += [version] * (min(stop, n) - len(out))
-    return out
+                      token_versions=token_versions(versions, n))
 
 
 def continuation_prompts(generator_id: str, sequences: list[list[int]]) -> list[list[int]]:

@@ -251,9 +251,9 @@ class MLXGenerator(Generator):
         G = sampling.group_size
         prompts = [format_prompt(self.tokenizer, it, self.chat_template) for it in items]
         toks, lps = self._sample(prompts, G, sampling, self._key(sampling))  # per row, rows i*G .. i*G+G-1 for prompt i
-        changes = self._changes  # the versions that sampled the columns (an update may land between two steps)
-        return [build_group(it, prompts[i], [(toks[r], lps[r]) for r in range(i * G, (i + 1) * G)], self.stop_ids,
-                            self.tokenizer, changes[0][1], self.generator_id, self.precision, changes)
+        versions = self._changes  # the versions that sampled the columns (an update may land between two steps)
+        return [build_group(it, prompts[i], [(toks[r], lps[r], versions) for r in range(i * G, (i + 1) * G)],
+                            self.stop_ids, self.tokenizer, versions.version, self.generator_id, self.precision)
                 for i, it in enumerate(items)]
 
     def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:

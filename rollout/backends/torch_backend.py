@@ -16,7 +16,7 @@ import torch
 
 from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.rollout.backends import Generator, TorchOptions, torch_adapters
+from qgrpo.rollout.backends import Generator, TorchOptions, served_grid, torch_adapters
 from qgrpo.rollout.backends.common import (
     build_completion,
     build_group,
@@ -29,7 +29,6 @@ from qgrpo.rollout.backends.compute import compute_in
 from qgrpo.rollout.backends.torch_decode import StaticDecoder, pick
 from qgrpo.rollout.backends.torch_graphs import GraphDecoder
 from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names, requantize_in_place
-from qgrpo.rollout.requantize import served_grid
 
 
 def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -98,13 +97,13 @@ class TorchGenerator(Generator):
         prompts, ids, attn = self._encode(items)
         rng = self._rng(sampling)
         new, logp = self._sample(ids.to(self.device), attn.to(self.device), G, sampling, rng)  # [N*G, L] each
-        changes = self._changes  # the versions that sampled the columns (an update may land between two steps)
+        versions = self._changes  # the versions that sampled the columns (an update may land between two steps)
         groups = []
         for i, it in enumerate(items):  # prompt i's G completions are rows i*G .. i*G+G-1
             rows = range(i * G, (i + 1) * G)
-            groups.append(build_group(it, prompts[i], [(new[r].tolist(), logp[r].tolist()) for r in rows],
-                                      self.stop_ids, self.tokenizer, changes[0][1], self.generator_id,
-                                      self.precision, changes))
+            groups.append(build_group(it, prompts[i], [(new[r].tolist(), logp[r].tolist(), versions) for r in rows],
+                                      self.stop_ids, self.tokenizer, versions.version, self.generator_id,
+                                      self.precision))
         return groups
 
     @torch.inference_mode()
@@ -162,7 +161,7 @@ class TorchGenerator(Generator):
                 rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompts [N, P] -> sampled tokens and their log-probs [N*G, L] (CPU), L <= max_new_tokens.
         Rows that finished are padded after their stop token (log-prob 0). `self._changes` says which policy version
-        sampled which columns ([(first column, version), ...], see `_boundary`)."""
+        sampled which columns (a VersionSpans, see `_boundary`)."""
         self._versions_start()
         # Prefill each distinct prompt once, then copy its KV cache to its G rows (rows i*G .. i*G+G-1).
         out = self._prefill(ids, attn)

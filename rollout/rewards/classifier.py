@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from qgrpo.rollout.models import TINY_CHAT_TEMPLATE, build_tiny_reward, resolve_model_path  # noqa: F401 (re-exported)
+from qgrpo.rollout.options import QUANT_SERVED
 
 RM_PRECISIONS = ("bf16", "fp32", "int8")
 CLASSIFIER_BUILTINS = ("tiny-reward",)  # the builtin models (rollout/models.py) that are reward models
@@ -25,6 +26,13 @@ FIELD = "reward_model.path"
 _FIX = ("point reward_model.path at a sequence classifier with one output (a folder saved from "
         "AutoModelForSequenceClassification with num_labels = 1, e.g. a reward model trained by TRL's RewardTrainer), "
         "or builtin:tiny-reward for a test")
+
+
+def rm_served(device: str) -> tuple[str, ...]:
+    """The precisions a reward model scores at on `device` ("cpu" or "cuda"): bf16 and fp32 need no quantizer; int8
+    where the quantizer it shares with the torch generators (rollout/quant.py, QUANT_SERVED) runs it. Read by the
+    config's rule, so what this module runs is what the config allows."""
+    return tuple(p for p in RM_PRECISIONS if p in ("bf16", "fp32") or p in QUANT_SERVED.get(device, ()))
 
 
 def _labels(cfg: dict) -> int:
