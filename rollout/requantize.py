@@ -39,15 +39,6 @@ from qgrpo.rollout.options import REQUANTIZE_MODES
 VISIBILITY_KEYS = ("code_change_frac", "bf16_change_frac", "update_norm_ratio", "update_projection")
 
 
-def served_grid(backend: str, precision: str, group_size: int = 64) -> Grid | None:
-    """Moved to rollout/backends (`served_grid`), where the grids are declared. Kept, importing the backends, only
-    until its last callers (cluster/run/learners.py, rollout/backends/vllm_backend.py) import it from there: then
-    delete it."""
-    from qgrpo.rollout.backends import served_grid as declared
-
-    return declared(backend, precision, group_size)
-
-
 @dataclass
 class _Kept:
     """One quantized tensor as last served: its received bf16 weights, codes and grid, and the residual."""

@@ -14,8 +14,7 @@ from qgrpo.core import storage
 from qgrpo.core.devices import role_env
 from qgrpo.learner.objective.settings import objective_settings
 from qgrpo.learner.settings import LearnerSettings
-from qgrpo.rollout.backends import REGISTRY
-from qgrpo.rollout.requantize import served_grid
+from qgrpo.rollout.backends import REGISTRY, served_grid
 
 
 def learner_settings(cfg: Config) -> LearnerSettings:

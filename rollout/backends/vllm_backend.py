@@ -341,7 +341,7 @@ class VLLMGenerator(Generator):
     def quant_grids(self) -> dict:
         """{HF tensor name: core.grids.Grid} of the weights the int8 engine holds as int8 (rollout/requantize.py);
         {} at bf16 and fp8."""
-        from qgrpo.rollout.requantize import served_grid
+        from qgrpo.rollout.backends import served_grid
 
         grid = served_grid("vllm", self.precision)
         return {} if grid is None else {n: grid for n, s in self._expected.items() if is_int8_target(n, s)}
