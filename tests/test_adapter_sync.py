@@ -224,11 +224,9 @@ def test_a_replacement_actor_starts_from_an_adapters_update(ray_session, peft_mo
     transport = ObjectStoreTransport(1 << 20)
 
     def update(version, stream, kind, model):
-        u = transport.publish(version, stream)
         with torch.no_grad():
-            u.probe_logprobs = token_logprobs(model, torch.tensor([probe]))[0, 1:].float().tolist()
-        u.probe_ids, u.kind = probe, kind
-        return u
+            logprobs = token_logprobs(model, torch.tensor([probe]))[0, 1:].float().tolist()
+        return transport.publish(version, stream, probe_ids=probe, probe_logprobs=logprobs, kind=kind)
 
     adapters = update(4, adapter_weights(peft_model), "adapters", peft_model)
     actor = RolloutActor.remote("torch", dict(model_path=tiny_model_path, precision="int8", generator_id="r"), 1,

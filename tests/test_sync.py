@@ -86,11 +86,11 @@ def test_sync_moves_every_generator(actors, tiny_model_path):
     from qgrpo.rollout.backends.common import probe_ids
 
     original = load_file(f"{tiny_model_path}/model.safetensors")
-    restore = ObjectStoreTransport(1 << 12).publish(2, original.items())
-    restore.probe_ids = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
+    probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
     with torch.no_grad():
         old_bf16 = old_model.to(torch.bfloat16)
-        restore.probe_logprobs = token_logprobs(old_bf16, torch.tensor([restore.probe_ids]))[0, 1:].tolist()
+        logprobs = token_logprobs(old_bf16, torch.tensor([probe]))[0, 1:].tolist()
+    restore = ObjectStoreTransport(1 << 12).publish(2, original.items(), probe_ids=probe, probe_logprobs=logprobs)
     assert [a.version for a in wait_all([a.load_weights.remote(restore) for a in rollouts.values()], 60, "restore")] \
         == [2] * len(KINDS)
     for k, a in rollouts.items():
