@@ -10,7 +10,7 @@ Per run, from the run's own metrics.jsonl and run log:
 - **step time by stage** (mean over steps 2..N; step 1 is warm-up): generation, reference, learner (forward, backward,
   optimizer: the learner's own clock), weight sync (export on the learner; receive, re-quantize and verify on the
   slowest rollout actor; the whole sync as the driver saw it). The driver's laps cover the whole step: "ref" includes
-  reward scoring and building the batch, and algo.overlap's wait for the next step's rollouts is its own lap;
+  reward scoring and building the batch (runs of the older one-step-off loop also lapped its wait, rollout_wait);
 - **memory per actor**: peak RSS and PSS of the learner, rollout and reference actors, Ray's own processes and the
   driver, and of their sum (bench/sides.py's sampler, as in bench/vs_trl.py: the process tree of the run, RSS every
   0.5 s, PSS every 3 s).

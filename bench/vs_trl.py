@@ -74,7 +74,8 @@ def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
     tokens = sum(m["rollout/completion_len"] * per_step for m in timed)
     stage = {k: sum(m.get(f"time/{k}", 0.0) for m in timed)
              for k in ("generate", "rewards", "pack", "reference", "learn", "sync")}
-    stage["generate"] += sum(m.get("time/rollout_wait", 0.0) for m in timed)  # algo.overlap: what was not hidden
+    # runs of the older one-step-off loop lapped the wait for the step ahead apart; a stream's wait is in "generate"
+    stage["generate"] += sum(m.get("time/rollout_wait", 0.0) for m in timed)
     first_start = steps[0]["time"] - steps[0]["time/step"]
     return summary(
         "qgrpo", wall, tokens, stage["generate"], stage["learn"], seconds, len(timed),

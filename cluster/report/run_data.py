@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-STAGES = ("generate", "rewards", "pack", "reference", "learn", "rollout_wait", "sync")  # the driver's laps, in order
+# the driver's laps, in order; "rollout_wait" only in runs of the older one-step-off loop (algo.overlap waited there)
+STAGES = ("generate", "rewards", "pack", "reference", "learn", "rollout_wait", "sync")
 # reward/* keys that are not functions
 REWARD_STATS = {"mean", "std", "groups_with_signal", "errors", "not_applicable", "workers_replaced", "min", "max"}
 MISMATCH_RATIO_KEYS = ("mismatch/log_ratio_max", "mismatch/log_ratio_mean", "mismatch/log_ratio_min")
