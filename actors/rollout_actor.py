@@ -100,7 +100,7 @@ class _RolloutActor(CollectiveMember):
             groups = self.gen.generate(items, sampling)
         if groups and faults.fires("rollout.nan", step):
             groups[0].completions[0].logprobs[0] = math.nan
-        n = sum(len(c.token_ids) if c.model_mask is None else sum(c.model_mask) for g in groups for c in g.completions)
+        n = sum(c.model_tokens for g in groups for c in g.completions)
         env = self.episodes.env_seconds - env0 if self.episodes is not None else 0.0
         return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, version, env)
 

@@ -61,9 +61,24 @@ class Completion:
     # token by token. Tokens of an environment turn carry the version of the model turn before them.
     token_versions: list[int] | None = None
 
+    # What consumers ask of the optional fields above, answered once here so that none tests them for None:
     def versions(self, default: int) -> list[int]:
         """Each token's version: token_versions, or `default` (the group's policy_version) for every token."""
         return self.token_versions if self.token_versions is not None else [default] * len(self.token_ids)
+
+    def mask(self) -> list[int]:
+        """1 on each token the model sampled, 0 on an environment token: model_mask, or all 1."""
+        return self.model_mask if self.model_mask is not None else [1] * len(self.token_ids)
+
+    @property
+    def model_tokens(self) -> int:
+        """How many tokens the model sampled (a multi-turn trajectory's environment tokens left out)."""
+        return len(self.token_ids) if self.model_mask is None else sum(self.model_mask)
+
+    @property
+    def multi_turn(self) -> bool:
+        """A trajectory of turns (rollout/episodes.py): `turns`, `env_score` and `model_mask` are set."""
+        return self.turns is not None
 
 
 @dataclass(frozen=True)

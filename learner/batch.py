@@ -104,12 +104,12 @@ def pack_rollouts(groups: list[GroupRollout], pad_id: int, max_new_tokens: int) 
     mixed = any(c.token_versions is not None for g in groups for c in g.completions)
     for gid, g in enumerate(groups):
         for comp in g.completions:
-            p, c = len(g.prompt_ids), len(comp.token_ids)
+            p = len(g.prompt_ids)
             rows.append(g.prompt_ids + comp.token_ids)
             if mixed:
                 per_token.append([g.policy_version] * p + comp.versions(g.policy_version))
             # the loss sees the model's tokens only: a multi-turn trajectory's environment turns are masked out
-            masks.append([0.0] * p + ([1.0] * c if comp.model_mask is None else [float(x) for x in comp.model_mask]))
+            masks.append([0.0] * p + [float(x) for x in comp.mask()])
             mus.append([0.0] * p + list(comp.logprobs))
             versions.append(g.policy_version)
             plens.append(p)

@@ -328,7 +328,7 @@ def episode_metrics(groups: list[GroupRollout]) -> dict[str, float]:
          "episode/tool_calls": sum(calls) / n,
          "episode/tool_errors": sum(t.get("tool_errors", 0) for c in comps for t in c.turns) / n,
          "episode/called_tool_frac": sum(x > 0 for x in calls) / n,
-         "episode/env_tokens": sum(len(c.token_ids) - sum(c.model_mask or []) for c in comps) / n}
+         "episode/env_tokens": sum(len(c.token_ids) - c.model_tokens for c in comps) / n}
     for reason in FINISHES:
         m[f"episode/finish_{reason}"] = sum(c.finish_reason == reason for c in comps) / n
     return m

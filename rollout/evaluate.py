@@ -77,7 +77,7 @@ def score_eval(groups: list[GroupRollout], metric: "str | Judge", details: bool 
         out["details"] = [{"prompt_id": g.item.prompt_id, "prompt": g.item.prompt, "reference": g.item.reference,
                            "completion": t, "score": sc, "correct": sc is not None and sc >= judge.threshold,
                            # a multi-turn trajectory's turns (its completion is the last model turn)
-                           **({"turns": g.completions[0].turns} if g.completions[0].turns is not None else {})}
+                           **({"turns": g.completions[0].turns} if g.completions[0].multi_turn else {})}
                           for g, t, sc in zip(groups, texts, scores)]
     return out
 

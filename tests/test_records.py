@@ -82,3 +82,18 @@ def test_learner_settings_come_from_the_config_sections():
     assert s.objective.loss_params.high == 0.28 and s.objective.updates_per_batch == 2 and s.total_updates == 14
     assert s.guard is False and s.mode == "lora" and s.lora["rank"] == 4
     assert s.deepspeed_config()["gradient_accumulation_steps"] == math.ceil(9 / s.micro_batch_per_rank)
+
+
+def test_a_completion_answers_for_its_optional_fields():
+    """Consumers ask a Completion for its model tokens, mask and versions; none tests the optional fields for None."""
+    from qgrpo.core.records import Completion
+
+    plain = Completion([4, 5, 6], [-1.0] * 3, "length", "x")
+    assert plain.mask() == [1, 1, 1] and plain.model_tokens == 3 and not plain.multi_turn
+    assert plain.versions(7) == [7, 7, 7]
+    turns = [{"role": "assistant", "content": "5", "start": 0, "end": 1}, {"role": "user", "content": "no",
+                                                                             "start": 1, "end": 3}]
+    traj = Completion([4, 5, 6, 7], [-1.0, 0.0, 0.0, -1.0], "stop", "x", model_mask=[1, 0, 0, 1], turns=turns,
+                      env_score=1.0, token_versions=[3, 3, 3, 4])
+    assert traj.mask() == [1, 0, 0, 1] and traj.model_tokens == 2 and traj.multi_turn
+    assert traj.versions(7) == [3, 3, 3, 4]

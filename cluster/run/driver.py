@@ -75,8 +75,7 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
         "rollout/actors": len({s.generator_id for s in gen_stats}),
         "rollout/staleness": first.staleness,
         # the model's own tokens (a multi-turn trajectory's environment turns are episode/env_tokens)
-        "rollout/completion_len": sum(len(c.token_ids) if c.model_mask is None else sum(c.model_mask)
-                                      for c in completions) / len(completions),
+        "rollout/completion_len": sum(c.model_tokens for c in completions) / len(completions),
         "rollout/stop_frac": sum(c.finish_reason == "stop" for c in completions) / len(completions),
         "loss/total": sum(r.loss for r in results),
         "loss/kl": loss_stats.pop("kl"),

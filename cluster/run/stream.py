@@ -267,7 +267,7 @@ def stream_ages(groups: list[GroupRollout], trained_from: int) -> dict:
     """The step's model tokens by the version that sampled them, as their age behind the policy the step trained from
     (`stream/tokens_age<k>`), and `stream/mixed_completions`: those whose tokens span two versions or more (a weight
     update landed between two of their decode steps)."""
-    pairs = [(c.versions(g.policy_version), c.model_mask) for g in groups for c in g.completions]
+    pairs = [(c.versions(g.policy_version), c.mask()) for g in groups for c in g.completions]
     ages = token_ages(pairs, trained_from)
     mixed = sum(len(set(v)) > 1 for v, _ in pairs)
     return {**{f"stream/tokens_age{k}": n for k, n in sorted(ages.items())}, "stream/mixed_completions": mixed}

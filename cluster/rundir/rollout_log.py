@@ -45,13 +45,12 @@ class RolloutWriter:
         a weight update landed while it was generated, Completion.token_versions)."""
         for g in groups:
             for c, r, a in zip(g.completions, g.rewards, g.advantages, strict=True):
-                mask = c.model_mask if c.model_mask is not None else [1] * len(c.token_ids)
-                n = sum(mask)
+                mask, n = c.mask(), c.model_tokens
                 row = (step, g.item.prompt_id, g.item.prompt, g.item.reference, c.text, r, a, c.finish_reason,
                        n, sum(lp for lp, m in zip(c.logprobs, mask) if m) / max(n, 1), g.policy_version,
                        trained_from - g.policy_version, c.versions(g.policy_version)[-1] if c.token_ids else
                        g.policy_version, g.precision, g.generator_id,
-                       None if c.turns is None else json.dumps(c.turns))
+                       json.dumps(c.turns) if c.multi_turn else None)
                 for k, v in zip(SCHEMA_FIELDS, row):
                     self.rows[k].append(v)
             self._add_scores(g)

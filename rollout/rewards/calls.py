@@ -68,7 +68,7 @@ def reward_kwargs(items: list, completions: list) -> dict[str, list]:
     Chat rows get the conversational shape (every entry a list of its own, so a function may change it)."""
     kwargs: dict[str, list] = {
         "prompts": [messages(it) if it.chat else it.prompt for it in items],
-        "completions": [[{"role": t["role"], "content": t["content"]} for t in c.turns] if c.turns is not None
+        "completions": [[{"role": t["role"], "content": t["content"]} for t in c.turns] if c.multi_turn
                         else [{"role": "assistant", "content": c.text}] if it.chat else c.text
                         for it, c in zip(items, completions, strict=True)],
         "completion_ids": [list(c.token_ids) for c in completions],
@@ -76,7 +76,7 @@ def reward_kwargs(items: list, completions: list) -> dict[str, list]:
         "item_ids": [it.prompt_id for it in items],
         "finish_reasons": [c.finish_reason for c in completions],
     }
-    if any(c.turns is not None for c in completions):  # multi-turn trajectories (rollout/episodes.py)
+    if any(c.multi_turn for c in completions):  # multi-turn trajectories (rollout/episodes.py)
         kwargs["env_scores"] = [c.env_score for c in completions]
         kwargs["turns"] = [[dict(t) for t in c.turns or []] for c in completions]
     names = dict.fromkeys(k for it in items for k in (it.columns or {}) if k not in RESERVED)
