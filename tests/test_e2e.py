@@ -133,18 +133,20 @@ def test_eval_command_on_checkpoint(two_step_run, tiny_model_path, capsys):
     generator, as the command builds one) judged by tiny.toml's judge, `correct`, applied directly, so a wrong
     judge, prompt set or count fails. The base model (seeded) gets some right (2 of 32 when written), so a judge
     that says no to everything fails too; the checkpoint after two steps may get none. 32 prompts: one batch, in the
-    command as here, so the greedy answers are the same computation."""
+    command as here, so the greedy answers are the same computation. Both compute in bf16: "auto" picks fp32 on a CPU
+    without native bf16 (AVX2 only), where the random base model gets none of them right."""
     from qgrpo.core.records import SamplingParams
     from qgrpo.rollout.backends import backend_options, make_generator
     from qgrpo.rollout.tasks import make_task
 
     tiny, n = ROOT / "configs" / "tiny.toml", 32
-    cfg = load_config(tiny)
+    bf16 = "model.compute_dtype='bf16'"
+    cfg = load_config(tiny, [bf16])
     items = [make_task(cfg.task, cfg.run.seed, split="eval").item(i) for i in range(n)]
     greedy = SamplingParams(group_size=1, max_new_tokens=cfg.rollout.max_new_tokens, temperature=0.0, seed=0)
     right = {}
     for name, model in (("checkpoint", two_step_run / "checkpoints" / "step_000002"), ("base", tiny_model_path)):
-        assert main(["eval", str(model), "--config", str(tiny), "-n", str(n)]) == 0
+        assert main(["eval", str(model), "--config", str(tiny), "-n", str(n), "--set", bf16]) == 0
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert out["n"] == n and out["precision"] == "bf16" and out["metric"] == "correct"
         gen = make_generator("torch", model_path=str(model), precision="bf16", generator_id="check",

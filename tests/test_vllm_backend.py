@@ -87,8 +87,9 @@ def test_fingerprint_catches_bf16_reloaded_into_the_int8_engine(generators, tiny
         expected = token_logprobs(learner, torch.tensor([pid]))[0, 1:].tolist()
     check_fingerprint(gen.generator_id, "int8", 0, gen.score(pid), expected)  # the honest engine passes
     gen.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(state.items())})  # the trap
-    with pytest.raises(WeightFingerprintError, match="does not hold the weights that were sent"):
+    with pytest.raises(WeightFingerprintError, match="does not hold the weights that were sent") as caught:
         check_fingerprint(gen.generator_id, "int8", 1, gen.score(pid), expected)
+    print(caught.value)  # its gap and correlation, against the tolerance
     gen.load_weights(2, list(state.items()))  # our path puts it right again
     check_fingerprint(gen.generator_id, "int8", 2, gen.score(pid), expected)
 
@@ -97,6 +98,7 @@ def test_tiny_config_learns_with_vllm_rollouts(ray_session, tiny_model_path, tmp
     """configs/tiny.toml with `rollout.backend = "vllm"` at int8 (W8A8): the same bar as the torch learning test,
     mean reward of the last 10 steps at least 0.3 above the first 10."""
     from qgrpo.cluster.cli.app import main
+    from qgrpo.rollout.backends.common import FINGERPRINT_TOLERANCE
 
     rc = main(["train", "configs/tiny.toml", "--set", f"model.path='{tiny_model_path}'", "--set",
                f"run.output_dir='{tmp_path}'", "--set", "run.progress=false", "--set", "rollout.backend=vllm",
@@ -108,7 +110,8 @@ def test_tiny_config_learns_with_vllm_rollouts(ray_session, tiny_model_path, tmp
     first = sum(r["reward/mean"] for r in steps[:10]) / 10
     last = sum(r["reward/mean"] for r in steps[-10:]) / 10
     print(f"tiny on vLLM int8: reward first10={first:.3f} last10={last:.3f}")
-    assert all(math.isfinite(r["loss/total"]) and r["sync/fingerprint_corr_min"] >= 0.95 for r in steps)
+    assert all(math.isfinite(r["loss/total"]) and r["sync/fingerprint_corr_min"] >= FINGERPRINT_TOLERANCE["int8"][1]
+               for r in steps)
     assert {g["precision"] for g in rows[0]["generators"]} == {"int8"}
     assert last - first >= 0.3, (first, last)
 

@@ -39,9 +39,10 @@ PROBE_MAX_TOKENS = 32
 # correlation catches it where every log-prob is alike, as on the near-uniform random tiny model (rows shuffled:
 # 0.20, bf16 tensors reloaded into the int8 engine: 0.81). Honest loads, measured (gap / corr):
 #   SmolLM2 torch: bf16 0.000/1.000, int8 0.10/0.997, int4 0.98/0.75, nf4 0.74/0.87; vLLM int8 W8A8 0.23/see note;
-#   tiny: every precision and backend <= 0.02 / >= 0.976.
+#   tiny: every precision and backend <= 0.02 / >= 0.976 at the start; vLLM int8 against an fp32 learner (a CPU
+#   without native bf16) on the tiny model trained 263 steps, its log-probs peaked: 0.285 / 0.95, so int8 asks 0.9.
 FINGERPRINT_TOLERANCE = {  # precision: (max_gap, min_corr)
-    "bf16": (0.1, 0.99), "fp8": (0.5, 0.95), "int8": (0.5, 0.95), "int4": (2.0, 0.6), "nf4": (2.0, 0.6),
+    "bf16": (0.1, 0.99), "fp8": (0.5, 0.95), "int8": (0.5, 0.9), "int4": (2.0, 0.6), "nf4": (2.0, 0.6),
 }
 
 
