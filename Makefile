@@ -74,7 +74,7 @@ test: $(STAMP)
 # The inner loop: pure functions, the in-process learner, the torch generator and scoring on the tiny model; no Ray,
 # no vLLM or MLX engine, no qgrpo process of its own (tests/conftest.py marks those). `make test` is what CI runs.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not ray and not vllm and not mlx"
+	$(PY) -m pytest -q -m "not slow and not ray and not vllm and not mlx and not heavy"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -188,6 +188,7 @@ def test_environment_failures_follow_on_error(tok):
         strict.run([_item(4, 6)], SamplingParams(1, 8), "k", 0, "g", "bf16")
 
 
+@pytest.mark.heavy  # 17 s: a real learner on a real trajectory
 def test_the_learner_scores_a_real_trajectory_as_the_generator_sampled_it(tok):
     """SmolLM2 at bf16 plays the game for real (torch generator, temperature 1): the learner's bf16 log-probs of each
     whole trajectory (one forward, as the learner scores a batch) equal the generator's on every model token, and

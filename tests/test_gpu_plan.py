@@ -69,6 +69,7 @@ def test_no_gpu_asked_no_plan():
     assert gpu_plan([_req("rollout", 2, 0), _req("learner", 1, 0)], nodes_from_counts([0])) == ([], [])
 
 
+@pytest.mark.heavy  # 7 s each: `qgrpo check` as a process
 @pytest.mark.parametrize("preset,gpus", [("gpu_single.toml", "1"), ("gpu_node.toml", "8"), ("cluster.toml", "4,1,1")])
 def test_gpu_presets_pass_qgrpo_check(preset, gpus):
     proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", f"configs/{preset}", "--gpus", gpus],
@@ -78,6 +79,7 @@ def test_gpu_presets_pass_qgrpo_check(preset, gpus):
     assert proc.stdout.endswith("qgrpo check: OK: train would start\n")
 
 
+@pytest.mark.heavy  # `qgrpo check` as a process
 def test_check_refuses_an_oversubscribed_gpu_plan():
     proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml", "--gpus", "1",
                            "--set", "rollout.num_gpus=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -87,6 +89,7 @@ def test_check_refuses_an_oversubscribed_gpu_plan():
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.heavy  # `qgrpo check` as a process
 def test_check_without_gpus_here_refuses_as_train_would_and_points_at_gpus():
     """Without --gpus, check checks this machine, as train would run on it: a GPU config on a machine without a GPU
     is refused (CPUs made to fit here, so that the GPU plan is the one problem), naming --gpus for another machine."""

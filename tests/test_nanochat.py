@@ -241,6 +241,7 @@ def _vllm_check(folder: str) -> dict:
     return out
 
 
+@pytest.mark.vllm  # a real vLLM engine
 def test_vllm_serves_nanochat_through_its_transformers_fallback(cache):
     """vLLM has no nanochat model of its own; its transformers fallback runs it (bf16 and W8A8 int8), weight syncs
     included. Mean |log-prob - float32| per token: measured 1.4e-3 (bf16) and 1.8e-3 (int8); bounds 0.02 and 0.05."""
