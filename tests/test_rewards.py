@@ -23,7 +23,7 @@ from qgrpo.rollout.rewards.calls import (
     read_source,
     signature_problems,
 )
-from qgrpo.rollout.rewards.scoring import CallResult, RewardEntry, Scores, call_with_deadline, combine
+from qgrpo.rollout.rewards.scoring import CallResult, RewardEntry, Scores, call_with_deadline, combine, score_batch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -207,6 +207,36 @@ def test_deadline_and_failures_are_reported(user_file):
     assert time.perf_counter() - t0 < 5
     r = call_with_deadline("raiser", _fn(user_file, "raiser"), kw, 5)
     assert not r.timed_out and r.error == "KeyError: 'no such field'"
+
+
+def test_a_batch_call_that_raises_is_narrowed_to_the_rows_that_raise():
+    """One row's bad column fails that row's completions only, named in the error; the others keep their scores."""
+    rows = [{"prompt": f"q{i}", "answer": i} for i in range(4)]
+    rows[3]["answer"] = "three"
+    groups = _groups(rows, [["1", "2"]] * 4)
+    kw = group_kwargs(groups)
+
+    def as_number(completions, answer, **kwargs):
+        return [float(int(a) == int(c)) for c, a in zip(completions, answer)]
+
+    entry = RewardEntry("as_number", 1.0, "function", "f.py:as_number", 5.0, field="rewards.functions[0]")
+    (r,) = score_batch([entry], {"as_number": as_number}, kw)
+    assert r.raised == (6, 7) and r.values[:6] == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0] and r.values[6:] == [None, None]
+    assert r.error == "ValueError: invalid literal for int() with base 10: 'three'"
+    s = Scores(8)
+    s.add(r, 0, 8)
+    with pytest.raises(RewardError, match=r"failed on prompt 'jsonl-train-3': ValueError"):
+        combine([entry], s, kw["item_ids"], "fail")
+    totals, m = combine([entry], s, kw["item_ids"], "zero")
+    assert totals == [0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0] and m["reward/errors"] == 2
+
+    def batch_only(completions, **kwargs):  # raises on the batch, never on one completion: the whole call fails
+        if len(completions) > 1:
+            raise RuntimeError("batch")
+        return [1.0]
+
+    (r,) = score_batch([dataclasses.replace(entry, label="b")], {"b": batch_only}, kw)
+    assert r.values is None and r.raised == () and r.error == "RuntimeError: batch"
 
 
 def _entries(*labels_weights):

@@ -3,14 +3,16 @@
 `RewardEntry` is a configured reward in a form any process can load (a built-in's name, a user file's shipped source,
 a URL); `score_batch` calls every entry on one batch, each in a thread it waits for at most `timeout_s`, and reports
 per call its values or what went wrong; `combine` adds the weighted values per completion and applies
-`rewards.on_error` to failed calls. A call is the unit of failure: a batch call that raises, hangs or returns the wrong
-count fails for every completion in it.
+`rewards.on_error` to failed calls. A batch call that raises is called again one completion at a time (`narrowed`,
+within the same deadline in all) to find the completions it raises on: those fail, with their own error and line, and
+the others keep their scores. A call that hangs, or raises only on the whole batch, fails for every completion in it.
 
 A timed-out call's thread cannot be stopped from Python; the Ray reward workers (cluster/run/rewarding.py) are killed
 and replaced after one, so nothing hung outlives its step.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import threading
 import time
@@ -95,6 +97,7 @@ class CallResult:
     seconds: float = 0.0
     where: str = ""  # the user's line that raised ("rewards.py:12 in tolerant: ..."), "" if none
     trace: str = ""  # the whole traceback of a call that raised
+    raised: tuple[int, ...] = ()  # a narrowed call: the completions (in the call) that raised alone; values has None
 
 
 def call_with_deadline(label: str, fn: Callable, kwargs: dict[str, list], timeout_s: float) -> CallResult:
@@ -120,9 +123,42 @@ def call_with_deadline(label: str, fn: Callable, kwargs: dict[str, list], timeou
     return CallResult(label, box["values"], seconds=seconds)
 
 
+def narrowed(label: str, fn: Callable, kwargs: dict[str, list], timeout_s: float, failed: CallResult
+             ) -> CallResult:
+    """A batch call that raised (`failed`), called again on each completion alone, within what is left of `timeout_s`
+    in all: a result with the values of the completions that scored and `raised` naming those that did not (each
+    raising alone, or not reached in time), with the first one's error. `failed` itself when every completion scores
+    alone (the call fails only on the batch) or the batch had one completion."""
+    n = len(kwargs["completions"])
+    if n < 2 or failed.timed_out:
+        return failed
+    values: list[float | None] = [None] * n
+    raised, first, spent = [], None, failed.seconds
+    for i in range(n):
+        left = timeout_s - spent
+        one = (call_with_deadline(label, fn, {k: v[i:i + 1] for k, v in kwargs.items()}, left) if left > 0 else
+               CallResult(label, None, f"not tried alone within its timeout of {timeout_s:g} s", True))
+        spent += one.seconds
+        if one.values is None:
+            raised.append(i)
+            first = first or one
+        else:
+            values[i] = one.values[0]
+    if not raised:
+        return failed
+    return dataclasses.replace(first, values=values, seconds=spent, raised=tuple(raised))
+
+
 def score_batch(entries: list[RewardEntry], fns: dict[str, Callable], kwargs: dict[str, list]) -> list[CallResult]:
-    """Every entry (the reward model's excepted) called on one batch, one after the other, each with its deadline."""
-    return [call_with_deadline(e.label, fns[e.label], kwargs, e.timeout_s) for e in entries if e.kind != "model"]
+    """Every entry (the reward model's excepted) called on one batch, one after the other, each with its deadline; a
+    call that raised narrowed to the completions it raises on."""
+    out = []
+    for e in entries:
+        if e.kind == "model":
+            continue
+        r = call_with_deadline(e.label, fns[e.label], kwargs, e.timeout_s)
+        out.append(narrowed(e.label, fns[e.label], kwargs, e.timeout_s, r) if r.values is None else r)
+    return out
 
 
 @dataclass
@@ -139,8 +175,10 @@ class Scores:
         self.seconds[result.label] = max(self.seconds.get(result.label, 0.0), result.seconds)
         if result.values is None:
             self.failures.append((result, start, stop))
-        else:
-            column[start:stop] = result.values
+            return
+        column[start:stop] = result.values
+        for i in result.raised:  # a narrowed call: only these completions failed
+            self.failures.append((result, start + i, start + i + 1))
 
     def failed(self) -> dict[str, int]:
         """label -> completions whose call for that entry failed."""
@@ -159,7 +197,8 @@ def combine(entries: list[RewardEntry], scores: Scores, item_ids: list[str], on_
     for result, start, stop in scores.failures:
         if on_error == "fail":
             entry = next(e for e in entries if e.label == result.label)
-            ids = list(dict.fromkeys(item_ids[start:stop]))
+            ids = list(dict.fromkeys(item_ids[i] for r, a, b in scores.failures if r.label == result.label
+                                     for i in range(a, b)))
             at = f" (at {result.where})" if result.where else ""
             raise RewardError(f"reward {result.label!r} ({entry.field}) failed on prompt {ids[0]!r}"
                               f"{f' and {len(ids) - 1} more' if len(ids) > 1 else ''}: {result.error}{at}; fix it, "
