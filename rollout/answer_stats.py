@@ -102,13 +102,20 @@ def describe_baseline(b: dict) -> str:
 
 
 def describe_answers(ev: dict) -> str | None:
-    """One sentence on the diversity of the held-out answers, None for an evaluation that did not record it."""
+    """One sentence on the held-out answers: how many completions gave one the judge reads, how many distinct, and
+    the most common with its count over all completions; None for an evaluation that did not record it."""
     if ev.get("answers_distinct") is None:
         return None
-    top = (f"; the most common, {_quote(ev['answers_top'])}, is {ev['answers_top_share']:.0%} of them"
-           if ev.get("answers_top") is not None else "")
-    distinct = ev["answers_distinct"]
-    return f"{distinct} distinct answer{'s' * (distinct != 1)} in {ev['n']}{top}"
+    n, distinct = ev["n"], ev["answers_distinct"]
+    given = ev.get("answers_given", n)
+    if not given:
+        return f"none of the {n} completions gave an answer the judge reads"
+    gave = f"all {n} completions gave an answer" if given == n else f"{given} of {n} completions gave an answer"
+    top = ""
+    if ev.get("answers_top") is not None:
+        count = round(ev["answers_top_share"] * n)
+        top = f"; the most common, {_quote(ev['answers_top'])}, {count} time{'s' * (count != 1)} ({count / n:.0%})"
+    return f"{gave}, {distinct} distinct{top}"
 
 
 def collapsed(ev: dict) -> bool:

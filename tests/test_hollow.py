@@ -13,6 +13,7 @@ from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.report.build import report
 from qgrpo.core.records import Completion, GroupRollout, PromptItem
 from qgrpo.rollout.answer_stats import (
+    describe_answers,
     diversity,
     eval_answer_stats,
     hollow_warnings,
@@ -164,6 +165,16 @@ def test_collapse_rule_spares_few_answers_when_the_references_have_few():
     few = {"n": 20, "accuracy": 0.0, **eval_answer_stats(groups_answering(items([str(i) for i in range(20)]),
                                                                           ["1"] * 5 + ["x"] * 15), "correct")}
     assert hollow_warnings(few, None) == []  # 5 answers given: too few to call it a collapse
+
+
+def test_answer_sentence_counts_completions_without_an_answer():
+    six = items([str(i) for i in range(6)])
+    ev = {"n": 6, **eval_answer_stats(groups_answering(six, ["11"] + ["no idea"] * 5), "correct")}
+    assert describe_answers(ev) == "1 of 6 completions gave an answer, 1 distinct; the most common, '11', 1 time (17%)"
+    ev = {"n": 6, **eval_answer_stats(groups_answering(six, ["no idea"] * 6), "correct")}
+    assert describe_answers(ev) == "none of the 6 completions gave an answer the judge reads"
+    ev = {"n": 6, **eval_answer_stats(groups_answering(six, ["4", "4", "4", "5", "6", "4"]), "correct")}
+    assert describe_answers(ev) == "all 6 completions gave an answer, 3 distinct; the most common, '4', 4 times (67%)"
 
 
 @pytest.mark.parametrize("texts, warned", [(COLLAPSED, True), (DIVERSE, False)])
