@@ -32,8 +32,9 @@ pytestmark = pytest.mark.ray  # runs `qgrpo train` in subprocesses: left out of 
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, PROMPTS, GROUP = 8, 8, 8
+# the resume command starts as qgrpo was started (core/invocation.py): qgrpo, .venv/bin/qgrpo, python -m qgrpo
 STOP_LINE = re.compile(r"^qgrpo: stopped at step (\d+) of (\d+) \((SIG\w+)\); checkpoint (\S+) is the latest; resume "
-                       r"with: qgrpo train --resume (\S+)$", re.M)
+                       r"with: (?:\S+ -m )?\S*qgrpo train --resume (\S+)$", re.M)
 RAY_NOISE = ("Traceback", "logging.cc", "SIGTERM received", "KeyboardInterrupt", "*** ")
 
 

@@ -1,20 +1,76 @@
-"""The preflight line with this machine's numbers: what the CPU roles compute in (model.compute_dtype, core/cpu.py),
-the bf16 and fp32 matrix-product rates measured in about a second, and the step time they give the configured job,
-so that a user knows before the run whether it takes minutes or hours.
+"""The preflight lines with this machine's numbers: what the CPU roles compute in (model.compute_dtype, core/cpu.py),
+the bf16 and fp32 matrix-product rates measured in about a second, and the step time they give the configured job, so
+that a user knows before the run whether it takes minutes or hours.
 
-The estimate counts a step's matrix-product work and divides it by the measured rate of the chosen dtype:
-- tokens: each prompt once (the learner and the reference share a group's prompt, the generator prefills it once)
-  plus every completion at rollout.max_new_tokens;
-- per token 2 N FLOPs for a forward (N: the model's parameters, the output head included), 3 forwards' worth for the
-  learner's forward and backward, 4 with gradient checkpointing, one for the reference, one for the generator.
-It leaves out attention, the optimizer, syncs and Ray, and decoding one token at a time runs below the rate; on the
-default job it came within a factor of two of the measured step (docs/performance.md#plain-x86-cpus).
+The estimate (`StepEstimate`) adds up a synchronous step's stages, each from the config and this machine:
+- learner and reference: their tokens (each prompt once, the group's sequences sharing it; every completion at its
+  expected length) at 2 N FLOPs per token and forward (N: the model's matrix parameters, the output head included, the
+  input embedding, a lookup, not), 3 forwards' worth for the learner's forward and backward, 4 with gradient
+  checkpointing, one for the reference, at the measured rate;
+- generation: the prompts' prefill (a later turn's: the trajectory's context so far, again), then one decode step per
+  new token of the longest completion, every turn's (environment.max_turns x environment.turn_tokens in a multi-turn
+  run): a batch decodes until its last row ends. Each decode step costs the batch's products at the measured rate
+  plus a cost per layer of one forward beyond its products (launching kernels, Python), which dominates a small
+  model: decoding one token at a time runs far below the matrix-product rate;
+- the environment: one reset, step and score timed here on the first train row, times the trajectories and turns of
+  a step, spread over environment.num_workers; the first turn's prompt is rendered as the episode loop renders it
+  (the environment's first messages, its tools' descriptions), and each trajectory's counts in the learner;
+- a fixed cost per step (Ray's round trips, rewards, packing), the episode loop's work per trajectory and turn, and
+  the weight sync, in proportion to N.
+Completions and turns are taken at COMPLETION_FILL of their budget; a resumed run counts the steps it has left, and the
+total adds the start (Ray, the actors, their models). A stream (algo.max_staleness > 0) may overlap generation with
+learning where they do not share the cores; its estimate stays that of a synchronous step. The constants were measured
+on a 2-core AMD EPYC (AVX2, no native bf16) from the stages in metrics.jsonl of 3-step runs of the default job,
+examples/calculator and examples/openenv_guess (`qgrpo train CONFIG --set run.steps=3 --set run.eval=false`); there the
+estimate came within a factor of two of the measured step when the machine's load was the same while the rate was
+measured and while the steps ran. The estimate moves with the measured rate, and so with whatever else runs on the
+machine at that moment; once steps run, the progress bar's times and ETA are measured ones.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import re
+import time
+from dataclasses import dataclass, field
 
 from qgrpo.cluster.config.schema import Config
+
+# Measured on a 2-core AMD EPYC (module docstring):
+COMPLETION_FILL = 0.6  # completion tokens and model turns used, of their budget (default job 55%, calculator turns 47%)
+DECODE_S_PER_LAYER = 0.0015  # one decode step's cost per layer beyond its products: 1.4 ms fp32, 1.6 ms bf16
+FIXED_S = 0.3  # Ray round trips, rewards, packing and bookkeeping per step (openenv_guess: 0.1-0.2 s)
+TURN_S = 0.0006  # each trajectory's turn in the episode loop: rendering, tokenizing, the environment's round trip
+RATE_TRIALS = 5  # the rates are each dtype's best of this many short measurements (best_rates)
+STARTUP_S = 30.0  # Ray, the actors and their models before the first step (openenv_guess: 22 s; more for larger models)
+SYNC_S_PER_GPARAM = 15.0  # the weight sync (export, requantize, load) per billion parameters
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    params: int  # every parameter (a tied head once)
+    matrix: int  # those a token's forward multiplies with: the output head counted, the input embedding not
+    layers: int
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """One synchronous step's stages, seconds."""
+
+    learn: float
+    reference: float
+    generate: float
+    environment: float
+    sync: float
+    fixed: float
+
+    @property
+    def total(self) -> float:
+        return self.learn + self.reference + self.generate + self.environment + self.sync + self.fixed
+
+    def parts(self) -> str:
+        """The stages in words, those with time in them."""
+        parts = [("learner", self.learn), ("reference", self.reference), ("generation", self.generate),
+                 ("environment", self.environment), ("sync and fixed", self.sync + self.fixed)]
+        return ", ".join(f"{name} {_span(s)}" for name, s in parts if s >= 1)
 
 
 @dataclass(frozen=True)
@@ -24,15 +80,26 @@ class MachineReport:
     why: str
     rates: dict  # GFLOP/s of bf16 and fp32 products, measured here
     step_s: float  # the estimate of one step, seconds (nan when the model could not be sized)
+    estimate: StepEstimate | None = None
+    done: int = 0  # steps already done (a resumed run's)
+    unknown: str = field(default="")  # why there is no estimate
 
     def lines(self, steps: int) -> list[str]:
         rate = f"bf16 {self.rates['bf16']:.0f} and fp32 {self.rates['fp32']:.0f} GFLOP/s measured"
         cpu = "" if self.cpu in self.why else f"{self.cpu}; "
         out = [f"compute: {self.dtype} on the CPU roles ({self.why})", f"machine: {cpu}{rate} on this CPU"]
+        left = max(steps - self.done, 0)
+        of = f"the {left} steps left" if self.done else f"{left} steps"
         if self.step_s == self.step_s:
-            total = self.step_s * steps
-            out.append(f"expected: about {_span(self.step_s)} per step, {_span(total)} for {steps} steps "
-                       f"(a rough figure from the step's matrix-product work at that {self.dtype} rate)")
+            parts = self.estimate.parts() if self.estimate is not None else ""
+            total = _span(self.step_s * left + STARTUP_S)
+            rough = f"rough: {parts}" if parts else "rough"
+            about = "" if self.step_s < 1 else "about "
+            out.append(f"expected: {about}{_span(self.step_s)} per step, {total} for {of} with the start ({rough}; "
+                       "the progress bar then shows measured times)")
+        else:
+            out.append(f"expected: no estimate ({self.unknown or 'the model could not be sized'}); the progress "
+                       "bar shows measured times")
         return out
 
 
@@ -46,8 +113,8 @@ def _span(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
-def model_parameters(model_path: str) -> int:
-    """The parameters of the model at `model_path`, counted on the meta device (nothing is loaded)."""
+def model_size(model_path: str) -> ModelSize:
+    """The model at `model_path` counted on the meta device (nothing is loaded)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -55,36 +122,126 @@ def model_parameters(model_path: str) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     n = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    if head is not None and head.weight is model.get_input_embeddings().weight:
-        n += head.weight.numel()  # a tied head is stored once and multiplied twice
-    return n
+    tied = head is not None and head.weight is embed
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None) or 1
+    return ModelSize(n, n if tied else n - embed.numel(), int(layers))
 
 
-def step_flops(cfg: Config, params: int, prompt_tokens: int) -> float:
-    """The matrix-product FLOPs of one step (module docstring)."""
+def _shape(cfg: Config) -> tuple[int, int, float]:
+    """(turns, tokens per turn, expected completion tokens per trajectory) of the config's rollouts."""
+    env, ro = cfg.environment, cfg.rollout
+    if env.name:
+        turns, per_turn = env.max_turns, env.turn_tokens or ro.max_new_tokens
+    else:
+        turns, per_turn = 1, ro.max_new_tokens
+    return turns, per_turn, COMPLETION_FILL * turns * per_turn
+
+
+def step_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops: float,
+                  env_call_s: float = 0.0) -> StepEstimate:
+    """One synchronous step's seconds by stage (module docstring), at `rate_gflops` and `env_call_s` per environment
+    call (a reset, a step and a score timed together, divided by 3)."""
     ro = cfg.rollout
-    tokens = ro.prompts_per_step * (prompt_tokens + ro.group_size * ro.max_new_tokens)
-    learner = 4 if cfg.learner.gradient_checkpointing else 3
-    forwards = learner * cfg.algo.updates_per_batch + (1 if cfg.reference_actor else 0) + 1
-    return 2.0 * params * tokens * forwards
+    rate = rate_gflops * 1e9
+    turns, per_turn, completion = _shape(cfg)
+    seqs = ro.prompts_per_step * ro.group_size
+    # a group's sequences share their prompt in the learner and the reference; a multi-turn trajectory's own context
+    # follows its first turn, so there each trajectory counts its whole prompt
+    shared = ro.prompts_per_step * prompt_tokens if turns == 1 else seqs * prompt_tokens
+    train_tokens = shared + seqs * completion
+    per_forward = 2.0 * size.matrix * train_tokens / rate
+    learner = (4 if cfg.learner.gradient_checkpointing else 3) * cfg.algo.updates_per_batch
+    reference = per_forward if cfg.reference_actor else 0.0
+    # the first turn's prompts are prefilled once per group; each later turn prefills its trajectory's context again
+    later = (COMPLETION_FILL * turns - 1) * (prompt_tokens + per_turn) if turns > 1 else 0.0
+    prefill = 2.0 * size.matrix * (ro.prompts_per_step * prompt_tokens + seqs * later) / rate
+    decode_step = 2.0 * size.matrix * seqs / rate + DECODE_S_PER_LAYER * size.layers
+    generate = prefill + turns * per_turn * decode_step + (seqs * COMPLETION_FILL * turns * TURN_S if turns > 1 else 0)
+    environment = 0.0
+    if cfg.environment.name:
+        calls = seqs * (2 + COMPLETION_FILL * turns)  # a reset and a score, and a step per turn
+        environment = calls * env_call_s / max(cfg.environment.num_workers, 1)
+    return StepEstimate(learn=learner * per_forward, reference=reference, generate=generate,
+                        environment=environment, sync=SYNC_S_PER_GPARAM * size.params / 1e9, fixed=FIXED_S)
 
 
-def machine_report(cfg: Config, model_path: str, seconds: float = 1.0) -> MachineReport:
-    """What this machine does for the configured job (module docstring); about `seconds` of measurement."""
+def environment_probe(cfg: Config, tokenizer) -> tuple[int, float]:
+    """(the first turn's prompt tokens as the episode loop renders them: the environment's first messages and its
+    tools' descriptions, the mean time of one environment call: a reset, a step with the row's answer, a score) on the
+    first train row, measured here as a worker makes them."""
+    from qgrpo.rollout.environments.contract import row_of
+    from qgrpo.rollout.environments.host import EnvHost
+    from qgrpo.rollout.environments.loader import environment_spec, environment_tools, factory_of
+    from qgrpo.rollout.episodes import encode, render, tools_for
+    from qgrpo.rollout.tasks import make_task
+
+    env = cfg.environment
+    item = make_task(cfg.task, cfg.run.seed).item(0)
+    factory = factory_of(environment_spec(env.name, env.params))
+    chat = bool(cfg.task.chat_template) and getattr(tokenizer, "chat_template", None) is not None
+    schemas, text = tools_for(tokenizer, environment_tools(factory) if chat else [])
+    host = EnvHost(factory, env.timeout_s)
+    (first,) = host.reset(["estimate"], [row_of(item)])  # a first reset pays for imports and connections: not timed
+    t0 = time.perf_counter()
+    host.reset(["estimate"], [row_of(item)])
+    host.step(["estimate"], [str(item.reference)])
+    host.score(["estimate"])
+    seconds = (time.perf_counter() - t0) / 3
+    host.drop(["estimate"])
+    messages = ([{"role": "system", "content": text}] if text else []) + list(first)
+    if not chat:  # the episode loop's plain text: the messages' contents in a row
+        return len(encode(tokenizer, "".join(str(m.get("content", "")) for m in messages))), seconds
+    return len(encode(tokenizer, render(tokenizer, messages, schemas, True))), seconds
+
+
+def best_rates(measure, seconds: float, trials: int = RATE_TRIALS, clock=time.monotonic) -> dict:
+    """Each dtype's best of up to `trials` measurements of `seconds / trials` (`measure`: core/cpu.py matmul_rates):
+    a moment's contention from another process (a shared machine) lowers one trial, not the rate the run's long
+    products reach; a single measurement came out 38 to 170 GFLOP/s on the same idle-to-busy 2-core machine. The
+    trials stop after 3 x `seconds` (an emulated bf16 product alone takes about a second)."""
+    best: dict = {}
+    start = clock()
+    for _ in range(trials):
+        for name, rate in measure(seconds / trials).items():
+            best[name] = max(best.get(name, 0.0), rate)
+        if clock() - start > 3 * seconds:
+            break
+    return best
+
+
+def steps_done(resume) -> int:
+    """The steps a resumed run has done: its checkpoint's (RUN/checkpoints/step_N); 0 for a new run."""
+    m = re.search(r"step_(\d+)/?$", str(resume or ""))
+    return int(m.group(1)) if m else 0
+
+
+def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=None) -> MachineReport:
+    """What this machine does for the configured job (module docstring); about `seconds` of measurement. `resume`:
+    the checkpoint a resumed run starts from (the estimate is for the steps left)."""
     from qgrpo.core.cpu import compute_dtype, isa, matmul_rates
 
+    done = steps_done(resume)
     dtype, why = compute_dtype(cfg.model.compute_dtype, "cpu")
-    rates = matmul_rates(seconds)
+    rates = best_rates(matmul_rates, seconds)
     try:
         from transformers import AutoTokenizer
 
         from qgrpo.rollout.backends.common import format_prompt
         from qgrpo.rollout.tasks import make_task
 
-        prompt = len(format_prompt(AutoTokenizer.from_pretrained(model_path), make_task(cfg.task, cfg.run.seed).item(0),
-                                   cfg.task.chat_template))
-        step = step_flops(cfg, model_parameters(model_path), prompt) / (rates[dtype] * 1e9)
-    except Exception:  # a model transformers cannot size: the line goes without the estimate
-        step = float("nan")
-    return MachineReport(isa().words(), dtype, why, rates, step)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        prompt = len(format_prompt(tokenizer, make_task(cfg.task, cfg.run.seed).item(0), cfg.task.chat_template))
+        size = model_size(model_path)
+    except Exception as e:  # a model transformers cannot size: the line says there is no estimate
+        return MachineReport(isa().words(), dtype, why, rates, float("nan"), None, done,
+                             f"the model could not be sized: {type(e).__name__}")
+    env_s = 0.0
+    if cfg.environment.name:
+        try:
+            prompt, env_s = environment_probe(cfg, tokenizer)
+        except Exception:  # noqa: BLE001 - check's environment probe names what is wrong with it
+            pass
+    estimate = step_estimate(cfg, size, prompt, rates[dtype], env_s)
+    return MachineReport(isa().words(), dtype, why, rates, estimate.total, estimate, done)

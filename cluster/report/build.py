@@ -45,7 +45,9 @@ from qgrpo.cluster.report.run_data import (
     nanmean,
     read_run_config,
     reward_functions,
+    stream_stats,
 )
+from qgrpo.learner.objective.staleness import rollout_mode
 from qgrpo.rollout.answer_stats import describe_answers, describe_baseline, hollow_warnings
 
 
@@ -109,6 +111,19 @@ def _progress(data: RunData) -> list[str]:
     ckpts = [e for e in data.events if e.get("event") == "checkpoint"]
     if ckpts:
         md.append(f"- Checkpoints: {len(ckpts)}, last at step {ckpts[-1].get('step')}: `{ckpts[-1].get('path')}`")
+    return md + [""]
+
+
+def _rollouts(data: RunData) -> list[str]:
+    """How the run got its rollouts (the config's mode) and, for a stream, how stale they were (stream/* metrics)."""
+    c = data.config
+    if not c and not data.steps:
+        return []
+    md = ["## Rollouts", "", "- Mode: " + rollout_mode(_cfg(c, "algo", "max_staleness"), _cfg(c, "algo", "overlap"),
+                                                      _cfg(c, "rollout", "num_actors"))]
+    stats = stream_stats(data.steps)
+    if stats is not None:
+        md.append(f"- Streamed: {stats.words()}")
     return md + [""]
 
 
@@ -209,7 +224,7 @@ def _summary(data: RunData, run_dir: Path, plots: list[tuple[str, str]], rollout
     name = _cfg(data.config, "run", "name") or run_dir.name
     md = [f"# Run report: {name}", "", f"Run directory: `{run_dir}`", ""]
     points, baseline = eval_points(data), last_event(data, "baseline")
-    md += _warnings(points, baseline) + _settings(data.config) + _progress(data) + _reward(data)
+    md += _warnings(points, baseline) + _settings(data.config) + _progress(data) + _rollouts(data) + _reward(data)
     md += failures_section(data, run_dir)
     md += _accuracy(points, baseline) + _mismatch(data) + _step_time(data)
     if plots:

@@ -194,12 +194,12 @@ def plot_time(data: RunData, path: Path):  # -> the Figure written
 
 
 
-EPISODE_FINISHES = ("stop", "max_turns", "context", "env_error")
+EPISODE_FINISHES = ("stop", "max_turns", "context", "env_error", "length")
 
 
 def plot_episodes(data: RunData, path: Path):  # -> the Figure written
     """Multi-turn runs: what the trajectories did per step (model turns and tool calls per trajectory, the share that
-    called a tool), and how they ended (the share of each finish reason: context and max_turns are truncations)."""
+    called a tool), and how they ended (the share of each finish reason: length, context, max_turns: truncations)."""
     fig, (top, bottom) = _figure(nrows=2, height=FIGSIZE[1] * 1.6)
     x = data.x()
     for key, label, color in (("episode/turns", "model turns", "C0"), ("episode/tool_calls", "tool calls", "C1"),

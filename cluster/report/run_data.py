@@ -22,7 +22,8 @@ MAX_TEXT = 400  # characters of a prompt / completion shown
 FIGSIZE, DPI = (7.0, 4.0), 110
 
 SETTINGS = (("run", "name"), ("model", "path"), ("task", "name"), ("rollout", "precision"),
-            ("rollout", "group_size"), ("rollout", "prompts_per_step"), ("learner", "lr"))
+            ("rollout", "group_size"), ("rollout", "prompts_per_step"), ("rollout", "num_actors"),
+            ("algo", "max_staleness"), ("learner", "lr"))
 
 
 # ---------------------------------------------------------------------------------------------------- loading
@@ -245,3 +246,50 @@ def eval_points(data: RunData) -> dict[str, list[dict]]:
 def last_event(data: RunData, name: str) -> dict | None:
     """The last event called `name` (e.g. "baseline", logged again when a run resumes), None if there is none."""
     return next((e for e in reversed(data.events) if e.get("event") == name), None)
+
+
+# ---------------------------------------------------------------------------------------------------- streaming
+
+
+@dataclass
+class StreamStats:
+    """A streamed run's stream/* metrics over its steps (cluster/run/stream.py): how stale its rollouts were."""
+
+    steps: int  # steps with stream/* metrics
+    staleness_mean: float  # the mean over those steps of a step's mean group staleness, in policy versions
+    staleness_max: float  # the largest group staleness of any step
+    tokens_by_age: dict[int, int]  # model tokens trained on, by how many versions behind the trained policy
+    mixed_completions: int  # completions whose tokens span two versions or more (an in-flight weight update)
+    wait_mean_s: float  # the learner's mean wait for a step's rollouts
+    wait_total_s: float
+
+    def words(self) -> str:
+        """One line: staleness, tokens by age, the learner's wait."""
+        total = sum(self.tokens_by_age.values())
+        ages = ", ".join(f"{n} ({n / total:.0%}) at age {k}" for k, n in sorted(self.tokens_by_age.items())) \
+            if total else "none counted"
+        return (f"staleness mean {self.staleness_mean:.2f}, max {self.staleness_max:.0f} versions over "
+                f"{self.steps} steps; tokens {ages}; {self.mixed_completions} completions spanned a weight "
+                f"update; the learner waited {self.wait_mean_s:.2f} s a step ({self.wait_total_s:.1f} s in all)")
+
+
+def stream_stats(steps: list[dict[str, Any]]) -> StreamStats | None:
+    """The stream/* metrics of a run's step records summed up; None when no step has them (a synchronous run)."""
+    streamed = [s for s in steps if _num(s.get("stream/staleness_mean")) == _num(s.get("stream/staleness_mean"))]
+    if not streamed:
+        return None
+    ages: dict[int, int] = {}
+    for s in streamed:
+        for k, v in s.items():
+            age = k.removeprefix("stream/tokens_age")
+            if k.startswith("stream/tokens_age") and age.isdigit() and _num(v) == _num(v):
+                ages[int(age)] = ages.get(int(age), 0) + int(v)
+    mixed = [_num(s.get("stream/mixed_completions")) for s in streamed]
+    waits = np.array([_num(s.get("stream/wait_s")) for s in streamed])
+    return StreamStats(
+        steps=len(streamed),
+        staleness_mean=nanmean(np.array([_num(s["stream/staleness_mean"]) for s in streamed])),
+        staleness_max=float(np.nanmax([_num(s.get("stream/staleness_max")) for s in streamed] + [-np.inf])),
+        tokens_by_age=dict(sorted(ages.items())),
+        mixed_completions=int(sum(v for v in mixed if v == v)),
+        wait_mean_s=nanmean(waits), wait_total_s=float(np.nansum(waits)) if np.isfinite(waits).any() else math.nan)

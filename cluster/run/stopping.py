@@ -7,7 +7,9 @@ generators hold the checkpointed weights; elsewhere the latest earlier checkpoin
 end (rollouts flushed, actors and Ray shut down). `qgrpo train` then prints one line, `stop_line`, with the step
 reached, the latest checkpoint and the command that resumes the run, and exits 130 (SIGINT) or 143 (SIGTERM). A
 second signal exits at once with its own status, waiting for nothing; checkpoints are written atomically, so the run
-directory still holds its last complete one.
+directory still holds its last complete one, and the exit line says which one and how to resume from it, or that
+there is none yet (`StopRequest.run_root`, set once the run directory exists; a URI run's is not listed from a handler,
+which must not wait on the network).
 
 The handlers only set a flag and write a line with os.write, so they cannot raise inside Ray: Ray runs Python's signal
 handlers while it waits (ray.get and ray.wait check for signals), and a handler that returns lets the wait go on.
@@ -21,6 +23,12 @@ import signal
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable
+
+from qgrpo.cluster.rundir.checkpoint import complete_checkpoints
+from qgrpo.core import storage
+
+# imported now, not in the handler: an import there could wait on a lock the interrupted code holds
+from qgrpo.core.invocation import qgrpo_command
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -42,11 +50,12 @@ def _say(line: str) -> None:
 class StopRequest:
     """Set by the first SIGINT or SIGTERM while its handlers are installed; the driver loop reads `requested` at step
     boundaries. `on_exit`: best-effort clean-up before a second signal's immediate exit (the Ray this process
-    started)."""
+    started). `run_root`: the run directory once it exists (None before), for what the second signal's line says."""
 
     def __init__(self):
         self.signum: int | None = None
         self.on_exit: Callable[[], None] | None = None
+        self.run_root: Any = None
         self._previous: dict[int, Any] = {}
 
     @property
@@ -93,12 +102,29 @@ class StopRequest:
             again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
             _say(f"qgrpo: {name}: stopping after the step in progress ({again} to exit at once)")
             return
-        _say(f"qgrpo: {name} again: exiting at once (the run directory keeps its last complete checkpoint)")
+        _say(f"qgrpo: {name} again: exiting at once ({self.left_behind()})")
         try:
             if self.on_exit is not None:
                 self.on_exit()
         finally:
             os._exit(exit_status(signum))
+
+    def left_behind(self) -> str:
+        """What an immediate exit leaves: no run directory yet, no checkpoint yet, or the last complete one and the
+        command that resumes from it. Never raises (it runs in the signal handler)."""
+        root = self.run_root
+        if root is None:
+            return "the run directory was not created yet; nothing was written"
+        try:
+            if storage.is_uri(root):
+                return f"{root} keeps the checkpoints completed so far, if any"
+            ckpts = complete_checkpoints(root)
+            if not ckpts:
+                return f"no checkpoint was written yet, so there is nothing to resume in {root}: start the run again"
+            return (f"the run directory keeps its last complete checkpoint, {ckpts[-1][1]}; resume with: "
+                    f"{qgrpo_command('train', '--resume', root)}")
+        except Exception:  # noqa: BLE001 - a handler must not raise
+            return f"{root} keeps the checkpoints completed so far, if any"
 
 
 def local_ray_killer() -> Callable[[], None]:
@@ -127,4 +153,4 @@ def stop_line(stop: StopRequest, step: int, steps: int, run_root, checkpoint) ->
     head = f"qgrpo: stopped at step {step} of {steps} ({stop.name})"
     if checkpoint is None:
         return f"{head}; no checkpoint was written yet, so there is nothing to resume: start the run again"
-    return f"{head}; checkpoint {checkpoint} is the latest; resume with: qgrpo train --resume {run_root}"
+    return f"{head}; checkpoint {checkpoint} is the latest; resume with: {qgrpo_command('train', '--resume', run_root)}"

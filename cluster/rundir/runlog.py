@@ -1,14 +1,60 @@
 """Run directory: metrics.jsonl, TensorBoard / W&B, progress bar (the effective config is written by
-cluster/config/tomlio.py)."""
+cluster/config/tomlio.py).
+
+The progress bar owns the terminal's last line, redrawn in place. Whatever else this process writes while it is up (a
+Python warning, Ray's copies of its actors' output, a line of this package) must not land inside it: while the bar
+is shown, sys.stderr (and sys.stdout on a terminal) go through `_AboveBar`, which clears the bar before a line starts
+and redraws it once the line is complete. The bar's ETA is tqdm's, from the steps measured in this process (a resumed
+run's steps before its checkpoint are not counted as done in its time).
+"""
 from __future__ import annotations
 
+import io
 import json
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-LOUD = ("warning", "reward_errors")  # events whose message is also printed on the terminal
+LOUD = ("warning", "reward_errors", "env_errors")  # events whose message is also printed on the terminal
+
+
+class _AboveBar(io.TextIOBase):
+    """A text stream that writes to `stream` above `bar`: the bar is cleared before a line's first character and
+    redrawn after its newline, so that a line never starts inside the bar's."""
+
+    def __init__(self, stream, bar):
+        self.stream, self.bar = stream, bar
+        self._line_start = True
+
+    def write(self, s: str) -> int:
+        if not s:
+            return 0
+        with self.bar.get_lock():
+            if self._line_start:
+                self.bar.clear()
+            self.stream.write(s)
+            self._line_start = s.endswith("\n")
+            if self._line_start:
+                self.stream.flush()
+                self.bar.refresh()
+        return len(s)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return self.stream.isatty()
+
+    def fileno(self) -> int:
+        return self.stream.fileno()
+
+    @property
+    def encoding(self):
+        return getattr(self.stream, "encoding", "utf-8")
+
+    def __getattr__(self, name: str):  # what else a caller reads of a stream (buffer, errors, ...): the real one's
+        return getattr(self.stream, name)
 
 
 class RunLog:
@@ -20,10 +66,13 @@ class RunLog:
         self.dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.bar = self.tb = self.wandb = None
+        self._streams: dict[str, Any] = {}  # sys.stderr / sys.stdout as they were before the bar (module docstring)
         if progress:
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True,
+                            file=sys.stderr)
+            self._above_bar()
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -56,10 +105,25 @@ class RunLog:
         if self.wandb is not None:
             self.wandb.log(scalars, step=step)
 
+    def _above_bar(self) -> None:
+        """sys.stderr, and sys.stdout when it shares the terminal, through `_AboveBar` while the bar is up."""
+        for name in ("stderr", "stdout"):
+            stream = getattr(sys, name)
+            if name == "stdout" and not (_isatty(stream) and _isatty(self._streams["stderr"])):
+                continue  # stdout to a file or a pipe: the bar's line is not in it
+            self._streams[name] = stream
+            setattr(sys, name, _AboveBar(stream, self.bar))
+
+    def _restore_streams(self) -> None:
+        for name, stream in self._streams.items():
+            if isinstance(getattr(sys, name), _AboveBar):
+                setattr(sys, name, stream)
+        self._streams.clear()
+
     def say(self, line: str) -> None:
-        """A line on stderr, above the progress bar."""
+        """A line on stderr, on a line of its own above the progress bar, which is redrawn after it."""
         if self.bar is not None:
-            self.bar.write(line, file=sys.stderr)
+            self.bar.write(line, file=self._streams.get("stderr", sys.stderr))
         else:
             print(line, file=sys.stderr, flush=True)
 
@@ -76,8 +140,16 @@ class RunLog:
 
     def close(self) -> None:
         if self.bar is not None:
+            self._restore_streams()
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError, OSError):
+        return False

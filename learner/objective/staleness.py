@@ -77,3 +77,15 @@ def token_ages(completions: Iterable[tuple[list[int], list[int] | None]], traine
                 ages[trained_from - v] += 1
     return ages
 
+
+def rollout_mode(max_staleness: int | None, overlap: bool | None, num_actors: int | None) -> str:
+    """How a run gets its rollouts, in words (learner/objective/staleness.py): synchronous, or a stream with its bound
+    (algo.overlap is staleness 1, one step off) and its rollout actors. `None`: the config does not say (default)."""
+    actors = num_actors or 1
+    on = f"{actors} rollout actor{'s' * (actors != 1)}"
+    if overlap:
+        return f"a stream one step off (algo.overlap: rollouts at most 1 sync stale), {on}"
+    if max_staleness:
+        return (f"a stream (algo.max_staleness = {max_staleness}: rollouts at most {max_staleness} "
+                f"sync{'s' * (max_staleness != 1)} stale), {on}")
+    return f"synchronous (algo.max_staleness = 0: each step samples from the weights it trains), {on}"
