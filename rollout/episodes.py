@@ -8,11 +8,14 @@ trajectory's ids are exactly the tokens the generator sampled plus the rendered 
 the loss compares (sampler, learner, reference) are of the same tokens. `Completion.model_mask` marks the model's
 tokens; the environment's carry log-prob 0.0 and are masked out of the loss (learner/batch.py).
 
-A trajectory ends when the environment says done (finish "stop"), after `max_turns` model turns ("max_turns"), when
-its tokens reach `max_context` ("context"), or when the environment fails and `on_error = "end"` ("env_error": its
-error is the last observation and its score 0). Rendering an environment turn: the chat template of the history plus
-the new messages, less the template of the history alone; the text between the model's stop token and the new
-messages (e.g. a newline after "<|im_end|>") is the template's own, found once per tokenizer (`assistant_tail`).
+A trajectory ends when the environment says done (finish "stop"; "length" when the model's turn it ended on was cut
+at `turn_tokens` without a stop token, as a single-turn completion cut at max_new_tokens is), after `max_turns` model
+turns ("max_turns"), when its tokens reach `max_context` ("context"), or when the environment fails and
+`on_error = "end"` ("env_error": its error, and where in the user's file it was raised, is the last observation and
+its score 0). A cut turn the environment answers does not end the trajectory: the model's next turn follows.
+Rendering an environment turn: the chat template of the history plus the new messages, less the template of the
+history alone; the text between the model's stop token and the new messages (e.g. a newline after "<|im_end|>") is
+the template's own, found once per tokenizer (`assistant_tail`).
 """
 from __future__ import annotations
 
@@ -90,6 +93,7 @@ class Trajectory:
     score: float = 0.0
     error: str | None = None
     stopped: bool = True  # the last model turn ended with a stop token (else the template's stop text is added)
+    cut: bool = False  # the last model turn was cut at turn_tokens, without a stop token
 
     @property
     def done(self) -> bool:
@@ -179,6 +183,7 @@ class Episodes:
         self.tools_text = tools_text
         self.stop_ids = set(stop_ids)
         self.env_seconds = 0.0  # time spent waiting on the environment, summed over `run` calls
+        self.traced: set[str] = set()  # the errors whose traceback a turn of the current `run` call carries
         stop_text = tokenizer.decode([stop_ids[0]]) if stop_ids else ""
         self.text = (ChatTemplate(tokenizer, stop_text, tools) if chat_template and tokenizer.chat_template
                      else PlainText(tokenizer, stop_text))
@@ -188,6 +193,7 @@ class Episodes:
         """group_size trajectories per item; one GroupRollout per item, a Completion per trajectory."""
         G = sampling.group_size
         trajs = [Trajectory(f"{key}/{i}/{g}", it) for i, it in enumerate(items) for g in range(G)]
+        self.traced: set[str] = set()  # the errors whose traceback a turn of this call already carries
         try:
             self._reset(trajs)
             for turn in range(self.limits.max_turns):
@@ -207,13 +213,23 @@ class Episodes:
         return [self._group(items[i], trajs[i * G:(i + 1) * G], policy_version, generator_id, precision)
                 for i in range(len(items))]
 
-    def _failed(self, t: Trajectory, failure, where: str) -> None:
-        message = f"environment {where} failed for row {t.item.prompt_id}: {failure.error}"
+    def _failed(self, t: Trajectory, failure, call: str) -> None:
+        """The trajectory ends with the failure as its last turn: the error, where the user's code raised it (the
+        driver's warnings name it: cluster/run/env_health.py) and, for the first failure with that error in this
+        call, its traceback (for RUN_DIR/env_errors.log; the driver drops it before the rollouts are written)."""
+        at = f" at {failure.where}" if failure.where else ""
+        message = f"environment {call} failed for row {t.item.prompt_id}: {failure.error}{at}"
         if self.limits.on_error == "fail":
             raise EpisodeError(f"{message} (environment.on_error = \"fail\"; \"end\" ends the trajectory instead)")
         t.score = 0.0
-        t.turns.append({"role": "user", "content": f"[environment error] {failure.error}", "start": len(t.ids),
-                        "end": len(t.ids), "tool_calls": [], "error": str(failure.error)})
+        turn = {"role": "user", "content": f"[environment error] {failure.error}", "start": len(t.ids),
+                "end": len(t.ids), "tool_calls": [], "error": str(failure.error), "where": failure.where,
+                "call": call}
+        seen = failure.where or str(failure.error)
+        if failure.trace and seen not in self.traced:
+            self.traced.add(seen)
+            turn["trace"] = failure.trace
+        t.turns.append(turn)
         t.end("env_error", str(failure.error))
 
     def _reset(self, trajs: list[Trajectory]) -> None:
@@ -260,6 +276,7 @@ class Episodes:
                             "tool_calls": [], "error": None})
             t.messages.append({"role": "assistant", "content": text})
             t.stopped = bool(tokens) and tokens[-1] in self.stop_ids
+            t.cut = not t.stopped and len(tokens) >= lim.turn_tokens
             if t.length >= lim.max_context and not t.stopped:
                 t.end("context")
 
@@ -278,7 +295,7 @@ class Episodes:
             if r.info.get("tool_errors"):
                 t.turns[-1]["tool_errors"] = int(r.info["tool_errors"])
             if r.done and not r.messages:
-                t.end("stop")
+                t.end("length" if t.cut else "stop")
                 continue
             start = len(t.ids)
             ids = self.text.turn(t.messages, list(r.messages), t.stopped)
@@ -292,7 +309,7 @@ class Episodes:
                                 "end": len(t.ids), "tool_calls": [], "error": r.info.get("error")})
             t.messages += list(r.messages)
             if r.done:
-                t.end("stop")
+                t.end("length" if t.cut else "stop")
             elif t.length >= self.limits.max_context:
                 t.end("context")
 
@@ -312,13 +329,14 @@ def _is_failure(x) -> bool:
     return isinstance(x, EnvFailure)
 
 
-FINISHES = ("stop", "max_turns", "context", "env_error")
+FINISHES = ("stop", "length", "max_turns", "context", "env_error")
 
 
 def episode_metrics(groups: list[GroupRollout]) -> dict[str, float]:
     """What a step's multi-turn trajectories did (nothing for single-turn completions): model turns, tool calls and
     tool errors per trajectory, the share that called a tool at all, environment tokens per trajectory, and the share
-    of each finish reason (episode/finish_context and episode/finish_max_turns: the truncated trajectories)."""
+    of each finish reason (episode/finish_length, episode/finish_context and episode/finish_max_turns: the truncated
+    trajectories; length: the environment ended the trajectory on a model turn cut at turn_tokens)."""
     comps = [c for g in groups for c in g.completions if c.turns is not None]
     if not comps:
         return {}

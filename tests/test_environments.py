@@ -67,6 +67,14 @@ class Raises(Echo):
         return super().step(turn)
 
 
+class Strict(Echo):
+    """Reads every turn as a number: passes a step with the reference answer, raises on an empty turn."""
+
+    def step(self, turn):
+        float(turn)
+        return super().step(turn)
+
+
 class Sleeps(Echo):
     def step(self, turn):
         if turn == "sleep":
@@ -401,6 +409,22 @@ def test_probe_resets_and_steps_on_a_train_row(env_file, tmp_path):
     assert found.problems and "did not return within environment.timeout_s = 0.3 s" in found.problems[0]
     section.name = section.name.replace(":Sleeps", ":BadTool")
     assert "tool 'undocumented'" in load_problems(section)[0]
+
+
+def test_probe_steps_with_what_a_model_in_training_writes_and_refuses_a_step_that_raises(env_file, tmp_path):
+    section = load_config(_config_file(tmp_path, 'name = "envs.py:Strict"\nmax_context = 64')).environment
+    found = probe_environment(section, _item(answer="7"))  # the reference and the wrong answer (11) are numbers
+    line = f"{env_file}:32 in step: float(turn)"
+    assert found.problems == [
+        f"environment.name ({section.name}): step after an empty turn ('') raised ValueError: could not convert "
+        f"string to float: '' at {line}; step() must answer any text the model can write: answer a turn it cannot "
+        'use with a message telling the model so (e.g. StepResult([{"role": "user", "content": "answer with one '
+        'number"}])), or end the episode with done=True and a low score, rather than raise (in a run, every such '
+        'turn would end its trajectory as "env_error" with a score of 0)']
+    section.name = section.name.replace(":Strict", ":Echo")  # answers anything: every stand-in passes
+    found = probe_environment(section, _item(answer="7"))
+    assert found.problems == [] and found.found.endswith(
+        "it answers a wrong answer, an empty turn, a long turn, a malformed tool call")
 
 
 # ---------------------------------------------------------------------------------------------------------------

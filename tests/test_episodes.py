@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from qgrpo.core.records import Completion, PromptItem, SamplingParams
 from qgrpo.learner.batch import pack_rollouts
 from qgrpo.rollout.environments.contract import EnvFailure, StepResult
-from qgrpo.rollout.episodes import EpisodeError, EpisodeLimits, Episodes, render
+from qgrpo.rollout.episodes import FINISHES, EpisodeError, EpisodeLimits, Episodes, episode_metrics, render
 from qgrpo.rollout.models import resolve_model_path
 
 IM_END = 2  # SmolLM2's <|im_end|>, its stop token
@@ -186,6 +186,43 @@ def test_environment_failures_follow_on_error(tok):
                       EpisodeLimits(max_turns=3, turn_tokens=8, max_context=512, on_error="fail"))
     with pytest.raises(EpisodeError, match="row4.*the game broke.*on_error"):
         strict.run([_item(4, 6)], SamplingParams(1, 8), "k", 0, "g", "bf16")
+
+
+def test_a_trajectory_ended_on_a_turn_cut_at_turn_tokens_finishes_length(tok):
+    # "7" then a space and more, cut at 2 tokens without the stop token: the environment reads the guess and ends the
+    # game, but the model's turn did not end, so the trajectory is truncated ("length"), as a single-turn completion
+    # cut at max_new_tokens is; with room for the stop token the same game finishes "stop"
+    cut = _ids(tok, "7 is it")
+    assert len(cut) > 2
+    for turn_tokens, finish in ((2, "length"), (len(cut) + 1, "stop")):
+        gen = ScriptedGenerator(tok, {3: [cut + [IM_END]]})
+        episodes = Episodes(gen, tok, [IM_END], GuessClient(),
+                            EpisodeLimits(max_turns=3, turn_tokens=turn_tokens, max_context=512))
+        c = episodes.run([_item(3, 7)], SamplingParams(1, 8), "k", 0, "g", "bf16")[0].completions[0]
+        assert c.finish_reason == finish and c.env_score == 1.0
+    # a cut turn the environment answers does not end the trajectory: the next turn ("7" and the stop token) does
+    gen = ScriptedGenerator(tok, {3: [_ids(tok, "0 or"), _ids(tok, "7") + [IM_END]]})
+    episodes = Episodes(gen, tok, [IM_END], GuessClient(), EpisodeLimits(max_turns=3, turn_tokens=2, max_context=512))
+    group = episodes.run([_item(3, 7)], SamplingParams(1, 8), "k", 0, "g", "bf16")[0]
+    assert group.completions[0].finish_reason == "stop"
+    assert sum(t["role"] == "assistant" for t in group.completions[0].turns) == 2
+    m = episode_metrics([group])
+    assert m["episode/finish_length"] == 0.0 and m["episode/finish_stop"] == 1.0 and "length" in FINISHES
+
+
+def test_a_failed_turn_carries_the_users_line_and_one_traceback(tok):
+    class Traced(GuessClient):
+        def step(self, keys, turns):
+            return [EnvFailure(k, "ValueError: no", "env.py:9 in step: int(turn)", trace="Traceback ...\nValueError")
+                    for k in keys]
+
+    gen = ScriptedGenerator(tok, {4: [_ids(tok, "1") + [IM_END]] * 3})
+    episodes = Episodes(gen, tok, [IM_END], Traced(), EpisodeLimits(max_turns=3, turn_tokens=8, max_context=512))
+    group = episodes.run([_item(4, 6)], SamplingParams(3, 8), "k", 0, "g", "bf16")[0]
+    last = [c.turns[-1] for c in group.completions]
+    assert all(t["error"] == "ValueError: no" and t["where"] == "env.py:9 in step: int(turn)" and t["call"] == "step"
+               for t in last)
+    assert [("trace" in t) for t in last] == [True, False, False]  # one traceback per distinct error and call
 
 
 @pytest.mark.heavy  # 17 s: a real learner on a real trajectory

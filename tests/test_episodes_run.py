@@ -28,7 +28,7 @@ def test_the_guessing_game_trains_two_steps(ray_session, tiny_model_path, tmp_pa
     assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         assert 1.0 <= m["episode/turns"] <= 5.0 and m["episode/env_tokens"] > 0
-        finishes = sum(m[f"episode/finish_{r}"] for r in ("stop", "max_turns", "context", "env_error"))
+        finishes = sum(m[f"episode/finish_{r}"] for r in ("stop", "length", "max_turns", "context", "env_error"))
         assert finishes == pytest.approx(1.0) and m["episode/finish_env_error"] == 0.0
         assert m["reward/errors"] == 0 and "reward/environment" in m and m["time/env"] >= 0
         # the learner's tokens are the model's, as rollout/completion_len counts them: environment turns left out
@@ -37,11 +37,11 @@ def test_the_guessing_game_trains_two_steps(ray_session, tiny_model_path, tmp_pa
     assert len(rows) == 2 * 4 * 4
     for r in rows:
         turns = json.loads(r["turns"])
-        assert turns[0]["role"] == "assistant" and r["finish_reason"] in ("stop", "max_turns", "context")
+        assert turns[0]["role"] == "assistant" and r["finish_reason"] in ("stop", "length", "max_turns", "context")
         model = sum(t["end"] - t["start"] for t in turns if t["role"] == "assistant")
         assert r["num_tokens"] == model  # the model's tokens only
         assert r["completion"] == next(t["content"] for t in reversed(turns) if t["role"] == "assistant")
-        if r["finish_reason"] == "stop":  # found: the last guess is the hidden digit
+        if r["finish_reason"] in ("stop", "length"):  # found: the last guess is the hidden digit (a cut turn too)
             assert r["reward_environment"] > 0
     assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
     # The held-out games are played too (greedy), each trajectory's turns kept with its score

@@ -210,9 +210,11 @@ class RewardsConfig:
     num_cpus: Float = setting(0.0, ge=0)
     """Ray CPU resource per reward worker."""
     eval_metric: Str = setting("", allowed="\"\", a built-in accuracy reward (" + ", ".join(EVAL_METRICS)
-                               + ") or the label of a rewards.functions entry")
+                               + "), the label of a rewards.functions entry, or environment (with an "
+                               "[environment])")
     """What scores held-out accuracy (run.eval): a built-in accuracy reward, or any rewards.functions entry by its
-    label (a function of your own, a URL, reward_model). "" = the first of rg_score, math_verify, answer_correct,
+    label (a function of your own, a URL, reward_model), or "environment": the environment's own score of each
+    held-out trajectory ([environment] must be set). "" = the first of rg_score, math_verify, answer_correct,
     correct, exact in rewards.functions that can read the references (correct reads integers), else lenient_correct
     (the answer in <answer> tags, else the last number) when the references are numbers and text_match (the reference
     as the answer or a phrase of it) when they are words."""
@@ -238,7 +240,8 @@ class EnvironmentConfig:
     max_turns: Int = setting(4, ge=1)
     """Model turns per trajectory; one that has not ended by then finishes as "max_turns"."""
     turn_tokens: Int = setting(0, ge=0, why="0 = rollout.max_new_tokens")
-    """New tokens per model turn (0 = rollout.max_new_tokens)."""
+    """New tokens per model turn (0 = rollout.max_new_tokens). A trajectory the environment ends on a turn cut here
+    (no stop token) finishes as "length"; a tool call needs room for its whole JSON."""
     max_context: Int = setting(1024, ge=2)
     """Tokens of a whole trajectory, the prompt and every turn included; one that reaches it finishes as "context".
     At most the model's context."""
@@ -248,6 +251,11 @@ class EnvironmentConfig:
     """An environment call that raises, passes timeout_s or answers outside the contract: "end" ends that trajectory
     with the error as its last observation and a score of 0 (finish "env_error"); "fail" stops the run naming the
     row."""
+    max_failed_steps: Int = setting(3, ge=0, why="0 = never")
+    """Stop the run when the environment has failed (raised, hung, answered outside the contract) on every trajectory
+    for this many steps in a row, whatever on_error says: a run whose every score is a failure's 0 learns nothing
+    (0 = never stop for it). Each step with failures prints a warning line; the tracebacks are kept in
+    RUN_DIR/env_errors.log."""
     num_workers: Int = setting(2, ge=1)
     """Ray environment workers per rollout actor: a batch's trajectories are spread over them. A worker that stops
     answering is replaced (the trajectories it held end as "env_error")."""

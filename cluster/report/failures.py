@@ -2,7 +2,9 @@
 when 0) and the `reward_errors` events (one per entry and step with failures: how many of how many completions, the
 first error, where it was raised, the log of tracebacks). A failed call scores nothing for its entry: `reward/LABEL`
 is the mean over the completions the entry did score, absent in a step where every call failed, so the report draws
-and averages what exists and says what failed here."""
+and averages what exists and says what failed here. Environment failures likewise, from the `env_errors` events
+(cluster/run/env_health.py: per step with failures, the trajectories that ended as "env_error" of all, the first
+error and where) and the `episode/finish_env_error` share of each step line."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,6 +15,7 @@ from qgrpo.cluster.report.run_data import RunData, _cfg, _num
 
 ERRORS_PREFIX = "reward/errors/"
 ERROR_LOG = "reward_errors.log"  # where the driver writes the tracebacks, in the run directory
+ENV_ERROR_LOG = "env_errors.log"  # the environment's
 
 
 @dataclass
@@ -59,9 +62,78 @@ def reward_failures(data: RunData) -> dict[str, EntryFailures]:
     return dict(sorted(failing.items(), key=lambda kv: kv[1].steps[0]))
 
 
+@dataclass
+class EnvFailures:
+    failed: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> trajectories that ended "env_error"
+    of: dict[int, int] = dataclasses.field(default_factory=dict)  # step -> trajectories of that step
+    errors: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (error, where), first seen first
+    log: str = ENV_ERROR_LOG
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self.failed)
+
+
+def env_failures(data: RunData) -> EnvFailures | None:
+    """What the environment failed on, by step (None when no trajectory ended as "env_error"): the env_errors
+    events' counts, else (a log cut short, or a run from before the events) the finish share of the step line."""
+    out = EnvFailures()
+    events = {}  # step -> the last event (a resumed run logs a step again)
+    for e in data.events:
+        if e.get("event") == "env_errors" and isinstance(e.get("step"), int):
+            events[e["step"]] = e
+    for step, e in sorted(events.items()):
+        n, of = _num(e.get("failed")), _num(e.get("of"))
+        out.failed[step] = int(n) if n == n else 0
+        if of == of:
+            out.of[step] = int(of)
+        error = (str(e.get("error") or ""), str(e.get("where") or ""))
+        if error[0] and error not in out.errors:
+            out.errors.append(error)
+        out.log = str(e.get("log") or out.log)
+    for s in data.steps:
+        share = _num(s.get("episode/finish_env_error"))
+        if share == share and share > 0 and s["step"] not in out.failed:
+            out.failed[s["step"]] = 0  # known to have failed, not how many
+    return out if out.failed else None
+
+
+def env_section(data: RunData, run_dir: Path) -> list[str]:
+    """summary.md's "Environment failures": the trajectories that ended as "env_error" (they scored 0), the steps,
+    the distinct errors (the first 5) and where; a pointer to the tracebacks. Nothing when none failed."""
+    f = env_failures(data)
+    if f is None:
+        return []
+    steps = f.steps
+    counted = [s for s in steps if s in f.of]
+    md = ["## Environment failures", "",
+          "These trajectories ended as \"env_error\" (the environment's call raised, passed environment.timeout_s or "
+          "answered outside the contract): their score was 0 and their last turn the error. step() must answer any "
+          "text the model can write rather than raise; environment.max_failed_steps stops a run whose environment "
+          "fails on every trajectory.", ""]
+    if counted:
+        md.append(f"- Trajectories failed: {sum(f.failed[s] for s in counted)} of {sum(f.of[s] for s in counted)} in "
+                  f"the steps with failures")
+    md.append(f"- Steps with failures: {len(steps)} of {len(data.steps)} ({_spans(steps)})")
+    if f.errors:
+        md += ["", "| error | where |", "|---|---|"]
+        md += [f"| {_cell(error)} | {_cell(where) or 'n/a'} |" for error, where in f.errors[:5]]
+        if len(f.errors) > 5:
+            md.append(f"\n({len(f.errors) - 5} more distinct first errors in the env_errors events of metrics.jsonl.)")
+    md.append("")
+    md.append(f"Tracebacks: `{run_dir / f.log}`" if (run_dir / f.log).is_file()
+              else f"Tracebacks: `{f.log}` is not in the run directory.")
+    return md + [""]
+
+
 def failures_section(data: RunData, run_dir: Path) -> list[str]:
     """summary.md's "Reward failures": per entry, the completions that failed and those scored, the steps with
-    failures, the first error and where; a pointer to the tracebacks. Nothing when no call failed."""
+    failures, the first error and where; a pointer to the tracebacks. Nothing when no call failed. Then the
+    environment's (`env_section`)."""
+    return _reward_section(data, run_dir) + env_section(data, run_dir)
+
+
+def _reward_section(data: RunData, run_dir: Path) -> list[str]:
     failures = reward_failures(data)
     if not failures:
         return []

@@ -19,6 +19,7 @@ from pathlib import Path
 from qgrpo.actors.common import END_WAIT_S
 from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.control import wanted_rollout_actors
+from qgrpo.cluster.run.env_health import EnvHealth, SignalWatch, drop_traces
 from qgrpo.cluster.run.follow import FollowWatch
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
 from qgrpo.cluster.run.step_data import step_data
@@ -142,7 +143,7 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     finally:
         run.close(failing=sys.exc_info()[0] is not None, stopping=stop is not None and stop.requested)
     return {"last": m, "evals": run.evals, "baseline": run.baseline, "stopped": stopped,
-            "reward_failures": run.rewards.health.failures(),
+            "reward_failures": run.rewards.health.failures(), "env_failures": run.env_health.failures(),
             "checkpoint": stopped["checkpoint"] if stopped else str(checkpoint_dir(run.dir.root, cfg.run.steps))}
 
 
@@ -176,6 +177,7 @@ class TrainingRun:
         from qgrpo.cluster.run.rewarding import RewardPool
 
         self.rewards = RewardPool(cfg, self.reward_model_path(), self.dir.local)
+        self.env_health, self.signal = self._watches(cfg)
         self.log = RunLog(self.dir.local, cfg.run.steps, self.state.step, cfg.run.progress, cfg.run.tensorboard,
                           cfg.run.wandb_project, cfg.to_dict())
         self.samples = RolloutWriter(self.dir.local, cfg.run.rollouts_flush_every)
@@ -201,7 +203,21 @@ class TrainingRun:
             self.log.write({"event": "baseline", **self.baseline})
         self.published = self.state.published_version  # the policy version the rollout actors hold
 
+    def _watches(self, cfg: Config) -> tuple[EnvHealth, SignalWatch]:
+        """The environment's health (failed trajectories, env_errors.log, environment.max_failed_steps) and the
+        no-signal warnings (cluster/run/env_health.py), with the environment's tools' names to warn by."""
+        env = cfg.environment
+        tools = []
+        if env.name:
+            from qgrpo.rollout.environments.loader import environment_spec, tool_names
+
+            tools = tool_names(environment_spec(env.name, env.params))
+        return (EnvHealth(env.name, env.max_failed_steps, env.on_error, self.dir.local),
+                SignalWatch(tools, env.turn_tokens or cfg.rollout.max_new_tokens))
+
     def _baseline(self, train_task) -> dict | None:
+        if self.metric.environment:  # a fixed answer is not a trajectory the environment scored: no baseline
+            return None
         try:
             return majority_baseline(train_task, eval_items(self.eval_task, self.cfg.task.eval_size), self.metric)
         except JudgeError as e:
@@ -253,14 +269,17 @@ class TrainingRun:
         accuracy = self.metric.sample_accuracy(rollouts.sample)  # the held-out judge on the step's fresh sample
         if accuracy is not None:
             m["train/accuracy"] = accuracy
-        for event in self.rewards.health.end_step(done) + self.workers.events() + (
+        for event in self.rewards.health.end_step(done) + self.env_health.end_step(done, rollouts.sample) + \
+                self.signal.end_step(done, m) + self.workers.events() + (
                 [{"event": "ladder", "reason": result.skipped, **self.ladder.state()}] if climbed else []):
             self.log.write({"step": done, **event})
+        drop_traces(rollouts.sample + rollouts.groups)  # in env_errors.log, not in every row of the rollouts
         self.samples.add(done, rollouts.groups, result.version_before)
         if done % self.cfg.run.log_every == 0 or self._last(done) or result.skipped:
             self.log.write(m)
         self.log.progress(m)
         self.rewards.health.stop_if_broken()
+        self.env_health.stop_if_broken()
         return m
 
     def evaluate(self, done: int) -> None:
@@ -312,11 +331,13 @@ class TrainingRun:
     def failed(self, err: BaseException, step: int) -> Exception:
         """The error to end the run with: what happened, at which step (1-based), and how to resume (logged first)."""
         from qgrpo.cluster.run.workers import RunFailed
+        from qgrpo.core.invocation import qgrpo_command
 
         self.samples.flush()  # the steps done since the last checkpoint: a resume sets them aside with the rest
         ckpts = complete_checkpoints(self.dir.root)
-        how = (f"continue from its last complete checkpoint (step_{ckpts[-1][0]:06d}) with: qgrpo train --resume "
-               f"{self.dir.root}" if ckpts else "no checkpoint was written yet (run.save_every); start it again")
+        how = (f"continue from its last complete checkpoint (step_{ckpts[-1][0]:06d}) with: "
+               f"{qgrpo_command('train', '--resume', self.dir.root)}" if ckpts
+               else "no checkpoint was written yet (run.save_every); start it again")
         self.log.write({"event": "failed", "step": step, "error": str(err)})
         return RunFailed(f"{err}\n  the run stopped at step {step}; {how}")
 

@@ -65,6 +65,7 @@ class EnvFailure:
     error: str  # "ValueError: ...", or "timed out after 10 s"
     where: str = ""  # the user's line that raised ("env.py:12 in step: ..."), "" if none
     timed_out: bool = False
+    trace: str = ""  # the formatted traceback of a call that raised (for RUN_DIR/env_errors.log), "" if none
 
 
 class EnvironmentOutputError(TypeError):

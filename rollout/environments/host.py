@@ -42,8 +42,8 @@ class EnvHost:
         if "error" in box:
             e = box["error"]
             self.envs.pop(key, None)
-            where, _ = failure_trace(e)
-            return EnvFailure(key, f"{type(e).__name__}: {e}", where)
+            where, trace = failure_trace(e)
+            return EnvFailure(key, f"{type(e).__name__}: {e}", where, trace=trace)
         return box["value"]
 
     def _env(self, key: Hashable) -> Environment | EnvFailure:

@@ -165,3 +165,17 @@ def environment_tools(factory: Callable[[], Environment]) -> list[Callable]:
     """The tools of the environment `factory` makes (one instance is made to read them), each with a schema."""
     env = factory()
     return checked_tools(getattr(env, "tools", []), type(env).__name__)
+
+
+def tool_names(spec: EnvSpec) -> list[str]:
+    """The names of the tools of the environment `spec` names, for the driver's warnings: a class's `tools` read
+    without an instance, a factory's from one instance it makes; [] for an OpenEnv environment (its tools are the
+    server's) or when they cannot be read (the checks before the run name that)."""
+    if spec.kind == "openenv":
+        return []
+    try:
+        target = _target(spec)
+        tools = target.tools if inspect.isclass(target) else getattr(factory_of(spec)(), "tools", [])
+        return [tool_name(fn) for fn in checked_tools(tools, spec.name.rpartition(":")[2])]
+    except Exception:  # noqa: BLE001 - only for a warning's text
+        return []

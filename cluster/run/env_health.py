@@ -1,0 +1,187 @@
+"""Failing environments and runs that cannot learn, made loud (the driver's `TrainingRun.log_step` calls both each
+step, after the rewards' own health, cluster/run/rewarding.py).
+
+`EnvHealth` reads the step's fresh sample (rollouts.sample): the trajectories that ended as "env_error" and, from
+their last turn (rollout/episodes.py `Episodes._failed`), the error and the user's line that raised it. A step with
+failures gives an "env_errors" event (a warning line on the terminal and in metrics.jsonl); each distinct error's
+traceback goes to RUN_DIR/env_errors.log once; the run stops (RunFailed) when the environment failed on every
+trajectory for environment.max_failed_steps steps in a row, whatever environment.on_error says: a run whose every
+score is the 0 of a failure learns nothing.
+
+`SignalWatch` reads the step's metrics: no group with a reward spread (reward/groups_with_signal 0.0: every
+completion of a prompt scored alike, so every advantage is 0) and, for an environment with tools, no trajectory that
+called one (episode/called_tool_frac 0.0), each for NO_SIGNAL_STEPS steps in a row, give a warning with the likely
+causes and their fixes. Once per streak: the metrics say so on every step line; a warning repeated every step would
+bury the other lines of a long run without saying more. A step with signal (or a call) ends the streak, and the
+next streak warns again.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from qgrpo.core.records import GroupRollout
+
+ERROR_LOG = "env_errors.log"  # in the run directory: the tracebacks of failed environment calls
+LOGGED_ERRORS = 50  # distinct errors written to ERROR_LOG at most (an error naming the model's text differs each time)
+NO_SIGNAL_STEPS = 3  # steps in a row without a reward spread (or a tool call) before a warning
+
+
+def env_failures(groups: list[GroupRollout]) -> tuple[int, int, list[dict]]:
+    """(failed, of, the failed trajectories' error turns) of a step's multi-turn trajectories: those that ended as
+    "env_error", of all; single-turn completions are not counted."""
+    comps = [c for g in groups for c in g.completions if c.turns is not None]
+    failed = [c for c in comps if c.finish_reason == "env_error"]
+    turns = [c.turns[-1] if c.turns and c.turns[-1].get("error") else {"error": "the environment failed"}
+             for c in failed]
+    return len(failed), len(comps), turns
+
+
+def drop_traces(groups: list[GroupRollout]) -> None:
+    """The tracebacks off the error turns (they are in ERROR_LOG; the rollouts Parquet keeps the error and where)."""
+    for g in groups:
+        for c in g.completions:
+            if c.turns and "trace" in c.turns[-1]:
+                del c.turns[-1]["trace"]
+
+
+class EnvHealth:
+    """Per step (`end_step`): an "env_errors" event with a message when trajectories ended as "env_error", the new
+    distinct errors' tracebacks in RUN_DIR/env_errors.log, and `broken` set when every trajectory failed for
+    max_failed_steps steps in a row (`stop_if_broken` raises it). `failures` are the totals for the run's end."""
+
+    def __init__(self, name: str, max_failed_steps: int, on_error: str, run_dir: Path | None):
+        self.name = name.rpartition("/")[2]  # "env.py:GuessNumber", not the folder it was read from
+        self.limit, self.on_error = max_failed_steps, on_error
+        self.log = run_dir / ERROR_LOG if run_dir is not None else None
+        self.streak = 0
+        self.totals = {"failed": 0, "of": 0, "steps": 0, "error": "", "where": ""}
+        self.logged: set[str] = set()
+        self.broken: str | None = None
+
+    def _where(self) -> str:
+        return f"; tracebacks in {self.log}" if self.log is not None and self.log.is_file() else ""
+
+    def _write(self, step: int, turns: list[dict]) -> None:
+        """Each error not logged yet, once, with the traceback one of its turns carries."""
+        if self.log is None:
+            return
+        by: dict[str, dict] = {}
+        for t in turns:
+            seen = t.get("where") or str(t.get("error"))
+            if seen not in by or ("trace" in t and "trace" not in by[seen]):
+                by[seen] = t
+        for seen, t in by.items():
+            if seen in self.logged or len(self.logged) >= LOGGED_ERRORS:
+                continue
+            self.logged.add(seen)
+            call = f" ({t['call']})" if t.get("call") else ""
+            trace = t.get("trace") or "(no traceback: the call did not raise, e.g. it timed out or its worker died)"
+            with self.log.open("a") as f:
+                f.write(f"step {step}: environment {self.name}{call}: {t.get('error')}\n{trace}\n\n")
+
+    def end_step(self, step: int, groups: list[GroupRollout]) -> list[dict]:
+        """The step's env_errors event (none without failures); `broken` says why the run must stop."""
+        failed, of, turns = env_failures(groups)
+        self.totals["of"] += of
+        self.streak = self.streak + 1 if of and failed == of else 0
+        self.broken = None
+        if not failed:
+            return []
+        self._write(step, turns)
+        first = turns[0]
+        error, where = str(first.get("error")), str(first.get("where") or "")
+        t = self.totals
+        t.update(failed=t["failed"] + failed, steps=t["steps"] + 1, error=t["error"] or error,
+                 where=t["where"] or where)
+        at = f" at {where}" if where else ""
+        kinds = len({u.get("where") or str(u.get("error")) for u in turns})
+        more = f" and {kinds - 1} other error{'s' * (kinds > 2)}" if kinds > 1 else ""
+        event = {"event": "env_errors", "step": step, "failed": failed, "of": of, "error": error, "where": where,
+                 "errors": kinds, "log": ERROR_LOG,
+                 "message": f"environment {self.name} failed on {failed} of {of} trajectories ({error}{at}{more}); "
+                            "they ended as \"env_error\" with a score of 0 (environment.on_error = \"end\"); step() "
+                            "must answer any text the model can write, e.g. with a message telling the model what "
+                            f"was wrong, rather than raise{self._where()}"}
+        if self.limit and self.streak >= self.limit:
+            self.broken = (f"environment {self.name} failed on every trajectory for {self.streak} steps in a row "
+                           f"({error}{at}){self._where()}; fix it (environment.max_failed_steps = {self.limit} stops "
+                           "a run whose environment is broken, whatever environment.on_error says)")
+        return [event]
+
+    def stop_if_broken(self) -> None:
+        """Raises RunFailed when the environment failed on every trajectory for max_failed_steps steps in a row."""
+        if self.broken:
+            from qgrpo.cluster.run.workers import RunFailed  # Ray's and torch's imports: only for a run that stops
+
+            raise RunFailed(self.broken)
+
+    def failures(self) -> dict:
+        """The run's totals ({} when no trajectory failed): failed, of, steps, the first error and where."""
+        return {"name": self.name, **self.totals} if self.totals["failed"] else {}
+
+
+class SignalWatch:
+    """Warnings for a run that cannot learn: no reward spread in any group, or (an environment with tools) no tool
+    called, for NO_SIGNAL_STEPS steps in a row; once per streak. `tools`: the environment's tools' names."""
+
+    def __init__(self, tools: list[str] | None = None, turn_tokens: int = 0, steps: int = NO_SIGNAL_STEPS):
+        self.tools, self.turn_tokens, self.steps = list(tools or []), turn_tokens, steps
+        self.flat = self.silent = 0
+
+    def end_step(self, step: int, m: dict) -> list[dict]:
+        """The step's warning events from its metrics `m` (reward/groups_with_signal, episode/called_tool_frac)."""
+        events = []
+        signal = m.get("reward/groups_with_signal")
+        self.flat = self.flat + 1 if signal is not None and signal == 0 else 0
+        if self.flat == self.steps:
+            events.append({"event": "warning", "step": step, "kind": "no_signal", "steps": self.flat,
+                           "message": self._flat(m)})
+        called = m.get("episode/called_tool_frac")
+        self.silent = self.silent + 1 if self.tools and called is not None and called == 0 else 0
+        if self.silent == self.steps:
+            events.append({"event": "warning", "step": step, "kind": "no_tool_calls", "steps": self.silent,
+                           "tools": self.tools, "message": self._silent(m)})
+        return events
+
+    def _flat(self, m: dict) -> str:
+        mean = m.get("reward/mean")
+        level = f" (reward/mean {mean:.3f})" if isinstance(mean, (int, float)) else ""
+        causes = ["the task is too hard (every answer scores the same low reward) or too easy for the model: try "
+                  "an easier task or a larger model, or more completions per prompt (rollout.group_size)",
+                  "a reward that reads the wrong column or answer format always gives the same score: run "
+                  "`qgrpo check` and look at the rewards' stand-in scores and at RUN_DIR/rollouts"]
+        if "episode/turns" in m:
+            causes.append(self._cut(m) or "the environment's score never differs between trajectories")
+            if self.tools and m.get("episode/called_tool_frac") == 0:
+                causes.append(f"the model never calls {self._names()}: put worked exchanges in the prompt "
+                              "(docs/environments.md, Tools)")
+        return (f"no group had a reward spread for {self.flat} steps in a row (reward/groups_with_signal 0.0"
+                f"{level}): every completion of a prompt scored alike, so every advantage is 0 and nothing is "
+                "learned; likely causes: " + "; ".join(causes))
+
+    def _names(self) -> str:
+        return ("the tool " if len(self.tools) == 1 else "the tools ") + ", ".join(repr(t) for t in self.tools)
+
+    def _cut(self, m: dict) -> str:
+        cut = m.get("episode/finish_length", 0.0)
+        if not cut:
+            return ""
+        size = f" ({self.turn_tokens})" if self.turn_tokens else ""
+        return (f"{cut:.0%} of the trajectories ended on a turn cut at environment.turn_tokens{size}: raise it so a "
+                "whole turn fits")
+
+    def _silent(self, m: dict) -> str:
+        size = f" ({self.turn_tokens} tokens now)" if self.turn_tokens else ""
+        causes = ["a small model rarely calls a tool it has only been told about: put worked exchanges in the prompt, "
+                  "a question, the call, the tool's answer and the final answer (examples/calculator; "
+                  "docs/environments.md, Tools)",
+                  f"environment.turn_tokens{size} too small for a whole call (the call's JSON is cut, so no call "
+                  "parses): raise it",
+                  "the calls are not in the format the environment parses (<tool_call>{\"name\": ..., \"arguments\": "
+                  "{...}}</tool_call> for a ToolEnvironment): look at the model's turns in RUN_DIR/rollouts"]
+        cut = self._cut(m)
+        if cut:
+            causes.insert(1, cut)
+        return (f"no trajectory called {self._names()} for {self.silent} steps in a row (episode/called_tool_frac "
+                "0.0); likely causes: " + "; ".join(causes) + "; and a reward that reads the wrong column scores "
+                "a trajectory that used the tool no better than one that did not")
