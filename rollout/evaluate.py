@@ -9,16 +9,18 @@ from __future__ import annotations
 
 from qgrpo.core.records import GroupRollout, PromptItem, SamplingParams
 from qgrpo.rollout.answer_stats import eval_answer_stats, hollow_warnings, majority_baseline
-from qgrpo.rollout.rewards.judge import Judge, as_judge, choose_judge, numeric
+from qgrpo.rollout.rewards.calls import RewardLoadError
+from qgrpo.rollout.rewards.judge import Judge, JudgeError, as_judge, choose_judge, numeric
 from qgrpo.rollout.rewards.scoring import score_texts
 
 REFERENCE_SAMPLE = 200  # eval references looked at to tell a task of numbers from one of words
 
 
-def task_judge(rewards_cfg, eval_task, n: int, model=None) -> Judge:
-    """The judge of held-out accuracy for `eval_task`'s first `n` items (its references decide the default)."""
+def task_judge(rewards_cfg, eval_task, n: int, model=None, environment=None) -> Judge:
+    """The judge of held-out accuracy for `eval_task`'s first `n` items (its references decide the default);
+    `environment`: the [environment] section, for rewards.eval_metric = "environment"."""
     refs = [eval_task.item(i).reference for i in range(min(n, REFERENCE_SAMPLE))] if eval_task is not None else None
-    return choose_judge(rewards_cfg, refs, model)
+    return choose_judge(rewards_cfg, refs, model, environment)
 
 
 def judge_check(cfg) -> tuple[str, list[str], list[str]]:
@@ -31,7 +33,10 @@ def judge_check(cfg) -> tuple[str, list[str], list[str]]:
 
     task = make_task(cfg.task, cfg.run.seed, split="eval" if cfg.run.eval else "train")
     refs = [task.item(i).reference for i in range(min(cfg.task.eval_size or REFERENCE_SAMPLE, REFERENCE_SAMPLE))]
-    judge = choose_judge(cfg.rewards, refs)
+    try:
+        judge = choose_judge(cfg.rewards, refs, environment=cfg.environment)
+    except (RewardLoadError, JudgeError) as e:  # e.g. the judge's file is missing (the reward checks name it too)
+        return cfg.rewards.eval_metric, [str(e)], []
     words = [r for r in refs if r is not None and not is_number(r)]
     problems = []
     fns = cfg.rewards.functions
@@ -65,7 +70,7 @@ def score_eval(groups: list[GroupRollout], metric: "str | Judge", details: bool 
     `details`: also every answer with its score, under "details". Raises JudgeError when the judge fails."""
     judge = as_judge(metric)
     texts, items = [g.completions[0].text for g in groups], [g.item for g in groups]
-    scores = judge.scores(texts, items)
+    scores = judge.scores(texts, items, [g.completions[0] for g in groups])
     out = {"accuracy": sum(float(s is not None and s >= judge.threshold) for s in scores) / len(groups),
            "score_mean": sum(s or 0.0 for s in scores) / len(groups)}
     if numeric([it.reference for it in items]):

@@ -67,12 +67,13 @@ def test_check_of_the_tiny_preset_says_what_it_checked_and_ok(tiny_model_path, t
     assert rc == 0, out + err
     lines = out.strip().splitlines()
     assert lines[-1] == "qgrpo check: OK: train would start"
-    assert len(lines) <= 13, out  # short: no config dump
+    assert len(lines) <= 14, out  # short: no config dump
     assert "qgrpo" not in err
     labels = [line.split(":")[0].strip() for line in lines[1:-1]]
-    # then what the run will compute in here, the machine's rates and the expected time (cluster/config/machine.py)
-    assert labels == ["config", "dataset", "rewards", "held-out", "calls", "model", "preflight", "GPU plan", "compute",
-                      "machine", "expected"], out
+    # how the run gets its rollouts, then what it will compute in here, the machine's rates and the expected time
+    # (cluster/config/machine.py)
+    assert labels == ["config", "dataset", "rewards", "held-out", "calls", "model", "preflight", "GPU plan", "rollouts",
+                      "compute", "machine", "expected"], out
     assert f"  model:     builtin:tiny-digits -> {tiny_model_path}\n" in out
     assert "held-out 100 prompts" in out and "no role asks for a GPU" in out
     assert not (tmp_path / "runs").exists()  # checked, not created

@@ -258,3 +258,43 @@ def test_the_step_accuracy_reads_back_an_entrys_scores_and_judges_the_rest():
     # scores that differ from what text_match would say: read back
     groups = [dataclasses.replace(g, scores={"text_match": score}) for g, score in zip(groups, ([0.0], [1.0]))]
     assert judge.sample_accuracy(groups) == 0.5 and judge.sample_accuracy(groups[:1]) == 0.0
+
+
+def _env_cfg(rewards: dict) -> object:
+    return config_from_dict({"model": {"path": "builtin:tiny-digits"}, "rewards": rewards, "rollout": {
+        "backend": "torch"}, "environment": {"name": "env.py:Game", "max_context": 512}}, check_environment=False)
+
+
+def test_the_environment_judges_held_out_trajectories_by_its_own_score():
+    """rewards.eval_metric = "environment": a trajectory is correct when the environment scored it at or above the
+    threshold, whatever its text says; an answer that is no trajectory (the majority baseline's) cannot be judged."""
+    from qgrpo.rollout.rewards.judge import JudgeError
+
+    cfg = _env_cfg({"eval_metric": "environment", "eval_threshold": 0.8})
+    judge = choose_judge(cfg.rewards, ["3", "4", "5"], environment=cfg.environment)
+    assert judge.environment and not judge.builtin
+    items = _items(["3", "4", "5"])
+    trajectories = [Completion([1], [0.0], "stop", text, turns=[], env_score=score)
+                    for text, score in (("<answer>3</answer>", 0.2), ("wrong", 0.9), ("5", None))]
+    groups = [GroupRollout(item=it, prompt_ids=[1], completions=[c], policy_version=0, generator_id="test",
+                           precision="bf16") for it, c in zip(items, trajectories)]
+    res = score_eval(groups, judge)
+    assert (res["accuracy"], res["metric"]) == (pytest.approx(1 / 3), "environment")
+    assert judge.sample_accuracy(groups) == pytest.approx(1 / 3)
+    assert "environment's own score" in judge.describe() and ">= 0.8" in judge.describe()
+    with pytest.raises(JudgeError, match="scores trajectories of the environment"):
+        judge.scores(["3"], items[:1])  # texts alone: no env_score to read
+    with pytest.raises(JudgeError, match="scores trajectories of the environment"):
+        train = type("Listed", (), {"__len__": lambda self: 2, "item": lambda self, i: _items(["3", "3"])[i]})
+        majority_baseline(train(), items, judge)
+
+
+def test_the_environment_as_judge_needs_an_environment():
+    from qgrpo.rollout.rewards.judge import JudgeError
+
+    with pytest.raises(ConfigError, match=r"rewards.eval_metric: 'environment' judges held-out trajectories by the "
+                                          r"environment's own score, but no environment is set"):
+        _cfg({"eval_metric": "environment"})
+    assert _env_cfg({"eval_metric": "environment"}).rewards.eval_metric == "environment"
+    with pytest.raises(JudgeError, match="no \\[environment\\] is set"):
+        choose_judge(_cfg({}).rewards.__class__(eval_metric="environment"), environment=_cfg({}).environment)

@@ -267,3 +267,12 @@ def test_no_length_hint_without_tags_or_for_digit_sum(tiny_model_path, tmp_path)
                                   "rollout.max_new_tokens=1"), tiny_model_path) == []
     digits = tiny_cfg(tiny_model_path, tmp_path, "task.instruction='Answer in <answer></answer>.'")
     assert length_hints(digits, tiny_model_path) == []  # digit_sum shows no instruction
+
+
+def test_output_dir_where_no_folder_can_be_made_even_by_root(tmp_path):
+    """os.access lets root through everywhere; /proc takes no folder all the same. The probe leaves nothing behind."""
+    from qgrpo.cluster.config.preflight import output_dir_problems
+
+    (msg,) = output_dir_problems("/proc/qgrpo-runs")
+    assert msg.startswith("run.output_dir: '/proc/qgrpo-runs' cannot be created: its nearest existing parent '/proc'")
+    assert output_dir_problems(str(tmp_path / "runs")) == [] and not list(tmp_path.iterdir())

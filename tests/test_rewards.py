@@ -13,6 +13,7 @@ from qgrpo.cluster.config.schema import ConfigError, config_from_dict
 from qgrpo.core.records import Completion, GroupRollout, PromptItem
 from qgrpo.rollout.rewards import REWARD_FUNCTIONS, RewardError
 from qgrpo.rollout.rewards.calls import (
+    RELATIVE_PATHS,
     RESERVED,
     RewardLoadError,
     RewardOutputError,
@@ -147,12 +148,15 @@ def test_module_functions_and_builtins_share_the_signature(tmp_path, monkeypatch
 
 
 def test_load_errors_name_the_entry(tmp_path, user_file):
-    with pytest.raises(RewardLoadError, match=rf"f: cannot read 'nope.py'.*taken from {re.escape(str(tmp_path))}$"):
-        read_source("nope.py:fn", "f", tmp_path)  # where relative paths were read from (a config file's folder)
-    with pytest.raises(RewardLoadError, match=r"f: cannot read 'nope.py'.*taken from the working directory"):
-        read_source("nope.py:fn", "f")
-    with pytest.raises(RewardLoadError, match=r"cannot read '/nowhere/nope.py' \(FileNotFoundError[^;]*$"):
-        read_source("/nowhere/nope.py:fn", "f")  # absolute (a config file's, anchored): no word on relative paths
+    rule = re.escape(RELATIVE_PATHS)
+    looked = re.escape(f"looked for at {str(tmp_path / 'nope.py')!r}")
+    with pytest.raises(RewardLoadError, match=rf"f: cannot read 'nope.py' \(FileNotFoundError.*{looked}\).*{rule}$"):
+        read_source("nope.py:fn", "f", tmp_path)  # where it was looked for (a config file's folder), and the rule
+    looked = re.escape(f"looked for at {str(Path.cwd() / 'nope.py')!r}")
+    with pytest.raises(RewardLoadError, match=rf"f: cannot read 'nope.py' \(FileNotFoundError.*{looked}\).*{rule}$"):
+        read_source("nope.py:fn", "f")  # a --set value: the working directory
+    with pytest.raises(RewardLoadError, match=r"cannot read '/nowhere/nope.py' \(FileNotFoundError: [^,]*\); put"):
+        read_source("/nowhere/nope.py:fn", "f")  # absolute (a config file's, anchored): tried where it says
     with pytest.raises(RewardLoadError, match=r"has no 'tolerent'; its functions: .*tolerant"):
         _fn(user_file, "tolerent")
     with pytest.raises(RewardLoadError, match="is not FILE.py:FUNCTION or MODULE:FUNCTION"):

@@ -110,7 +110,12 @@ def eval_command(args) -> int:
     from qgrpo.learner.adapters import as_model_folder
 
     eval_task = make_task(cfg.task, cfg.run.seed, split="eval")
-    judge = task_judge(cfg.rewards, eval_task, n, _reward_model_scorer(cfg))
+    judge = task_judge(cfg.rewards, eval_task, n, _reward_model_scorer(cfg), cfg.environment)
+    if judge.environment:  # evaluate_model answers single-turn: there is no trajectory for the environment to score
+        print("qgrpo eval: rewards.eval_metric: 'environment' scores trajectories, and qgrpo eval answers without the "
+              "environment's episodes; name another judge with --set rewards.eval_metric=NAME (the run's own held-out "
+              "evaluations, in RUN_DIR/evals, are judged by the environment)", file=sys.stderr)
+        return EXIT_CONFIG
     with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
         res = evaluate_model(path, eval_task, n, cfg.rollout.max_new_tokens, judge,
                              precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
@@ -200,7 +205,9 @@ def migrate_command(args) -> int:
         print(f"qgrpo migrate: {out} exists; not overwritten (give another -o)", file=sys.stderr)
         return EXIT_CONFIG
     out.write_text(text)
-    print(f"qgrpo migrate: wrote {out}; run it with `qgrpo train {out}`", file=sys.stderr)
+    from qgrpo.core.invocation import qgrpo_command
+
+    print(f"qgrpo migrate: wrote {out}; run it with `{qgrpo_command('train', out)}`", file=sys.stderr)
     return 0
 
 

@@ -68,8 +68,10 @@ def _run_root(resume):
     return storage.parent(storage.parent(resume))  # RUN/checkpoints/step_N
 
 
-def _load(args, resume):
-    """The effective config: the file given, else the resumed run's own config.toml, with the --set overrides."""
+def _load(args, resume, machine: list[str]):
+    """The effective config: the file given, else the resumed run's own config.toml, with the --set overrides. What
+    a valid config names that this machine lacks (a data file, the model folder, a package) goes into `machine`, to be
+    reported with the checks that follow."""
     config_path = args.config or (storage.join(_run_root(resume), "config.toml") if resume else None)
     if config_path is None:
         raise Refused("train needs a config, e.g. `qgrpo train configs/tiny.toml`")
@@ -77,10 +79,11 @@ def _load(args, resume):
         if storage.is_uri(config_path):  # a URI run's own config.toml, as the effective config to start from
             import tomllib
 
-            return load_config(None, args.overrides, base=tomllib.loads(storage.read_text(config_path)))
+            return load_config(None, args.overrides, base=tomllib.loads(storage.read_text(config_path)),
+                               machine=machine)
         notes: list[str] = []
         try:
-            return load_config(config_path, args.overrides, notes=notes)
+            return load_config(config_path, args.overrides, notes=notes, machine=machine)
         finally:  # the mapping helps read an error about a translated field too
             if notes:
                 print(f"qgrpo: {config_path} is an MLX-GRPO config, read as ours (`qgrpo migrate` writes the "
@@ -139,12 +142,14 @@ def _dataset_found(cfg) -> str:
 def checked_config(args, resume=None, progress: Progress | None = None):
     """The config of `qgrpo train` and `qgrpo check`, with the checks that need no model and no Ray."""
     progress = progress or Progress()
-    cfg = _load(args, resume)
+    problems: list[str] = []  # what this machine lacks (files, folders, packages), then the dataset's problems
+    cfg = _load(args, resume, problems)
     progress.loaded(cfg)
     progress.passed("config", f"valid: {cfg.run.steps} steps of {cfg.task.name} on {cfg.model.path}")
     from qgrpo.rollout.tasks import check_task
 
-    problems = check_task(cfg.task, cfg.run.seed)  # reads user datasets fully: malformed rows fail here, not mid-run
+    if not any(p.startswith("task.") for p in problems):  # reads user datasets fully: malformed rows fail here
+        problems += check_task(cfg.task, cfg.run.seed)
     from qgrpo.cluster.cli.submit import ray_job_id
 
     out = cfg.run.output_dir
@@ -174,10 +179,11 @@ def checked_config(args, resume=None, progress: Progress | None = None):
 
         judged, more, warnings = judge_check(cfg)
         reward_problems += more
-        progress.passed("held-out", judged)
+        if not more:
+            progress.passed("held-out", judged)
         for w in warnings:
             progress.hint(w)
-    _refuse(problems + reward_problems)
+    _refuse(list(dict.fromkeys(problems + reward_problems)))  # a file two checks read is named once
     return cfg
 
 
@@ -231,10 +237,13 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
     if not plan_problems:
         progress.passed("GPU plan", found)
     _refuse(problems + plan_problems)
+    from qgrpo.learner.objective.staleness import rollout_mode
+
+    progress.told("rollouts", rollout_mode(cfg.algo.max_staleness, cfg.algo.overlap, cfg.rollout.num_actors))
     if here and not cfg.learner.num_gpus:  # the roles compute on this machine's CPU: what in, and how fast
         from qgrpo.cluster.config.machine import machine_report
 
-        for line in machine_report(cfg, model_path).lines(cfg.run.steps):
+        for line in machine_report(cfg, model_path, resume=resume).lines(cfg.run.steps):
             progress.told(*line.split(": ", 1))
     return model_path
 
@@ -380,6 +389,7 @@ def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
             ray.shutdown()
         print(f"qgrpo: stopped ({stop.name}) before the run started; nothing was written", file=sys.stderr)
         return stop.status
+    stop.run_root = run_dir.root  # a second signal's line names its last checkpoint (run/stopping.py)
     print(f"qgrpo: run directory {run_dir}" + (f" (logs staged in {run_dir.local})" if run_dir.local != run_dir.root
                                                else ""), file=sys.stderr)
     t0 = time.monotonic()
@@ -397,5 +407,5 @@ def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
         return stop.status
     from qgrpo.cluster.cli.summary import summary
 
-    print(summary(result, run_dir.root, time.monotonic() - t0), file=sys.stderr)
+    print(summary(result, run_dir.root, time.monotonic() - t0, cfg, run_dir.local), file=sys.stderr)
     return 0

@@ -104,7 +104,7 @@ def _either(values: list[str]) -> str:
 
 def choice_rule(info: Any, got: Any) -> str:
     """An enumerated field's rule, worded by its Choice; ", got VALUE" unless the wording places the value."""
-    values = list(typing.get_args(info.annotation))
+    values = [v for v in typing.get_args(info.annotation) if v != ""]  # "" (unset) is no choice to offer
     words = next((m for m in info.metadata if isinstance(m, Choice)), Choice())
     text = words.template.format(either=_either([str(v) for v in values]), listed=", ".join(map(str, values)),
                                  quoted=_either([repr(v) for v in values]), got=repr(got))
@@ -131,7 +131,10 @@ def message(err: dict, schema: type, unknown: Callable[[str, tuple, list[str]], 
     tail = f"; {fix}" if fix else ""
     if kind in UNKNOWN_KEY_ERRORS:
         known = list(getattr(owner, "__dataclass_fields__", {}))
-        return unknown(at_loc, loc, known)
+        text = unknown(at_loc, loc, known)
+        if "did you mean" in text or "TRL's name" in text or not (hint := elsewhere(schema, loc, got)):
+            return text
+        return f"{at_loc}: unknown key{hint}" if unknown is unknown_key else text + hint
     if kind == "literal_error" and info is not None:
         return f"{at_loc}: {choice_rule(info, got)}"
     if kind in BOUND_ERRORS and info is not None:
@@ -194,6 +197,17 @@ def unknown_key(at_loc: str, loc: tuple, known: list[str]) -> str:
         return f"{at_loc}: unknown key; did you mean {(parent + '.') if parent else ''}{near[0]}?"
     scope = f"keys of [{parent}]" if parent else "sections"
     return f"{at_loc}: unknown key; known {scope} are: {', '.join(sorted(known))}"
+
+
+def elsewhere(schema: type, loc: tuple, got: Any) -> str:
+    """"; did you mean run.steps?" for a key that is a field of another section: `train.steps` (an unknown section
+    holding it), or `run.lr` (an unknown key of a section); "" when no section has a field of that name."""
+    sections = {name: _item_type(info.annotation) for name, info in getattr(schema, "__pydantic_fields__", {}).items()
+                if dataclasses.is_dataclass(_item_type(info.annotation))}
+    keys = [str(k) for k in got] if len(loc) == 1 and isinstance(got, dict) else [str(loc[-1])] if len(loc) == 2 else []
+    found = [f"{name}.{key}" for key in keys for name, cls in sections.items()
+             if key in getattr(cls, "__dataclass_fields__", {}) and name != str(loc[0])]
+    return f"; did you mean {_either(found)}?" if found else ""
 
 
 def problems_of(error: ValidationError, schema: type, unknown: Callable = unknown_key,

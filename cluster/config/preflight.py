@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +70,7 @@ def environment_problems(cfg: Config) -> list[str]:
     from qgrpo.rollout.backends import REGISTRY
     from qgrpo.rollout.datasets import FORMATS
     from qgrpo.rollout.models import BUILTIN_PREFIX, HUB_ID, hub_cache_folder
+    from qgrpo.rollout.rewards.calls import RELATIVE_PATHS
     from qgrpo.rollout.tasks import RG_PREFIX, rg_config_problems
 
     p: list[str] = []
@@ -91,7 +93,8 @@ def environment_problems(cfg: Config) -> list[str]:
     if t.name in FORMATS:  # only existence here; rollout.tasks.check_task reads the rows
         from qgrpo.rollout.datasets import path_problem
 
-        p += [q for key, value in (("path", t.path), ("eval_path", t.eval_path)) if value
+        p += [f"{q}; put it there or fix task.{key}: {RELATIVE_PATHS}"
+              for key, value in (("path", t.path), ("eval_path", t.eval_path)) if value
               for q in [path_problem(value, t.name, f"task.{key}")] if q]
     p += REGISTRY[cfg.rollout.backend].unavailable("rollout.backend")
     p += REGISTRY[cfg.reference.backend].unavailable("reference.backend")
@@ -143,7 +146,8 @@ def preflight(cfg: Config, model_path: str, cpus: int | None, resuming: bool = F
 
 
 def output_dir_problems(output_dir: str) -> list[str]:
-    """run.output_dir must be creatable: the nearest existing ancestor is a writable folder. Creates nothing."""
+    """run.output_dir must be creatable: the nearest existing ancestor is a folder a folder can be made in (one is made
+    there and removed at once, so nothing is left behind)."""
     from qgrpo.core.storage import is_uri
 
     if is_uri(output_dir):  # its scheme is checked with the config; the first write, before Ray starts, does the rest
@@ -160,6 +164,11 @@ def output_dir_problems(output_dir: str) -> list[str]:
         return [f"run.output_dir: {output_dir!r} {what} a file, not a folder; {fix}"]
     if not os.access(p, os.W_OK | os.X_OK):
         return [f"run.output_dir: {output_dir!r} {what} not writable by this user; {fix}"]
+    try:  # root passes os.access everywhere, yet /proc, /sys and read-only mounts refuse: a folder made and removed
+        os.rmdir(tempfile.mkdtemp(prefix=".qgrpo-write-check-", dir=p))
+    except OSError as e:
+        return [f"run.output_dir: {output_dir!r} {what} a folder where no folder can be made ({type(e).__name__}: "
+                f"{e.strerror or e}); {fix}"]
     return []
 
 

@@ -220,12 +220,18 @@ def _reward_entries(cfg: Config) -> list[str]:
 
 @rule("rewards.eval_metric", "rewards.functions")
 def _eval_metric(cfg: Config) -> list[str]:
-    """rewards.eval_metric names an accuracy built-in or a rewards.functions entry by its label."""
+    """rewards.eval_metric names an accuracy built-in, a rewards.functions entry by its label, or "environment" (the
+    environment's own score of each trajectory, which needs an [environment])."""
     from qgrpo.rollout.rewards.builtin import EVAL_METRICS
+    from qgrpo.rollout.rewards.judge import ENVIRONMENT
     from qgrpo.rollout.rewards.scoring import entry_label
 
     name = cfg.rewards.eval_metric
-    if not name or name in EVAL_METRICS:
+    if name == ENVIRONMENT and not cfg.environment.name:
+        return [f"rewards.eval_metric: {name!r} judges held-out trajectories by the environment's own score, but no "
+                "environment is set (environment.name = \"\"); set environment.name = \"FILE.py:NAME\", or name an "
+                "accuracy reward or the label of a rewards.functions entry"]
+    if not name or name in EVAL_METRICS or name == ENVIRONMENT:
         return []
     try:
         labels = [entry_label(s) for s in cfg.rewards.functions]
@@ -234,8 +240,8 @@ def _eval_metric(cfg: Config) -> list[str]:
     if name in labels:
         return []
     return [f"rewards.eval_metric: {name!r} is neither a built-in accuracy reward ({', '.join(EVAL_METRICS)}) nor "
-            f"the label of a rewards.functions entry ({', '.join(labels)}); name one of them, or leave it \"\" to "
-            "let the references decide"]
+            f"the label of a rewards.functions entry ({', '.join(labels)}) nor \"environment\" (with an "
+            "[environment]); name one of them, or leave it \"\" to let the references decide"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------

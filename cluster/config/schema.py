@@ -172,24 +172,33 @@ def validate(cfg: Config, check_environment: bool = False) -> list[str]:
 
 
 def _read(p: Path) -> dict[str, Any]:
+    if p.is_dir():
+        raise ConfigError([f"config file {str(p)!r} is a folder; name the TOML file in it, e.g. "
+                           f"{str(p / 'config.toml')!r}"])
     if not p.is_file():
         raise ConfigError([f"config file {str(p)!r} does not exist; presets are in configs/, e.g. configs/tiny.toml"])
     try:
-        return tomllib.loads(p.read_text())
+        return tomllib.loads(p.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError([f"{p}: not valid TOML ({e})"]) from None
+        raise ConfigError([f"{p}: not valid TOML ({e}); fix the file there"]) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{p}: not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8"]) from None
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot be read ({type(e).__name__}: {e.strerror or e})"]) from None
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str, ...] = (),
                 base: dict[str, Any] | None = None, notes: list[str] | None = None,
-                check_environment: bool = True) -> Config:
+                check_environment: bool = True, machine: list[str] | None = None) -> Config:
     """Read a TOML preset, apply `section.key=value` overrides, build and validate. Raises ConfigError.
     Without a path, `base` (an effective config saved by a run, e.g. a checkpoint's) is the starting point. The
     file's relative paths (every field the schema marks as one: data, reward and environment files, model folders,
     the cache folder; not run.output_dir) are read against its own folder (tomlio.anchor_paths).
     An MLX-GRPO file (cluster/config/mlx_grpo.py) is translated first: its `key=value` overrides apply before the
     translation, ours after; how each key mapped is appended to `notes`. `check_environment=False` leaves out the
-    checks of this machine (model folder, data files, packages): for a config meant for another machine."""
+    checks of this machine (model folder, data files, packages): for a config meant for another machine. `machine`: a
+    list that receives those problems of a valid config instead of raising them, so that `qgrpo check` reports them
+    together with the checks that follow (a missing data file and a missing reward file at once)."""
     from qgrpo.cluster.config.mlx_grpo import is_mlx_grpo, name_origin, translate
 
     problems: list[str] = []
@@ -206,8 +215,13 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | tuple[str
                 notes.extend(lines)
         anchor_paths(data, p.resolve().parent, schema=schema())  # the file's paths; --set values stay the cwd's
     apply_overrides(data, overrides, problems, schema())
-    cfg, more = check(data, check_environment)
+    cfg, more = check(data, check_environment and machine is None)
     problems += more
+    if check_environment and machine is not None and cfg is not None:
+        from qgrpo.cluster.config.preflight import environment_problems
+
+        found = environment_problems(cfg)
+        (problems if problems else machine).extend(found if problems else [name_origin(x, origin) for x in found])
     if problems:
         raise ConfigError([name_origin(x, origin) for x in problems])
     return cfg

@@ -12,7 +12,8 @@ per completion, or None where it does not apply (a math verifier on a row that i
     references      the reference answers
     item_ids        qgrpo's prompt ids ("jsonl-train-12")
     finish_reasons  "stop" (the model ended it) or "length" (cut at rollout.max_new_tokens); a multi-turn
-                    trajectory's: "stop" (the environment ended it), "max_turns", "context" or "env_error"
+                    trajectory's: "stop" (the environment ended it), "length" (ended on a turn cut at
+                    environment.turn_tokens), "max_turns", "context" or "env_error"
     env_scores      (multi-turn, [environment]) the environment's score of each trajectory
     turns           (multi-turn) each trajectory's turns: [{"role", "content", "start", "end", "tool_calls",
                     "error"}, ...]; its `completions` entry is then the trajectory's messages after the prompt,
@@ -99,6 +100,11 @@ def slice_kwargs(kwargs: dict[str, list], start: int, stop: int) -> dict[str, li
 # Loading a user's function
 
 
+# How every relative path a config names is read (cluster/config/tomlio.anchor_paths), worded once for every message
+RELATIVE_PATHS = "a relative path in a config file is read against the file's folder (a --set value: the working " \
+    "directory)"
+
+
 class RewardLoadError(ValueError):
     """A user's reward function that cannot be used: the message names the config field and the fix."""
 
@@ -131,11 +137,12 @@ def read_source(spec: str, field: str, base: Path | None = None) -> Source:
     try:
         return Source(spec, str(path.resolve()), path.read_text(encoding="utf-8"))
     except OSError as e:
-        # a config file's relative paths arrive anchored at its folder (absolute); a --set value is the cwd's
-        where = "" if given.is_absolute() else "; a relative path is taken from " + (
-            str(base) if base else f"the working directory ({Path.cwd()})")
-        raise RewardLoadError(f"{field}: cannot read {target!r} ({type(e).__name__}: {e.strerror or e}){where}"
-                              ) from None
+        looked = "" if str(path) == target else f", looked for at {str(path.resolve())!r}"
+        raise RewardLoadError(f"{field}: cannot read {target!r} ({type(e).__name__}: {e.strerror or e}{looked}); "
+                              f"put the file there or fix the path: {RELATIVE_PATHS}") from None
+    except UnicodeDecodeError as e:
+        raise RewardLoadError(f"{field}: {str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                              "UTF-8") from None
 
 
 _MODULES: dict[str, types.ModuleType] = {}
@@ -155,7 +162,7 @@ def _module_of_file(source: Source, field: str, runs_in: str = "every reward wor
     sys.modules[name] = module  # dataclasses and pickling look the module up by name
     try:
         exec(compile(source.text, source.path, "exec"), module.__dict__)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a file that calls exit() on import must not end the command
         del sys.modules[name]
         raise RewardLoadError(f"{field}: importing {source.path} failed ({type(e).__name__}: {e}); fix the file "
                               f"(it is run once in {runs_in})") from e
