@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from qgrpo.cluster.cli.app import main
+from qgrpo.core.invocation import qgrpo_command
 from tests.helpers import ROOT, read_metrics, run_dir_in, step_metrics, train_args
 
 
@@ -78,7 +79,8 @@ def test_dead_learner_ends_the_run_with_how_to_resume(ray_session, tiny_model_pa
     err = capsys.readouterr().err
     assert "learner step 3: learner rank 0 failed (" in err and "Traceback" not in err
     run_dir = run_dir_in(out)
-    assert f"from its last complete checkpoint (step_000002) with: qgrpo train --resume {run_dir}" in err
+    # the command as this process would run it (core/invocation.py: .venv/bin/qgrpo when the venv is not on PATH)
+    assert f"from its last complete checkpoint (step_000002) with: {qgrpo_command('train', '--resume', run_dir)}" in err
     assert main(["train", "--resume", str(run_dir)]) == 0
     assert [m["step"] for m in step_metrics(run_dir)] == [1, 2, 3, 4]
 

@@ -27,6 +27,7 @@ from qgrpo.cluster.rundir.checkpoint import (
 from qgrpo.cluster.rundir.resume import find_checkpoint
 from qgrpo.core import storage
 from qgrpo.core.cpu import compute_dtype
+from qgrpo.core.invocation import qgrpo_command
 from tests.helpers import TINY, random_batch, read_metrics, run_dir_in, start_ranks, step_metrics, train_args
 
 
@@ -306,7 +307,7 @@ def test_failed_uri_run_leaves_its_logs_there_and_resumes_from_the_run_uri(ray_s
     run_dir = run_dir_in(out)
     run = _uri(run_dir)
     err = capsys.readouterr().err
-    assert f"(step_000002) with: qgrpo train --resume {run}" in err
+    assert f"(step_000002) with: {qgrpo_command('train', '--resume', run)}" in err
     assert [e["step"] for e in read_metrics(run_dir) if e.get("event") == "failed"] == [3]  # mirrored on failure
     assert [s for s, _ in complete_checkpoints(run)] == [2]
 
