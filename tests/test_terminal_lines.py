@@ -5,6 +5,7 @@ report (cluster/report), from a metrics.jsonl written here."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -90,7 +91,8 @@ def test_lines_written_while_the_bar_is_up_start_on_their_own_line(tmp_path):
         log.close()
         assert sys.stderr is before
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)  # bytes: keep each \r
+    env = {**os.environ, "PYTHONWARNINGS": "always"}  # `make test` exports PYTHONWARNINGS=ignore
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, env=env)  # bytes: keep \r
     err = out.stderr.decode()
     assert out.returncode == 0, err
     for text in ("PLAIN LINE", "UserWarning: PY WARNING", "qgrpo: warning: step 1: LOGGED"):
