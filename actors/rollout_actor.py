@@ -104,6 +104,20 @@ class _RolloutActor(CollectiveMember):
         env = self.episodes.env_seconds - env0 if self.episodes is not None else 0.0
         return groups, GenerationStats(self.gen.generator_id, time.perf_counter() - t0, n, version, env)
 
+    def complete(self, sequences: list[list[int]], sampling: SamplingParams) -> tuple[int, list]:
+        """One continuation of each token-id sequence, for the endpoint's calls (actors/endpoint_actor.py), under the
+        gate as `generate`: (the version the batch began with, a Completion per sequence; token_versions where an
+        update landed between two decode steps)."""
+        def run():
+            version = self.gen.policy_version
+            return version, self.gen.continue_ids(sequences, sampling)
+        return self.gate.call(run)
+
+    def serving(self) -> dict:
+        """What the endpoint needs of this actor's generator: its precision, version and stop tokens."""
+        return {"precision": self.gen.precision, "version": self.gen.policy_version,
+                "stop_ids": list(self.gen.stop_ids), "generator_id": self.gen.generator_id}
+
     def load_weights(self, update: WeightUpdate) -> SyncAck:
         """Load one versioned update from the object store (see `_load`): fetched now, loaded through the gate."""
         t0 = time.perf_counter()

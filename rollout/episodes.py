@@ -54,9 +54,10 @@ class EpisodeSetup:
 
 def episode_setup(env_cfg, max_new_tokens: int, base=None) -> EpisodeSetup | None:
     """From the [environment] section (None when it names no environment); `base`: where a relative FILE.py is."""
-    if not env_cfg.name:
+    from qgrpo.rollout.environments.loader import environment_spec, is_agent
+
+    if not env_cfg.name or is_agent(env_cfg.name):  # an agent program plays against the endpoint, not here
         return None
-    from qgrpo.rollout.environments.loader import environment_spec
 
     limits = EpisodeLimits(env_cfg.max_turns, env_cfg.turn_tokens or max_new_tokens, env_cfg.max_context,
                            env_cfg.on_error)

@@ -263,6 +263,19 @@ class EnvironmentConfig:
     """Ray CPU resource per environment worker."""
     weight: Float = setting(1.0, gt=-1e6, lt=1e6, allow_inf_nan=False, why="a finite weight")
     """The weight of the environment's score (its `score()`) in the sum of rewards, logged as reward/environment."""
+    concurrency: Int = setting(64, ge=1)
+    """Agent programs (environment.name = "agent:FILE.py:NAME"): episodes played at once (each a session of the
+    endpoint); the rest wait their turn."""
+    episode_timeout_s: Float = setting(600.0, gt=0)
+    """Agent programs: seconds one whole episode may take; past it, the episode fails and follows on_error."""
+    served_model: Str = setting("qgrpo-policy")
+    """Agent programs: the model name the endpoint serves (what the agent passes as `model`; any other is refused)."""
+    endpoint_host: Str = setting("127.0.0.1", fix="e.g. \"0.0.0.0\" to serve agents on other machines")
+    """Agent programs: the address the run's endpoint listens on; "0.0.0.0" serves other machines (the address
+    written to RUN_DIR/endpoint.json is then the node's)."""
+    endpoint_port: Int = setting(0, ge=0, le=65535, why="0 = a free port")
+    """Agent programs: the endpoint's port (0 = a free one; the address is printed and written to
+    RUN_DIR/endpoint.json)."""
 
 
 # [rollout.NAME] of each backend with settings, generated from its options dataclass (fields.options_section). Each is

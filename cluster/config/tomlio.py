@@ -118,7 +118,7 @@ def to_toml(data: Any, schema: type | None = None) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 # Relative paths of a config file
 
-MODULE_PREFIXES = ("openenv:",)  # a FILE.py:NAME spec after one of these still names a file (an OpenEnv environment's)
+MODULE_PREFIXES = ("openenv:", "agent:")  # a FILE.py:NAME spec after one of these still names a file
 
 
 def _anchored_file(value: str, folder: Path, cwd: Path) -> str:

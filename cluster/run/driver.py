@@ -36,6 +36,7 @@ from qgrpo.core.storage import RunDir, StorageError
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.learner.objective.loss import finalize_stats, merge_stats
 from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
+from qgrpo.rollout.environments.loader import is_agent
 from qgrpo.rollout.episodes import episode_metrics
 from qgrpo.rollout.evaluate import eval_items, greedy, score_eval, task_judge
 from qgrpo.rollout.rewards import RewardError
@@ -189,8 +190,19 @@ class TrainingRun:
         # Where each step's groups come from (cluster/run/supply.py), resumed with what a checkpoint drew beyond its
         # step
         buffer = read_buffer(resume) if resume is not None else None
-        self.supply = open_supply(cfg, self.workers.rollout, sampler, self.state.step, self.state.published_version,
-                                  buffer)
+        self.agents = None  # agent programs behind the endpoint (cluster/run/agents.py), else the stream
+        if is_agent(cfg.environment.name):
+            from qgrpo.cluster.run.agents import ENDPOINT_FILE, AgentSupply
+
+            self.supply = self.agents = AgentSupply(cfg, self.workers.rollout, sampler, self.state.step,
+                                                    self.state.published_version)
+            (self.dir.local / ENDPOINT_FILE).write_text(json.dumps(self.agents.info(), indent=1) + "\n")
+            self.log.write({"event": "endpoint", "step": self.state.step, **self.agents.info()})
+            print(f"qgrpo: agents call the endpoint at {self.agents.address}/v1 (model {cfg.environment.served_model!r}"
+                  f"; RUN_DIR/{ENDPOINT_FILE})", file=sys.stderr)
+        else:
+            self.supply = open_supply(cfg, self.workers.rollout, sampler, self.state.step,
+                                      self.state.published_version, buffer)
         if buffer:  # the groups generated ahead of the checkpoint, trained on as they were sampled
             self.log.write({"event": "stream_restored", "step": self.state.step, "groups": self.supply.restored,
                             "steps": sorted(int(s) + 1 for s in buffer["steps"])})
@@ -208,7 +220,7 @@ class TrainingRun:
         no-signal warnings (cluster/run/env_health.py), with the environment's tools' names to warn by."""
         env = cfg.environment
         tools = []
-        if env.name:
+        if env.name and not is_agent(env.name):
             from qgrpo.rollout.environments.loader import environment_spec, tool_names
 
             tools = tool_names(environment_spec(env.name, env.params))
@@ -285,7 +297,11 @@ class TrainingRun:
     def evaluate(self, done: int) -> None:
         """Held-out accuracy of the policy the rollout actors hold (greedy, task.eval_size prompts)."""
         tokens = self.cfg.run.eval_max_new_tokens or self.cfg.rollout.max_new_tokens
-        groups, _ = self.workers.generate(eval_items(self.eval_task, self.cfg.task.eval_size), greedy(tokens))
+        items = eval_items(self.eval_task, self.cfg.task.eval_size)
+        if self.agents is not None:  # each held-out row played once by the agent, sampled greedily
+            groups = self.agents.evaluate(items)
+        else:
+            groups, _ = self.workers.generate(items, greedy(tokens))
         try:
             self.evals[done] = score_eval(groups, self.metric, details=True)
         except JudgeError as e:

@@ -41,19 +41,28 @@ class EnvSpec:
 
     @property
     def name(self) -> str:
-        return (PREFIX if self.kind == "openenv" else "") + self.source.spec
+        return {"openenv": PREFIX, "agent": AGENT_PREFIX}.get(self.kind, "") + self.source.spec
+
+
+AGENT_PREFIX = "agent:"  # environment.name = "agent:FILE.py:NAME": an agent program behind the endpoint
+
+
+def is_agent(name: str) -> bool:
+    """environment.name names an agent program (an async function calling the endpoint), not an Environment."""
+    return name.startswith(AGENT_PREFIX)
 
 
 def split_name(name: str) -> tuple[str, str]:
     """(FILE.py or MODULE, NAME) of environment.name, less an "openenv:" prefix; (URL, "") for an OpenEnv server."""
-    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name
-    if bare != name and is_url(bare):
+    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name[len(AGENT_PREFIX):] if is_agent(name) else name
+    if name.startswith(PREFIX) and is_url(bare):
         return bare, ""
     target, sep, attr = bare.rpartition(":")
     if not sep or not target or not attr.isidentifier():
         raise EnvironmentLoadError(f"{NAME_FIELD}: {name!r} is not FILE.py:NAME or MODULE:NAME, NAME an Environment "
                                    f"subclass or a function returning one, e.g. {EXAMPLE} (or, for an OpenEnv "
-                                   "environment, openenv:FILE.py:NAME, openenv:MODULE:NAME or openenv:http://HOST:PORT)")
+                                   "environment, openenv:FILE.py:NAME, openenv:MODULE:NAME or "
+                                   "openenv:http://HOST:PORT; for an agent program, agent:FILE.py:NAME)")
     return target, attr
 
 
@@ -61,7 +70,9 @@ def environment_spec(name: str, params: dict | None = None, base: Path | None = 
     """The spec of environment `name` with `params`, its file read here (relative to `base`, by default the working
     directory)."""
     kind = ""
-    if name.startswith(PREFIX):
+    if is_agent(name):
+        kind, name = "agent", name[len(AGENT_PREFIX):]
+    elif name.startswith(PREFIX):
         kind, name = "openenv", name[len(PREFIX):]
         if is_url(name):
             return EnvSpec(Source(name), dict(params or {}), kind)
@@ -125,6 +136,9 @@ def factory_of(spec: EnvSpec) -> Callable[[], Environment]:
     class's tools have schemas. An instance that is not an Environment is refused when made."""
     if spec.kind == "openenv":
         return _openenv_factory(spec)
+    if spec.kind == "agent":
+        raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is an agent program; it runs against the endpoint "
+                                   "(rollout/agents.py: load_agent), not as an Environment")
     target, name = _target(spec), spec.name.rpartition(":")[2]
     if inspect.isclass(target) and not issubclass(target, Environment):
         raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is a class but not an Environment subclass; subclass "
@@ -171,7 +185,7 @@ def tool_names(spec: EnvSpec) -> list[str]:
     """The names of the tools of the environment `spec` names, for the driver's warnings: a class's `tools` read
     without an instance, a factory's from one instance it makes; [] for an OpenEnv environment (its tools are the
     server's) or when they cannot be read (the checks before the run name that)."""
-    if spec.kind == "openenv":
+    if spec.kind in ("openenv", "agent"):
         return []
     try:
         target = _target(spec)

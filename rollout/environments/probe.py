@@ -20,6 +20,7 @@ from qgrpo.rollout.environments.loader import (
     checked_tools,
     environment_spec,
     factory_of,
+    is_agent,
 )
 from qgrpo.rollout.environments.tools import tool_name
 from qgrpo.rollout.rewards.probe import Probe, wrong_answer
@@ -33,7 +34,13 @@ def load_problems(env_cfg) -> list[str]:
     if not env_cfg.name:
         return []
     try:
-        factory_of(environment_spec(env_cfg.name, env_cfg.params))
+        spec = environment_spec(env_cfg.name, env_cfg.params)
+        if spec.kind == "agent":
+            from qgrpo.rollout.agents import load_agent
+
+            load_agent(spec)
+        else:
+            factory_of(spec)
     except EnvironmentLoadError as e:
         return [str(e)]
     return []
@@ -159,4 +166,8 @@ def probe_environment_checks(cfg, progress=None) -> list[str]:
         return []
     from qgrpo.rollout.rewards.probe import reported
 
+    if is_agent(cfg.environment.name):  # one episode against the base model, through the endpoint
+        from qgrpo.rollout.agents import probe_agent
+
+        return reported(probe_agent(cfg, item), progress, "agent")
     return reported(probe_environment(cfg.environment, item), progress, "env calls")

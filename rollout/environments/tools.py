@@ -54,10 +54,16 @@ def tool_schema(fn: Callable) -> dict:
 def tools_prompt(tools: list[Callable]) -> str:
     """The text describing `tools` and the call format, for a system message where the chat template does not
     render `tools=` itself. "" without tools."""
-    if not tools:
+    return schemas_prompt([tool_schema(fn) for fn in tools])
+
+
+def schemas_prompt(schemas: list[dict]) -> str:
+    """`tools_prompt` from the tools' JSON schemas ({"type": "function", "function": {...}}, as an OpenAI request's
+    `tools` carries them): the same text, so an agent behind the endpoint sees what an in-process environment shows."""
+    if not schemas:
         return ""
     lines = ["You can call these tools (JSON schemas):"]
-    lines += [json.dumps(tool_schema(fn)["function"]) for fn in tools]
+    lines += [json.dumps(s["function"]) for s in schemas]
     lines += ["To call a tool, write exactly <tool_call>{\"name\": NAME, \"arguments\": {ARGUMENT: VALUE}}</tool_call>"
               " and stop; its result comes back in a tool message. When you have the answer, reply without a tool "
               "call."]

@@ -1,0 +1,35 @@
+"""The Ray actor that plays agent episodes (rollout/agents.py): the user's async function, many episodes at once on
+one event loop, at most environment.concurrency of them, each against its own session of the endpoint. It runs off
+the driver so that an agent that blocks its event loop or crashes its process costs its episodes, not the run: the
+rollout supply waits for a batch of episodes with a deadline and replaces a runner that passed it."""
+from __future__ import annotations
+
+import asyncio
+
+import ray
+
+from qgrpo.rollout.agents import AgentClient, Outcome, load_agent, play
+
+
+class _AgentRunner:
+    def __init__(self, spec, concurrency: int):
+        """`spec`: the EnvSpec of environment.name (its file's source travels in it)."""
+        self.spec, self.concurrency = spec, concurrency
+        self.fn = load_agent(spec)
+        self.sem: asyncio.Semaphore | None = None
+
+    async def run(self, episodes: list[tuple[dict, AgentClient]], timeout_s: float) -> list[Outcome]:
+        """Each (row, client) played once, at most `concurrency` at a time; an Outcome per episode, in order."""
+        if self.sem is None:
+            self.sem = asyncio.Semaphore(self.concurrency)
+
+        async def one(row: dict, client: AgentClient) -> Outcome:
+            async with self.sem:
+                return await play(self.fn, row, client, timeout_s, self.spec.params)
+        return list(await asyncio.gather(*(one(r, c) for r, c in episodes)))
+
+    async def ready(self) -> bool:
+        return True
+
+
+AgentRunner = ray.remote(num_cpus=0, max_concurrency=1000)(_AgentRunner)

@@ -1,0 +1,104 @@
+"""The endpoint as a Ray actor in front of the rollout actors: an asyncio actor whose event loop runs the HTTP server
+(rollout/endpoint/server.py) and sends each batch of calls to the rollout actor its sessions are pinned to
+(`RolloutActor.complete`, under the actor's update gate: a weight sync lands between two decode steps of a call in
+flight, and its answer's spans cover both versions).
+
+Why one plain actor and not Ray Serve: the endpoint's state is the sessions' call trees, which must live in one place
+to stitch a session's calls by exact tokens; the generators already live in the rollout actors (Serve would add a
+replica and proxy process per node between the agent and the same actors, and its own autoscaling, which the run's
+rollout.num_actors already decides). One asyncio loop holds thousands of waiting calls; the work is in the actors.
+"""
+from __future__ import annotations
+
+import ray
+
+from qgrpo.core.records import SamplingParams
+
+
+class _EndpointActor:
+    def __init__(self, model: str, model_path: str, actors: list, *, host: str = "127.0.0.1", port: int = 0,
+                 max_tokens: int = 256, max_model_len: int = 0, chat_template: bool = True,
+                 open_sessions: bool = False, max_sessions: int = 0, wait_s: float = 30.0,
+                 defaults: dict | None = None):
+        """`actors`: the rollout actors' handles; `model_path`: the policy's folder (tokenizer, config);
+        `open_sessions`: any session id is served (`qgrpo serve`), else only those the run opened."""
+        from qgrpo.actors.common import local_model
+        from qgrpo.rollout.endpoint.server import Admission
+        from qgrpo.rollout.endpoint.sessions import SessionBook
+
+        self.model, self.actors, self.host, self.port = model, list(actors), host, port
+        self.model_path = local_model(model_path, skip=("optimizer",))
+        self.max_tokens, self.max_model_len, self.chat_template = max_tokens, max_model_len, chat_template
+        self.book = SessionBook(open_sessions)
+        self.admission = Admission(max_sessions, wait_s)
+        self.endpoint = None
+        self.server = None
+        self.versions = [0] * len(self.actors)
+        self.defaults = defaults  # the sampling of what a call leaves out (the run's rollout settings)
+
+    async def start(self) -> str:
+        """Start serving; returns the address (http://HOST:PORT)."""
+        import asyncio
+        import json
+        from pathlib import Path
+
+        from transformers import AutoTokenizer
+
+        from qgrpo.rollout.endpoint.local import bind, model_len, uvicorn_server
+        from qgrpo.rollout.endpoint.server import Endpoint, app
+
+        info = await self.actors[0].serving.remote()
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        cfg_file = Path(self.model_path) / "config.json"
+        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        self.endpoint = Endpoint(model=self.model, tokenizer=tokenizer, stop_ids=info["stop_ids"], run=self._run,
+                                 slots=len(self.actors), precision=info["precision"],
+                                 max_model_len=self.max_model_len or model_len(tokenizer, config),
+                                 max_tokens=self.max_tokens, chat_template=self.chat_template, book=self.book,
+                                 admission=self.admission, version=lambda: max(self.versions),
+                                 defaults=self.defaults)
+        sock = bind(self.host, self.port)
+        self.server = uvicorn_server(app(self.endpoint))
+        asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            await asyncio.sleep(0.01)
+        host = self.host if self.host not in ("0.0.0.0", "") else ray.util.get_node_ip_address()
+        return f"http://{host}:{sock.getsockname()[1]}"
+
+    async def _run(self, slot: int, sequences: list[list[int]], sampling: SamplingParams):
+        version, comps = await self.actors[slot].complete.remote(sequences, sampling)
+        self.versions[slot] = max(self.versions[slot], version)
+        return version, comps
+
+    # --- the run's side ---
+    async def open_sessions(self, ids: list[str], step: int, limits: dict | None = None) -> None:
+        """Sessions of step `step`'s episodes (admitted by the run's staleness rule), pinned to the least loaded
+        actors."""
+        for sid in ids:
+            self.endpoint.open(sid, step, limits)
+
+    async def close_sessions(self, ids: list[str]) -> dict:
+        """The sessions' records, removed: {sid: Session} (plain dataclasses, pickled by Ray)."""
+        return {sid: s for sid in ids if (s := self.endpoint.close(sid)) is not None}
+
+    async def pause(self) -> None:
+        """Calls wait (then 429) while the rollout actors change."""
+        self.admission.paused = True
+
+    async def resume(self, actors: list | None = None) -> None:
+        """The rollout actors (new handles after a replacement or resize), serving again."""
+        if actors is not None:
+            self.actors = list(actors)
+            self.versions = [0] * len(self.actors)
+            self.endpoint.repin(len(self.actors))
+        self.admission.paused = False
+
+    async def stats(self) -> dict:
+        return self.endpoint.stats()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+EndpointActor = ray.remote(num_cpus=0, max_concurrency=1000)(_EndpointActor)

@@ -1,0 +1,244 @@
+"""Agent programs as a rollout source: `environment.name = "agent:FILE.py:NAME"` names an ordinary async function
+
+    async def my_agent(row: dict, client: AgentClient) -> float | None
+
+that plays one episode of a dataset row by calling the endpoint (rollout/endpoint) as it calls any OpenAI-compatible
+server: `openai.AsyncOpenAI(base_url=client.base_url, api_key=client.api_key)` with `model=client.model`, or any
+framework built on it. It returns the episode's reward (the environment's score, weighted by environment.weight), or
+None and lets rewards.functions score the final answer. Each episode is its own session, so its calls are stitched
+into a training row by exact tokens (rollout/endpoint/sessions.py).
+
+An agent that raises, passes its deadline (environment.timeout_s, for the whole episode), sends a foreign model name
+or never calls the endpoint fails its episode: it follows environment.on_error ("end": the episode scores 0 and its
+finish is "env_error", the error and the user's line in its last turn, counted and logged as an environment's
+failures are; "fail": the run stops naming the row). This module loads the function and runs episodes; the episodes'
+sessions become GroupRollouts in `episode_group`.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+import time
+from dataclasses import dataclass, field
+
+from qgrpo.core.records import Completion, GroupRollout, PromptItem
+from qgrpo.rollout.endpoint.sessions import Session, branch_row
+from qgrpo.rollout.environments.contract import row_of
+from qgrpo.rollout.environments.loader import NAME_FIELD, EnvironmentLoadError, EnvSpec, split_name
+from qgrpo.rollout.rewards.calls import RewardLoadError, failure_trace, load_function
+
+PROBE_ROWS = 1  # `qgrpo check` plays this many episodes against the base model
+
+
+@dataclass(frozen=True)
+class AgentClient:
+    """What an agent is given to reach the model: an OpenAI-compatible base URL of its own session, an API key (the
+    session id, which names it too), the model name. `openai()` makes the usual client."""
+
+    base_url: str
+    api_key: str
+    model: str
+    session_id: str
+
+    def openai(self, **kwargs):
+        import openai
+
+        return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+
+@dataclass
+class Outcome:
+    """One episode as the agent ended it."""
+
+    session_id: str
+    reward: float | None = None
+    error: str = ""
+    where: str = ""
+    trace: str = ""
+    timed_out: bool = False
+    seconds: float = 0.0
+    messages: list[dict] = field(default_factory=list)
+
+
+def load_agent(spec: EnvSpec):
+    """The agent function `spec` names, loaded in this process; EnvironmentLoadError naming environment.name when it
+    is not a function taking (row, client)."""
+    split_name(spec.name)
+    try:
+        fn = load_function(spec.source, NAME_FIELD, runs_in="the agent runner")
+    except RewardLoadError as e:
+        raise EnvironmentLoadError(str(e)) from None
+    if inspect.isclass(fn):
+        raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is a class; an agent is an async function "
+                                   "`async def agent(row, client) -> float | None`")
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values() if p.default is p.empty
+                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        params = None
+    if params is not None and len(params) != 2 and not spec.params:
+        raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} takes {len(params)} required arguments; an agent is "
+                                   "`async def agent(row, client)` (the dataset row, and the client configuration: "
+                                   "base_url, api_key, model)")
+    return fn
+
+
+async def play(fn, row: dict, client: AgentClient, timeout_s: float, params: dict | None = None) -> Outcome:
+    """One episode: the agent called with its deadline; whatever it does is an Outcome, never an exception."""
+    out = Outcome(client.session_id)
+    t0 = time.monotonic()
+    try:
+        if inspect.iscoroutinefunction(fn):
+            result = await asyncio.wait_for(fn(row, client, **(params or {})), timeout_s)
+        else:  # a plain function runs on a thread, so that it does not hold the other episodes
+            result = await asyncio.wait_for(asyncio.to_thread(fn, row, client, **(params or {})), timeout_s)
+        out.reward = _reward(result)
+    except asyncio.TimeoutError:
+        out.error, out.timed_out = f"the agent did not finish within environment.timeout_s = {timeout_s:g} s", True
+    except BaseException as e:  # noqa: BLE001 - a user's agent may raise anything; cancellation of the loop excepted
+        if isinstance(e, asyncio.CancelledError):
+            raise
+        out.error = f"{type(e).__name__}: {e}"
+        out.where, out.trace = failure_trace(e)
+    out.seconds = time.monotonic() - t0
+    return out
+
+
+def _reward(result) -> float | None:
+    if result is None:
+        return None
+    if isinstance(result, dict) and "reward" in result:
+        result = result["reward"]
+    if isinstance(result, bool) or not isinstance(result, (int, float)) or not math.isfinite(result):
+        raise TypeError(f"the agent returned {result!r}; return the episode's reward (a finite number) or None")
+    return float(result)
+
+
+def episode_group(item: PromptItem, outcomes: list[Outcome], sessions: list[Session | None], policy_version: int,
+                  generator_id: str, precision: str, fallback_prompt: list[int]) -> tuple[GroupRollout, list[str]]:
+    """The G episodes of one row as a GroupRollout: each session's main branch (sampled tokens mask 1, the rendered
+    turns between them mask 0), the group's prompt the longest prefix the branches share (each branch's own prompt
+    beyond it joins its completion, masked). A failed episode (its outcome's error, a session that made no call or
+    reached a limit) keeps whatever it sampled, scores 0 and finishes "env_error" ("max_turns" or "context" for a
+    limit). Returns the group and the problems to count (one per failed episode)."""
+    rows = []
+    for o, s in zip(outcomes, sessions, strict=True):
+        calls = s.calls if s is not None else []
+        if not o.error and not calls:
+            o.error = "the agent never called the endpoint (it must use the base_url and api_key it is given)"
+        if not o.error and s is not None and s.errors:
+            o.error = f"the endpoint refused a call: {s.errors[-1]}"
+        rows.append(branch_row(s) if calls else None)
+    prompts = [r.prompt_ids for r in rows if r is not None]
+    prefix = _common_prefix(prompts) if prompts else list(fallback_prompt)
+    comps, problems = [], []
+    for o, s, r in zip(outcomes, sessions, rows, strict=True):
+        comp = _completion(r, prefix)
+        ended = s.ended if s is not None else ""
+        if o.error:
+            if ended and o.reward is None:  # the agent stopped at a limit the endpoint set: a truncated episode
+                comp = _finished(comp, ended, 0.0)
+            else:
+                problems.append(o.error + (f" at {o.where}" if o.where else ""))
+                turn = {"role": "user", "content": f"[agent error] {o.error}", "start": len(comp.token_ids),
+                        "end": len(comp.token_ids), "tool_calls": [], "error": o.error, "where": o.where,
+                        "call": "agent", **({"trace": o.trace} if o.trace else {})}
+                comp = _finished(comp, "env_error", 0.0, extra_turn=turn)
+        else:
+            comp = _finished(comp, ended or comp.finish_reason, o.reward)
+        comps.append(comp)
+    return GroupRollout(item=item, prompt_ids=prefix, completions=comps, policy_version=policy_version,
+                        generator_id=generator_id, precision=precision), problems
+
+
+def _common_prefix(seqs: list[list[int]]) -> list[int]:
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    k = next((i for i in range(n) if any(s[i] != first[i] for s in seqs)), n)
+    return list(first[:k])
+
+
+def _completion(row, prefix: list[int]) -> Completion:
+    if row is None:
+        return Completion(token_ids=[], logprobs=[], finish_reason="env_error", text="", model_mask=[], turns=[],
+                          token_versions=[])
+    own = row.prompt_ids[len(prefix):]
+    c = row.completion
+    shift = len(own)
+    turns = [{**t, "start": t["start"] + shift, "end": t["end"] + shift} for t in c.turns]
+    if own:
+        turns.insert(0, {"role": "user", "content": "", "start": 0, "end": shift, "tool_calls": [], "error": None})
+    versions = c.versions(0)
+    return Completion(token_ids=own + c.token_ids, logprobs=[0.0] * shift + c.logprobs, finish_reason=c.finish_reason,
+                      text=c.text, model_mask=[0] * shift + c.mask(), turns=turns,
+                      token_versions=([versions[0]] * shift if versions else []) + versions)
+
+
+def _finished(c: Completion, finish: str, score: float | None, extra_turn: dict | None = None) -> Completion:
+    import dataclasses
+
+    turns = list(c.turns or []) + ([extra_turn] if extra_turn else [])
+    return dataclasses.replace(c, finish_reason=finish, env_score=score, turns=turns)
+
+
+def episode_row(item: PromptItem) -> dict:
+    """What the agent is given of a dataset row: its prompt, its reference answer and its other columns."""
+    return row_of(item)
+
+
+def probe_agent(cfg, item):
+    """`qgrpo check` for an agent program: one episode of train row `item` against the real base model (a bf16 torch
+    generator behind an endpoint in this process), as the run will play it. Returns a rewards Probe: the problems (an
+    agent that raises, names the file and line; one that never calls, hangs or sends a foreign model name) and what
+    passed."""
+    from qgrpo.rollout.backends import make_generator
+    from qgrpo.rollout.endpoint.local import serve_local
+    from qgrpo.rollout.environments.loader import environment_spec
+    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.rewards.probe import Probe
+
+    env, out = cfg.environment, Probe()
+    head = f"{NAME_FIELD} ({env.name})"
+    try:
+        spec = environment_spec(env.name, env.params)
+        fn = load_agent(spec)
+    except EnvironmentLoadError as e:
+        out.problems.append(str(e))
+        return out
+    gen = make_generator("torch", model_path=resolve_model_path(cfg.model.path, cfg.model.cache_dir),
+                         precision="bf16", generator_id="check", seed=cfg.run.seed,
+                         chat_template=cfg.task.chat_template)
+    tokens = env.turn_tokens or cfg.rollout.max_new_tokens
+    ro = cfg.rollout
+    ep = serve_local([gen], model=env.served_model, max_tokens=tokens, chat_template=cfg.task.chat_template,
+                     defaults={"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k})
+    try:
+        sid = "check"
+        ep.endpoint.open(sid, 0, {"max_calls": env.max_turns, "max_context": env.max_context, "max_tokens": tokens})
+        outcome = asyncio.run(play(fn, row_of(item), AgentClient(ep.session_url(sid), sid, env.served_model, sid),
+                                   env.episode_timeout_s, spec.params))
+        session = ep.endpoint.close(sid)
+    finally:
+        ep.close()
+    from qgrpo.rollout.backends.common import format_prompt
+
+    group, problems = episode_group(item, [outcome], [session], 0, "check", "bf16",
+                                    format_prompt(gen.tokenizer, item, cfg.task.chat_template))
+    on = f"train row {item.prompt_id}"
+    for p in problems:
+        fix = ("make it finish sooner or raise environment.episode_timeout_s" if outcome.timed_out else
+               f"pass model=client.model ({env.served_model!r})" if "not served here" in p else
+               "call the endpoint with the client's base_url and api_key" if "never called" in p else
+               "fix the agent so that it plays the episode to its end")
+        out.problems.append(f"{head}: the agent failed on {on} against the base model: {p}; {fix}")
+    if not problems:
+        st = session.stats() if session is not None else {"calls": 0, "tool_calls": 0}
+        reward = "None (rewards.functions score it)" if outcome.reward is None else f"{outcome.reward:g}"
+        out.found = (f"one episode: {_n(st['calls'], 'call')}, {_n(st['tool_calls'], 'tool call')}, reward {reward}, "
+                     f"{outcome.seconds:.1f} s")
+    return out
+
+
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}" + ("" if k == 1 else "s")

@@ -1,0 +1,197 @@
+"""OpenAI chat messages to token ids and back: the rendering of a call's messages (whole, or only the tail after an
+earlier call's exact tokens) and the model's tool calls parsed out of its text.
+
+Messages are first made canonical (`canonical`): content parts joined into text, an assistant's `tool_calls` kept as
+(name, arguments) pairs, ids left out (clients make up their own). Two messages are the same when their canonical
+forms are. Rendering is the episode loop's (rollout/episodes.py: ChatTemplate or PlainText), so an agent behind the
+endpoint sees its conversation as an in-process environment's would be rendered. A chat template that renders `tools=`
+gets the request's tool schemas; one that ignores them (SmolLM2's) gets them described in a system message placed
+first (rollout/environments/tools.py: schemas_prompt), and the model calls a tool by writing
+<tool_call>{"name": ..., "arguments": {...}}</tool_call> ("hermes" format, the parser named in docs/agents.md). An
+assistant message is rendered from the text the model sampled (its tool calls as written), never from the client's
+reconstruction, so the rendering of a conversation is the same whichever client sends it.
+"""
+from __future__ import annotations
+
+import json
+
+from qgrpo.rollout.environments.tools import parse_tool_calls, schemas_prompt
+from qgrpo.rollout.episodes import ChatTemplate, PlainText, encode, render
+
+TOOL_PARSER = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, as rollout/environments/tools.py
+
+
+class RequestError(ValueError):
+    """A request the endpoint refuses (HTTP 400): the message names the field and the fix."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str = "invalid_request"):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+def text_of(content, where: str) -> str:
+    """A message's content as text: a string, None (an assistant message with tool calls only), or a list of parts of
+    type "text" (other parts, images, are refused)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for k, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text"):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise RequestError(f"{where}.content[{k}]: only text parts are served, got {kind!r}", where)
+            out.append(str(part.get("text", "")))
+        return "".join(out)
+    raise RequestError(f"{where}.content: a string or a list of text parts, got {type(content).__name__}", where)
+
+
+def _arguments(raw, where: str):
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return raw  # kept as the text it is: compared as such
+    return raw
+
+
+def canonical(message, k: int) -> tuple:
+    """(role, text, ((name, arguments JSON), ...), name) of message `k`: what identifies it for stitching."""
+    where = f"messages[{k}]"
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise RequestError(f"{where}: a message is an object with a \"role\" and a \"content\"", where)
+    role = message["role"]
+    if role == "developer":  # OpenAI's newer name for the system role
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool", "function"):
+        raise RequestError(f"{where}.role: {role!r} is not a chat role (system, user, assistant, tool)", where)
+    calls = []
+    for j, call in enumerate(message.get("tool_calls") or []):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{where}.tool_calls[{j}]: expected {{\"type\": \"function\", \"function\": "
+                               "{\"name\": ..., \"arguments\": \"{...}\"}}", where)
+        calls.append((fn["name"], json.dumps(_arguments(fn.get("arguments"), where), sort_keys=True)))
+    return role, text_of(message.get("content"), where), tuple(calls), message.get("name") or ""
+
+
+def tool_schemas(tools, where: str = "tools") -> list[dict]:
+    """The request's `tools` checked: function tools only, each with a name."""
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise RequestError(f"{where}: a list of {{\"type\": \"function\", \"function\": {{...}}}}", where)
+    out = []
+    for k, t in enumerate(tools):
+        fn = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise RequestError(f"{where}[{k}]: only function tools are served ({{\"type\": \"function\", "
+                               "\"function\": {\"name\": ..., \"parameters\": {...}}}})", where)
+        out.append({"type": "function", "function": {k2: v for k2, v in fn.items() if k2 != "strict"}})
+    return out
+
+
+class Renderer:
+    """The chat rendering of one tokenizer: `prompt(messages, tools)` for a conversation's first call, `tail(...)`
+    for the messages after an earlier call's exact tokens. `stop_ids`: the generator's stop tokens."""
+
+    def __init__(self, tokenizer, stop_ids: list[int], chat_template: bool = True):
+        self.tokenizer = tokenizer
+        self.stop_text = tokenizer.decode([stop_ids[0]]) if stop_ids else ""
+        self.chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        self._native: dict[str, bool] = {}  # tools JSON -> the template renders them itself
+        self._texts: dict[str, object] = {}  # tools JSON -> its ChatTemplate / PlainText
+
+    def native_tools(self, schemas: list[dict]) -> bool:
+        """The chat template renders `tools=` itself (Qwen's, Llama 3's); else they are described in a system message
+        (SmolLM2's ignores them)."""
+        key = json.dumps(schemas, sort_keys=True)
+        if key not in self._native:
+            probe = [{"role": "user", "content": "q"}]
+            self._native[key] = bool(schemas) and self.chat and (
+                render(self.tokenizer, probe, schemas, True) != render(self.tokenizer, probe, None, True))
+        return self._native[key]
+
+    def _text(self, schemas: list[dict]):
+        key = json.dumps(schemas, sort_keys=True)
+        if key not in self._texts:
+            native = self.native_tools(schemas)
+            self._texts[key] = (ChatTemplate(self.tokenizer, self.stop_text, schemas if native else None)
+                                if self.chat else PlainText(self.tokenizer, self.stop_text))
+        return self._texts[key]
+
+    def messages(self, messages: list[dict], schemas: list[dict]) -> list[dict]:
+        """What the template renders: {"role", "content"} only (and the tool calls where the template renders them),
+        with the tools' system message first where the template does not render `tools=`."""
+        out = []
+        for k, m in enumerate(messages):
+            role, text, calls, _ = canonical(m, k)
+            msg = {"role": "tool" if role == "function" else role, "content": text}
+            if calls and role == "assistant" and self.native_tools(schemas):
+                msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": json.loads(a)}}
+                                     for n, a in calls]
+            out.append(msg)
+        if schemas and not self.native_tools(schemas):
+            out.insert(0, {"role": "system", "content": schemas_prompt(schemas)})
+        return out
+
+    def prompt(self, messages: list[dict], schemas: list[dict]) -> list[int]:
+        """The token ids of a whole conversation, ending with the assistant's header."""
+        if not messages:
+            raise RequestError("messages: at least one message", "messages")
+        return self._text(schemas).prompt(self.messages(messages, schemas))
+
+    def tail(self, history: list[dict], new: list[dict], schemas: list[dict], stopped: bool) -> list[int]:
+        """The token ids of `new` messages after `history` whose last message is the model's sampled turn (`stopped`:
+        it ended with a stop token), with the next assistant header: only the new tail is rendered."""
+        rendered = self.messages(history + new, schemas)
+        n = len(rendered) - len(new)
+        return self._text(schemas).turn(rendered[:n], rendered[n:], stopped)
+
+    def encode_text(self, text: str) -> list[int]:
+        """A /v1/completions prompt given as text: the tokenizer's ids, its special tokens included (as vLLM)."""
+        return list(self.tokenizer(text)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def assistant_message(text: str, call_id: str) -> tuple[dict, list[dict], int]:
+    """The OpenAI assistant message of a model turn: its tool calls parsed out of the text (hermes format) as
+    `tool_calls`, the rest as content (None when nothing is left). Returns (message, the calls parsed as
+    {"name", "arguments"}, the number of calls that could not be parsed: their text stays in the content)."""
+    parsed = parse_tool_calls(text)
+    good = [c for c in parsed if isinstance(c, dict)]
+    failed = len(parsed) - len(good)
+    message: dict = {"role": "assistant", "content": text}
+    if good:
+        from qgrpo.rollout.environments.tools import TOOL_CALL
+
+        rest = TOOL_CALL.sub("", text).strip() if not failed else text
+        message["content"] = rest or None
+        message["tool_calls"] = [{"id": f"{call_id}-{k}", "type": "function",
+                                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
+                                 for k, c in enumerate(good)]
+    return message, good, failed
+
+
+def token_text(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text (for OpenAI's logprobs.content[].token)."""
+    return [tokenizer.decode([t]) for t in ids]
+
+
+def prompt_of_completion(renderer: Renderer, prompt) -> list[int]:
+    """A /v1/completions `prompt`: text, or token ids (a list of ints)."""
+    if isinstance(prompt, str):
+        return renderer.encode_text(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and t >= 0 for t in prompt):
+        return list(prompt)
+    if isinstance(prompt, list) and len(prompt) == 1:
+        return prompt_of_completion(renderer, prompt[0])
+    raise RequestError("prompt: one text or one list of token ids (batches of prompts: one request each)", "prompt")
+
+
+__all__ = ["RequestError", "Renderer", "assistant_message", "canonical", "encode", "prompt_of_completion",
+           "text_of", "token_text", "tool_schemas", "TOOL_PARSER"]

@@ -1,0 +1,112 @@
+"""The endpoint's calls batched onto generators: one queue per rollout actor (a session's calls all go to the actor it
+is pinned to), and while an actor runs one batch the calls that arrive wait and go together in the next, as the
+episode loop batches a step's turns. A batch holds the calls of one sampling setting (temperature, top-p, top-k);
+each is sampled to the batch's longest `max_tokens` and cut to its own (rows are sampled independently, so a cut row
+holds exactly the tokens it would have had alone).
+
+`run(slot, sequences, sampling)` is the backend's: a rollout actor's `complete` (actors/endpoint_actor.py) or a
+generator in this process (local.py). It returns (the version the batch began with, one Completion per sequence);
+a Completion's token_versions say where an in-flight update changed the weights between two decode steps.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from qgrpo.core.records import Completion, SamplingParams
+
+MAX_BATCH = 64  # sequences in one batch
+
+
+@dataclass
+class Sample:
+    """One call's sampled tokens."""
+
+    ids: list[int]
+    logprobs: list[float]
+    spans: list[tuple[int, int]]  # (first token, version) change points; the first at token 0
+    finish: str  # "stop" or "length"
+    seconds: float  # queue + generation
+
+
+@dataclass
+class _Pending:
+    prompt_ids: list[int]
+    max_tokens: int
+    key: tuple  # (temperature, top_p, top_k)
+    seed: int | None
+    future: asyncio.Future
+    queued: float = field(default_factory=time.monotonic)
+
+
+Run = Callable[[int, list[list[int]], SamplingParams], Awaitable[tuple[int, list[Completion]]]]
+
+
+class Batcher:
+    """Per-slot queues drained by one task each, on the running event loop."""
+
+    def __init__(self, run: Run, slots: int, stop_ids: list[int]):
+        self.run, self.stop_ids = run, set(stop_ids)
+        self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(slots)]
+        self.tasks = [asyncio.get_running_loop().create_task(self._drain(s)) for s in range(slots)]
+        self.batches = 0
+        self.batched_calls = 0
+
+    async def sample(self, slot: int, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
+                     top_k: int, seed: int | None) -> Sample:
+        fut = asyncio.get_running_loop().create_future()
+        await self.queues[slot].put(_Pending(prompt_ids, max_tokens, (temperature, top_p, top_k), seed, fut))
+        return await fut
+
+    async def _drain(self, slot: int) -> None:
+        q = self.queues[slot]
+        while True:
+            first = await q.get()
+            batch = [first]
+            while not q.empty() and len(batch) < MAX_BATCH:
+                batch.append(q.get_nowait())
+            same = [p for p in batch if p.key == first.key]
+            for p in batch:  # another sampling setting waits for the next batch, in its order
+                if p.key != first.key:
+                    q.put_nowait(p)
+            await self._one(slot, same)
+
+    async def _one(self, slot: int, batch: list[_Pending]) -> None:
+        t, p, k = batch[0].key
+        budget = max(x.max_tokens for x in batch)
+        seed = batch[0].seed if len(batch) == 1 else None
+        try:
+            version, comps = await self.run(slot, [x.prompt_ids for x in batch],
+                                            SamplingParams(1, budget, t, p, k, seed=seed))
+        except BaseException as e:  # noqa: BLE001 - every caller of the batch gets it
+            for x in batch:
+                if not x.future.done():
+                    x.future.set_exception(e)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        self.batches += 1
+        self.batched_calls += len(batch)
+        now = time.monotonic()
+        for x, c in zip(batch, comps, strict=True):
+            if not x.future.done():
+                x.future.set_result(cut(c, x.max_tokens, version, now - x.queued))
+
+    def close(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+
+
+def cut(c: Completion, max_tokens: int, version: int, seconds: float) -> Sample:
+    """A Completion sampled to the batch's budget as the call's own Sample, cut to `max_tokens` ("length" when cut
+    before a stop token)."""
+    n = min(len(c.token_ids), max_tokens)
+    finish = c.finish_reason if n == len(c.token_ids) else "length"
+    versions = c.versions(version)[:n]
+    spans: list[tuple[int, int]] = [(0, versions[0] if versions else version)]
+    for i, v in enumerate(versions):
+        if v != spans[-1][1]:
+            spans.append((i, v))
+    return Sample(list(c.token_ids[:n]), [float(x) for x in c.logprobs[:n]], spans, finish, seconds)

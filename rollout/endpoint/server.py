@@ -1,0 +1,448 @@
+"""The HTTP front: OpenAI's chat and completions routes, vLLM's token-in route and the model list, over the sessions
+(sessions.py) and the batched generators (engine.py). Engine-agnostic: `run` samples on a rollout actor or a local
+generator, whichever backend it holds.
+
+Routes, each also under /sessions/{SID}/ (a per-session base URL: http://HOST:PORT/sessions/SID/v1):
+- POST /v1/chat/completions: messages (and function `tools`) rendered by the model's chat template, the session's
+  earlier calls reused token for token; the model's tool calls parsed into `tool_calls` (chat.py). `stream: true` is
+  answered by replaying the finished generation as server-sent events (one content delta, the tool calls, the end).
+- POST /v1/completions: a prompt as text or token ids.
+- POST /inference/v1/generate: vLLM's token-in, token-out schema (token_ids + sampling_params -> choices[].token_ids,
+  logprobs.content[].{token_id, logprob}, weight_versions), as `renderers` and verifiers' TrainClient call it.
+- GET /v1/models: the one model served, with max_model_len.
+- GET /v1/sessions/{SID}: the session's calls and branches (what the training row will be).
+
+Every answer carries the prompt's token ids (`prompt_token_ids`), the completion's (`choices[].token_ids`), each
+sampled token's log-prob from the quantized generator that sampled it (`choices[].logprobs`), the weight-version spans
+(`choices[].weight_versions`, vLLM's shape: [{"version", "start", "end"}] over output tokens) and a `qgrpo` block:
+precision, session, call id, parent call, branch (the branch's root call) and why the call forked, if it did.
+
+A session is named by its base URL's SID, else the X-Session-ID header, else the API key. Admission (`Admission`):
+while the rollout actors change (a resize, a replacement) a call waits; a new session past `max_sessions` waits for
+room; either answers 429 with Retry-After after `wait_s`.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+from qgrpo.rollout.endpoint.chat import (
+    TOOL_PARSER,
+    Renderer,
+    RequestError,
+    assistant_message,
+    canonical,
+    prompt_of_completion,
+    token_text,
+    tool_schemas,
+)
+from qgrpo.rollout.endpoint.engine import Batcher, Run, Sample
+from qgrpo.rollout.endpoint.sessions import Call, Session, SessionBook
+
+MAX_SERVED_SESSIONS = 10_000  # `qgrpo serve` keeps this many sessions' records (the oldest go first)
+
+
+class Admission:
+    """When a call may sample: not while paused (the actors change); a new session only while fewer than
+    `max_sessions` are open (0: no bound). Waits up to `wait_s`, then the call is answered 429."""
+
+    def __init__(self, max_sessions: int = 0, wait_s: float = 30.0):
+        self.max_sessions, self.wait_s = max_sessions, wait_s
+        self.paused = False
+        self.active: set[str] = set()
+        self.refused = 0
+
+    async def enter(self, sid: str) -> bool:
+        deadline = time.monotonic() + self.wait_s
+        while self.paused or (sid not in self.active and self.max_sessions
+                              and len(self.active) >= self.max_sessions):
+            if time.monotonic() >= deadline:
+                self.refused += 1
+                return False
+            await asyncio.sleep(0.02)
+        self.active.add(sid)
+        return True
+
+    def leave(self, sid: str) -> None:
+        self.active.discard(sid)
+
+
+class Endpoint:
+    """The endpoint's state: the model it serves, its sessions, its batcher and counters."""
+
+    def __init__(self, *, model: str, tokenizer, stop_ids: list[int], run: Run, slots: int, precision: str,
+                 max_model_len: int, max_tokens: int, chat_template: bool = True, book: SessionBook | None = None,
+                 admission: Admission | None = None, version=lambda: 0, defaults: dict | None = None):
+        self.model, self.tokenizer, self.run, self.slots, self.precision = model, tokenizer, run, slots, precision
+        self.max_model_len, self.max_tokens = max_model_len, max_tokens
+        self.renderer = Renderer(tokenizer, stop_ids, chat_template)
+        self.stop_ids = stop_ids
+        self.book = book or SessionBook(open_sessions=True)
+        self.admission = admission or Admission()
+        self.version = version
+        # the sampling a call gets for what it leaves out (a run's: rollout.temperature, top_p, top_k)
+        self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(defaults or {})}
+        self.batcher: Batcher | None = None
+        self.counts = {"calls": 0, "refused": 0, "forks": 0, "tool_calls": 0, "tool_parse_failures": 0,
+                       "model_tokens": 0}
+        self.load = [0] * slots  # sessions pinned per slot
+
+    # --- sessions ---
+    def session_id(self, request, path_sid: str | None) -> str:
+        if path_sid:
+            return path_sid
+        sid = request.headers.get("x-session-id")
+        if sid:
+            return sid
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        return key or "default"
+
+    def session(self, sid: str) -> Session:
+        s = self.book.get(sid)
+        if s is None:
+            if not self.book.open_sessions:
+                raise RequestError(f"no open session {sid!r}: during a run, an agent is given its base URL and API "
+                                   "key by the run (the client configuration its function receives)", None, 404,
+                                   "session_not_found")
+            if len(self.book.sessions) >= MAX_SERVED_SESSIONS:
+                self.close(next(iter(self.book.sessions)))
+            s = self.open(sid)
+        return s
+
+    def open(self, sid: str, step: int | None = None, limits: dict | None = None) -> Session:
+        """A session pinned to the least loaded slot; `limits` (a run's episode): max_calls, max_context,
+        max_tokens per call, greedy (held-out evaluation samples at temperature 0 whatever the agent asks)."""
+        slot = min(range(self.slots), key=lambda k: self.load[k])
+        s = self.book.open(sid, step, slot, limits)
+        if s.slot == slot:
+            self.load[slot] += 1
+        return s
+
+    def close(self, sid: str) -> Session | None:
+        s = self.book.close(sid)
+        if s is not None and 0 <= s.slot < self.slots:
+            self.load[s.slot] -= 1
+        self.admission.leave(sid)
+        return s
+
+    def repin(self, slots: int) -> None:
+        """The rollout actors changed (`slots` of them now): open sessions move to live ones."""
+        self.slots, self.load = slots, [0] * slots
+        for s in self.book.sessions.values():
+            s.slot = min(range(slots), key=lambda k: self.load[k])
+            self.load[s.slot] += 1
+        if self.batcher is not None:
+            self.batcher.close()
+            self.batcher = None
+
+    # --- sampling one call ---
+    def _check_model(self, body: dict, session: Session, required: bool = True) -> None:
+        name = body.get("model")
+        if name is None and not required:
+            return
+        if name != self.model:
+            message = (f"model {name!r} is not served here; this endpoint serves {self.model!r} (GET /v1/models), "
+                       "the model the run trains")
+            session.errors.append(message)
+            raise RequestError(message, "model", 404, "model_not_found")
+
+    def sampling(self, body: dict, prompt_len: int, nested: bool = False) -> dict:
+        """max_tokens, temperature, top_p, top_k, seed from an OpenAI (or vLLM `sampling_params`) body, checked."""
+        where = "sampling_params." if nested else ""
+        for name in ("n",):
+            if body.get(name, 1) not in (1, None):
+                raise RequestError(f"{where}n: one choice per call is served (make n calls; each is a branch of the "
+                                   "session)", f"{where}n")
+        if body.get("stop") not in (None, [], ""):
+            raise RequestError(f"{where}stop: stop strings are not served; a turn ends at the model's stop tokens "
+                               "or max_tokens", f"{where}stop")
+        if (body.get("top_logprobs") or 0) > 0 or (nested and (body.get("logprobs") or 0) > 1):
+            raise RequestError(f"{where}top_logprobs: only the sampled token's log-prob is served (it is always "
+                               "returned)", f"{where}top_logprobs")
+        room = self.max_model_len - prompt_len
+        if room <= 0:
+            raise RequestError(f"the prompt is {prompt_len} tokens; the model serves {self.max_model_len} "
+                               "(max_model_len) prompt and completion together", "messages")
+        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
+        if not isinstance(asked, int) or asked < 1:
+            raise RequestError(f"{where}max_tokens: a whole number >= 1, got {asked!r}", f"{where}max_tokens")
+        out = {"max_tokens": min(asked, room)}
+        for name, ok in (("temperature", lambda x: 0 <= x <= 10), ("top_p", lambda x: 0 < x <= 1),
+                         ("top_k", lambda x: x >= -1)):
+            v = body.get(name)
+            v = self.defaults[name] if v is None else v
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not ok(v):
+                raise RequestError(f"{where}{name}: out of range, got {v!r}", f"{where}{name}")
+            out[name] = v
+        out["top_k"] = max(int(out["top_k"]), 0)
+        out["temperature"] = float(out["temperature"])
+        out["seed"] = body.get("seed") if isinstance(body.get("seed"), int) else None
+        return out
+
+    def _limit(self, session: Session, prompt_ids: list[int], sampling: dict) -> dict:
+        """A run's episode limits (environment.max_turns, max_context, turn_tokens): a call past them is refused and
+        ends the episode (its finish says which)."""
+        lim = session.limits
+        if lim.get("max_calls") and len(session.calls) >= lim["max_calls"]:
+            session.ended = session.ended or "max_turns"
+            raise RequestError(f"this episode has made its {lim['max_calls']} calls (environment.max_turns); it "
+                               "ends here", None, 400, "max_turns")
+        if lim.get("max_context"):
+            room = lim["max_context"] - len(prompt_ids)
+            if room <= 0:
+                session.ended = session.ended or "context"
+                raise RequestError(f"this episode's conversation is {len(prompt_ids)} tokens, "
+                                   f"environment.max_context is {lim['max_context']}; it ends here", "messages", 400,
+                                   "context")
+            sampling = {**sampling, "max_tokens": min(sampling["max_tokens"], room)}
+        if lim.get("max_tokens"):
+            sampling = {**sampling, "max_tokens": min(sampling["max_tokens"], lim["max_tokens"])}
+        if lim.get("greedy"):
+            sampling = {**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
+        return sampling
+
+    async def sample(self, session: Session, prompt_ids: list[int], sampling: dict) -> Sample:
+        sampling = self._limit(session, prompt_ids, sampling)
+        if not await self.admission.enter(session.id):
+            self.counts["refused"] += 1
+            raise RequestError("the endpoint is at capacity (sessions are admitted as room frees up, or the rollout "
+                               "actors are being changed); retry after the Retry-After seconds", None, 429,
+                               "rate_limit_exceeded")
+        if self.batcher is None:
+            self.batcher = Batcher(self.run, self.slots, self.stop_ids)
+        return await self.batcher.sample(max(session.slot, 0), prompt_ids, **sampling)
+
+    def record(self, session: Session, call: Call, sample: Sample, t0: float) -> Call:
+        call.ids, call.logprobs, call.spans, call.finish = sample.ids, sample.logprobs, sample.spans, sample.finish
+        call.text = self.renderer.decode(sample.ids)
+        call.precision, call.started, call.seconds = self.precision, t0, time.monotonic() - t0
+        session.calls.append(call)
+        self.counts["calls"] += 1
+        self.counts["forks"] += bool(call.fork)
+        self.counts["model_tokens"] += len(sample.ids)
+        return call
+
+    # --- the routes' work ---
+    async def chat(self, session: Session, body: dict) -> tuple[Call, dict]:
+        self._check_model(body, session)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages: a non-empty list of chat messages", "messages")
+        if body.get("tool_choice") not in (None, "auto", "none"):
+            raise RequestError("tool_choice: \"auto\" and \"none\" are served; forcing a call is not (the model "
+                               "decides)", "tool_choice")
+        if (body.get("response_format") or {}).get("type", "text") != "text":
+            raise RequestError("response_format: only text is served", "response_format")
+        schemas = [] if body.get("tool_choice") == "none" else tool_schemas(body.get("tools"))
+        tools = json.dumps(schemas, sort_keys=True)
+        canon = [canonical(m, k) for k, m in enumerate(messages)]
+        parent = session.chat_parent(canon, tools)
+        call_id = self.book.next_call_id(session.id)
+        if parent is not None:
+            n = len(parent.messages)
+            history = [_as_message(m) for m in parent.messages] + [{"role": "assistant", "content": parent.text}]
+            new = messages[n + 1:]
+            prompt = parent.end + self.renderer.tail(history, new, schemas, parent.stopped)
+            fork = ""
+        else:
+            prompt = self.renderer.prompt(messages, schemas)
+            new, fork = messages, session.fork_reason("chat", canon, None)
+        call = Call(call_id, parent.id if parent else None, "chat", prompt, messages=canon, tools=tools, fork=fork,
+                    tail_messages=[_as_message(canonical(m, k)) for k, m in enumerate(new)])
+        t0 = time.monotonic()
+        sample = await self.sample(session, prompt, self.sampling(body, len(prompt)))
+        self.record(session, call, sample, t0)
+        message, parsed, failed = assistant_message(call.text, call_id.replace(":", "-"))
+        call.answer = canonical(message, 0)
+        call.tool_calls, call.tool_parse_failures = parsed, failed
+        self.counts["tool_calls"] += len(parsed)
+        self.counts["tool_parse_failures"] += failed
+        finish = "tool_calls" if parsed and sample.finish == "stop" else sample.finish
+        choice = {"index": 0, "message": message, "finish_reason": finish,
+                  "logprobs": {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                                           for t, lp in zip(token_text(self.tokenizer, sample.ids), sample.logprobs)]},
+                  "token_ids": sample.ids, "weight_versions": spans_json(sample)}
+        return call, self._response("chat.completion", call, sample, [choice])
+
+    async def completions(self, session: Session, body: dict) -> tuple[Call, dict]:
+        self._check_model(body, session)
+        if body.get("echo") or body.get("suffix"):
+            raise RequestError("echo and suffix are not served", "echo")
+        prompt = prompt_of_completion(self.renderer, body.get("prompt"))
+        call, sample = await self._token_call(session, "completions", prompt, self.sampling(body, len(prompt)))
+        texts = token_text(self.tokenizer, sample.ids)
+        offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
+        choice = {"index": 0, "text": call.text, "finish_reason": sample.finish,
+                  "logprobs": {"tokens": texts, "token_logprobs": sample.logprobs, "top_logprobs": None,
+                               "text_offset": offsets},
+                  "token_ids": sample.ids, "prompt_token_ids": prompt, "weight_versions": spans_json(sample)}
+        return call, self._response("text_completion", call, sample, [choice])
+
+    async def generate(self, session: Session, body: dict) -> tuple[Call, dict]:
+        self._check_model(body, session, required=False)
+        ids = body.get("token_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise RequestError("token_ids: a non-empty list of token ids", "token_ids")
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise RequestError("sampling_params: an object", "sampling_params")
+        call, sample = await self._token_call(session, "generate", list(ids), self.sampling(params, len(ids), True))
+        choice = {"index": 0, "finish_reason": sample.finish, "stop_reason": None, "token_ids": sample.ids,
+                  "logprobs": {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []}
+                                           for t, lp in zip(sample.ids, sample.logprobs)]},
+                  "weight_versions": spans_json(sample)}
+        out = self._response("generate", call, sample, [choice])
+        out["request_id"] = str(body.get("request_id") or call.id)
+        out["output_mode"] = "tokens"
+        return call, out
+
+    async def _token_call(self, session: Session, route: str, prompt: list[int], sampling: dict) -> tuple[Call, Sample]:
+        parent = session.token_parent(prompt)
+        fork = "" if parent is not None else session.fork_reason(route, None, prompt)
+        call = Call(self.book.next_call_id(session.id), parent.id if parent else None, route, prompt, fork=fork)
+        if parent is not None:
+            call.tail_messages = [{"role": "user", "content": self.renderer.decode(prompt[len(parent.end):])}]
+        t0 = time.monotonic()
+        sample = await self.sample(session, prompt, sampling)
+        return self.record(session, call, sample, t0), sample
+
+    def _response(self, kind: str, call: Call, sample: Sample, choices: list[dict]) -> dict:
+        session = call.id.rsplit(":", 1)[0]
+        root = call
+        s = self.book.get(session)
+        if s is not None:
+            root = s.path(call)[0]
+        return {"id": f"qgrpo-{call.id}", "object": kind, "created": int(time.time()), "model": self.model,
+                "choices": choices, "prompt_token_ids": call.prompt_ids,
+                "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(sample.ids),
+                          "total_tokens": len(call.prompt_ids) + len(sample.ids)},
+                "system_fingerprint": f"qgrpo-{self.precision}",
+                "qgrpo": {"precision": self.precision, "session": session, "call_id": call.id,
+                          "parent": call.parent, "branch": root.id, "fork": call.fork or None,
+                          "weight_versions": spans_json(sample), "tool_parser": TOOL_PARSER}}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "qgrpo",
+                                            "root": self.model, "max_model_len": self.max_model_len}]}
+
+    def stats(self) -> dict:
+        return {**self.counts, "precision": self.precision, "open_sessions": len(self.book.sessions),
+                "refused": self.counts["refused"] + 0}
+
+
+def _as_message(canon: tuple) -> dict:
+    role, text, calls, name = canon
+    msg = {"role": role, "content": text}
+    if calls:
+        msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    return msg
+
+
+def spans_json(sample: Sample) -> list[dict]:
+    """vLLM's weight_versions: [{"version": str, "start", "end"}] over the output tokens."""
+    pts = sample.spans
+    out = []
+    for k, (first, v) in enumerate(pts):
+        end = pts[k + 1][0] if k + 1 < len(pts) else len(sample.ids)
+        if end > first or not out:
+            out.append({"version": str(v), "start": first, "end": end})
+    return out
+
+
+def session_json(s: Session) -> dict:
+    """A session's record: its calls (ids, parents, token counts, forks) and branch statistics."""
+    return {"session": s.id, "step": s.step, "stats": s.stats(),
+            "calls": [{"id": c.id, "parent": c.parent, "route": c.route, "prompt_tokens": len(c.prompt_ids),
+                       "completion_tokens": len(c.ids), "finish": c.finish, "fork": c.fork or None,
+                       "tool_calls": c.tool_calls, "prompt_token_ids": c.prompt_ids, "token_ids": c.ids,
+                       "logprobs": c.logprobs, "weight_versions": [{"version": str(v), "first": f}
+                                                                   for f, v in c.spans]} for c in s.calls]}
+
+
+# --- Starlette app ---
+def app(endpoint: Endpoint):
+    """The ASGI app of `endpoint`."""
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error(e: RequestError) -> JSONResponse:
+        headers = {"Retry-After": str(max(1, math.ceil(endpoint.admission.wait_s / 10)))} if e.status == 429 else None
+        kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(e.status, "error")
+        return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}},
+                            status_code=e.status, headers=headers)
+
+    def route(fn, stream_kind: str | None = None):
+        async def handler(request):
+            try:
+                try:
+                    body = await request.json()
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    raise RequestError("the body is not JSON", None) from None
+                if not isinstance(body, dict):
+                    raise RequestError("the body is a JSON object", None)
+                session = endpoint.session(endpoint.session_id(request, request.path_params.get("sid")))
+                call, out = await fn(session, body)
+            except RequestError as e:
+                return error(e)
+            if stream_kind and body.get("stream"):
+                include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+                return StreamingResponse(_replay(out, stream_kind, include_usage), media_type="text/event-stream")
+            return JSONResponse(out)
+        return handler
+
+    async def models(request):
+        return JSONResponse(endpoint.models())
+
+    async def session_record(request):
+        s = endpoint.book.get(request.path_params["sid"])
+        if s is None:
+            return error(RequestError(f"no open session {request.path_params['sid']!r}", None, 404, "not_found"))
+        return JSONResponse(session_json(s))
+
+    async def health(request):
+        return JSONResponse({"status": "ok", **endpoint.stats()})
+
+    routes = []
+    for prefix in ("", "/sessions/{sid}"):
+        routes += [Route(f"{prefix}/v1/chat/completions", route(endpoint.chat, "chat"), methods=["POST"]),
+                   Route(f"{prefix}/v1/completions", route(endpoint.completions, "text"), methods=["POST"]),
+                   Route(f"{prefix}/inference/v1/generate", route(endpoint.generate), methods=["POST"]),
+                   Route(f"{prefix}/v1/models", models, methods=["GET"])]
+    routes += [Route("/v1/sessions/{sid}", session_record, methods=["GET"]), Route("/health", health)]
+    return Starlette(routes=routes)
+
+
+async def _replay(out: dict, kind: str, include_usage: bool):
+    """A finished answer as OpenAI's server-sent events: the role, the content in one delta, the tool calls, the
+    finish (with the token ids and the qgrpo block), the usage when asked, then [DONE]."""
+    base = {"id": out["id"], "created": out["created"], "model": out["model"],
+            "system_fingerprint": out["system_fingerprint"]}
+    choice = out["choices"][0]
+    extra = {"token_ids": choice["token_ids"], "weight_versions": choice["weight_versions"]}
+    if kind == "chat":
+        obj = "chat.completion.chunk"
+        msg = choice["message"]
+        deltas = [{"role": "assistant", "content": ""}]
+        if msg.get("content"):
+            deltas.append({"content": msg["content"]})
+        if msg.get("tool_calls"):
+            deltas.append({"tool_calls": [{"index": k, **c} for k, c in enumerate(msg["tool_calls"])]})
+        chunks = [{"index": 0, "delta": d, "finish_reason": None, "logprobs": None} for d in deltas]
+        chunks[-1 if len(chunks) > 1 else 0] = {**chunks[-1], "logprobs": choice["logprobs"]}
+        chunks.append({"index": 0, "delta": {}, "finish_reason": choice["finish_reason"], "logprobs": None, **extra})
+    else:
+        obj = "text_completion"
+        chunks = [{"index": 0, "text": choice["text"], "finish_reason": None, "logprobs": choice["logprobs"]},
+                  {"index": 0, "text": "", "finish_reason": choice["finish_reason"], "logprobs": None, **extra}]
+    for k, c in enumerate(chunks):
+        event = {**base, "object": obj, "choices": [c]}
+        if k == len(chunks) - 1:
+            event.update(prompt_token_ids=out["prompt_token_ids"], qgrpo=out["qgrpo"])
+        yield f"data: {json.dumps(event)}\n\n"
+    if include_usage:
+        yield f"data: {json.dumps({**base, 'object': obj, 'choices': [], 'usage': out['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
