@@ -56,7 +56,7 @@ class _EndpointActor:
                                  max_model_len=self.max_model_len or model_len(tokenizer, config),
                                  max_tokens=self.max_tokens, chat_template=self.chat_template, book=self.book,
                                  admission=self.admission, version=lambda: max(self.versions),
-                                 defaults=self.defaults)
+                                 defaults=self.defaults, vocab_size=int(config.get("vocab_size") or 0))
         sock = bind(self.host, self.port)
         self.server = uvicorn_server(app(self.endpoint))
         asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -91,8 +92,9 @@ async def play(fn, row: dict, client: AgentClient, timeout_s: float, params: dic
     try:
         if inspect.iscoroutinefunction(fn):
             result = await asyncio.wait_for(fn(row, client, **(params or {})), timeout_s)
-        else:  # a plain function runs on a thread, so that it does not hold the other episodes
-            result = await asyncio.wait_for(asyncio.to_thread(fn, row, client, **(params or {})), timeout_s)
+        else:  # a plain function runs on a thread of its own, so that it holds neither the other episodes nor,
+            # past its deadline, the loop's end (a daemon thread, left to finish or not)
+            result = await asyncio.wait_for(_in_thread(fn, row, client, **(params or {})), timeout_s)
         out.reward = _reward(result)
     except asyncio.TimeoutError:
         out.error, out.timed_out = f"the agent did not finish within environment.timeout_s = {timeout_s:g} s", True
@@ -103,6 +105,28 @@ async def play(fn, row: dict, client: AgentClient, timeout_s: float, params: dic
         out.where, out.trace = failure_trace(e)
     out.seconds = time.monotonic() - t0
     return out
+
+
+def _in_thread(fn, *args, **kwargs) -> asyncio.Future:
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def settle(method, value) -> None:
+        if not fut.done():
+            method(value)
+
+    def run() -> None:
+        try:
+            value, method = fn(*args, **kwargs), fut.set_result
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting episode
+            value, method = e, fut.set_exception
+        try:
+            loop.call_soon_threadsafe(settle, method, value)
+        except RuntimeError:  # the loop is gone: the episode ended at its deadline
+            pass
+
+    threading.Thread(target=run, name="qgrpo-agent", daemon=True).start()
+    return fut
 
 
 def _reward(result) -> float | None:
@@ -127,8 +151,9 @@ def episode_group(item: PromptItem, outcomes: list[Outcome], sessions: list[Sess
         calls = s.calls if s is not None else []
         if not o.error and not calls:
             o.error = "the agent never called the endpoint (it must use the base_url and api_key it is given)"
-        if not o.error and s is not None and s.errors:
-            o.error = f"the endpoint refused a call: {s.errors[-1]}"
+        if s is not None and s.errors:  # what the endpoint refused says more than the client's exception
+            o.error = (f"{o.error} (" if o.error else "") + f"the endpoint refused a call: {s.errors[-1]}" + \
+                (")" if o.error else "")
         rows.append(branch_row(s) if calls else None)
     prompts = [r.prompt_ids for r in rows if r is not None]
     prefix = _common_prefix(prompts) if prompts else list(fallback_prompt)

@@ -132,6 +132,9 @@ class Renderer:
             if calls and role == "assistant" and self.native_tools(schemas):
                 msg["tool_calls"] = [{"type": "function", "function": {"name": n, "arguments": json.loads(a)}}
                                      for n, a in calls]
+            elif calls and role == "assistant":  # a call the client wrote (a worked example): as the model writes one
+                msg["content"] = text + "".join(
+                    f"<tool_call>{json.dumps({'name': n, 'arguments': json.loads(a)})}</tool_call>" for n, a in calls)
             out.append(msg)
         if schemas and not self.native_tools(schemas):
             out.insert(0, {"role": "system", "content": schemas_prompt(schemas)})

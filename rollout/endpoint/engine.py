@@ -18,6 +18,11 @@ from typing import Awaitable, Callable
 from qgrpo.core.records import Completion, SamplingParams
 
 MAX_BATCH = 64  # sequences in one batch
+# Before a batch is sent to an idle generator, calls that arrive close together (the sessions whose previous calls
+# ended in one batch come back within milliseconds of each other) are gathered: while another arrived within
+# GATHER_S, up to GATHER_MAX_S in all. An isolated call waits GATHER_S.
+GATHER_S = 0.005
+GATHER_MAX_S = 0.05
 
 
 @dataclass
@@ -64,6 +69,10 @@ class Batcher:
         q = self.queues[slot]
         while True:
             first = await q.get()
+            t0, seen = time.monotonic(), -1
+            while q.qsize() != seen and q.qsize() < MAX_BATCH - 1 and time.monotonic() - t0 < GATHER_MAX_S:
+                seen = q.qsize()
+                await asyncio.sleep(GATHER_S)
             batch = [first]
             while not q.empty() and len(batch) < MAX_BATCH:
                 batch.append(q.get_nowait())

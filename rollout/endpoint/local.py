@@ -23,7 +23,7 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port} ({e.strerror}); choose another port (--port, "
-                      "endpoint.port) or 0 for a free one") from None
+                      "environment.endpoint_port) or 0 for a free one") from None
     sock.listen(512)
     return sock
 
@@ -72,7 +72,8 @@ def serve_local(generators: list, *, model: str = "qgrpo-policy", host: str = "1
     endpoint = Endpoint(model=model, tokenizer=gen.tokenizer, stop_ids=gen.stop_ids, run=run, slots=len(generators),
                         precision=gen.precision, max_model_len=max_model_len or model_len(gen.tokenizer),
                         max_tokens=max_tokens, chat_template=chat_template, book=book, admission=admission,
-                        version=lambda: gen.policy_version, defaults=defaults)
+                        version=lambda: gen.policy_version, defaults=defaults,
+                        vocab_size=_vocab(gen))
     sock = bind(host, port)
     server = uvicorn_server(app(endpoint))
     thread = threading.Thread(target=lambda: server.run(sockets=[sock]), name="qgrpo-endpoint", daemon=True)
@@ -93,3 +94,10 @@ def model_len(tokenizer, config: dict | None = None) -> int:
         if isinstance(v, int) and 0 < v < 10**7:
             return v
     return 2048
+
+
+def _vocab(gen) -> int:
+    """The generator's vocabulary (its model config's vocab_size where it has one: ids past the tokenizer's, padded
+    rows, are valid), else 0 (the endpoint takes the tokenizer's length)."""
+    config = getattr(getattr(gen, "model", None), "config", None)
+    return int(getattr(config, "vocab_size", 0) or 0)

@@ -74,9 +74,11 @@ class Endpoint:
 
     def __init__(self, *, model: str, tokenizer, stop_ids: list[int], run: Run, slots: int, precision: str,
                  max_model_len: int, max_tokens: int, chat_template: bool = True, book: SessionBook | None = None,
-                 admission: Admission | None = None, version=lambda: 0, defaults: dict | None = None):
+                 admission: Admission | None = None, version=lambda: 0, defaults: dict | None = None,
+                 vocab_size: int = 0):
         self.model, self.tokenizer, self.run, self.slots, self.precision = model, tokenizer, run, slots, precision
         self.max_model_len, self.max_tokens = max_model_len, max_tokens
+        self.vocab_size = vocab_size or len(tokenizer)  # token ids past it are refused (the model has no such row)
         self.renderer = Renderer(tokenizer, stop_ids, chat_template)
         self.stop_ids = stop_ids
         self.book = book or SessionBook(open_sessions=True)
@@ -149,7 +151,17 @@ class Endpoint:
             session.errors.append(message)
             raise RequestError(message, "model", 404, "model_not_found")
 
-    def sampling(self, body: dict, prompt_len: int, nested: bool = False) -> dict:
+    def check_ids(self, ids, field: str) -> list[int]:
+        """Token ids given by a client: whole numbers the model's vocabulary has."""
+        if not isinstance(ids, list) or not ids:
+            raise RequestError(f"{field}: a non-empty list of token ids", field)
+        for k, t in enumerate(ids):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise RequestError(f"{field}[{k}]: {t!r} is not a token id of this model (0 to "
+                                   f"{self.vocab_size - 1})", field)
+        return list(ids)
+
+    def sampling(self, body: dict, prompt_len: int, nested: bool = False, field: str = "messages") -> dict:
         """max_tokens, temperature, top_p, top_k, seed from an OpenAI (or vLLM `sampling_params`) body, checked."""
         where = "sampling_params." if nested else ""
         for name in ("n",):
@@ -159,15 +171,18 @@ class Endpoint:
         if body.get("stop") not in (None, [], ""):
             raise RequestError(f"{where}stop: stop strings are not served; a turn ends at the model's stop tokens "
                                "or max_tokens", f"{where}stop")
-        if (body.get("top_logprobs") or 0) > 0 or (nested and (body.get("logprobs") or 0) > 1):
+        tops = body.get("top_logprobs") or 0, (body.get("logprobs") or 0) if nested else 0
+        if any(not isinstance(x, (int, bool)) for x in tops):
+            raise RequestError(f"{where}top_logprobs: a whole number, got {tops[0]!r}", f"{where}top_logprobs")
+        if tops[0] > 0 or tops[1] > 1:
             raise RequestError(f"{where}top_logprobs: only the sampled token's log-prob is served (it is always "
                                "returned)", f"{where}top_logprobs")
         room = self.max_model_len - prompt_len
         if room <= 0:
             raise RequestError(f"the prompt is {prompt_len} tokens; the model serves {self.max_model_len} "
-                               "(max_model_len) prompt and completion together", "messages")
+                               "(max_model_len) prompt and completion together", field)
         asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
-        if not isinstance(asked, int) or asked < 1:
+        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
             raise RequestError(f"{where}max_tokens: a whole number >= 1, got {asked!r}", f"{where}max_tokens")
         out = {"max_tokens": min(asked, room)}
         for name, ok in (("temperature", lambda x: 0 <= x <= 10), ("top_p", lambda x: 0 < x <= 1),
@@ -219,9 +234,10 @@ class Endpoint:
         call.ids, call.logprobs, call.spans, call.finish = sample.ids, sample.logprobs, sample.spans, sample.finish
         call.text = self.renderer.decode(sample.ids)
         call.precision, call.started, call.seconds = self.precision, t0, time.monotonic() - t0
+        sibling = call.parent is not None and any(c.parent == call.parent for c in session.calls)
         session.calls.append(call)
         self.counts["calls"] += 1
-        self.counts["forks"] += bool(call.fork)
+        self.counts["forks"] += bool(call.fork) + sibling  # as Session.stats counts them
         self.counts["model_tokens"] += len(sample.ids)
         return call
 
@@ -234,7 +250,8 @@ class Endpoint:
         if body.get("tool_choice") not in (None, "auto", "none"):
             raise RequestError("tool_choice: \"auto\" and \"none\" are served; forcing a call is not (the model "
                                "decides)", "tool_choice")
-        if (body.get("response_format") or {}).get("type", "text") != "text":
+        fmt = body.get("response_format") or {}
+        if not isinstance(fmt, dict) or fmt.get("type", "text") != "text":
             raise RequestError("response_format: only text is served", "response_format")
         schemas = [] if body.get("tool_choice") == "none" else tool_schemas(body.get("tools"))
         tools = json.dumps(schemas, sort_keys=True)
@@ -272,7 +289,10 @@ class Endpoint:
         if body.get("echo") or body.get("suffix"):
             raise RequestError("echo and suffix are not served", "echo")
         prompt = prompt_of_completion(self.renderer, body.get("prompt"))
-        call, sample = await self._token_call(session, "completions", prompt, self.sampling(body, len(prompt)))
+        if not isinstance(body.get("prompt"), str):
+            self.check_ids(prompt, "prompt")
+        call, sample = await self._token_call(session, "completions", prompt,
+                                              self.sampling(body, len(prompt), field="prompt"))
         texts = token_text(self.tokenizer, sample.ids)
         offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
         choice = {"index": 0, "text": call.text, "finish_reason": sample.finish,
@@ -283,15 +303,14 @@ class Endpoint:
 
     async def generate(self, session: Session, body: dict) -> tuple[Call, dict]:
         self._check_model(body, session, required=False)
-        ids = body.get("token_ids")
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and t >= 0 for t in ids):
-            raise RequestError("token_ids: a non-empty list of token ids", "token_ids")
+        ids = self.check_ids(body.get("token_ids"), "token_ids")
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise RequestError("sampling_params: an object", "sampling_params")
-        call, sample = await self._token_call(session, "generate", list(ids), self.sampling(params, len(ids), True))
+        call, sample = await self._token_call(session, "generate", ids,
+                                              self.sampling(params, len(ids), True, "token_ids"))
         choice = {"index": 0, "finish_reason": sample.finish, "stop_reason": None, "token_ids": sample.ids,
-                  "logprobs": {"content": [{"token_id": t, "logprob": lp, "top_logprobs": []}
+                  "logprobs": {"content": [{"token": f"token_id:{t}", "token_id": t, "logprob": lp, "top_logprobs": []}
                                            for t, lp in zip(sample.ids, sample.logprobs)]},
                   "weight_versions": spans_json(sample)}
         out = self._response("generate", call, sample, [choice])
@@ -388,6 +407,9 @@ def app(endpoint: Endpoint):
                 call, out = await fn(session, body)
             except RequestError as e:
                 return error(e)
+            except Exception as e:  # noqa: BLE001 - a failure of ours or of the generator: an OpenAI-shaped 500
+                return error(RequestError(f"the endpoint failed on this call: {type(e).__name__}: {e}", None, 500,
+                                          "internal_error"))
             if stream_kind and body.get("stream"):
                 include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
                 return StreamingResponse(_replay(out, stream_kind, include_usage), media_type="text/event-stream")

@@ -1,0 +1,280 @@
+"""Agent programs as a rollout source (rollout/agents.py, cluster/run/agents.py): ordinary async functions given a
+dataset row and a client configuration, run against the endpoint (rollout/endpoint) over real generators.
+
+- Each way an agent can fail (it raises, hangs, blocks on a thread, sends a foreign model name, never calls the
+  endpoint, returns something that is not a reward) is an Outcome naming the cause (and the user's line), and its
+  episode scores 0 with finish "env_error"; an episode the endpoint ended at a limit (environment.max_turns) is a
+  truncated one, not a failure.
+- `qgrpo check` plays one episode against the base model and refuses an agent that fails, naming its file and line.
+- A whole `qgrpo train` of an agent on Ray: the endpoint's address in RUN_DIR/endpoint.json, the episodes' rows
+  trained (multi-turn, loss mask on sampled tokens), agent/* metrics, and failing episodes counted, not fatal.
+- Behind the Ray endpoint, a weight sync that lands during an agent's call is applied between two decode steps: the
+  answer's spans cover both versions; while the endpoint is paused, calls wait and are answered 429 (Retry-After).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from qgrpo.core.records import PromptItem
+
+ROOT = Path(__file__).resolve().parents[1]
+
+AGENTS = '''
+import asyncio, json, time, urllib.request
+
+
+def _post(client, body, model=None):
+    body = {"model": model or client.model, **body}
+    req = urllib.request.Request(client.base_url + "/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+
+async def good(row, client):
+    first = await asyncio.to_thread(_post, client, {"prompt": row["prompt"], "max_tokens": 2})
+    ids = first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+    await asyncio.to_thread(_post, client, {"prompt": ids + ids[:1], "max_tokens": 2})
+    return 1.0 if row["answer"] in first["choices"][0]["text"] else 0.5
+
+
+async def raises(row, client):
+    await asyncio.to_thread(_post, client, {"prompt": row["prompt"], "max_tokens": 2})
+    value = {}["missing"]  # the line the error names
+    return value
+
+
+async def hangs(row, client):
+    await asyncio.sleep(1000)
+
+
+def blocks(row, client):
+    time.sleep(1000)
+
+
+async def foreign(row, client):
+    await asyncio.to_thread(_post, client, {"prompt": row["prompt"], "max_tokens": 2}, "gpt-4o")
+
+
+async def silent(row, client):
+    return 1.0
+
+
+async def text(row, client):
+    await asyncio.to_thread(_post, client, {"prompt": row["prompt"], "max_tokens": 2})
+    return "right"
+
+
+async def talkative(row, client):
+    ids = None
+    for _ in range(5):
+        out = await asyncio.to_thread(_post, client, {"prompt": ids or row["prompt"], "max_tokens": 2})
+        ids = out["prompt_token_ids"] + out["choices"][0]["token_ids"]
+    return 1.0
+
+
+async def some_fail(row, client):
+    if client.session_id.split("-")[2:3] == ["1"]:  # a run's sessions are s<step>-<row>-<episode>-<n>
+        raise RuntimeError("this agent fails on the second episode of each row")
+    return await good(row, client)
+'''
+
+
+@pytest.fixture(scope="module")
+def agents_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("agents") / "my_agents.py"
+    path.write_text(AGENTS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_path):
+    from qgrpo.rollout.backends import make_generator
+    from qgrpo.rollout.endpoint.local import serve_local
+
+    gen = make_generator("torch", model_path=tiny_model_path, precision="int8", generator_id="agents-t0", seed=0)
+    ep = serve_local([gen], max_tokens=4)
+    yield ep, gen
+    ep.close()
+
+
+def _play(served, agents_file, name: str, item: PromptItem, timeout_s: float = 30.0, limits: dict | None = None):
+    from qgrpo.rollout.agents import AgentClient, episode_group, load_agent, play
+    from qgrpo.rollout.environments.contract import row_of
+    from qgrpo.rollout.environments.loader import environment_spec
+
+    ep, gen = served
+    fn = load_agent(environment_spec(f"agent:{agents_file}:{name}"))
+    sid = f"{name}-{time.monotonic_ns()}"
+    ep.endpoint.open(sid, 0, limits)
+    outcome = asyncio.run(play(fn, row_of(item), AgentClient(ep.session_url(sid), sid, ep.endpoint.model, sid),
+                               timeout_s))
+    session = ep.endpoint.close(sid)
+    group, problems = episode_group(item, [outcome], [session], 0, "t", "int8", gen.tokenizer(item.prompt)["input_ids"])
+    return outcome, group.completions[0], problems
+
+
+ITEM = PromptItem("p0", "2+3=", "5")
+
+
+def test_a_good_agent_is_one_stitched_row_with_its_reward(served, agents_file):
+    outcome, comp, problems = _play(served, agents_file, "good", ITEM)
+    assert not problems and outcome.reward in (0.5, 1.0) and comp.env_score == outcome.reward
+    assert comp.finish_reason in ("stop", "length")
+    assert sum(t["role"] == "assistant" for t in comp.turns) == 2  # the second call extended the first
+    assert comp.model_tokens == sum(t["end"] - t["start"] for t in comp.turns if t["role"] == "assistant")
+    assert len(comp.token_ids) == len(comp.logprobs) == len(comp.model_mask) == len(comp.token_versions)
+
+
+@pytest.mark.parametrize("name,cause", [
+    ("raises", "KeyError: 'missing'"),
+    ("hangs", "did not finish within environment.timeout_s = 1 s"),
+    ("blocks", "did not finish within environment.timeout_s = 1 s"),
+    ("foreign", "not served here"),
+    ("silent", "never called the endpoint"),
+    ("text", "return the episode's reward (a finite number) or None"),
+])
+def test_each_failing_agent_is_an_episode_that_scores_zero_with_its_cause(served, agents_file, name, cause):
+    outcome, comp, problems = _play(served, agents_file, name, ITEM, timeout_s=1.0)
+    assert len(problems) == 1 and cause in problems[0], problems
+    assert comp.finish_reason == "env_error" and comp.env_score == 0.0
+    last = comp.turns[-1]
+    assert last["error"] and cause in problems[0]
+    if name == "raises":  # the user's own line, and the traceback for env_errors.log
+        assert f"{Path(agents_file).name}:" in problems[0] and 'value = {}["missing"]' in problems[0]
+        assert "Traceback" in last["trace"]
+
+
+def test_an_episode_ended_by_max_turns_is_truncated_not_failed(served, agents_file):
+    outcome, comp, problems = _play(served, agents_file, "talkative", ITEM, limits={"max_calls": 2})
+    assert outcome.error and not problems  # the agent saw the refusal; the episode is cut, not failed
+    assert comp.finish_reason == "max_turns" and comp.env_score == 0.0
+    assert sum(t["role"] == "assistant" for t in comp.turns) == 2
+
+
+def _config(folder: Path, agents_file: Path, name: str, **over) -> Path:
+    data = (ROOT / "configs" / "tiny.toml").read_text()
+    data = data.replace("steps = 300", f"steps = {over.get('steps', 2)}").replace("eval = true", "eval = false")
+    data = data.replace("save_every = 50", "save_every = 0")
+    data = data.replace("prompts_per_step = 16", "prompts_per_step = 2").replace("group_size = 16", "group_size = 2")
+    data += (f'\n[environment]\nname = "agent:{agents_file}:{name}"\nmax_turns = 4\nmax_context = 64\n'
+             f'episode_timeout_s = 60\non_error = "end"\n')
+    path = folder / f"{name}.toml"
+    path.write_text(data)
+    return path
+
+
+def test_check_refuses_an_agent_that_fails_naming_its_line(tmp_path, agents_file, capsys):
+    from qgrpo.cluster.cli.app import main
+
+    rc = main(["check", str(_config(tmp_path, agents_file, "raises"))])
+    out = capsys.readouterr()
+    err = out.out + out.err
+    assert rc == 2, err
+    assert "the agent failed on train row" in err and "KeyError: 'missing'" in err
+    assert f"{agents_file.name}:" in err and "Traceback" not in err
+
+
+def test_check_plays_one_episode_of_a_good_agent(tmp_path, agents_file, capsys):
+    from qgrpo.cluster.cli.app import main
+
+    rc = main(["check", str(_config(tmp_path, agents_file, "good"))])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "one episode: 2 calls" in out.out + out.err
+
+
+@pytest.mark.ray
+def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, agents_file):
+    from qgrpo.core.invocation import qgrpo_command
+
+    cfg = _config(tmp_path, agents_file, "some_fail", steps=2)
+    cmd = qgrpo_command("train", str(cfg), "--set", f"run.output_dir={tmp_path / 'runs'}",
+                        "--set", "run.progress=false").split()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = next((tmp_path / "runs").iterdir())
+    info = json.loads((run / "endpoint.json").read_text())
+    assert info["base_url"].startswith("http://127.0.0.1:") and info["model"] == "qgrpo-policy"
+    assert "agents call the endpoint at http://127.0.0.1:" in proc.stderr
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in steps if "loss/total" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["agent/calls"] >= 2 and m["rollout/policy_versions"] == [m["step"] - 1]  # S = 0: one version
+        assert m["agent/forks"] == 0 and m["agent/failed_episodes"] == 2 and m["episode/finish_env_error"] == 0.5
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(run / "rollouts").to_pylist()
+    good = [r for r in rows if r["finish_reason"] != "env_error"]
+    assert good and all(r["num_tokens"] > 0 and json.loads(r["turns"])[0]["role"] == "assistant" for r in good)
+    assert sum(r["finish_reason"] == "env_error" for r in rows) == 4
+    assert "this agent fails on the second episode of each row" in (run / "env_errors.log").read_text()
+
+
+@pytest.mark.ray
+def test_a_sync_during_an_agents_call_spans_two_versions_and_a_paused_endpoint_answers_429(ray_session,
+                                                                                          tiny_model_path, tmp_path):
+    import ray
+    from transformers import AutoTokenizer
+
+    from qgrpo.actors.endpoint_actor import EndpointActor
+    from qgrpo.actors.rollout_actor import RolloutActor
+    from qgrpo.actors.weights import ObjectStoreTransport
+    from qgrpo.rollout.backends import make_generator
+    from qgrpo.rollout.backends.common import probe_ids
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_inflight_updates import _two_token_head
+
+    env = {"QGRPO_FAULTS": "rollout.slow_decode@1+", "QGRPO_FAULTS_STATE": str(tmp_path)}
+    actor = RolloutActor.options(runtime_env={"env_vars": env}).remote(
+        "torch", dict(model_path=tiny_model_path, precision="int8", generator_id="agent-inflight"), 1)
+    endpoint = EndpointActor.remote("tiny", tiny_model_path, [actor], open_sessions=True, wait_s=0.5)
+    try:
+        address = ray.get(endpoint.start.remote(), timeout=120)
+        new = _two_token_head(tiny_model_path)
+        probe = probe_ids(AutoTokenizer.from_pretrained(tiny_model_path))
+        twin = make_generator("torch", model_path=tiny_model_path, precision="int8", generator_id="twin")
+        twin.load_weights(1, new)
+        update = ObjectStoreTransport(1 << 12).publish(1, new, probe_ids=probe, probe_logprobs=twin.score(probe))
+        body = json.dumps({"model": "tiny", "prompt": "1+2=", "max_tokens": 12, "temperature": 1.0}).encode()
+        request = urllib.request.Request(f"{address}/sessions/a/v1/completions", body,
+                                         {"Content-Type": "application/json"})
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(lambda: json.loads(urllib.request.urlopen(request, timeout=120).read()))
+            time.sleep(1.0)  # a few decode steps in (0.25 s each)
+            assert ray.get(actor.load_weights.remote(update), timeout=60).version == 1
+            assert not answer.done(), "the sync waited for the whole call"
+            out = answer.result(timeout=120)
+        spans = out["choices"][0]["weight_versions"]
+        assert [s["version"] for s in spans] == ["0", "1"] and spans[0]["start"] == 0
+        assert spans[0]["end"] == spans[1]["start"] > 0 and spans[1]["end"] == len(out["choices"][0]["token_ids"])
+        assert out["qgrpo"]["weight_versions"] == spans
+        # admission: while the actors change, a call waits, then 429 with Retry-After; resumed, it is served
+        ray.get(endpoint.pause.remote())
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(f"{address}/sessions/b/v1/completions", body,
+                                                          {"Content-Type": "application/json"}), timeout=60)
+        assert refused.value.code == 429 and int(refused.value.headers["Retry-After"]) >= 1
+        ray.get(endpoint.resume.remote())
+        again = json.loads(urllib.request.urlopen(urllib.request.Request(
+            f"{address}/sessions/b/v1/completions", body, {"Content-Type": "application/json"}), timeout=120).read())
+        assert again["choices"][0]["weight_versions"] == [{"version": "1", "start": 0,
+                                                           "end": len(again["choices"][0]["token_ids"])}]
+        assert ray.get(endpoint.stats.remote())["refused"] == 1
+    finally:
+        ray.kill(endpoint)
+        ray.kill(actor)
