@@ -18,7 +18,8 @@ __all__ = ["EXIT_CONFIG", "EXIT_FAILED", "main", "summary"]  # summary: what tes
 
 COMMANDS = {"train": train_command, "check": commands.check_command, "eval": commands.eval_command,
             "submit": commands.submit_command, "scale": commands.scale_command, "report": commands.report_command,
-            "migrate": commands.migrate_command, "merge": commands.merge_command, "export": commands.export_command}
+            "migrate": commands.migrate_command, "merge": commands.merge_command, "export": commands.export_command,
+            "serve": commands.serve_command}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -78,6 +79,17 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument("out")
     x.add_argument("--overwrite", action="store_true", help="replace OUT when it exists (only once the new copy is "
                    "complete)")
+    v = sub.add_parser("serve", help="serve a base model or a checkpoint through the run's OpenAI-compatible "
+                       "endpoint (rollout actors on a local Ray) until Ctrl-C")
+    v.add_argument("target", metavar="CONFIG|CHECKPOINT", help="a TOML config (its model.path, rollout backend, "
+                   "precision, num_actors and sampling) or a checkpoint folder (its model, its saved config)")
+    v.add_argument("--port", type=int, default=None, help="default: environment.endpoint_port, else 8000 (0: a free "
+                   "one)")
+    v.add_argument("--host", default=None, help="default: environment.endpoint_host (127.0.0.1); 0.0.0.0 serves "
+                   "other machines")
+    v.add_argument("--model-name", default=None, help="the model name served (default: environment.served_model, "
+                   "qgrpo-policy)")
+    v.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     g = sub.add_parser("merge", help="write a LoRA/QLoRA checkpoint's merged model (base + adapters) as an HF folder")
     g.add_argument("checkpoint", help="runs/NAME/checkpoints/step_N of a run with learner.mode = lora or qlora")
     g.add_argument("-o", "--out", required=True, help="a new folder (an existing one is not overwritten)")

@@ -1,5 +1,5 @@
-"""The `qgrpo` subcommands other than `train`: check, eval, merge, export, migrate, report, scale and submit. Each
-takes the parsed arguments and returns the exit status; the heavy imports happen inside, once a command runs."""
+"""The `qgrpo` subcommands other than `train`: check, eval, merge, export, migrate, report, scale, serve and submit.
+Each takes the parsed arguments and returns the exit status; the heavy imports happen inside, once a command runs."""
 from __future__ import annotations
 
 import json
@@ -258,3 +258,9 @@ def submit_command(args) -> int:
     from qgrpo.cluster.cli.submit import submit
 
     return submit(args)
+
+
+def serve_command(args) -> int:
+    from qgrpo.cluster.cli.serve import serve_command as serve
+
+    return serve(args)

@@ -52,6 +52,9 @@ class StopRequest:
     boundaries. `on_exit`: best-effort clean-up before a second signal's immediate exit (the Ray this process
     started). `run_root`: the run directory once it exists (None before), for what the second signal's line says."""
 
+    who = "qgrpo"  # what its lines start with
+    first = "stopping after the step in progress"  # what the first signal does
+
     def __init__(self):
         self.signum: int | None = None
         self.on_exit: Callable[[], None] | None = None
@@ -100,9 +103,10 @@ class StopRequest:
         if self.signum is None:
             self.signum = signum
             again = "press Ctrl-C again" if signum == signal.SIGINT else f"send {name} again"
-            _say(f"qgrpo: {name}: stopping after the step in progress ({again} to exit at once)")
+            _say(f"{self.who}: {name}: {self.first} ({again} to exit at once)")
             return
-        _say(f"qgrpo: {name} again: exiting at once ({self.left_behind()})")
+        left = self.left_behind()
+        _say(f"{self.who}: {name} again: exiting at once" + (f" ({left})" if left else ""))
         try:
             if self.on_exit is not None:
                 self.on_exit()
