@@ -278,3 +278,12 @@ def test_a_sync_during_an_agents_call_spans_two_versions_and_a_paused_endpoint_a
     finally:
         ray.kill(endpoint)
         ray.kill(actor)
+
+
+def test_tool_calls_that_do_not_parse_at_a_precision_warn():
+    from qgrpo.cluster.run.env_health import tool_parse_warnings
+
+    (w,) = tool_parse_warnings(3, {"agent/tool_parse_failures_int4": 5, "agent/tool_calls_int4": 3})
+    assert w["kind"] == "tool_parse_failures" and w["precision"] == "int4" and "5 of the 8 tool calls" in w["message"]
+    assert tool_parse_warnings(3, {"agent/tool_parse_failures_int8": 1, "agent/tool_calls_int8": 30}) == []
+    assert tool_parse_warnings(3, {"agent/tool_parse_failures_int8": 2, "agent/tool_calls_int8": 30}) == []

@@ -141,7 +141,7 @@ class SignalWatch:
         if self.silent == self.steps:
             events.append({"event": "warning", "step": step, "kind": "no_tool_calls", "steps": self.silent,
                            "tools": self.tools, "message": self._silent(m)})
-        return events
+        return events + tool_parse_warnings(step, m)
 
     def _flat(self, m: dict) -> str:
         mean = m.get("reward/mean")
@@ -185,3 +185,24 @@ class SignalWatch:
         return (f"no trajectory called {self._names()} for {self.silent} steps in a row (episode/called_tool_frac "
                 "0.0); likely causes: " + "; ".join(causes) + "; and a reward that reads the wrong column scores "
                 "a trajectory that used the tool no better than one that did not")
+
+
+PARSE_SHARE = 0.25  # of the tool calls a model wrote in a step, the share that failed to parse past which it warns
+
+
+def tool_parse_warnings(step: int, m: dict) -> list[dict]:
+    """A warning where an agent's model wrote tool calls the endpoint could not parse (agent/tool_parse_failures_<P>
+    against agent/tool_calls_<P>, P the rollout precision): a quantized format that breaks tool calling shows here."""
+    out = []
+    for key, bad in m.items():
+        if not key.startswith("agent/tool_parse_failures_") or not bad:
+            continue
+        precision = key.rsplit("_", 1)[1]
+        wrote = bad + m.get(f"agent/tool_calls_{precision}", 0)
+        if bad >= 2 and bad >= PARSE_SHARE * wrote:
+            out.append({"event": "warning", "step": step, "kind": "tool_parse_failures", "precision": precision,
+                        "message": f"at rollout.precision = {precision!r}, {bad} of the {wrote} tool calls the model "
+                                   "wrote this step could not be parsed (<tool_call>{\"name\": ..., \"arguments\": "
+                                   "{...}}</tool_call>); a quantized format can break tool calling: compare a higher "
+                                   "precision (docs/agents.md#failures)"})
+    return out
