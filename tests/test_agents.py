@@ -194,12 +194,16 @@ def test_check_plays_one_episode_of_a_good_agent(tmp_path, agents_file, capsys):
 
 
 @pytest.mark.ray
-def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, agents_file):
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, agents_file, staleness):
+    """S = 0: each step's episodes start after the sync before it, all on one version. S = 1: the next step's
+    sessions open while the learner trains (the bound kept by when they open), its tokens at most 1 version old."""
     from qgrpo.core.invocation import qgrpo_command
 
-    cfg = _config(tmp_path, agents_file, "some_fail", steps=2)
+    steps = 2 if staleness == 0 else 3
+    cfg = _config(tmp_path, agents_file, "some_fail", steps=steps)
     cmd = qgrpo_command("train", str(cfg), "--set", f"run.output_dir={tmp_path / 'runs'}",
-                        "--set", "run.progress=false").split()
+                        "--set", "run.progress=false", "--set", f"algo.max_staleness={staleness}").split()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -209,16 +213,20 @@ def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, age
     assert "agents call the endpoint at http://127.0.0.1:" in proc.stderr
     steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "loss/total" in m]
-    assert len(steps) == 2
+    assert len(steps) == (2 if staleness == 0 else 3)
     for m in steps:
-        assert m["agent/calls"] >= 2 and m["rollout/policy_versions"] == [m["step"] - 1]  # S = 0: one version
+        if staleness == 0:
+            assert m["rollout/policy_versions"] == [m["step"] - 1]  # one version, the last sync's
+        else:
+            assert m["rollout/staleness"] <= 1 and all(v >= m["step"] - 2 for v in m["rollout/policy_versions"])
+        assert m["agent/calls"] >= 2
         assert m["agent/forks"] == 0 and m["agent/failed_episodes"] == 2 and m["episode/finish_env_error"] == 0.5
     import pyarrow.parquet as pq
 
     rows = pq.read_table(run / "rollouts").to_pylist()
     good = [r for r in rows if r["finish_reason"] != "env_error"]
     assert good and all(r["num_tokens"] > 0 and json.loads(r["turns"])[0]["role"] == "assistant" for r in good)
-    assert sum(r["finish_reason"] == "env_error" for r in rows) == 4
+    assert sum(r["finish_reason"] == "env_error" for r in rows) == 2 * len(steps)
     assert "this agent fails on the second episode of each row" in (run / "env_errors.log").read_text()
 
 
