@@ -8,11 +8,11 @@ framework built on it. It returns the episode's reward (the environment's score,
 None and lets rewards.functions score the final answer. Each episode is its own session, so its calls are stitched
 into a training row by exact tokens (rollout/endpoint/sessions.py).
 
-An agent that raises, passes its deadline (environment.timeout_s, for the whole episode), sends a foreign model name
-or never calls the endpoint fails its episode: it follows environment.on_error ("end": the episode scores 0 and its
-finish is "env_error", the error and the user's line in its last turn, counted and logged as an environment's
-failures are; "fail": the run stops naming the row). This module loads the function and runs episodes; the episodes'
-sessions become GroupRollouts in `episode_group`.
+An agent that raises, passes its deadline (environment.episode_timeout_s, for the whole episode), sends a foreign
+model name, has a call refused or never calls the endpoint fails its episode: it follows environment.on_error
+("end": the episode scores 0 and its finish is "env_error", the error and the user's line in its last turn, counted
+and logged as an environment's failures are; "fail": the run stops naming the row). This module loads the function
+and runs episodes; the episodes' sessions become GroupRollouts in `episode_group`.
 """
 from __future__ import annotations
 
@@ -97,7 +97,8 @@ async def play(fn, row: dict, client: AgentClient, timeout_s: float, params: dic
             result = await asyncio.wait_for(_in_thread(fn, row, client, **(params or {})), timeout_s)
         out.reward = _reward(result)
     except asyncio.TimeoutError:
-        out.error, out.timed_out = f"the agent did not finish within environment.timeout_s = {timeout_s:g} s", True
+        out.error = f"the agent did not finish within environment.episode_timeout_s = {timeout_s:g} s"
+        out.timed_out = True
     except BaseException as e:  # noqa: BLE001 - a user's agent may raise anything; cancellation of the loop excepted
         if isinstance(e, asyncio.CancelledError):
             raise

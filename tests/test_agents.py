@@ -137,8 +137,8 @@ def test_a_good_agent_is_one_stitched_row_with_its_reward(served, agents_file):
 
 @pytest.mark.parametrize("name,cause", [
     ("raises", "KeyError: 'missing'"),
-    ("hangs", "did not finish within environment.timeout_s = 1 s"),
-    ("blocks", "did not finish within environment.timeout_s = 1 s"),
+    ("hangs", "did not finish within environment.episode_timeout_s = 1 s"),
+    ("blocks", "did not finish within environment.episode_timeout_s = 1 s"),
     ("foreign", "not served here"),
     ("silent", "never called the endpoint"),
     ("text", "return the episode's reward (a finite number) or None"),
@@ -295,3 +295,36 @@ def test_tool_calls_that_do_not_parse_at_a_precision_warn():
     assert w["kind"] == "tool_parse_failures" and w["precision"] == "int4" and "5 of the 8 tool calls" in w["message"]
     assert tool_parse_warnings(3, {"agent/tool_parse_failures_int8": 1, "agent/tool_calls_int8": 30}) == []
     assert tool_parse_warnings(3, {"agent/tool_parse_failures_int8": 2, "agent/tool_calls_int8": 30}) == []
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_clients_own_stop_tokens_cut_the_sample_and_other_dialects_are_refused_in_openais_shape(served):
+    ep, gen = served
+    body = {"token_ids": gen.tokenizer("2+3=")["input_ids"], "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    _, whole = _post(f"{ep.address}/sessions/stops/inference/v1/generate", body)
+    ids = whole["choices"][0]["token_ids"]
+    assert len(ids) == 4
+    body["sampling_params"]["stop_token_ids"] = [ids[1]]
+    _, cut = _post(f"{ep.address}/sessions/stops2/inference/v1/generate", body)
+    k = ids.index(ids[1]) + 1
+    assert cut["choices"][0]["token_ids"] == ids[:k] and cut["choices"][0]["finish_reason"] == "stop"
+    assert len(cut["choices"][0]["logprobs"]["content"]) == k
+    for path, what in (("/v1/responses", "the Responses API"), ("/v1/messages", "Anthropic's Messages API")):
+        status, err = _post(ep.address + path, {"model": ep.endpoint.model, "input": "hi"})
+        assert status == 404 and err["error"]["message"].startswith(f"{what} is not served here")
+
+
+def test_dynamic_sampling_is_refused_for_an_agent_before_anything_starts(tmp_path, agents_file):
+    from qgrpo.cluster.config.schema import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(str(_config(tmp_path, agents_file, "good")), ["algo.dynamic_sampling=true"])
+    assert any(p.startswith("algo.dynamic_sampling: not served for agent programs") for p in e.value.problems)

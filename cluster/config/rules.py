@@ -280,6 +280,16 @@ def _environment_backend(cfg: Config) -> list[str]:
             f"turns need (environment.name = {cfg.environment.name!r}); choose one that can: {able}"]
 
 
+@rule("environment.name", "algo.dynamic_sampling")
+def _agent_dynamic_sampling(cfg: Config) -> list[str]:
+    from qgrpo.rollout.environments.loader import is_agent
+
+    if not (is_agent(cfg.environment.name) and cfg.algo.dynamic_sampling):
+        return []
+    return ["algo.dynamic_sampling: not served for agent programs (environment.name = "
+            f"{cfg.environment.name!r}): their episodes are drawn step by step; set it to false"]
+
+
 @rule("environment.name", "environment.turn_tokens", "environment.max_context", "rollout.max_new_tokens")
 def _turn_fits_context(cfg: Config) -> list[str]:
     env = cfg.environment

@@ -231,7 +231,8 @@ class EnvironmentConfig:
     """[environment]: multi-turn rollouts against an environment of your own (docs/environments.md). Off by
     default: without a name, a rollout is one prompt and one completion."""
 
-    name: Str = setting("", allowed="\"\" (single-turn), FILE.py:NAME or MODULE:NAME", path="module_file")
+    name: Str = setting("", allowed="\"\" (single-turn), FILE.py:NAME or MODULE:NAME, openenv:TARGET, "
+                        "agent:FILE.py:NAME", path="module_file")
     """The environment: "FILE.py:NAME" or "MODULE:NAME", NAME an Environment subclass or a function returning a new
     instance; "" = none (single-turn rollouts). Each trajectory gets its own instance: reset from the dataset row,
     then a step per model turn."""

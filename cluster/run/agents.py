@@ -26,6 +26,14 @@ from qgrpo.core.records import GenerationStats, GroupRollout
 from qgrpo.learner.objective.staleness import admission
 
 POLL_S = 0.05
+
+
+def _here():
+    """On the driver's node: the agent runner reaches the endpoint there (environment.endpoint_host, 127.0.0.1 by
+    default); the rollout actors behind it may be anywhere in the cluster."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
 ENDPOINT_FILE = "endpoint.json"  # RUN_DIR/endpoint.json: the run's endpoint address, model name, how to reach it
 
 
@@ -45,11 +53,10 @@ class AgentSupply:
         self.model = env.served_model
         self.limits = {"max_calls": env.max_turns, "max_context": env.max_context,
                        "max_tokens": env.turn_tokens or ro.max_new_tokens}
-        self.endpoint = EndpointActor.remote(self.model, pool.policy_path, list(pool.actors), host=env.endpoint_host,
-                                             port=env.endpoint_port, max_tokens=env.turn_tokens or ro.max_new_tokens,
-                                             chat_template=cfg.task.chat_template, open_sessions=False,
-                                             defaults={"temperature": ro.temperature, "top_p": ro.top_p,
-                                                       "top_k": ro.top_k})
+        self.endpoint = EndpointActor.options(scheduling_strategy=_here()).remote(
+            self.model, pool.policy_path, list(pool.actors), host=env.endpoint_host, port=env.endpoint_port,
+            max_tokens=env.turn_tokens or ro.max_new_tokens, chat_template=cfg.task.chat_template,
+            open_sessions=False, defaults={"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k})
         self.address = ray.get(self.endpoint.start.remote(), timeout=300)
         self.runner = self._runner()
         self.steps, self.held, self.held_version = cfg.run.steps, start_step, published
@@ -68,7 +75,7 @@ class AgentSupply:
     def _runner(self):
         from qgrpo.actors.agent_runner import AgentRunner
 
-        runner = AgentRunner.remote(self.spec, self.cfg.environment.concurrency)
+        runner = AgentRunner.options(scheduling_strategy=_here()).remote(self.spec, self.cfg.environment.concurrency)
         ray.get(runner.ready.remote(), timeout=120)  # the agent's file loads there, or this raises
         return runner
 

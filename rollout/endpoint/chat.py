@@ -105,8 +105,9 @@ class Renderer:
         self._texts: dict[str, object] = {}  # tools JSON -> its ChatTemplate / PlainText
 
     def native_tools(self, schemas: list[dict]) -> bool:
-        """The chat template renders `tools=` itself (Qwen's, Llama 3's); else they are described in a system message
-        (SmolLM2's ignores them)."""
+        """The chat template renders `tools=` itself (Qwen's, in the hermes format parsed here); else they are
+        described in a system message (SmolLM2's ignores them). A template that asks for another call format (Llama
+        3's bare JSON) is rendered natively, but its calls are not parsed: they come back as content."""
         key = json.dumps(schemas, sort_keys=True)
         if key not in self._native:
             probe = [{"role": "user", "content": "q"}]

@@ -1,6 +1,6 @@
-"""The endpoint over generators in this process, on a thread: for `qgrpo serve --local`, the endpoint bench and tests
-of the routes. A run's endpoint is the Ray actor of actors/endpoint_actor.py, over its rollout actors; both serve the
-same app (server.py)."""
+"""The endpoint over generators in this process, on a thread: for `qgrpo check` (one episode of an agent against the
+base model), the endpoint bench and tests of the routes. A run's endpoint is the Ray actor of
+actors/endpoint_actor.py, over its rollout actors; both serve the same app (server.py)."""
 from __future__ import annotations
 
 import asyncio

@@ -40,6 +40,7 @@ from qgrpo.rollout.endpoint.chat import (
 )
 from qgrpo.rollout.endpoint.engine import Batcher, Run, Sample
 from qgrpo.rollout.endpoint.sessions import Call, Session, SessionBook
+from qgrpo.rollout.episodes import EpisodeError
 
 MAX_SERVED_SESSIONS = 10_000  # `qgrpo serve` keeps this many sessions' records (the oldest go first)
 
@@ -258,15 +259,19 @@ class Endpoint:
         canon = [canonical(m, k) for k, m in enumerate(messages)]
         parent = session.chat_parent(canon, tools)
         call_id = self.book.next_call_id(session.id)
+        fork = ""
         if parent is not None:
             n = len(parent.messages)
             history = [_as_message(m) for m in parent.messages] + [{"role": "assistant", "content": parent.text}]
             new = messages[n + 1:]
-            prompt = parent.end + self.renderer.tail(history, new, schemas, parent.stopped)
-            fork = ""
-        else:
+            try:
+                prompt = parent.end + self.renderer.tail(history, new, schemas, parent.stopped)
+            except EpisodeError:  # a template that re-renders earlier turns (e.g. drops past reasoning): a fork
+                parent, fork = None, (f"the chat template renders call {parent.id}'s conversation differently once "
+                                      "new messages follow it")
+        if parent is None:
             prompt = self.renderer.prompt(messages, schemas)
-            new, fork = messages, session.fork_reason("chat", canon, None)
+            new, fork = messages, fork or session.fork_reason("chat", canon, None)
         call = Call(call_id, parent.id if parent else None, "chat", prompt, messages=canon, tools=tools, fork=fork,
                     tail_messages=[_as_message(canonical(m, k)) for k, m in enumerate(new)])
         t0 = time.monotonic()
@@ -307,8 +312,11 @@ class Endpoint:
         params = body.get("sampling_params") or {}
         if not isinstance(params, dict):
             raise RequestError("sampling_params: an object", "sampling_params")
+        stops = params.get("stop_token_ids") or []
+        if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
+            raise RequestError("sampling_params.stop_token_ids: a list of token ids", "sampling_params.stop_token_ids")
         call, sample = await self._token_call(session, "generate", ids,
-                                              self.sampling(params, len(ids), True, "token_ids"))
+                                              self.sampling(params, len(ids), True, "token_ids"), set(stops))
         choice = {"index": 0, "finish_reason": sample.finish, "stop_reason": None, "token_ids": sample.ids,
                   "logprobs": {"content": [{"token": f"token_id:{t}", "token_id": t, "logprob": lp, "top_logprobs": []}
                                            for t, lp in zip(sample.ids, sample.logprobs)]},
@@ -318,7 +326,10 @@ class Endpoint:
         out["output_mode"] = "tokens"
         return call, out
 
-    async def _token_call(self, session: Session, route: str, prompt: list[int], sampling: dict) -> tuple[Call, Sample]:
+    async def _token_call(self, session: Session, route: str, prompt: list[int], sampling: dict,
+                          stops: set[int] = frozenset()) -> tuple[Call, Sample]:
+        """A token-in call; `stops`: the client's own stop tokens besides the model's (renderers send them), where
+        the sample is cut (the tokens up to there are exactly those sampled)."""
         parent = session.token_parent(prompt)
         fork = "" if parent is not None else session.fork_reason(route, None, prompt)
         call = Call(self.book.next_call_id(session.id), parent.id if parent else None, route, prompt, fork=fork)
@@ -326,6 +337,10 @@ class Endpoint:
             call.tail_messages = [{"role": "user", "content": self.renderer.decode(prompt[len(parent.end):])}]
         t0 = time.monotonic()
         sample = await self.sample(session, prompt, sampling)
+        end = next((i + 1 for i, t in enumerate(sample.ids) if t in stops), None)
+        if end is not None and end < len(sample.ids):
+            sample = Sample(sample.ids[:end], sample.logprobs[:end], [p for p in sample.spans if p[0] < end] or
+                            sample.spans[:1], "stop", sample.seconds)
         return self.record(session, call, sample, t0), sample
 
     def _response(self, kind: str, call: Call, sample: Sample, choices: list[dict]) -> dict:
@@ -396,6 +411,7 @@ def app(endpoint: Endpoint):
 
     def route(fn, stream_kind: str | None = None):
         async def handler(request):
+            session = None
             try:
                 try:
                     body = await request.json()
@@ -406,6 +422,8 @@ def app(endpoint: Endpoint):
                 session = endpoint.session(endpoint.session_id(request, request.path_params.get("sid")))
                 call, out = await fn(session, body)
             except RequestError as e:
+                if session is not None and e.code not in ("max_turns", "context", "model_not_found"):
+                    session.errors.append(str(e))  # a refused call fails its episode, loudly, even if the agent goes on
                 return error(e)
             except Exception as e:  # noqa: BLE001 - a failure of ours or of the generator: an OpenAI-shaped 500
                 return error(RequestError(f"the endpoint failed on this call: {type(e).__name__}: {e}", None, 500,
@@ -434,7 +452,15 @@ def app(endpoint: Endpoint):
                    Route(f"{prefix}/v1/completions", route(endpoint.completions, "text"), methods=["POST"]),
                    Route(f"{prefix}/inference/v1/generate", route(endpoint.generate), methods=["POST"]),
                    Route(f"{prefix}/v1/models", models, methods=["GET"])]
-    routes += [Route("/v1/sessions/{sid}", session_record, methods=["GET"]), Route("/health", health)]
+    async def not_served(request):
+        path = request.url.path
+        what = ("the Responses API" if path.endswith("/responses") else "Anthropic's Messages API"
+                if path.endswith("/messages") else f"{request.method} {path}")
+        return error(RequestError(f"{what} is not served here; the routes are /v1/chat/completions, /v1/completions, "
+                                  "/inference/v1/generate and /v1/models (docs/agents.md)", None, 404, "not_found"))
+
+    routes += [Route("/v1/sessions/{sid}", session_record, methods=["GET"]), Route("/health", health),
+               Route("/{path:path}", not_served, methods=["GET", "POST", "PUT", "DELETE"])]
     return Starlette(routes=routes)
 
 

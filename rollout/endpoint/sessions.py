@@ -63,7 +63,7 @@ class Session:
     slot: int = -1  # the rollout actor it is pinned to
     step: int | None = None  # the training step whose episode it is (None: a served session)
     calls: list[Call] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)  # refused calls (a foreign model name, a bad request)
+    errors: list[str] = field(default_factory=list)  # refused calls (a foreign model name, a bad request), not limits
     opened: float = field(default_factory=time.monotonic)
     limits: dict = field(default_factory=dict)  # max_calls, max_context, max_tokens, greedy (a run's episode)
     ended: str = ""  # the limit a refused call reached ("max_turns", "context"), which ends the episode
