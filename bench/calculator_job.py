@@ -20,6 +20,7 @@ them.
     .venv/bin/python bench/calculator_job.py --steps 20 --publish     # fewer steps per seed, then publish
     .venv/bin/python bench/calculator_job.py --seeds 0 --steps 2 --tag smoke
     .venv/bin/python bench/calculator_job.py --report --publish       # tabulate the runs done so far
+    .venv/bin/python bench/calculator_job.py --variants env agent --steps 10 --tag agent_vs_env --publish
 
 Writes bench/results/calculator_job[_TAG].json and prints a table; `--publish` also writes bench/published/
 calculator_job[_TAG].{json,txt}.
@@ -43,6 +44,9 @@ from sides import versions  # noqa: E402
 
 BENCH = "calculator_job"
 CONFIG = ROOT / "examples" / "calculator" / "config.toml"
+# The same task two ways: "env", the in-process environment (env.py, played by the rollout actors' episode loop);
+# "agent", the ordinary openai-SDK program of examples/agent_calculator behind the run's endpoint. Same settings.
+VARIANTS = {"env": CONFIG, "agent": ROOT / "examples" / "agent_calculator" / "config.toml"}
 PRECISION = "int8"  # the example's own rollout.precision
 EDGE = 5  # training steps averaged at the start and at the end
 
@@ -92,10 +96,10 @@ def heldout(path: Path) -> dict:
                          "turns": [t["content"] for t in r.get("turns") or []]} for r in rows[:2]]}
 
 
-def calculator_run(args, seed: int) -> dict:
-    """One whole run of the example; its held-out answers are copied to logs/<name>.evals/ before the run directory
-    is deleted."""
-    name = f"s{seed}_{PRECISION}"
+def calculator_run(args, seed: int, variant: str = "env") -> dict:
+    """One whole run of the example (`variant`: VARIANTS); its held-out answers are copied to logs/<name>.evals/
+    before the run directory is deleted."""
+    name = ("" if variant == "env" else f"{variant}_") + f"s{seed}_{PRECISION}"
     kept = args.out_dir / "logs" / f"{name}.evals"
 
     def keep(run_dir: Path) -> None:
@@ -103,7 +107,9 @@ def calculator_run(args, seed: int) -> dict:
         if (run_dir / "evals").is_dir():
             shutil.copytree(run_dir / "evals", kept)
 
-    res = one_run(args, seed, PRECISION, name=name, config=CONFIG, keep=keep, bf16_eval=False)
+    res = one_run(args, seed, PRECISION, name=name, config=VARIANTS[variant], keep=keep, bf16_eval=False,
+                  extra=tuple(args.set))
+    res["variant"] = variant
     steps = [json.loads(x) for x in (args.out_dir / "logs" / f"{name}.metrics.jsonl").read_text().splitlines()]
     steps = [m for m in steps if "time/step" in m]
     ep = lambda key, ms: mean([m.get(f"episode/{key}", float("nan")) for m in ms])  # noqa: E731
@@ -128,21 +134,21 @@ def table(result: dict) -> str:
            f"machine: {result['machine']}", "",
            "held-out (greedy, 100 prompts, episodes played through the environment): accuracy, share of trajectories "
            "that called the tool, and the accuracy of those that did / did not (correct of count)",
-           f"{'run':<9} {'step':>5} {'acc':>5} {'called':>7} {'acc called':>14} {'acc not called':>16} "
+           f"{'run':<15} {'step':>5} {'acc':>5} {'called':>7} {'acc called':>14} {'acc not called':>16} "
            f"{'calls/traj':>11} {'errors/traj':>12} {'turns':>6}"]
     for r in runs:
         for step, h in r["heldout"].items():
             yes = f"{pc(h['called_accuracy'])} ({h['called_correct']}/{h['called_n']})"
             no = f"{pc(h['not_called_accuracy'])} ({h['not_called_correct']}/{h['not_called_n']})"
-            out.append(f"{r['name']:<9} {step:>5} {pc(h['accuracy']):>5} {pc(h['called_frac']):>7} {yes:>14} "
+            out.append(f"{r['name']:<15} {step:>5} {pc(h['accuracy']):>5} {pc(h['called_frac']):>7} {yes:>14} "
                        f"{no:>16} {f(h['tool_calls'], 2):>11} {f(h['tool_errors'], 2):>12} {f(h['turns'], 2):>6}")
     out += ["", "training (64 trajectories a step, temperature 1): called_tool_frac over the first and the last "
                 f"{EDGE} steps; tool errors, model turns per trajectory and s/step over the run",
-            f"{'run':<9} {'called 1-5':>11} {'called -5':>10} {'env score 1-5':>14} {'env score -5':>13} "
+            f"{'run':<15} {'called 1-5':>11} {'called -5':>10} {'env score 1-5':>14} {'env score -5':>13} "
             f"{'errors':>7} {'turns':>6} {'s/step':>7} {'wall min':>9}"]
     for r in runs:
         t = r["train"]
-        out.append(f"{r['name']:<9} {pc(t['called_tool_frac_first']):>11} {pc(t['called_tool_frac_last']):>10} "
+        out.append(f"{r['name']:<15} {pc(t['called_tool_frac_first']):>11} {pc(t['called_tool_frac_last']):>10} "
                    f"{f(t['environment_score_first'], 3):>14} {f(t['environment_score_last'], 3):>13} "
                    f"{f(t['tool_errors'], 2):>7} {f(t['turns'], 2):>6} {f(r['s_per_step']):>7} "
                    f"{f(r['process_s'] / 60):>9}")
@@ -153,6 +159,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's 30)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="more overrides of both variants, e.g. task.eval_size=50")
+    ap.add_argument("--variants", nargs="+", choices=sorted(VARIANTS), default=["env"],
+                    help="env: examples/calculator (in-process environment); agent: examples/agent_calculator (an "
+                         "openai-SDK program behind the endpoint); both, side by side")
     session_options(ap, BENCH)
     args = ap.parse_args()
     args.no_eval = False  # one_run's option: the held-out evaluations are the point here
@@ -160,15 +171,17 @@ def main() -> None:
     started = datetime.datetime.now().isoformat(timespec="seconds")
     runs, missing = [], []
     for seed in args.seeds:
-        path = args.out_dir / f"s{seed}.json"
-        run = kept_or_run(args, path, lambda: calculator_run(args, seed))
-        if run is None:
-            missing.append(path.stem)
-        else:
-            runs.append(run)
+        for variant in args.variants:  # interleaved: both variants of a seed share the machine's state of the moment
+            path = args.out_dir / (("" if variant == "env" else f"{variant}_") + f"s{seed}.json")
+            run = kept_or_run(args, path, lambda: calculator_run(args, seed, variant))
+            if run is None:
+                missing.append(path.stem)
+            else:
+                runs.append(run)
     argv = [a for a in sys.argv[1:] if a not in ("--resume", "--report")]
     result = {"command": shlex.join([".venv/bin/python", "bench/calculator_job.py", *argv]), "machine": machine(),
-              "config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "precision": PRECISION,
+              "config": ", ".join(str(VARIANTS[v].relative_to(ROOT)) for v in args.variants),
+              "steps": args.steps or 30, "precision": PRECISION,
               "started": started, "argv": sys.argv[1:], "versions": versions(), "runs": runs, "missing": missing}
     save(stem, result, table(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else ""), args.publish)
 
