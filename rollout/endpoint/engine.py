@@ -18,9 +18,10 @@ from typing import Awaitable, Callable
 from qgrpo.core.records import Completion, SamplingParams
 
 MAX_BATCH = 64  # sequences in one batch
-# Before a batch is sent to an idle generator, calls that arrive close together (the sessions whose previous calls
-# ended in one batch come back within milliseconds of each other) are gathered: while another arrived within
-# GATHER_S, up to GATHER_MAX_S in all. An isolated call waits GATHER_S.
+# Before a batch is sent to an idle generator, calls that arrive close together are gathered: while another arrived
+# within GATHER_S, and until as many calls as the slot's last batch held are in (the loop answers that batch's calls
+# one by one, so its sessions come back spread over milliseconds each), up to the larger of GATHER_MAX_S and a tenth
+# of the last batch's time. An isolated call waits GATHER_S.
 GATHER_S = 0.005
 GATHER_MAX_S = 0.05
 
@@ -58,6 +59,10 @@ class Batcher:
         self.tasks = [asyncio.get_running_loop().create_task(self._drain(s)) for s in range(slots)]
         self.batches = 0
         self.batched_calls = 0
+        # per slot: calls in its last batch (their sessions come back together, answered one by one by the loop)
+        # and that batch's seconds, which bound the wait for them
+        self.last_n = [0] * slots
+        self.last_s = [0.0] * slots
 
     async def sample(self, slot: int, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
                      top_k: int, seed: int | None) -> Sample:
@@ -70,7 +75,10 @@ class Batcher:
         while True:
             first = await q.get()
             t0, seen = time.monotonic(), -1
-            while q.qsize() != seen and q.qsize() < MAX_BATCH - 1 and time.monotonic() - t0 < GATHER_MAX_S:
+            expect = min(self.last_n[slot], MAX_BATCH)  # the last batch's sessions, whose next calls are coming
+            cap = max(GATHER_MAX_S, 0.1 * self.last_s[slot])
+            while q.qsize() < MAX_BATCH - 1 and time.monotonic() - t0 < cap \
+                    and (q.qsize() != seen or q.qsize() + 1 < expect):
                 seen = q.qsize()
                 await asyncio.sleep(GATHER_S)
             batch = [first]
@@ -80,7 +88,9 @@ class Batcher:
             for p in batch:  # another sampling setting waits for the next batch, in its order
                 if p.key != first.key:
                     q.put_nowait(p)
+            t1 = time.monotonic()
             await self._one(slot, same)
+            self.last_n[slot], self.last_s[slot] = len(same), time.monotonic() - t1
 
     async def _one(self, slot: int, batch: list[_Pending]) -> None:
         t, p, k = batch[0].key
