@@ -145,13 +145,41 @@ def calculator_job(d: dict) -> list[str]:
                     f(t["environment_score_first"]), f(t["environment_score_last"]), f(t["tool_errors"]),
                     f(t["turns"]), f(r["s_per_step"], 1), f(r["process_s"] / 60, 1)]
                    for r in d["runs"] for t in [r["train"]]])
-    return [*wrap("Held-out (greedy, 100 prompts, each episode played through the environment, on the run's int8 "
-                  "generators) at step 0 and after the last step: accuracy, the share of trajectories that called "
-                  "the tool, and the accuracy of those that did and did not (correct of count)."), "", *heldout, "",
+    n = next(iter(d["runs"][0]["heldout"].values()))["n"] if d["runs"] and d["runs"][0]["heldout"] else 100
+    edge = min(5, d["steps"])
+    train[0] = train[0].replace("first 5", f"first {edge}").replace("last 5", f"last {edge}")
+    how = ("each episode played through the environment, or by the agent program behind the endpoint (`agent_` "
+           "runs)" if any(r.get("variant") == "agent" for r in d["runs"]) else
+           "each episode played through the environment")
+    return [*wrap(f"Held-out (greedy, {n} prompts, {how}, on the run's int8 generators) at step 0 and after the "
+                  "last step: accuracy, the share of trajectories that called the tool, and the accuracy of those "
+                  "that did and did not (correct of count)."), "", *heldout, "",
             *wrap(f"Training ({d['steps']} steps, 64 trajectories a step at temperature 1): the share that called "
                   "the tool and the environment's score (1 for the exact product), means over the first and the "
-                  "last 5 steps; tool errors and model turns per trajectory over the run; seconds per step over steps "
-                  f"2-{d['steps']}; wall time of the whole `qgrpo train` process."), "", *train]
+                  f"last {edge} steps; tool errors and model turns per trajectory over the run; seconds per step over "
+                  f"steps 2-{d['steps']}; wall time of the whole `qgrpo train` process."), "", *train]
+
+
+def agent_endpoint(d: dict) -> list[str]:
+    """bench/agent_endpoint.py: the endpoint's cost per call against the in-process episode loop, and throughput
+    with concurrent sessions."""
+    def split(c: dict, part: str) -> str:
+        return f((c.get("split_ms") or {}).get(part, {}).get("p50"), 1) or "-"
+
+    calls = table(["route", "max_tokens", "p50 ms", "p99 ms", "paired overhead ms", "front ms", "engine ms",
+                   "generator ms p50"],
+                  [[c["route"], c["max_tokens"], f(c["ms"]["p50"], 1), f(c["ms"]["p99"], 1),
+                    f((c.get("overhead_ms") or {}).get("paired_p50"), 1) or "-", split(c, "front"),
+                    split(c, "engine"), f(c["generator_ms"]["p50"], 1)] for c in d["per_call"]])
+    conc = table(["sessions", "in-process tok/s", "endpoint tok/s", "endpoint / in-process", "mean batch (endpoint)"],
+                 [[c["sessions"], f(c["in_process"]["tokens_per_s"], 1), f(c["endpoint"]["tokens_per_s"], 1),
+                   f(c["endpoint_over_in_process"]), f(c["endpoint"].get("mean_batch"), 1)] for c in d["concurrency"]])
+    return [*wrap(f"{d['model']} at {d['precision']}, torch generator, one call at a time: the generator called "
+                  "directly (what the in-process episode loop does per turn) and the same through the endpoint's "
+                  "routes over HTTP (paired: the difference to the in-process call of the same repetition; front: "
+                  "HTTP, JSON and rendering; engine: the batcher's gathering and queue)."), "", *calls, "",
+            *wrap("Concurrent sessions, each a conversation of chat calls, against the in-process episode loop "
+                  "generating the same conversations in one batch per turn."), "", *conc]
 
 
 def from_run(d: dict) -> list[str]:
@@ -455,6 +483,9 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("calculator_job", "The calculator example: learning to call a tool",
          "[examples/calculator/](../examples/calculator/) whole (SmolLM2-135M-Instruct, 3-digit multiplications, a "
          "`calculate` tool run by the environment, int8 rollouts), two seeds, one run at a time.", calculator_job),
+        ("agent_endpoint", "The endpoint's cost per call",
+         "What serving agents through the OpenAI-compatible endpoint costs against the in-process episode loop "
+         "(bench/agent_endpoint.py).", agent_endpoint),
     ]),
     ("Losses and corrections", [
         ("loss_variants_tiny", "On the tiny job",
