@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import platform
 import shlex
 import shutil
 import sys
@@ -40,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from default_job import kept_or_run, mean, one_run, results_folder, save, session_options  # noqa: E402
-from sides import versions  # noqa: E402
+from sides import machine, versions  # noqa: E402
 
 BENCH = "calculator_job"
 CONFIG = ROOT / "examples" / "calculator" / "config.toml"
@@ -49,28 +47,6 @@ CONFIG = ROOT / "examples" / "calculator" / "config.toml"
 VARIANTS = {"env": CONFIG, "agent": ROOT / "examples" / "agent_calculator" / "config.toml"}
 PRECISION = "int8"  # the example's own rollout.precision
 EDGE = 5  # training steps averaged at the start and at the end
-
-
-def machine() -> str:
-    """The CPU in words (model, cores, native bf16 / AMX) and whether a GPU was there."""
-    flags, model = set(), platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    native = ", ".join(x for x in ("avx512_bf16", "amx_bf16") if x in flags) or "no native bf16"
-    try:
-        import torch
-
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
-    except Exception:
-        gpu = "no GPU"
-    return f"{os.cpu_count()}-core {model} ({native}{'' if 'amx_bf16' in flags else ', no AMX'}), {gpu}"
 
 
 def called(answer: dict) -> bool:
@@ -96,6 +72,25 @@ def heldout(path: Path) -> dict:
                          "turns": [t["content"] for t in r.get("turns") or []]} for r in rows[:2]]}
 
 
+def training(metrics: Path) -> dict:
+    """The run's training steps from its metrics.jsonl: tool use and the environment's score over the first and the
+    last `edge` steps (EDGE, or half the steps of a shorter run, so the two ends never share a step)."""
+    steps = [json.loads(x) for x in metrics.read_text().splitlines()]
+    steps = [m for m in steps if "time/step" in m]
+    edge = max(1, min(EDGE, len(steps) // 2))
+    ep = lambda key, ms: mean([m.get(f"episode/{key}", float("nan")) for m in ms])  # noqa: E731
+    return {
+        "edge": edge,
+        "called_tool_frac_first": ep("called_tool_frac", steps[:edge]),
+        "called_tool_frac_last": ep("called_tool_frac", steps[-edge:]),
+        "called_tool_frac_curve": [m.get("episode/called_tool_frac") for m in steps],
+        "tool_errors": ep("tool_errors", steps), "tool_calls": ep("tool_calls", steps), "turns": ep("turns", steps),
+        "reward_curve": [m.get("reward/mean") for m in steps],
+        "environment_score_first": mean([m.get("reward/environment", float("nan")) for m in steps[:edge]]),
+        "environment_score_last": mean([m.get("reward/environment", float("nan")) for m in steps[-edge:]]),
+    }
+
+
 def calculator_run(args, seed: int, variant: str = "env") -> dict:
     """One whole run of the example (`variant`: VARIANTS); its held-out answers are copied to logs/<name>.evals/
     before the run directory is deleted."""
@@ -110,18 +105,7 @@ def calculator_run(args, seed: int, variant: str = "env") -> dict:
     res = one_run(args, seed, PRECISION, name=name, config=VARIANTS[variant], keep=keep, bf16_eval=False,
                   extra=tuple(args.set))
     res["variant"] = variant
-    steps = [json.loads(x) for x in (args.out_dir / "logs" / f"{name}.metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "time/step" in m]
-    ep = lambda key, ms: mean([m.get(f"episode/{key}", float("nan")) for m in ms])  # noqa: E731
-    res["train"] = {
-        "called_tool_frac_first": ep("called_tool_frac", steps[:EDGE]),
-        "called_tool_frac_last": ep("called_tool_frac", steps[-EDGE:]),
-        "called_tool_frac_curve": [m.get("episode/called_tool_frac") for m in steps],
-        "tool_errors": ep("tool_errors", steps), "tool_calls": ep("tool_calls", steps), "turns": ep("turns", steps),
-        "reward_curve": [m.get("reward/mean") for m in steps],
-        "environment_score_first": mean([m.get("reward/environment", float("nan")) for m in steps[:EDGE]]),
-        "environment_score_last": mean([m.get("reward/environment", float("nan")) for m in steps[-EDGE:]]),
-    }
+    res["train"] = training(args.out_dir / "logs" / f"{name}.metrics.jsonl")
     res["heldout"] = {int(p.stem.split("_")[1]): heldout(p) for p in sorted(kept.glob("step_*.jsonl"))}
     return res
 
@@ -130,10 +114,14 @@ def table(result: dict) -> str:
     f = lambda x, p=1: "-" if x is None or x != x else f"{x:.{p}f}"  # noqa: E731
     pc = lambda x: "-" if x is None or x != x else f"{100 * x:.0f}%"  # noqa: E731
     runs = result["runs"]
+    n = next((h["n"] for r in runs for h in r["heldout"].values()), 0)
+    edge = min((r["train"].get("edge", EDGE) for r in runs), default=EDGE)
+    how = ("episodes played through the environment, or by the agent program behind the endpoint (agent_ runs)"
+           if any(r.get("variant") == "agent" for r in runs) else "episodes played through the environment")
     out = [f"calculator example ({result['config']}), {result['steps']} steps per seed, {PRECISION} rollouts; "
            f"machine: {result['machine']}", "",
-           "held-out (greedy, 100 prompts, episodes played through the environment): accuracy, share of trajectories "
-           "that called the tool, and the accuracy of those that did / did not (correct of count)",
+           f"held-out (greedy, {n} prompts, {how}): accuracy, share of trajectories that called the tool, and the "
+           "accuracy of those that did / did not (correct of count)",
            f"{'run':<15} {'step':>5} {'acc':>5} {'called':>7} {'acc called':>14} {'acc not called':>16} "
            f"{'calls/traj':>11} {'errors/traj':>12} {'turns':>6}"]
     for r in runs:
@@ -142,9 +130,12 @@ def table(result: dict) -> str:
             no = f"{pc(h['not_called_accuracy'])} ({h['not_called_correct']}/{h['not_called_n']})"
             out.append(f"{r['name']:<15} {step:>5} {pc(h['accuracy']):>5} {pc(h['called_frac']):>7} {yes:>14} "
                        f"{no:>16} {f(h['tool_calls'], 2):>11} {f(h['tool_errors'], 2):>12} {f(h['turns'], 2):>6}")
+    first, last = f"1-{edge}" if edge > 1 else "1", f"-{edge}" if edge > 1 else "last"
     out += ["", "training (64 trajectories a step, temperature 1): called_tool_frac over the first and the last "
-                f"{EDGE} steps; tool errors, model turns per trajectory and s/step over the run",
-            f"{'run':<15} {'called 1-5':>11} {'called -5':>10} {'env score 1-5':>14} {'env score -5':>13} "
+                f"{edge} step{'s' if edge > 1 else ''}; tool errors, model turns per trajectory and s/step over the "
+                "run",
+            f"{'run':<15} {'called ' + first:>11} {'called ' + last:>10} {'env score ' + first:>14} "
+            f"{'env score ' + last:>13} "
             f"{'errors':>7} {'turns':>6} {'s/step':>7} {'wall min':>9}"]
     for r in runs:
         t = r["train"]
@@ -176,8 +167,11 @@ def main() -> None:
             run = kept_or_run(args, path, lambda: calculator_run(args, seed, variant))
             if run is None:
                 missing.append(path.stem)
-            else:
-                runs.append(run)
+                continue
+            metrics = args.out_dir / "logs" / f"{run['name']}.metrics.jsonl"
+            if metrics.is_file():  # a kept run is summarised as this version of the script summarises
+                run["train"] = training(metrics)
+            runs.append(run)
     argv = [a for a in sys.argv[1:] if a not in ("--resume", "--report")]
     result = {"command": shlex.join([".venv/bin/python", "bench/calculator_job.py", *argv]), "machine": machine(),
               "config": ", ".join(str(VARIANTS[v].relative_to(ROOT)) for v in args.variants),

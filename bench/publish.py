@@ -146,7 +146,8 @@ def calculator_job(d: dict) -> list[str]:
                     f(t["turns"]), f(r["s_per_step"], 1), f(r["process_s"] / 60, 1)]
                    for r in d["runs"] for t in [r["train"]]])
     n = next(iter(d["runs"][0]["heldout"].values()))["n"] if d["runs"] and d["runs"][0]["heldout"] else 100
-    edge = min(5, d["steps"])
+    edge = min((r["train"].get("edge", 5) for r in d["runs"]), default=5)
+    timed = f"steps 2-{d['steps']}" if d["steps"] > 2 else "step 2 (step 1 warms up)"
     train[0] = train[0].replace("first 5", f"first {edge}").replace("last 5", f"last {edge}")
     how = ("each episode played through the environment, or by the agent program behind the endpoint (`agent_` "
            "runs)" if any(r.get("variant") == "agent" for r in d["runs"]) else
@@ -156,8 +157,9 @@ def calculator_job(d: dict) -> list[str]:
                   "that did and did not (correct of count)."), "", *heldout, "",
             *wrap(f"Training ({d['steps']} steps, 64 trajectories a step at temperature 1): the share that called "
                   "the tool and the environment's score (1 for the exact product), means over the first and the "
-                  f"last {edge} steps; tool errors and model turns per trajectory over the run; seconds per step over "
-                  f"steps 2-{d['steps']}; wall time of the whole `qgrpo train` process."), "", *train]
+                  f"last {edge} step{'s' if edge > 1 else ''}; tool errors and model turns per trajectory over the "
+                  f"run; seconds per step over {timed}; wall time of the whole `qgrpo train` process."), "",
+            *train]
 
 
 def agent_endpoint(d: dict) -> list[str]:
@@ -483,6 +485,10 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("calculator_job", "The calculator example: learning to call a tool",
          "[examples/calculator/](../examples/calculator/) whole (SmolLM2-135M-Instruct, 3-digit multiplications, a "
          "`calculate` tool run by the environment, int8 rollouts), two seeds, one run at a time.", calculator_job),
+        ("calculator_job_agent_vs_env", "The calculator as an agent program, beside the environment",
+         "[examples/agent_calculator/](../examples/agent_calculator/) (the same task as an ordinary `openai` SDK "
+         "program with a `calculate` function tool, trained through the endpoint) and examples/calculator (the "
+         "in-process environment), the same settings and steps, seed by seed, one run at a time.", calculator_job),
         ("agent_endpoint", "The endpoint's cost per call",
          "What serving agents through the OpenAI-compatible endpoint costs against the in-process episode loop "
          "(bench/agent_endpoint.py).", agent_endpoint),
@@ -630,7 +636,8 @@ Each script writes its JSON under `bench/results/` and prints a table; run them 
   one-step-off and asynchronous rollouts with 1-16 actors, from the published stage times.
 - `bench/stream_scaling.py`: the tiny job synchronous and streamed (`algo.max_staleness`) with 1 and 2 rollout actors
   (`--actors 1 2 3 4 --ray-cpus 8`: more actors than cores, on a Ray node of 8 logical CPUs).
-- `bench/calculator_job.py`: the calculator example whole, per seed: held-out accuracy and tool use.
+- `bench/calculator_job.py`: the calculator example whole, per seed: held-out accuracy and tool use; `--variants
+  agent env` beside examples/agent_calculator, the same task as an agent program behind the endpoint.
 - `bench/gpu_speed.py` (CUDA): the torch generator per precision and decode loop (eager, CUDA graphs) against
   transformers' generate and the card's memory bound, and the learner's step against its matmul rate.
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -199,3 +200,25 @@ def versions() -> dict:
     git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
     out["qgrpo_commit"] = git("rev-parse", "HEAD") + (" (dirty)" if git("status", "--porcelain", "--", ".") else "")
     return out
+
+
+def machine() -> str:
+    """The CPU in words (model, cores, native bf16 / AMX) and whether a GPU was there."""
+    flags, model = set(), platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    native = ", ".join(x for x in ("avx512_bf16", "amx_bf16") if x in flags) or "no native bf16"
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    except Exception:
+        gpu = "no GPU"
+    return f"{os.cpu_count()}-core {model} ({native}{'' if 'amx_bf16' in flags else ', no AMX'}), {gpu}"
