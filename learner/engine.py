@@ -113,6 +113,10 @@ class Learner:
             model=model, optimizer=self.inner_optimizer, lr_scheduler=scheduler, config=s.deepspeed_config(
                 self.compute_dtype))
         self.engine.checkpoint_engine = _safe_checkpoint_engine()
+        if s.world_size == 1 and not s.zero_stage:
+            # One rank has nothing to average: DeepSpeed would still flatten every gradient into a buffer, all-reduce
+            # it over a group of one and copy it back, each step. (ZeRO's reduction also fills its partitions: kept.)
+            self.engine.enable_backward_allreduce = False
         if torch.device(self.engine.device).type != self.device.type:  # DeepSpeed chose another accelerator
             raise RuntimeError(f"learner: DeepSpeed placed the model on {self.engine.device}, the rank's device is "
                                f"{self.device}; unset DS_ACCELERATOR or set it to {self.device.type}")
@@ -180,8 +184,10 @@ class Learner:
                     # DeepSpeed's bf16 wrapper skips the inner step by itself on a non-finite gradient norm.
                     opt.veto, opt.applied = self._veto(checks), False
                     opt.reason = opt.veto or "grad_norm"
-                    norm = _grad_norm(self.engine.module) if self.compute_dtype == "fp32" and not self.zero_stage \
-                        else None  # DeepSpeed's fp32 path clips without keeping the norm (ZeRO keeps it)
+                    # DeepSpeed's fp32 path at ZeRO-0 would clip tensor by tensor without keeping the norm: the
+                    # learner clips there itself, in one foreach pass that gives the norm (settings.deepspeed_config).
+                    norm = _clip(self.engine.module, self.settings.grad_clip) \
+                        if self.compute_dtype == "fp32" and not self.zero_stage else None
                 self.engine.step()
                 _lap(clock, "optimizer", t)
                 loss_total += loss.detach().item()
@@ -311,10 +317,14 @@ class Learner:
         self.version = version
 
 
-def _grad_norm(module) -> float:
-    """The global norm of the gradients as the backward left them (before clipping)."""
+def _clip(module, max_norm: float) -> float:
+    """Clip the gradients to a global norm of `max_norm` (0: no clipping); their norm before clipping."""
     grads = [p.grad for p in module.parameters() if p.grad is not None]
-    return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if not grads:
+        return 0.0
+    if max_norm > 0:
+        return float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=True))
+    return float(torch.nn.utils.get_total_norm(grads, foreach=True))
 
 
 def _lap(clock: dict, stage: str, since: float) -> float:

@@ -67,7 +67,8 @@ class LearnerSettings:
             "bf16": {"enabled": dtype == "bf16"},
             "zero_optimization": {"stage": self.zero_stage},
             "zero_allow_untested_optimizer": True,  # GuardedAdamW: torch's AdamW plus a veto (ZeRO checks the type)
-            "gradient_clipping": self.grad_clip,
+            # fp32 at ZeRO-0: the learner clips itself (learner/engine.py: _clip), in one pass that keeps the norm
+            "gradient_clipping": 0.0 if dtype == "fp32" and not self.zero_stage else self.grad_clip,
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
