@@ -1,6 +1,7 @@
-"""The real learner (DeepSpeed, BF16, one rank, in-process) on a GRPO batch, variants side by side in one run:
-seconds per step split into forward / backward / optimizer, useful FLOP/s against the bf16 matmul ceiling measured
-by this same script at the learner's own shapes, and each variant's peak RSS.
+"""The real learner (DeepSpeed, one rank, in-process, in the dtype it computes in on this machine: bf16 where the CPU
+has it natively, else fp32) on a GRPO batch, variants side by side in one run: seconds per step split into forward /
+backward / optimizer, useful FLOP/s against the matmul ceiling in that dtype measured by this same script at the
+learner's own shapes, and each variant's peak RSS.
 
     .venv/bin/python bench/learner_profile.py [--groups 4 --group-size 8 --prompt-len 70 --completion-len 64]
 
@@ -15,8 +16,8 @@ sequences into two micro-batches of 16 (gradient accumulation), longest first; `
 prompt (learner.shared_prompt = false: one causal forward without a cache or a mask, as TRL does); `padded
 suffixes` runs the completions right-padded to the longest (the shared-prompt pass before packing: no seq_lens);
 `plain torch`
-is the same model, batch, log-probs and loss with a torch AdamW on bf16 weights and no DeepSpeed (no fp32 master
-weights): what the DeepSpeed engine costs.
+is the same model, batch, log-probs and loss, the learner's own optimizer object and torch's gradient clipping, and no
+DeepSpeed: what the DeepSpeed engine costs (in bf16 without fp32 master weights, which DeepSpeed's bf16 mode keeps).
 """
 from __future__ import annotations
 
@@ -84,17 +85,18 @@ def useful_flops(cfg, args, lens) -> float:
     return 3 * fwd
 
 
-def matmul_ceiling(cfg, tokens: int, threads: int) -> dict:
-    """bf16 matrix products at the learner's shapes (tokens x hidden times hidden x {intermediate, vocab chunk}, and
-    the transposed weight-gradient shape); the best is the ceiling."""
+def matmul_ceiling(cfg, tokens: int, threads: int, dtype=None) -> dict:
+    """Matrix products (bf16 unless `dtype` says otherwise) at the learner's shapes (tokens x hidden times hidden x
+    {intermediate, vocab chunk}, and the transposed weight-gradient shape); the best is the ceiling."""
     import torch
 
+    dtype = dtype or torch.bfloat16
     torch.set_num_threads(threads)
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     shapes = {"x@W_mlp": (tokens, H, I), "x@W_head(1024)": (1024, H, V), "dY^T@x (grad)": (I, tokens, H)}
     out = {}
     for name, (m, k, n) in shapes.items():
-        a, b = torch.randn(m, k, dtype=torch.bfloat16), torch.randn(k, n, dtype=torch.bfloat16)
+        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
         for _ in range(2):
             a @ b
         reps, t0 = 0, time.perf_counter()
@@ -178,18 +180,28 @@ def run_variant(args) -> None:
 
 
 def plain_torch(path: str, b, steps: int) -> dict:
-    """The learner's forward, loss and backward without DeepSpeed: bf16 weights, torch AdamW on them."""
+    """The learner's forward, loss and backward without DeepSpeed, in the dtype the learner computes in here
+    (core/cpu.py): its own optimizer object (learner/optim.py: torch's AdamW with the guard; in fp32 over bf16-valued
+    weights with fp32 masters, as the learner keeps them) and torch's gradient clipping at 1.0. In bf16 the AdamW
+    steps the bf16 weights themselves: no fp32 masters, less work than DeepSpeed's bf16 mode does."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from qgrpo.core.cpu import compute_dtype, torch_dtype
     from qgrpo.core.scoring import token_logprobs
     from qgrpo.learner.objective.loss import aggregation_weights, grpo_loss
     from qgrpo.learner.objective.settings import ObjectiveSettings
+    from qgrpo.learner.optim import guarded_optimizer
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="eager")
+    dtype, _ = compute_dtype("auto", "cpu")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="eager")
+    if dtype == "fp32":  # bf16 values held in fp32, as the learner starts
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
     model.config.use_cache = False
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    opt = guarded_optimizer("adamw", list(model.parameters()), round_weights=dtype == "fp32", lr=1e-6)
     out = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -201,6 +213,7 @@ def plain_torch(path: str, b, steps: int) -> dict:
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         t3 = time.perf_counter()
@@ -225,7 +238,11 @@ def main() -> None:
     _, lens = batch(args, cfg.vocab_size)
     flops = useful_flops(cfg, args, lens)
     load0 = os.getloadavg()[0]
-    ceiling = matmul_ceiling(cfg, args.groups * args.group_size * (args.completion_len + 1), args.threads)
+    from qgrpo.core.cpu import compute_dtype, torch_dtype
+
+    dtype, _ = compute_dtype("auto", "cpu")
+    ceiling = matmul_ceiling(cfg, args.groups * args.group_size * (args.completion_len + 1), args.threads,
+                             torch_dtype(dtype))
     best = max(ceiling.values())
     rows = []
     for name in args.variants.split(","):
@@ -238,9 +255,9 @@ def main() -> None:
         print(f"  {name}: {med['total']:.2f} s/step", file=sys.stderr, flush=True)
     load1 = os.getloadavg()[0]
     head = (f"learner: {args.model}, {args.groups} prompts x {args.group_size} completions, prompt {args.prompt_len} + "
-            f"completion {args.len_spread:.0%}-100% of {args.completion_len} tokens, bf16, DeepSpeed ZeRO-0, 1 rank, "
-            f"{args.threads} threads; "
-            f"median of steps 2-{args.steps}\nuseful work {flops / 1e12:.2f} TFLOP per step; bf16 matmul ceiling "
+            f"completion {args.len_spread:.0%}-100% of {args.completion_len} tokens, {dtype}, DeepSpeed ZeRO-0, "
+            f"1 rank, {args.threads} threads; "
+            f"median of steps 2-{args.steps}\nuseful work {flops / 1e12:.2f} TFLOP per step; {dtype} matmul ceiling "
             f"measured here {best / 1e12:.2f} TFLOP/s (" + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in ceiling.items())
             + f"); load average {load0:.1f} -> {load1:.1f}")
     lines = [head, f"{'variant':<26}{'fwd s':>7}{'bwd s':>7}{'opt s':>7}{'step s':>8}{'TFLOP/s':>9}"

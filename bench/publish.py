@@ -321,6 +321,26 @@ def learner_profile(d: dict) -> list[str]:
             *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])]
 
 
+def learner_ops(d: dict) -> list[str]:
+    """bench/learner_ops.py: one learner step under torch.profiler, operators' own time by bucket, per batch shape."""
+    out: list[str] = []
+    for r in d["shapes"]:
+        s, best = r["shape"], max(r["ceiling_flops"].values())
+        rows = []
+        for k, sec in sorted(r["seconds"].items(), key=lambda kv: -kv[1]):
+            fl = r["matmul_flop"].get(k, 0.0)
+            rows.append([k, f(sec), pct(sec / r["profiled_s"], 1), f(fl / sec / 1e9, 1) if fl and sec else None,
+                         pct(fl / sec / best, 1) if fl and sec else None])
+        out += [*wrap(f"**{r['name']}**: {s['groups']} prompts x {s['group_size']} completions, prompts of "
+                      f"{s['prompt_len']} tokens, completions {s['len_spread']:.0%}-100% of {s['completion_len']}"
+                      f"{', gradient checkpointing' if s['gradient_checkpointing'] else ''}; the learner computes in "
+                      f"{r['compute_dtype']} here. Step {f(r['step_s'])} s ({f(r['profiled_s'])} s profiled); useful "
+                      f"work {r['useful_tflop']:.3f} TFLOP = {pct(r['useful_tflop'] * 1e12 / r['step_s'] / best, 1)} "
+                      f"of the fastest {r['compute_dtype']} product timed at these shapes ({best / 1e9:.0f} GFLOP/s)."),
+                "", *table(["bucket", "s", "share", "GFLOP/s", "of the ceiling"], rows), ""]
+    return out[:-1]
+
+
 def rollout_backends(d: dict) -> list[str]:
     """bench/rollout_backends.py: the torch, vLLM and MLX generators' speed, one sync each, their weight bytes."""
     gen = {(g["variant"], g["shape"]): g["tokens_per_s"] for g in d["generation"]}
@@ -557,6 +577,11 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The real learner (DeepSpeed ZeRO-0, bf16, one rank, in-process) on the TRL comparison's batch, each "
          "variant in a process of its own; each run compares its own VARIANTS (the rows with its number).",
          learner_profile),
+        ("learner_ops", "Where the learner's step goes, by operator",
+         "One step of the real learner (DeepSpeed ZeRO-0, one rank) under torch.profiler at the default job's batch "
+         "and at the TRL comparison's; each operator's own time in one bucket (matrix products of the decoder and of "
+         "the log-prob head with their FLOP rate, attention, the head's softmax and gather, elementwise work, copies, "
+         "DeepSpeed's own work, the optimizer, Python).", learner_ops),
         ("learner_packed", "Packed completions",
          "The learner on the default job's batch shape, each group's completions packed into one row against "
          "padded suffixes.", learner_profile),
@@ -630,7 +655,7 @@ Each script writes its JSON under `bench/results/` and prints a table; run them 
 - `make bench-trl` (`bench/vs_trl.py`): qgrpo against TRL's GRPOTrainer; `ARGS=--quick` for a smoke run.
 - `bench/rollout_backends.py`: the torch, vLLM and MLX generators, one sync each, their weight bytes.
 - `bench/learner_profile.py`, `bench/learner_memory.py`, `bench/learner_step.py`: the learner's step, memory and
-  shared-prompt forward.
+  shared-prompt forward; `bench/learner_ops.py`: where its step goes, by operator.
 - `bench/weight_transport.py`: the object-store and collective weight transports; `--adapters` for LoRA syncs.
 - `bench/async_sim.py`: a model (no Ray) projecting steps per hour and learner utilisation for synchronous,
   one-step-off and asynchronous rollouts with 1-16 actors, from the published stage times.
