@@ -50,9 +50,8 @@ COPIES = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::fi
           "aten::zeros_like", "aten::empty_like", "aten::index", "aten::index_put_", "aten::_unsafe_view",
           "aten::contiguous", "aten::stack", "aten::full", "aten::zeros", "aten::ones", "aten::new_zeros"}
 WAITS = ("<built-in method acquire of _thread.lock", "<built-in method acquire of _thread.RLock")
-HEAD_BACKWARD = ("LogSoftmaxBackward", "GatherBackward", "LogsumexpBackward", "SoftmaxBackward0_head")
-ATTENTION_BACKWARD = ("BmmBackward", "SoftmaxBackward", "ScaledDotProductAttention", "ScaledDotProductFlash",
-                      "MaskedFillBackward", "_ScaledDotProduct")
+HEAD_BACKWARD = ("LogSoftmaxBackward", "GatherBackward", "LogsumexpBackward")
+ATTENTION_BACKWARD = ("BmmBackward", "SoftmaxBackward", "ScaledDotProduct", "MaskedFillBackward")
 
 
 def default_shape(config: Path) -> dict:
@@ -205,7 +204,7 @@ def run_shape(args) -> None:
         learner.train_step(b)
         profiled = time.perf_counter() - t0
     seconds, flops, per_thread = defaultdict(float), defaultdict(float), defaultdict(float)
-    top: dict = defaultdict(lambda: [0.0, 0, ""])
+    top: dict = defaultdict(lambda: [0.0, 0])  # (name, bucket) -> [own seconds, calls]
     for e in prof.events():
         k = bucket(e, cfg.vocab_size)
         if k == "waiting":
@@ -230,14 +229,14 @@ def run_shape(args) -> None:
 
 def ceiling(args, shape: dict, dtype: str) -> dict:
     """Matrix-product rates (FLOP/s) at the learner's shapes of `shape`, in its compute dtype."""
-    import torch
     from transformers import AutoConfig
 
+    from qgrpo.core.cpu import torch_dtype
     from qgrpo.rollout.models import resolve_model_path
 
     cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
     tokens = shape["groups"] * shape["group_size"] * (shape["completion_len"] + 1)
-    return matmul_ceiling(cfg, tokens, args.threads, {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype])
+    return matmul_ceiling(cfg, tokens, args.threads, torch_dtype(dtype))
 
 
 def table(result: dict) -> str:

@@ -319,12 +319,12 @@ class Learner:
 
 def _clip(module, max_norm: float) -> float:
     """Clip the gradients to a global norm of `max_norm` (0: no clipping); their norm before clipping."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if not grads:
+    params = [p for p in module.parameters() if p.grad is not None]
+    if not params:
         return 0.0
     if max_norm > 0:
-        return float(torch.nn.utils.clip_grad_norm_(module.parameters(), max_norm, foreach=True))
-    return float(torch.nn.utils.get_total_norm(grads, foreach=True))
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
+    return float(torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True))
 
 
 def _lap(clock: dict, stage: str, since: float) -> float:
