@@ -77,8 +77,8 @@ def test_an_update_between_two_steps_samples_the_rest_with_the_new_weights(tiny_
     new = _two_token_head(tiny_model_path)
     at = []
 
-    def boundary():  # what the gate does: apply the load waiting, here at the 7th boundary (graph loop: the 3rd)
-        if not at and len(seen) >= (2 if loop == "graphs" else 6):
+    def boundary():  # what the gate does: apply the load waiting, here at the 7th boundary
+        if not at and len(seen) >= 6:
             gen.load_weights(1, new)
             at.append(len(seen))
         seen.append(0)
@@ -88,7 +88,7 @@ def test_an_update_between_two_steps_samples_the_rest_with_the_new_weights(tiny_
     groups = gen.generate(ITEMS, SAMPLING)
     assert at, "no step boundary reached"
     (col,) = [c for c, v in gen._changes if v == 1]
-    assert col == (1 + 3 * 3 if loop == "graphs" else 7)  # a boundary before each column; the graphs' every 3
+    assert col == 7  # a boundary before each column (the graph loop's too, between its looks every 3 steps)
     mixed = 0
     for g0, g in zip(before, groups):
         assert g.policy_version == 0  # the version the call began with

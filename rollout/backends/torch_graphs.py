@@ -207,9 +207,11 @@ class GraphDecoder:
         their mask), `logits` [N*group, V] float32 of each row's first token; -> sampled tokens and log-probs
         [N*group, <= max_new] on the CPU, rows padded after their stop token (log-prob 0), as the eager loop returns.
         `stop_ids`: the generator's stop tokens, where they changed since the decoder was made. `boundary(column)`:
-        called at each look at the finished rows, before output column `column` is decoded, to apply a weight update
+        called before output column `column` is decoded, to apply a weight update
         that arrived during the call (TorchGenerator._boundary); True if the weights changed, and if their addresses
-        moved with them (adapters, a replaced layer) the step's view is made again and its graphs captured again."""
+        moved with them (adapters, a replaced layer) the step's view is made again and its graphs captured again.
+        It is called between every two steps, as the eager loop calls it (a completion of a few tokens can take a
+        load in flight too), and costs a Python call where no load waits."""
         n, p = attn.shape
         B, L, dev = n * group, max_new, attn.device
         first = cache.layers[0].keys
@@ -245,6 +247,10 @@ class GraphDecoder:
         b, i = bucket_for(B), 1
         while i < L:
             for _ in range(min(CHECK_EVERY, L - i)):
+                # A weight load waiting runs here, before column i, without waiting for the GPU: its copies are
+                # queued on this stream after the replays already queued, so column i is the new weights'.
+                if boundary is not None and boundary(i):
+                    self._refresh()
                 self._run_step(b, sp)
                 i += 1
             if i >= L:
@@ -254,8 +260,6 @@ class GraphDecoder:
                 break
             if bucket_for(n_live) < b:
                 b = self._compact(b, bucket_for(n_live))
-            if boundary is not None and boundary(i):
-                self._refresh()
         toks, lps = self.out_tok[:B, :i].cpu(), self.out_lp[:B, :i].cpu()
         return _trim(toks, lps, self.stop_ids)
 
