@@ -1,17 +1,18 @@
 """fp8 layers for the torch generator on CUDA (rollout/quant.py's ``torch.fp8_scaled_mm`` path): float8_e4m3fn
 weights with one float32 scale per row, and the two ways a product reads them.
 
-- **A decode step's rows**, where ``FP8_DECODE = "weight_only"`` (CUDA, bf16 activations, at most
+- **A decode step's rows** (the default ``FP8_DECODE = "weight_only"``; CUDA, bf16 activations, at most
   ``FP8_WEIGHT_ONLY_ROWS`` rows, Triton at hand): the weight-only kernel of rollout/w8_triton.py. It reads the fp8
   codes, converts them to bf16 in registers and accumulates in fp32: the activations stay bf16. Why: such a product is
-  bound by the weight's bytes and by kernel launches, not by arithmetic. The W8A8 product below spends five kernels
-  quantizing the activations before its one product; on an H200 (CUDA graphs, 8-64 rows) fp8 decode through it ran at
-  0.53-0.57x bf16's tokens/s, while the same weight-only kernel on int8 codes ran at 0.93-1.01x. Weight-only is also the
-  more exact of the two (only the weight is rounded), so fp8's bounds against the bf16 model hold a fortiori. Not yet
-  run on a GPU, so not the default: bench/gpu_speed.py's precision ``fp8/weight_only`` measures it beside ``fp8``.
-- **Every other call** (the default ``FP8_DECODE = "scaled_mm"``; prefill, more rows, float32 activations): W8A8, the
-  activations quantized per token (absmax scaling) and the product on float8 tensor cores by ``torch._scaled_mm``
-  (row-wise scales, bf16 out), where its arithmetic rate pays.
+  bound by the weight's bytes and by kernel launches, not by arithmetic. The W8A8 product below spends four kernels
+  quantizing the activations before its one product. On an H200 (bench/gpu_speed.py, the fused step in CUDA graphs,
+  a 1.3B model) fp8 decoded 4,643 / 10,214 / 24,849 tokens/s at 8 / 16 / 64 rows this way against 2,166 / 3,590 /
+  15,866 through W8A8; alone (bench/gpu_matmuls.py) the weight-only product of the fused gate/up projection at 8 rows
+  took 14.8 us against W8A8's 27.0 and bf16's 18.1. Weight-only is also the more exact of the two (only the weight is
+  rounded), so fp8's bounds against the bf16 model hold a fortiori.
+- **Every other call** (prefill, more rows, float32 activations; every call with ``FP8_DECODE = "scaled_mm"``): W8A8,
+  the activations quantized per token (absmax scaling) and the product on float8 tensor cores by
+  ``torch._scaled_mm`` (row-wise scales, bf16 out), where its arithmetic rate pays.
 
 Both read the layer's live codes and scales, so a weight sync that copies into them (rollout/quant.py:
 ``requantize_in_place``) changes what a captured CUDA graph computes. Neither has a host synchronisation or a branch
@@ -25,9 +26,9 @@ import torch
 from torch import nn
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no infinity: larger values would become NaN)
-# How a decode step's fp8 products run on CUDA: "scaled_mm" (W8A8 for every call, as run on an H200) or "weight_only"
-# (rollout/w8_triton.py, at most FP8_WEIGHT_ONLY_ROWS bf16 rows; bench/gpu_speed.py's precision "fp8/weight_only").
-FP8_DECODE = "scaled_mm"
+# How a decode step's fp8 products run on CUDA: "weight_only" (rollout/w8_triton.py, at most FP8_WEIGHT_ONLY_ROWS
+# bf16 rows; measured faster on an H200 at 8-64 rows, above) or "scaled_mm" (W8A8 for every call).
+FP8_DECODE = "weight_only"
 FP8_WEIGHT_ONLY_ROWS = 64
 # A token's scale maps its largest magnitude to just under 448, so that the quotient never rounds past the largest
 # finite e4m3fn value (a cast beyond it gives NaN) and no clamp is needed: one kernel fewer per product.
