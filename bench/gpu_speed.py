@@ -16,8 +16,9 @@ layers at that width, so the same operators per decode step (`ops/step`; on a CP
 eagerly). Weights are random, so the text is noise: only speed is measured. Every completion runs the full
 `--max-new-tokens` (the generator's stop ids are emptied; the table's `full` says whether each run did).
 
-Generation: variants are precision (`--precisions`; `fp8/weight_only` is fp8 with a decode step's products through the
-weight-only kernel instead of W8A8 `torch._scaled_mm`: rollout/fp8.py) x decode loop: `eager` is the generator's
+Generation: variants are precision (`--precisions`; `fp8` runs a decode step's products as the generator does by
+default, `fp8/weight_only` through the weight-only kernel, `fp8/scaled_mm` as W8A8 `torch._scaled_mm`: rollout/fp8.py)
+x decode loop: `eager` is the generator's
 static-cache loop (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA graphs (the generator's
 `cuda_graphs` option; where it cannot, it falls back and says why: the `note` column), `graphs_fused` the graphs of the
 step in fewer operators (rollout/backends/torch_fused.py, the `fused_step` option, with the Triton kernels of
@@ -36,8 +37,12 @@ tokens), so rows / (those bytes / the card's read bandwidth, measured here as a 
 `--bandwidth-gib` buffer) is the most a decode step can give; `of bound` decode tok/s over the variant's own bound,
 `of bf16` over bf16's bound at the same rows; `vs eager` graphs over eager, `vs bf16` the precision over bf16 (same loop
 and rows), `vs generate` over transformers' generate at the same rows (tok/s ratios); `ops/step` the ATen operators
-of one decode step other than views (about one kernel each on a GPU; `--profile`, at the first `--rows` value) and
-`kernel ms/step` their GPU time (CUDA), both from the step run eagerly.
+of one decode step other than views (about one kernel each on a GPU; `--profile`, at the first `--rows` value),
+`kernels/step` the GPU kernels the profiler saw per step and `kernel ms/step` their GPU time (CUDA), all from the step
+run eagerly; `kernels' read rate` the bytes a step must read (the bound's) over that kernel time, as a share of the
+measured read bandwidth (how close the kernels themselves come to the bound, launch gaps aside). The JSON's
+`kernel_top` lists the step's costliest kernels (launches, microseconds per step and per launch), and a second table
+prints the first six per profiled row.
 
 Learner (`--learner`, on by default on CUDA): one full training step of the learner (qgrpo.learner.engine.Learner,
 DeepSpeed ZeRO-0, one rank; without DeepSpeed installed, `plain`: the same log-probs and GRPO loss with a torch AdamW
@@ -287,9 +292,10 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
     base = {"variant": "torch", "precision": precision, "loop": loop}
     out = []
     gen = None
-    served, _, route = precision.partition("/")  # "fp8/weight_only": fp8 decode through the weight-only kernel
+    served, _, route = precision.partition("/")  # "fp8/scaled_mm", "fp8/weight_only": fp8 decode's route
+    held = fp8.FP8_DECODE
     try:
-        fp8.FP8_DECODE = route or "scaled_mm"
+        fp8.FP8_DECODE = route or held
         if "cuda" in args.device:
             torch.cuda.reset_peak_memory_stats()
         (gen, note), load_s = timed(lambda: make_generator(path, served, args.device, loop), args.device)
@@ -335,12 +341,13 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
         emit()
     finally:
         gen = None
-        fp8.FP8_DECODE = "scaled_mm"
+        fp8.FP8_DECODE = held
         torch_fused.KERNELS = True
         release(args.device)
     return out
 
 
+KERNEL_TOP = 15  # the step's kernels by GPU time kept per profiled row (`kernel_top`)
 UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided"}  # ATen: no kernel
 
 
@@ -403,14 +410,15 @@ def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
                 setattr(m, k, kernel)
         return Count.n + w8_triton.LAUNCHES[0] + triton_step.LAUNCHES[0] - launched  # Triton's launches: not ATen's
 
-    def kernel_us(new: int) -> float:
+    def kernel_us(new: int) -> dict[str, tuple[int, float]]:
+        """{kernel name: (launches, GPU microseconds)} of one call."""
         from torch.profiler import ProfilerActivity, profile
 
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as p:
             call(new)
             torch.cuda.synchronize()
-        return sum(e.device_time_total for e in p.key_averages())
+        return {e.key: (e.count, e.device_time_total) for e in p.key_averages() if e.device_time_total > 0}
 
     graphs = getattr(gen, "graphs", None)
     held = graphs.fallback if graphs is not None else None
@@ -419,7 +427,14 @@ def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
     try:
         out = {"ops_per_step": (ops(steps + 1) - ops(1)) / steps}
         if "cuda" in device:
-            out["kernel_ms_per_step"] = (kernel_us(steps + 1) - kernel_us(1)) / steps / 1000
+            long, short = kernel_us(steps + 1), kernel_us(1)
+            per = {k: ((n - short.get(k, (0, 0.0))[0]) / steps, (us - short.get(k, (0, 0.0))[1]) / steps)
+                   for k, (n, us) in long.items()}
+            per = {k: v for k, v in per.items() if v[0] > 0}
+            out["kernel_ms_per_step"] = sum(us for _, us in per.values()) / 1000
+            out["kernels_per_step"] = sum(n for n, _ in per.values())
+            out["kernel_top"] = [{"kernel": k[:160], "launches_per_step": n, "us_per_step": us, "us_each": us / n}
+                                 for k, (n, us) in sorted(per.items(), key=lambda kv: -kv[1][1])[:KERNEL_TOP]]
     finally:
         if graphs is not None:
             graphs.fallback = held
@@ -513,6 +528,10 @@ def add_bounds_and_speedups(rows: list[dict], model: dict, bandwidth: float, con
         if own:
             r["bound"] = decode_bound(own, model, r["rows"], ctx, bandwidth)
             r["share_of_bound"] = speed / r["bound"]["tokens_per_s"]
+            if r.get("kernels_per_step") and r.get("kernel_ms_per_step"):
+                # what a step must read, spread over its kernels, and the rate its kernels read it at
+                r["bytes_per_kernel"] = r["bound"]["step_bytes"] / r["kernels_per_step"]
+                r["kernel_read_share"] = r["bound"]["step_bytes"] / (r["kernel_ms_per_step"] / 1000) / bandwidth
         if bf16_linear:
             r["bf16_bound_tokens_per_s"] = decode_bound(bf16_linear, model, r["rows"], ctx, bandwidth)["tokens_per_s"]
             r["share_of_bf16_bound"] = speed / r["bf16_bound_tokens_per_s"]
@@ -669,7 +688,8 @@ def fmt(x, spec: str) -> str:
 
 def table(res: dict) -> str:
     head = ["precision", "loop", "rows", "load s", "warm-up s", "s", "full", "tok/s", "decode tok/s", "bound tok/s",
-            "of bound", "of bf16", "vs eager", "vs bf16", "vs generate", "ops/step", "kernel ms/step", "note"]
+            "of bound", "of bf16", "vs eager", "vs bf16", "vs generate", "ops/step", "kernels/step", "kernel ms/step",
+            "kernels' read rate", "note"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in res["generation"]:
         kernels = r.get("decode_kernels")
@@ -683,9 +703,18 @@ def table(res: dict) -> str:
                  fmt(r.get("bound", {}).get("tokens_per_s"), ".0f"), fmt(r.get("share_of_bound"), ".1%"),
                  fmt(r.get("share_of_bf16_bound"), ".1%"), fmt(r.get("speedup_vs_eager"), ".2f"),
                  fmt(r.get("speedup_vs_bf16"), ".2f"), fmt(r.get("speedup_vs_generate"), ".2f"),
-                 fmt(r.get("ops_per_step"), ".0f"), fmt(r.get("kernel_ms_per_step"), ".2f"),
+                 fmt(r.get("ops_per_step"), ".0f"), fmt(r.get("kernels_per_step"), ".0f"),
+                 fmt(r.get("kernel_ms_per_step"), ".2f"), fmt(r.get("kernel_read_share"), ".1%"),
                  str(note).replace("|", "/")[:120]]
         lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    profiled = [r for r in res["generation"] if r.get("kernel_top")]
+    if profiled:
+        lines += ["", "| precision | loop | rows | kernel | launches/step | us/step | us each |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in profiled:
+            for k in r["kernel_top"][:6]:
+                lines.append(f"| {r['precision']} | {r['loop']} | {r['rows']} | {k['kernel'][:70].replace('|', '/')} | "
+                             f"{k['launches_per_step']:.0f} | {k['us_per_step']:.1f} | {k['us_each']:.2f} |")
     ln = res.get("learner")
     if ln:
         lines += ["", "| learner | micro | step s | tokens/s | model TFLOP/s | of matmul | peak GiB | note |",
@@ -704,7 +733,7 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="1.3b")
     ap.add_argument("--tokenizer", default="builtin:smollm2-135m-instruct",
                     help="a tokenizer folder or builtin:NAME (its vocabulary is the model's)")
-    ap.add_argument("--precisions", default="bf16,int8,int4,fp8,fp8/weight_only")
+    ap.add_argument("--precisions", default="bf16,int8,int4,fp8/scaled_mm,fp8/weight_only")
     ap.add_argument("--loops", default="eager,graphs,graphs_fused")
     ap.add_argument("--rows", default="8,16,64")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -726,9 +755,9 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--learner-reserve-s", type=float, default=60.0)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_speed.json"))
     args = ap.parse_args(argv)
-    routed = [p for p in args.precisions.split(",") if "/" in p and p != "fp8/weight_only"]
+    routed = [p for p in args.precisions.split(",") if "/" in p and p not in ("fp8/weight_only", "fp8/scaled_mm")]
     if routed:
-        ap.error(f"--precisions: {', '.join(routed)}: the only routed precision is fp8/weight_only")
+        ap.error(f"--precisions: {', '.join(routed)}: the routed precisions are fp8/weight_only and fp8/scaled_mm")
     import torch
 
     args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")

@@ -82,3 +82,16 @@ def test_only_fp8_takes_a_route():
     gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,fp8/weight_only"])
     with pytest.raises(SystemExit):
         gpu_speed._parse(["--device", "cpu", "--precisions", "bf16,int8/weight_only"])
+
+
+def test_a_profiled_rows_kernels_share_the_steps_bytes():
+    """What a step must read, spread over the kernels the profiler counted, and the rate those kernels read it at
+    (kernel time only, launch gaps aside) as a share of the measured bandwidth."""
+    model = {"layers": 28, "hidden": 1536, "kv_heads": 2, "head_dim": 128}
+    row = {"variant": "torch", "precision": "bf16", "loop": "graphs_fused", "rows": 8, "tokens_per_s": 3000.0,
+           "decode_tokens_per_s": 4000.0, "linear_bytes": 2.8e9, "kernels_per_step": 330, "kernel_ms_per_step": 1.6}
+    gpu_speed.add_bounds_and_speedups([row], model, bandwidth=4.0e12, context_of=lambda rows: 100.0)
+    step = row["bound"]["step_bytes"]
+    assert row["bytes_per_kernel"] == pytest.approx(step / 330)
+    assert row["kernel_read_share"] == pytest.approx(step / 1.6e-3 / 4.0e12)
+    assert "| bf16 | graphs_fused | 8 |" in gpu_speed.table({"generation": [row]})
