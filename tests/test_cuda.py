@@ -233,6 +233,75 @@ def test_qlora_learner_trains_its_adapters_on_the_gpu(cuda_learner, tiny_model_p
     assert all(torch.isfinite(t.float()).all() for _, t in learner.named_weights())
 
 
+def test_the_agent_endpoint_serves_the_gpu_generator_and_an_update_splits_a_calls_versions(tiny_model_path):
+    """The OpenAI-compatible endpoint (rollout/endpoint/) over the torch generator on CUDA, decoding through the
+    fused step's CUDA graphs behind the rollout actor's UpdateGate: a token-in call answers the served model's own
+    log-probs, and a load sent while a call decodes lands at the next graph-step boundary, the answer's
+    weight-version spans saying which tokens each version sampled."""
+    import threading
+    import time
+
+    import httpx
+    from transformers import AutoModelForCausalLM
+
+    from qgrpo.actors.update_gate import UpdateGate
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+    from qgrpo.rollout.endpoint.local import serve_local
+
+    gen = TorchGenerator(tiny_model_path, "int8", device="cuda:0", chat_template=False,
+                         options={"cuda_graphs": True, "fused_step": True})
+    gate = UpdateGate(gen)
+
+    class Gated:  # RolloutActor.complete: each call holds the gate; a load meanwhile runs at a step boundary
+        def continue_ids(self, sequences, sampling):
+            return gate.call(lambda: gen.continue_ids(sequences, sampling))
+
+        def __getattr__(self, name):
+            return getattr(gen, name)
+
+    local = serve_local([Gated()], max_tokens=16)
+    try:
+        ids = gen.tokenizer("3+4=")["input_ids"]
+        r = httpx.post(f"{local.address}/inference/v1/generate", timeout=60, json={
+            "token_ids": ids, "sampling_params": {"max_tokens": 8, "temperature": 1.0}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        out, lps = choice["token_ids"], [x["logprob"] for x in choice["logprobs"]["content"]]
+        assert out and len(lps) == len(out) and gen.decode_info()["loop"] == "graphs", gen.decode_info()
+        from qgrpo.core.scoring import token_logprobs
+
+        full = torch.tensor([ids + out], device="cuda:0")
+        ref = token_logprobs(gen.model, full)[0, len(ids):].float().cpu()
+        assert (ref - torch.tensor(lps)).abs().max() < 0.05  # what the served (int8) model computes
+
+        new = [(n, p.detach()) for n, p in AutoModelForCausalLM.from_pretrained(
+            tiny_model_path, dtype=torch.bfloat16).named_parameters()]  # the same values, a new version
+        version, res = gen.policy_version, {}
+        gen.stop_ids = [-1]  # no token is -1: the call runs its max_tokens (the endpoint keeps the real stop ids)
+        gate.delay = 0.05  # a decode step every 50 ms at least: the call lasts long enough for the load to land
+        try:
+            t = threading.Thread(target=lambda: res.setdefault("r", httpx.post(
+                f"{local.base_url}/completions", timeout=60, json={
+                    "model": "qgrpo-policy", "prompt": "1+2=", "max_tokens": 24, "temperature": 1.0})))
+            t.start()
+            deadline = time.monotonic() + 30
+            while not gate.busy and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.15)
+            gate.load(lambda: gen.load_weights(version + 1, new))
+            t.join(60)
+        finally:
+            gate.delay = 0.0
+        assert gate.applied_mid_call == 1 and gen.policy_version == version + 1
+        assert res["r"].status_code == 200, res["r"].text
+        choice = res["r"].json()["choices"][0]
+        spans, n = choice["weight_versions"], len(choice["token_ids"])
+        assert [s["version"] for s in spans] == [str(version), str(version + 1)], spans
+        assert spans[0]["start"] == 0 and 0 < spans[0]["end"] == spans[1]["start"] < n == spans[1]["end"]
+    finally:
+        local.close()
+
+
 # ------------------------------------------------------------------------------------------------ with Ray
 
 
@@ -260,6 +329,22 @@ def _learned(rows) -> None:
 @pytest.mark.parametrize("precision", ["int8", "int4", "nf4"])
 def test_tiny_job_learns_on_one_gpu_with_the_torch_generator(tmp_path, tiny_model_path, precision):
     _learned(_train(tmp_path, tiny_model_path, f"rollout.precision={precision}"))
+
+
+@needs_ray
+def test_the_tiny_job_learns_as_a_stream_of_two_actors_on_one_gpu_with_in_flight_updates(tmp_path, tiny_model_path,
+                                                                                          monkeypatch):
+    """The asynchronous stream (algo.max_staleness = 1) with two int4 rollout actors decoding through CUDA graphs on
+    one shared GPU: the reward rises, and syncs land inside completions in flight (from step 280 the actors decode at
+    0.25 s a step, the fault rollout.slow_decode, so a chunk outlasts the learner's step and the sync after it)."""
+    monkeypatch.setenv("QGRPO_FAULTS", "rollout.slow_decode@280+")
+    (tmp_path / "fault-state").mkdir()
+    monkeypatch.setenv("QGRPO_FAULTS_STATE", str(tmp_path / "fault-state"))
+    out = tmp_path / "run"
+    rows = _train(out, tiny_model_path, "algo.max_staleness=1", "rollout.num_actors=2", "rollout.num_gpus=0.15")
+    _learned(rows)
+    assert max(r.get("stream/staleness_max", 0) for r in rows) >= 1  # the stream ran ahead of the learner
+    assert sum(r.get("stream/mixed_completions", 0) for r in rows) > 0  # completions that span two weight versions
 
 
 @needs_ray
