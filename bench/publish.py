@@ -241,13 +241,45 @@ def generation(d: dict) -> list[str]:
             *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])]
 
 
+def _filled(head: list[str], rows: list[list]) -> tuple[list[str], list[list]]:
+    """The columns that hold a value in some row (a run without eager or generate rows has no ratios to them)."""
+    keep = [i for i in range(len(head)) if any(r[i] is not None for r in rows)]
+    return [head[i] for i in keep], [[r[i] for i in keep] for r in rows]
+
+
+def gpu_matmuls(d: dict) -> list[str]:
+    """bench/gpu_matmuls.py: each product of a decode step alone, per route."""
+    rows = [[r["shape"], f"{r['n']} x {r['k']}", r["route"], r["rows"], f(r["weight_bytes"] / 1e6, 1),
+             f(r["seconds"] * 1e6, 1), pct(r["of_bandwidth"], 0), f(r.get("vs_bf16")), f(r["err"], 3)]
+            for r in d["rows"] if "seconds" in r]
+    errors = sorted({f"{r['route']}: {r['error'][:80]}" for r in d["rows"] if "error" in r})
+    return [*wrap(f"Each matrix product of the 1.3B shape's decode step alone, captured in a CUDA graph of "
+                  f"{d['args']['calls']} calls (kernel time, launch gaps left out), on random bf16 weights quantized "
+                  "by rollout/quant.py as the generator quantizes them. \"MB\": the weight's storage (codes, "
+                  "scales, padding); \"of bw\": those bytes over the kernel time, as a share of the read "
+                  f"bandwidth ({d['read_bytes_per_s'] / 1e12:.2f} TB/s measured); \"vs bf16\": bf16's time over "
+                  "the route's; \"err\": max |y - y_ref| / max |y_ref| against float32 on the unquantized weight. "
+                  "`int4/unpadded` is tinygemm on weights packed without torchao's padding of K to 1024; "
+                  "`int8/aten` torch's own weight-only int8 kernel."), "",
+            *table(["product", "N x K", "route", "rows", "MB", "us", "of bw", "vs bf16", "err"], rows),
+            *(["", *wrap("Failed: " + "; ".join(errors))] if errors else [])]
+
+
 def gpu_speed(d: dict) -> list[str]:
     """bench/gpu_speed.py: the torch generator per precision and decode loop on a GPU, and the learner's step."""
     m, bw, mm = d["model"], d["bandwidth"], d["matmul"]
+    gen = [r for r in d["generation"] if "error" not in r and "skipped" not in r]
+    profiled = any(r.get("kernels_per_step") for r in gen)
+    # decode tokens/s over bf16's of the same loop and rows: the prefill left out, as the bound leaves it out
+    bf16 = {(r["loop"], r["rows"]): r["decode_tokens_per_s"] for r in gen if r["precision"] == "bf16"}
     rows = [[r["precision"], r["loop"], r["rows"], f(r["seconds"], 3), f(r["decode_tokens_per_s"], 0),
              pct(r.get("share_of_bound"), 1), pct(r.get("share_of_bf16_bound"), 1), f(r.get("speedup_vs_eager")),
-             f(r.get("speedup_vs_bf16")), f(r.get("speedup_vs_generate")), f(r.get("warmup_s"))]
-            for r in d["generation"] if "error" not in r]
+             f(r["decode_tokens_per_s"] / bf16[(r["loop"], r["rows"])])
+             if r["precision"] != "bf16" and (r["loop"], r["rows"]) in bf16 else None,
+             f(r.get("speedup_vs_generate")), f(r.get("warmup_s")),
+             *([f(r.get("kernels_per_step"), 0), f(r.get("kernel_ms_per_step")), pct(r.get("kernel_read_share"), 1)]
+               if profiled else [])]
+            for r in gen]
     out = [*wrap(f"A random-initialised Llama of Qwen2.5-1.5B's trunk ({m['layers']} layers, hidden {m['hidden']}, "
                  f"{m['kv_heads']} key-value heads, {m['matmul_params'] / 1e9:.2f} B parameters in its matrix "
                  f"products, vocabulary {m['vocab']:,}), {d['args']['max_new_tokens']} new tokens per row at T = 1, "
@@ -257,10 +289,23 @@ def gpu_speed(d: dict) -> list[str]:
                  "reading the served weights and the KV cache once per step allows, at the variant's own bytes; "
                  "\"of bf16's\": over bf16's bound. `eager` is the static-cache loop one Python step per token, "
                  "`graphs` the same steps replayed as CUDA graphs, `generate` transformers' `model.generate` (bf16); "
+                 "`graphs_fused` the fused step's graphs (fewer, larger kernels: `[rollout.torch] fused_step`); "
                  "\"s/call\": one generate, prefill included; \"decode tok/s\": without the prefill (timed alone); "
-                 "\"warm-up\": seconds of the first call, graph capture included."), "",
-           *table(["precision", "loop", "rows", "s/call", "decode tok/s", "of bound", "of bf16's", "vs eager",
-                   "vs bf16", "vs generate", "warm-up"], rows)]
+                 "\"vs bf16\": decode tok/s over bf16's in the same loop and rows; "
+                 "\"warm-up\": seconds of the first call, graph capture included."
+                 + (" At 8 rows one decode step run eagerly under torch.profiler: \"kernels\" launched per step, their "
+                    "\"GPU ms\", and \"read\": the bytes the step must read over that kernel time, as a share of "
+                    "the read bandwidth (launch gaps aside)." if profiled else "")), "",
+           *table(*_filled(["precision", "loop", "rows", "s/call", "decode tok/s", "of bound", "of bf16's",
+                            "vs eager", "vs bf16", "vs generate", "warm-up",
+                            *(["kernels", "GPU ms", "read"] if profiled else [])], rows))]
+    tops = [r for r in gen if r.get("kernel_top") and r["rows"] == 8]
+    if tops:
+        out += ["", *wrap("The costliest kernels of the 8-row step, per variant (the first three by GPU time: "
+                          "launches per step, microseconds per step and per launch):"), "",
+                *table(["precision", "loop", "kernel", "launches", "us/step", "us each"],
+                       [[r["precision"], r["loop"], k["kernel"][:60], f(k["launches_per_step"], 0),
+                         f(k["us_per_step"], 0), f(k["us_each"], 1)] for r in tops for k in r["kernel_top"][:3]])]
     ln = d.get("learner") or {}
     if ln.get("step_s"):
         b = ln["batch"]
@@ -568,9 +613,22 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "quantized copy rebuilt at each sync; each in a fresh process, three full updates.", generator_memory),
     ]),
     ("On a GPU", [
-        ("gpu_speed", "The torch generator and the learner on an H200",
-         "The torch generator per precision and decode loop against transformers' generate and the card's memory "
-         "bound, and the learner's step against its matmul rate, side by side in one run.", gpu_speed),
+        ("gpu_speed", "The fused decode step and the quantized routes on an H200",
+         "The torch generator per precision with its decode step in CUDA graphs, unfused (`graphs`) and fused "
+         "(`graphs_fused`), against the card's memory bound, with each 8-row step's kernels, and the learner's step "
+         "against its matmul rate, side by side in one run (`bash bench/gpu_session.sh OUT`).", gpu_speed),
+        ("gpu_matmuls", "Each product of a decode step alone",
+         "The products of the same model's decode step one at a time, per precision and route, in the same session "
+         "as the run above.", gpu_matmuls),
+        ("gpu_learner_deepspeed", "The learner's step on another H200",
+         "The learner's step again, on another machine of the same kind, with one bf16 fused-step row (the run "
+         "above measured 2.64 s a step, steps of 2.18-2.70 s; this one 1.59-1.94 s).", gpu_speed),
+        ("gpu_learner_plain", "The same step in plain torch",
+         "The same log-probs and GRPO loss with a torch AdamW on bf16 weights and no DeepSpeed, in the same "
+         "session as the run above.", gpu_speed),
+        ("gpu_speed_loops", "The decode loops against transformers' generate",
+         "An earlier run of the same bench on an H200: the eager loop, the (unfused) graphs and transformers' "
+         "generate, before the fused step.", gpu_speed),
     ]),
     ("Learner", [
         ("learner_profile", "The learner's step by variant",
@@ -663,8 +721,10 @@ Each script writes its JSON under `bench/results/` and prints a table; run them 
   (`--actors 1 2 3 4 --ray-cpus 8`: more actors than cores, on a Ray node of 8 logical CPUs).
 - `bench/calculator_job.py`: the calculator example whole, per seed: held-out accuracy and tool use; `--variants
   agent env` beside examples/agent_calculator, the same task as an agent program behind the endpoint.
-- `bench/gpu_speed.py` (CUDA): the torch generator per precision and decode loop (eager, CUDA graphs) against
-  transformers' generate and the card's memory bound, and the learner's step against its matmul rate.
+- `bench/gpu_speed.py` (CUDA): the torch generator per precision and decode loop (eager, CUDA graphs, the fused
+  step's graphs) against transformers' generate and the card's memory bound, each step's kernels, and the learner's
+  step against its matmul rate; `bench/gpu_matmuls.py`: each product of a decode step alone, per precision and route;
+  `bench/gpu_session.sh OUT`: both, then the `cuda` tests, in one run of about 6 minutes.
 
 To publish a result, write its JSON to `bench/published/` with a `command` and a `machine` field, add it to
 `SECTIONS` in `bench/publish.py` and run `{command}` (`make docs` runs it too).
