@@ -36,8 +36,9 @@ exactly that):
 - fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear`` (rollout/fp8.py): float8_e4m3fn weight [N, K] with one fp32
   scale per row (row absmax / 448, ~8 bits/weight); the activations quantized per token to float8_e4m3fn the same way at
   each call and the product by torch's own ``torch._scaled_mm`` (row-wise scales, bf16 out, W8A8) on float8 tensor
-  cores. Or, with ``fp8.FP8_DECODE = "weight_only"`` (not the default until measured on a GPU), a decode step's few bf16
-  rows through a weight-only Triton kernel that reads the fp8 codes (rollout/w8_triton.py). Both need compute capability
+  cores, for a prefill and larger calls. A decode step's few bf16 rows go through a weight-only Triton kernel that
+  reads the fp8 codes instead (rollout/w8_triton.py; ``fp8.FP8_DECODE = "weight_only"``, the default: faster on an
+  H200). Both need compute capability
   >= 8.9 (Ada or Hopper; we refuse older GPUs, naming the field). Not served on CPU, where torch 2.13's ``_scaled_mm``
   runs the same arithmetic slowly: the tests check the numerics there (tests/test_quant.py). No emulated grid (like
   vLLM's fp8, ``BackendSpec.grids``).
