@@ -37,15 +37,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.gpu_speed import read_bandwidth, sync  # noqa: E402 - the measurements gpu_speed makes, made the same way
+
 SHAPES = {"q/o": (1536, 1536), "k/v": (256, 1536), "qkv": (2048, 1536), "gate/up": (8960, 1536),
           "gate_up": (17920, 1536), "down": (1536, 8960), "lm_head": (49152, 1536)}  # name: (out N, in K)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def int4_groups(w, group_size: int):
@@ -129,41 +124,26 @@ def time_calls(fn, x, calls: int, repeats: int, device) -> tuple[float, str]:
                 for _ in range(calls):
                     fn(x)
             graph.replay()
-            _sync(device)
+            sync(device)
             times = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 graph.replay()
-                _sync(device)
+                sync(device)
                 times.append((time.perf_counter() - t0) / calls)
             return statistics.median(times), note
         except Exception as e:  # noqa: BLE001 - a route that cannot be captured is timed eagerly, and says so
             note = f"eager (no graph: {type(e).__name__}: {str(e)[:80]})"
     fn(x)
-    _sync(device)
+    sync(device)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         for _ in range(calls):
             fn(x)
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - t0) / calls)
     return statistics.median(times), note
-
-
-def read_bandwidth(device, gib: float) -> float:
-    import torch
-
-    buf = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device=device)
-    buf.sum()
-    _sync(device)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        buf.sum()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return buf.numel() * 2 / statistics.median(times)
 
 
 def main(argv=None) -> None:
@@ -183,7 +163,7 @@ def main(argv=None) -> None:
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     routes, shapes = args.precisions.split(","), args.shapes.split(",")
     rows_list = [int(r) for r in args.rows.split(",")]
-    bw = read_bandwidth(device, args.bandwidth_gib or (2.0 if device.type == "cuda" else 1 / 16))
+    bw = read_bandwidth(device, args.bandwidth_gib or (2.0 if device.type == "cuda" else 1 / 16))["bytes_per_s"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     res = {"command": ".venv/bin/python bench/gpu_matmuls.py " + " ".join(sys.argv[1:] if argv is None else argv),
            "machine": f"{name}, torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda
