@@ -207,11 +207,11 @@ class GraphDecoder:
         their mask), `logits` [N*group, V] float32 of each row's first token; -> sampled tokens and log-probs
         [N*group, <= max_new] on the CPU, rows padded after their stop token (log-prob 0), as the eager loop returns.
         `stop_ids`: the generator's stop tokens, where they changed since the decoder was made. `boundary(column)`:
-        called before output column `column` is decoded, to apply a weight update
-        that arrived during the call (TorchGenerator._boundary); True if the weights changed, and if their addresses
-        moved with them (adapters, a replaced layer) the step's view is made again and its graphs captured again.
-        It is called between every two steps, as the eager loop calls it (a completion of a few tokens can take a
-        load in flight too), and costs a Python call where no load waits."""
+        called before each output column `column` is decoded, as the eager loop calls it (a completion of a few
+        tokens can take a load in flight too), to apply a weight update that arrived during the call
+        (TorchGenerator._boundary; a Python call where no load waits); True if the weights changed, and if their
+        addresses moved with them (adapters, a replaced layer) the step's view is made again and its graphs captured
+        again."""
         n, p = attn.shape
         B, L, dev = n * group, max_new, attn.device
         first = cache.layers[0].keys
