@@ -50,7 +50,7 @@ COPIES = {"aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::fi
           "aten::zeros_like", "aten::empty_like", "aten::index", "aten::index_put_", "aten::_unsafe_view",
           "aten::contiguous", "aten::stack", "aten::full", "aten::zeros", "aten::ones", "aten::new_zeros"}
 WAITS = ("<built-in method acquire of _thread.lock", "<built-in method acquire of _thread.RLock")
-HEAD_BACKWARD = ("LogSoftmaxBackward", "GatherBackward", "LogsumexpBackward")
+HEAD_BACKWARD = ("LogSoftmaxBackward", "GatherBackward", "LogsumexpBackward", "_LinearHeadLogprobsBackward")
 ATTENTION_BACKWARD = ("BmmBackward", "SoftmaxBackward", "ScaledDotProduct", "MaskedFillBackward")
 
 
@@ -118,8 +118,13 @@ def backward_of(event) -> str:
     return ""
 
 
+# The head's functions in core/scoring.py: the autograd chunk (_chunk_logprobs, _picked*) and the plain-Linear head's
+# own forward and backward (_LinearHeadLogprobs; the profiler names a frame by its function, not its class).
+HEAD_FUNCTIONS = ("_picked", "_picked_entropy", "_chunk_logprobs", "_logits", "forward", "backward")
+
+
 def in_head(event) -> bool:
-    return any("core/scoring.py" in fr and ("_picked" in fr or "_chunk_logprobs" in fr) for fr in frames(event))
+    return any("core/scoring.py" in fr and fr.rsplit(": ", 1)[-1] in HEAD_FUNCTIONS for fr in frames(event))
 
 
 def in_attention(event) -> bool:
