@@ -38,7 +38,7 @@ class LearnerSettings:
     # The model (learner/adapters.py)
     mode: str = "full"  # "full" | "lora" | "qlora"
     lora: dict | None = None  # rank, alpha, dropout, target_modules: the adapters of lora/qlora
-    attention: str = "auto"  # transformers' attn_implementation; "auto": sdpa on CUDA, eager elsewhere
+    attention: str = "auto"  # transformers' attn_implementation; "auto": engine.auto_attention
     # model.compute_dtype: "auto" (bf16 where the rank's device computes it natively, else fp32: core/cpu.py), "bf16"
     # or "fp32". The weights the learner streams and saves are bf16 either way.
     compute_dtype: str = "auto"

@@ -136,8 +136,8 @@ def _batch(vocab: int, B: int = 8, P: int = 4, L: int = 5):
 
 def test_learner_in_fp32_streams_and_saves_bf16_like_the_bf16_learner(tiny_model_path, dist_env, tmp_path):
     """Both learners score the probe within their bounds of the float32 forward and give the same first loss within
-    bf16's error; the fp32 learner trains, streams bf16 tensors (bf16 of its weights), and its checkpoint is bf16 with
-    a config that says bfloat16."""
+    bf16's error, each with the attention "auto" picks for its dtype; the fp32 learner trains, streams bf16 tensors
+    (bf16 of its weights), and its checkpoint is bf16 with a config that says bfloat16."""
     from safetensors import safe_open
 
     from qgrpo.learner.engine import Learner
@@ -152,6 +152,9 @@ def test_learner_in_fp32_streams_and_saves_bf16_like_the_bf16_learner(tiny_model
                                                                objective=objective_settings(kl_coeff=0.0)))
     fp32, bf16 = learners["fp32"], learners["bf16"]
     assert fp32.compute_dtype == "fp32" and next(fp32.engine.module.parameters()).dtype == torch.float32
+    # learner.attention = "auto" follows the dtype on a CPU: SDPA in fp32, eager in bf16 (learner.engine.auto_attention)
+    assert fp32.engine.module.config._attn_implementation == "sdpa"
+    assert bf16.engine.module.config._attn_implementation == "eager"
     for row in range(ids.shape[0]):
         assert max(abs(a - b) for a, b in zip(fp32.score(ids[row].tolist()), exact[row, 1:].tolist())) < FP32_EXACT
         assert max(abs(a - b) for a, b in zip(bf16.score(ids[row].tolist()), exact[row, 1:].tolist())) < BF16_PATH

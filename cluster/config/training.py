@@ -113,9 +113,10 @@ class LearnerConfig(role_resources("per rank", "learner_node", cpus=1.0,
     and reference). Same log-probs and gradients as the full forward (tests/test_scoring.py), several times fewer
     tokens."""
     attention: choice(ATTENTION) = "auto"
-    """Attention kernel of the learner's model: "auto" = "eager" on a CPU learner (on a 2-core CPU the shared-prompt
-    forward + backward ran 1.1-1.5x faster than with SDPA, whose masked CPU path is slow: bench/learner_profile.py),
-    "sdpa" with GPUs; or name one of transformers' attn_implementation values."""
+    """Attention kernel of the learner's model: "auto" = "sdpa" with GPUs and on a CPU learner computing in fp32 (8%
+    faster than eager at the TRL comparison's batch on a 2-core CPU, 1.2 GB less memory), "eager" on a CPU learner
+    in bf16 (there the shared-prompt step ran 1.1-1.5x faster than SDPA's masked CPU path: bench/learner_profile.py); or
+    name one of transformers' attn_implementation values."""
     placement_strategy: choice(STRATEGIES) = "PACK"
     """How the ranks' placement group spreads them: PACK (few nodes), SPREAD, STRICT_PACK (one node),
     STRICT_SPREAD (one rank per node). All ranks are placed together or not at all."""
