@@ -15,7 +15,9 @@ logits at once); `chunked` is the default; `eager` swaps SDPA attention for the 
 sequences into two micro-batches of 16 (gradient accumulation), longest first; `full prompts` runs every row's
 prompt (learner.shared_prompt = false: one causal forward without a cache or a mask, as TRL does); `padded
 suffixes` runs the completions right-padded to the longest (the shared-prompt pass before packing: no seq_lens);
-`plain torch`
+`autograd head` scores
+through the checkpointed autograd chunk instead of the plain-Linear head's own forward and backward (core/scoring.py);
+`checkpointing` turns on learner.gradient_checkpointing (the default job's setting); `plain torch`
 is the same model, batch, log-probs and loss, the learner's own optimizer object and torch's gradient clipping, and no
 DeepSpeed: what the DeepSpeed engine costs (in bf16 without fp32 master weights, which DeepSpeed's bf16 mode keeps).
 """
@@ -42,6 +44,10 @@ VARIANTS = {
     "chunked + micro 16": {"micro": 16},
     "chunked + full prompts": {"shared": False},
     "plain torch (no DeepSpeed)": {"plain": True},
+    "eager + autograd head": {"attn": "eager", "autograd_head": True},  # before the hand-written head's backward
+    "eager + checkpointing": {"attn": "eager", "checkpointing": True},  # learner.gradient_checkpointing = true
+    "sdpa + checkpointing": {"attn": "sdpa", "checkpointing": True},
+    "eager + checkpointing + autograd head": {"attn": "eager", "checkpointing": True, "autograd_head": True},
 }
 
 
@@ -153,6 +159,8 @@ def run_variant(args) -> None:
 
     if v.get("chunked", True) is False:
         scoring._HEAD_AFTER_TRUNK = set()
+    if v.get("autograd_head"):  # every head through the checkpointed autograd chunk (core/scoring.py)
+        scoring._plain_linear = lambda head: False
     from transformers import AutoConfig
 
     from qgrpo.learner.engine import Learner
@@ -170,7 +178,8 @@ def run_variant(args) -> None:
         return print(json.dumps(plain_torch(path, b, args.steps)))
     learner = Learner(path, LearnerSettings(lr=1e-6, micro_batch_per_rank=v.get("micro", 64), sequences_per_rank=len(b),
                                             zero_stage=0, shared_prompt=v.get("shared", True),
-                                            attention=v.get("attn", "auto")))
+                                            attention=v.get("attn", "auto"),
+                                            gradient_checkpointing=v.get("checkpointing", False)))
     steps = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
@@ -181,20 +190,23 @@ def run_variant(args) -> None:
 
 def plain_torch(path: str, b, steps: int) -> dict:
     """The learner's forward, loss and backward without DeepSpeed, in the dtype the learner computes in here
-    (core/cpu.py): its own optimizer object (learner/optim.py: torch's AdamW with the guard; in fp32 over bf16-valued
-    weights with fp32 masters, as the learner keeps them) and torch's gradient clipping at 1.0. In bf16 the AdamW
-    steps the bf16 weights themselves: no fp32 masters, less work than DeepSpeed's bf16 mode does."""
+    (core/cpu.py) and with the attention learner.attention = "auto" picks for it: its own optimizer object
+    (learner/optim.py: torch's AdamW with the guard; in fp32 over bf16-valued weights with fp32 masters, as the learner
+    keeps them) and torch's gradient clipping at 1.0. In bf16 the AdamW steps the bf16 weights themselves: no fp32
+    masters, less work than DeepSpeed's bf16 mode does."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from qgrpo.core.cpu import compute_dtype, torch_dtype
     from qgrpo.core.scoring import token_logprobs
+    from qgrpo.learner.engine import auto_attention
     from qgrpo.learner.objective.loss import aggregation_weights, grpo_loss
     from qgrpo.learner.objective.settings import ObjectiveSettings
     from qgrpo.learner.optim import guarded_optimizer
 
     dtype, _ = compute_dtype("auto", "cpu")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype(dtype),
+                                                 attn_implementation=auto_attention(torch.device("cpu"), dtype))
     if dtype == "fp32":  # bf16 values held in fp32, as the learner starts
         with torch.no_grad():
             for p in model.parameters():
@@ -268,7 +280,7 @@ def main() -> None:
     print("\n".join(lines))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "useful_tflop_per_step": flops / 1e12,
+    out.write_text(json.dumps({"args": vars(args), "compute_dtype": dtype, "useful_tflop_per_step": flops / 1e12,
                                "ceiling_tflops": {k: v / 1e12 for k, v in ceiling.items()},
                                "load_average": [load0, load1], "rows": rows, "table": "\n".join(lines)}, indent=2))
 

@@ -366,6 +366,25 @@ def learner_profile(d: dict) -> list[str]:
             *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])]
 
 
+
+def learner_speed(d: dict) -> list[str]:
+    """bench/learner_profile.py at two batch shapes (d["runs"]: each its own run, its own ceiling): each variant's step
+    and its useful work as a share of the fastest product timed in that run, in the dtype the learner computes in."""
+    out: list[str] = []
+    for run in d["runs"]:
+        a, best = run["args"], max(run["ceiling_tflops"].values())
+        rows = [[r["variant"], f(r["forward_s"]), f(r["backward_s"]), f(r["optimizer_s"]), f(r["total_s"]),
+                 pct(r["pct_of_ceiling"] / 100, 1), f(r["peak_rss_gb"])] for r in run["rows"]]
+        out += [*wrap(f"**{run['name']}**: {a['groups']} prompts x {a['group_size']} completions, prompts of "
+                      f"{a['prompt_len']} tokens, completions {a['len_spread']:.0%}-100% of {a['completion_len']}; "
+                      f"the learner computes in {run['compute_dtype']} here; useful work "
+                      f"{run['useful_tflop_per_step']:.2f} TFLOP per step (padding and recomputation not counted); "
+                      f"the ceiling is the fastest {run['compute_dtype']} product timed in the run "
+                      f"({best * 1e3:.0f} GFLOP/s); median of steps 2-{a['steps']}."), "",
+                *table(["variant", "forward s", "backward s", "optimizer s", "step s", "of the ceiling",
+                        "peak RSS GB"], rows), ""]
+    return out[:-1]
+
 def learner_ops(d: dict) -> list[str]:
     """bench/learner_ops.py: one learner step under torch.profiler, operators' own time by bucket, per batch shape."""
     out: list[str] = []
@@ -420,8 +439,9 @@ def vs_trl(d: dict) -> list[str]:
             *table(["side", "s/step", "trained tok/s", "gen s/step", "learn s/step", "gen tok/s",
                     "peak RSS / PSS GB"], rows), "",
             *wrap("Trained tok/s: completion tokens trained per second; peak memory: all processes of the side."), "",
-            *wrap(f"qgrpo over TRL: completion tokens trained per second {r['trained_tokens_per_s']:.2f}x "
-                  f"({r['qgrpo overlap/trained_tokens_per_s']:.2f}x with overlap), peak PSS {r['peak_pss']:.2f}x, "
+            *wrap(f"qgrpo over TRL: completion tokens trained per second {r['trained_tokens_per_s']:.2f}x ("
+                  + ", ".join(f"{k.split('/')[0]} {v:.2f}x" for k, v in r.items()
+                              if k.endswith("/trained_tokens_per_s")) + f"), peak PSS {r['peak_pss']:.2f}x, "
                   f"peak RSS {r['peak_rss']:.2f}x.")]
 
 
@@ -595,6 +615,12 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("vs_trl", "qgrpo and TRL's GRPOTrainer",
          "qgrpo and TRL 1.16's `GRPOTrainer`, each in a process of its own, on the same bf16 weights, prompts "
          "(checked token for token) and rewards (`bench/vs_trl.toml`).", vs_trl),
+        ("vs_trl_fp32_avx2", "Both sides in fp32 on a CPU without native bf16",
+         "The same comparison where neither side can compute bf16 natively: our learner and generators in fp32 "
+         "(`model.compute_dtype = \"auto\"`), TRL's GRPOTrainer on fp32 weights with `bf16 = false` (with bf16 "
+         "autocast its first step took 667 s here). `bench/vs_trl.toml` now turns gradient checkpointing off on our "
+         "side, as TRL's side has it: runs between the schema's default turning it on (commit e1b162c) and this one "
+         "recomputed the layers on our side alone (the Zen 4 run above predates that).", vs_trl),
     ]),
     ("Generators", [
         ("rollout_backends", "Torch and vLLM generators",
@@ -635,6 +661,14 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The real learner (DeepSpeed ZeRO-0, bf16, one rank, in-process) on the TRL comparison's batch, each "
          "variant in a process of its own; each run compares its own VARIANTS (the rows with its number).",
          learner_profile),
+        ("learner_speed", "The learner's speed",
+         "The real learner (DeepSpeed ZeRO-0, one rank, in-process) against the same step in plain torch, at the TRL "
+         "comparison's batch and at the default job's; each variant in a process of its own. `chunked` is the "
+         "learner as it runs on this CPU (SDPA attention, which `learner.attention = \"auto\"` picks in fp32, and the "
+         "plain-Linear head's own backward); `chunked + eager attention` the same with eager attention; `eager + "
+         "autograd head` the learner before both changes (eager attention, the head's softmax through autograd); "
+         "`checkpointing` adds `learner.gradient_checkpointing` (on in the default job); `plain torch` is the same "
+         "step, attention and head without DeepSpeed.", learner_speed),
         ("learner_ops", "Where the learner's step goes, by operator",
          "One step of the real learner (DeepSpeed ZeRO-0, one rank) under torch.profiler at the default job's batch "
          "and at the TRL comparison's; each operator's own time in one bucket (matrix products of the decoder and of "
