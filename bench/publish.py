@@ -604,6 +604,10 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          requantize_costs),
     ]),
     ("Plain x86 CPUs", [
+        ("default_job_avx2", "The default job on an AVX2-only CPU",
+         "The default job as `make train` runs it (int8 rollouts, gradient checkpointing), seed 0, on a CPU without "
+         "AVX-512 or native bf16 (every stage computes in fp32), with the learner's SDPA attention and the head's own "
+         "backward.", default_job),
         ("default_job_avx2_emulated", "The default job without native bf16",
          "The default job on a CPU emulating an AVX2-only one, where `model.compute_dtype = \"auto\"` chooses fp32.",
          from_run),
