@@ -62,7 +62,6 @@ def _init_distributed(device: torch.device) -> None:
     deepspeed.init_distributed(dist_backend=dist_backend(device))
 
 
-
 def auto_attention(device: torch.device, dtype: str) -> str:
     """learner.attention = "auto": SDPA on a GPU and on a CPU learner computing in fp32; eager on a CPU learner in
     bf16. Measured with bench/learner_profile.py on 2-core CPUs: in fp32, SDPA ran the TRL comparison's step 8% faster
