@@ -17,7 +17,10 @@ prompt (learner.shared_prompt = false: one causal forward without a cache or a m
 suffixes` runs the completions right-padded to the longest (the shared-prompt pass before packing: no seq_lens);
 `autograd head` scores
 through the checkpointed autograd chunk instead of the plain-Linear head's own forward and backward (core/scoring.py);
-`checkpointing` turns on learner.gradient_checkpointing (the default job's setting); `plain torch`
+`checkpointing` turns on learner.gradient_checkpointing (the default job's setting); `compiled layers` compiles
+each decoder layer with torch.compile (inductor, dynamic shapes; not in the default list: its first step is the
+compile, minutes on a small CPU, from an empty inductor cache) and reports its first step and the graphs dynamo
+made; `plain torch`
 is the same model, batch, log-probs and loss, the learner's own optimizer object and torch's gradient clipping, and no
 DeepSpeed: what the DeepSpeed engine costs (in bf16 without fp32 master weights, which DeepSpeed's bf16 mode keeps).
 """
@@ -27,9 +30,11 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -48,7 +53,9 @@ VARIANTS = {
     "eager + checkpointing": {"attn": "eager", "checkpointing": True},  # learner.gradient_checkpointing = true
     "sdpa + checkpointing": {"attn": "sdpa", "checkpointing": True},
     "eager + checkpointing + autograd head": {"attn": "eager", "checkpointing": True, "autograd_head": True},
+    "sdpa + compiled layers": {"attn": "sdpa", "compile": True},  # opt-in: minutes of compiling in its first step
 }
+DEFAULT_VARIANTS = [name for name, v in VARIANTS.items() if not v.get("compile")]
 
 
 def batch(args, vocab: int):
@@ -130,7 +137,12 @@ def run_child(script: str, variant: str) -> dict:
     """`script --variant NAME` with this process's arguments in a process of its own; its last stdout line (JSON)."""
     cmd = [sys.executable, script, "--variant", variant, *sys.argv[1:]]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    cold = tempfile.mkdtemp(prefix="inductor-")  # compiled variants: a cold compile, as a new machine's first run
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                           env={**env, "TORCHINDUCTOR_CACHE_DIR": cold} if VARIANTS[variant].get("compile") else env)
+    finally:
+        shutil.rmtree(cold, ignore_errors=True)
     if p.returncode:
         print(p.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"variant {variant!r} failed")
@@ -180,12 +192,38 @@ def run_variant(args) -> None:
                                             zero_stage=0, shared_prompt=v.get("shared", True),
                                             attention=v.get("attn", "auto"),
                                             gradient_checkpointing=v.get("checkpointing", False)))
+    if v.get("compile"):
+        compile_layers(learner.engine.module)
     steps = []
     for _ in range(args.steps):
         t0 = time.perf_counter()
         r = learner.train_step(b)
         steps.append({"total": time.perf_counter() - t0, **r.timing})
-    print(json.dumps({"steps": steps, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
+    extra = {"graphs": _graphs()} if v.get("compile") else {}
+    print(json.dumps({"steps": steps, "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+                      **extra}))
+
+
+def compile_layers(model) -> int:
+    """torch.compile (inductor, dynamic shapes) of every decoder layer in place (Module.compile: the state dict keeps
+    its names). The layers specialise on their index and on the cache's length (each layer's graph is its own), so
+    dynamo's recompile limit is raised past the layer count instead of falling back to eager after 8 layers."""
+    import torch._dynamo
+
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * len(layers))
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit,
+                                                           16 * len(layers))
+    for m in layers:
+        m.compile(dynamic=True)
+    return len(layers)
+
+
+def _graphs() -> int:
+    """The graphs dynamo compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def plain_torch(path: str, b, steps: int) -> dict:
@@ -235,7 +273,8 @@ def plain_torch(path: str, b, steps: int) -> dict:
 
 def main() -> None:
     ap = batch_arguments(argparse.ArgumentParser())
-    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                    help=f"comma-separated, of: {', '.join(VARIANTS)} (default: all but the compiled one)")
     ap.add_argument("--variant", help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "learner_profile.json"))
     args = ap.parse_args()
@@ -262,6 +301,7 @@ def main() -> None:
         timed = res["steps"][1:] or res["steps"]
         med = {k: statistics.median(s[k] for s in timed) for k in timed[0]}
         rows.append({"variant": name, **{f"{k}_s": v for k, v in med.items()}, "peak_rss_gb": res["peak_rss_gb"],
+                     "first_step_s": res["steps"][0]["total"], **({"graphs": res["graphs"]} if "graphs" in res else {}),
                      "tflops": flops / med["total"] / 1e12, "pct_of_ceiling": 100 * flops / med["total"] / best,
                      "steps": res["steps"]})
         print(f"  {name}: {med['total']:.2f} s/step", file=sys.stderr, flush=True)
@@ -273,10 +313,11 @@ def main() -> None:
             f"measured here {best / 1e12:.2f} TFLOP/s (" + ", ".join(f"{k} {v / 1e12:.2f}" for k, v in ceiling.items())
             + f"); load average {load0:.1f} -> {load1:.1f}")
     lines = [head, f"{'variant':<26}{'fwd s':>7}{'bwd s':>7}{'opt s':>7}{'step s':>8}{'TFLOP/s':>9}"
-                   f"{'% ceil':>8}{'peak RSS GB':>12}"]
+                   f"{'% ceil':>8}{'peak RSS GB':>12}{'1st step s':>11}"]
     for r in rows:
         lines.append(f"{r['variant']:<26}{r['forward_s']:>7.2f}{r['backward_s']:>7.2f}{r['optimizer_s']:>7.2f}"
-                     f"{r['total_s']:>8.2f}{r['tflops']:>9.3f}{r['pct_of_ceiling']:>8.1f}{r['peak_rss_gb']:>12.2f}")
+                     f"{r['total_s']:>8.2f}{r['tflops']:>9.3f}{r['pct_of_ceiling']:>8.1f}{r['peak_rss_gb']:>12.2f}"
+                     f"{r['first_step_s']:>11.1f}" + (f"  ({r['graphs']} graphs)" if "graphs" in r else ""))
     print("\n".join(lines))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
