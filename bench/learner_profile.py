@@ -137,12 +137,14 @@ def run_child(script: str, variant: str) -> dict:
     """`script --variant NAME` with this process's arguments in a process of its own; its last stdout line (JSON)."""
     cmd = [sys.executable, script, "--variant", variant, *sys.argv[1:]]
     env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)}
-    cold = tempfile.mkdtemp(prefix="inductor-")  # compiled variants: a cold compile, as a new machine's first run
+    # compiled variants: a cold compile in an inductor cache of their own, as on a new machine's first run
+    cold = tempfile.mkdtemp(prefix="inductor-") if VARIANTS[variant].get("compile") else None
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                           env={**env, "TORCHINDUCTOR_CACHE_DIR": cold} if VARIANTS[variant].get("compile") else env)
+                           env={**env, "TORCHINDUCTOR_CACHE_DIR": cold} if cold else env)
     finally:
-        shutil.rmtree(cold, ignore_errors=True)
+        if cold:
+            shutil.rmtree(cold, ignore_errors=True)
     if p.returncode:
         print(p.stderr[-3000:], file=sys.stderr)
         raise SystemExit(f"variant {variant!r} failed")
@@ -204,7 +206,7 @@ def run_variant(args) -> None:
                       **extra}))
 
 
-def compile_layers(model) -> int:
+def compile_layers(model) -> None:
     """torch.compile (inductor, dynamic shapes) of every decoder layer in place (Module.compile: the state dict keeps
     its names). The layers specialise on their index and on the cache's length (each layer's graph is its own), so
     dynamo's recompile limit is raised past the layer count instead of falling back to eager after 8 layers."""
@@ -216,7 +218,6 @@ def compile_layers(model) -> int:
                                                            16 * len(layers))
     for m in layers:
         m.compile(dynamic=True)
-    return len(layers)
 
 
 def _graphs() -> int:

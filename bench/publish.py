@@ -373,35 +373,21 @@ def learner_speed(d: dict) -> list[str]:
     out: list[str] = []
     for run in d["runs"]:
         a, best = run["args"], max(run["ceiling_tflops"].values())
-        rows = [[r["variant"], f(r["forward_s"]), f(r["backward_s"]), f(r["optimizer_s"]), f(r["total_s"]),
-                 pct(r["pct_of_ceiling"] / 100, 1), f(r["peak_rss_gb"])] for r in run["rows"]]
+        rows = [[r["variant"], f(r.get("first_step_s"), 1), f(r["forward_s"]), f(r["backward_s"]),
+                 f(r["optimizer_s"]), f(r["total_s"]), pct(r["pct_of_ceiling"] / 100, 1), f(r["peak_rss_gb"]),
+                 r.get("graphs")] for r in run["rows"]]
+        head = ["variant", "first step s", "forward s", "backward s", "optimizer s", "step s", "of the ceiling",
+                "peak RSS GB", "graphs"]
+        keep = [i for i in range(len(head)) if any(row[i] is not None for row in rows)]  # newer runs' columns
         out += [*wrap(f"**{run['name']}**: {a['groups']} prompts x {a['group_size']} completions, prompts of "
                       f"{a['prompt_len']} tokens, completions {a['len_spread']:.0%}-100% of {a['completion_len']}; "
                       f"the learner computes in {run['compute_dtype']} here; useful work "
                       f"{run['useful_tflop_per_step']:.2f} TFLOP per step (padding and recomputation not counted); "
                       f"the ceiling is the fastest {run['compute_dtype']} product timed in the run "
-                      f"({best * 1e3:.0f} GFLOP/s); median of steps 2-{a['steps']}."), "",
-                *table(["variant", "forward s", "backward s", "optimizer s", "step s", "of the ceiling",
-                        "peak RSS GB"], rows), ""]
+                      f"({best * 1e3:.0f} GFLOP/s); median of steps 2-{a['steps']}"
+                      + (", the first step apart." if keep[1] == 1 else ".")), "",
+                *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows]), ""]
     return out[:-1]
-
-def learner_compile(d: dict) -> list[str]:
-    """bench/learner_profile.py with the compiled variant: the eager learner against its decoder layers compiled,
-    each variant's first step (the compile's) beside the median of the rest."""
-    a, best = d["args"], max(d["ceiling_tflops"].values())
-    rows = [[r["variant"], f(r["first_step_s"], 1), f(r["forward_s"]), f(r["backward_s"]), f(r["optimizer_s"]),
-             f(r["total_s"]), pct(r["pct_of_ceiling"] / 100, 1), f(r["peak_rss_gb"]), r.get("graphs")]
-            for r in d["rows"]]
-    keep = [i for i in range(len(rows[0])) if any(row[i] is not None for row in rows)]
-    head = ["variant", "first step s", "forward s", "backward s", "optimizer s", "step s", "of the ceiling",
-            "peak RSS GB", "graphs"]
-    return [*wrap(f"{a['groups']} prompts x {a['group_size']} completions, prompts of {a['prompt_len']} tokens, "
-                  f"completions {a['len_spread']:.0%}-100% of {a['completion_len']}; the learner computes in "
-                  f"{d['compute_dtype']} here; the ceiling is the fastest {d['compute_dtype']} product timed in the "
-                  f"run ({best * 1e3:.0f} GFLOP/s); step times are the median of steps 2-{a['steps']}, the first step "
-                  "apart (it holds the compile)."), "",
-            *table([head[i] for i in keep], [[row[i] for i in keep] for row in rows])]
-
 
 def learner_ops(d: dict) -> list[str]:
     """bench/learner_ops.py: one learner step under torch.profiler, operators' own time by bucket, per batch shape."""
@@ -694,8 +680,8 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("learner_compile", "The learner with compiled decoder layers",
          "The real learner (DeepSpeed ZeRO-0, one rank) at the TRL comparison's batch, as it runs (eager) and with "
          "each decoder layer compiled by torch.compile (inductor, dynamic shapes), in one run, each in a process of "
-         "its own. `graphs`: the graphs dynamo compiled (the layers specialise on their index and on the cache's "
-         "length).", learner_compile),
+         "its own. `first step`: the compile's, from an empty inductor cache; `graphs`: the graphs dynamo compiled "
+         "(the layers specialise on their index and on the cache's length).", learner_speed),
         ("learner_ops", "Where the learner's step goes, by operator",
          "One step of the real learner (DeepSpeed ZeRO-0, one rank) under torch.profiler at the default job's batch "
          "and at the TRL comparison's; each operator's own time in one bucket (matrix products of the decoder and of "
