@@ -1,6 +1,7 @@
 """The torch generator's decode loop on a preallocated cache (rollout/backends/torch_decode.py) against the model's
 own forward: the logits of every step, with left padding, grouped-query attention, biases in the projections (Qwen2),
-finished rows compacted away, and quantized layers; and which models take the path."""
+per-head query/key norms and a head_dim of its own (Qwen3), finished rows compacted away, and quantized layers; and
+which models take the path."""
 import pytest
 import torch
 
@@ -21,14 +22,28 @@ def _off(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _model(kind: str, **extra):
     """A random 2-layer model of the given architecture: 4 query heads sharing 2 key/value heads; weights 10x the
-    usual initialisation, so the logits depend strongly on every token and position."""
+    usual initialisation, so the logits depend strongly on every token and position. Qwen3: heads of 32 (q_proj's
+    width 128, not the hidden 64) and q/k norm weights drawn around 1, so that a decode without them differs."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
+    if kind == "qwen3":
+        extra = {"head_dim": 32, **extra}  # Qwen3Config's default is 128
     cfg = AutoConfig.for_model(kind, vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                initializer_range=0.2, **extra)  # large weights: logits that depend on the context
-    return AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_config(cfg)
+    _random_qk_norms(model)
+    return model.to(torch.bfloat16).eval()
+
+
+def _random_qk_norms(model) -> None:
+    """Qwen3's q_norm / k_norm weights (initialised to ones) drawn from 1 + N(0, 0.5^2): a decode that skips the norms
+    or swaps them computes other logits."""
+    with torch.no_grad():
+        for name, norm in model.named_modules():
+            if name.endswith(("self_attn.q_norm", "self_attn.k_norm")):
+                norm.weight.copy_(1 + 0.5 * torch.randn(norm.weight.shape))
 
 
 def _prompts(n: int = 3):
@@ -73,7 +88,7 @@ def _decode(model, ids, attn, new, G, dec=None):
     return torch.stack([dec.step(new[:, s]) for s in range(new.shape[1])], 1)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
 def test_decode_logits_equal_the_full_forward(kind):
     model = _model(kind)
     assert StaticDecoder.supports(model)
@@ -143,6 +158,8 @@ def test_which_models_take_the_path():
     windowed = StaticDecoder(_model("mistral", sliding_window=8))
     assert windowed.fits(8) and not windowed.fits(9)  # past the window, full attention is not what Mistral computes
     assert not StaticDecoder.supports(_model("qwen2", use_sliding_window=True, sliding_window=8, max_window_layers=0))
+    assert StaticDecoder.supports(_model("qwen3"))
+    assert not StaticDecoder.supports(_model("qwen3", use_sliding_window=True, sliding_window=8, max_window_layers=0))
     assert not StaticDecoder.supports(_model("gpt2"))
 
 

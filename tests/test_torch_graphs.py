@@ -1,7 +1,8 @@
 """The bucketed fixed-shape decode loop that CUDA graphs replay (rollout/backends/torch_graphs.py), run eagerly on the
-CPU: bucket choice, compaction into smaller buckets, sampled log-probs equal to the served model's forward, greedy
-output equal to the static decoder's, seeded reproducibility, and the weights' fingerprint that decides a new capture.
-Its CUDA-graph replay is tested in tests/test_cuda.py."""
+CPU: bucket choice, compaction into smaller buckets, sampled log-probs equal to the served model's forward (tiny-digits'
+Llama, and a Qwen3 with per-head query/key norms), greedy output equal to the static decoder's, seeded
+reproducibility, and the weights' fingerprint that decides a new capture. Its CUDA-graph replay is tested in
+tests/test_cuda.py."""
 import pytest
 import torch
 
@@ -16,6 +17,28 @@ def test_bucket_choice():
 
 
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_path(tiny_model_path, tmp_path_factory) -> str:
+    """tiny-digits' tokenizer on a random 2-layer Qwen3: 4 query heads of 32 on 2 key/value heads (q_proj's width 128,
+    not the hidden 64), q/k norm weights around 1 (test_torch_decode._random_qk_norms). A decode step without the
+    norms put sampled log-probs 0.29 nats off the forward's (measured, bf16 and int8), far past the tests' 0.05."""
+    from transformers import AutoConfig, AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from tests.test_torch_decode import _random_qk_norms
+
+    out = tmp_path_factory.mktemp("tiny-qwen3")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=AutoConfig.from_pretrained(tiny_model_path).vocab_size, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=32, max_position_embeddings=64, tie_word_embeddings=False, pad_token_id=0,
+                      bos_token_id=1, eos_token_id=2)
+    model = Qwen3ForCausalLM(cfg)
+    _random_qk_norms(model)
+    model.to(torch.bfloat16).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_path).save_pretrained(out)
+    return str(out)
 
 
 def _eager_graphs(tiny_model_path, precision="bf16", fused=True, compute_dtype="auto"):
@@ -43,10 +66,12 @@ def _max_logprob_gap(gen, groups) -> float:
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_step", "static_step"])
 @pytest.mark.parametrize("precision", ["bf16", "int8"])
-def test_sampled_logprobs_are_the_models_with_compaction(tiny_model_path, precision, fused, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_sampled_logprobs_are_the_models_with_compaction(tiny_model_path, tiny_qwen3_path, arch, precision, fused,
+                                                         monkeypatch):
     """24 rows decode in bucket 32; rows that stop move the live ones into smaller buckets (checked every 2 steps
     here); every sampled token's log-prob is that of the served model's own forward over prompt + completion."""
-    gen = _eager_graphs(tiny_model_path, precision, fused)
+    gen = _eager_graphs(tiny_qwen3_path if arch == "qwen3" else tiny_model_path, precision, fused)
     monkeypatch.setattr(torch_graphs, "CHECK_EVERY", 2)
     buckets = []
     compact = gen.graphs._compact
@@ -61,12 +86,16 @@ def test_sampled_logprobs_are_the_models_with_compaction(tiny_model_path, precis
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["fused_step", "static_step"])
-def test_greedy_output_is_the_static_decoders(tiny_model_path, fused):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_greedy_output_is_the_static_decoders(tiny_model_path, tiny_qwen3_path, arch, fused):
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
+    path = tiny_qwen3_path if arch == "qwen3" else tiny_model_path
     sp = SamplingParams(group_size=2, max_new_tokens=16, temperature=0.0)
-    want = TorchGenerator(tiny_model_path).generate(ITEMS, sp)
-    got = _eager_graphs(tiny_model_path, fused=fused).generate(ITEMS, sp)
+    static = TorchGenerator(path)
+    assert static.decoder is not None  # the static decoder's loop, not transformers' forward
+    want = static.generate(ITEMS, sp)
+    got = _eager_graphs(path, fused=fused).generate(ITEMS, sp)
     for a, b in zip(want, got):
         assert [c.token_ids for c in a.completions] == [c.token_ids for c in b.completions]
         for ca, cb in zip(a.completions, b.completions):

@@ -75,16 +75,16 @@ def test_self_check_catches_a_wrong_kernel_in_interpreter(interpreter, monkeypat
     assert triton_step.self_check(_llama(4, 2, 32), 4, 2, 32) == "self-check failed: RuntimeError: no compile"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
 def test_step_with_the_kernels_equals_the_torch_step_in_interpreter(interpreter, kind, monkeypatch):
     """One fused decode step with the kernels and with torch ops, from the same cache: the same logits (within bf16
     rounding, relative to the largest), the same keys and values written into the step's column and no other; with
     grouped-query attention (4 query heads on 2), Qwen2's projection biases, and a row whose earlier columns are
-    masked (left padding)."""
+    masked (left padding); Qwen3's per-head query and key norms and a head_dim of its own."""
     from tests.test_torch_decode import TOL, _model, _off
 
     model = _model(kind)
-    q_heads, kv_heads, hd = 4, 2, 16
+    q_heads, kv_heads, hd = 4, 2, getattr(model.config, "head_dim", None) or 16
     on = torch_fused.FusedLayers(model, q_heads, kv_heads, hd)
     monkeypatch.setattr(torch_fused, "KERNELS", False)
     off = torch_fused.FusedLayers(model, q_heads, kv_heads, hd)

@@ -20,7 +20,7 @@ the buffers, G rows per prompt. Rows that finished are dropped by compacting the
 `COMPACT_AT` of the buffer: finished rows cost decode work until then, a compaction costs a copy of the cache.
 
 `StaticDecoder.supports(model)` says which models take this path (architectures whose layers follow Llama's:
-llama, qwen2, mistral, all layers with full attention) and `fits(width)` whether a batch stays inside Mistral's
+llama, qwen2, mistral, qwen3, all layers with full attention) and `fits(width)` whether a batch stays inside Mistral's
 attention window; the generator falls back to transformers' forward for the others.
 The logits agree with that forward's to bf16 rounding (tests/test_torch_decode.py).
 """
@@ -30,8 +30,10 @@ import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's and Mistral's are the same
 
 # Model types whose decoder layers are Llama's: input_layernorm -> self_attn (q/k/v/o_proj, rotary, GQA) -> residual
-# -> post_attention_layernorm -> mlp -> residual; model.norm, lm_head. Qwen2 adds q/k/v biases (inside the Linear).
-SUPPORTED = ("llama", "qwen2", "mistral")
+# -> post_attention_layernorm -> mlp -> residual; model.norm, lm_head. Qwen2 adds q/k/v biases (inside the Linear);
+# Qwen3 an RMSNorm over head_dim of each query and key head (self_attn.q_norm, k_norm) before the rotary, and a
+# head_dim of its own (q_proj's width need not be the hidden size).
+SUPPORTED = ("llama", "qwen2", "mistral", "qwen3")
 COMPACT_AT = 0.75  # compact the cache when live rows fall to this share of its rows
 
 
@@ -134,6 +136,8 @@ def _fixed_step(model, layers, tokens, col, pos, keys, values, bias, q_heads, kv
         q = att.q_proj(h).view(b, q_heads, 1, head_dim)
         k = att.k_proj(h).view(b, kv_heads, 1, head_dim)
         v = att.v_proj(h).view(b, kv_heads, 1, head_dim)
+        if getattr(att, "q_norm", None) is not None:  # Qwen3: each head RMS-normed over head_dim, then rotated
+            q, k = att.q_norm(q), att.k_norm(k)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys[i].index_copy_(2, col, k)
         values[i].index_copy_(2, col, v)

@@ -16,6 +16,8 @@ fewer operators (`bench/gpu_speed.py` counts them, `ops_per_step`, on any device
   signed permutation of rotate_half: one [head_dim x head_dim] matrix per row and step, built once per step for all
   layers, applied to the query and key heads together with one batched product (one rounding instead of three).
 - **Norms** through `torch.nn.functional.rms_norm` (one fused kernel on CUDA; float32 inside, as the model's norm).
+  Qwen3's per-head query and key norms (`self_attn.q_norm`, `k_norm`, over head_dim, before the rotary) are two more
+  of them on the joint product's query and key heads, and one concatenation with its values.
 - **Attention** scores scaled and masked in one `torch.add(bias, scores, alpha=scale)`.
 - **Triton kernels** (triton_step.py), where they passed their self-check on the model's device (`FusedLayers.kernels`):
   the residual sum with the next norm, SwiGLU, rotary with the cache write and attention each in one kernel, in place
@@ -211,6 +213,10 @@ def step(model, fused: FusedLayers, tokens, col, pos, keys, values, bias, q_head
             y = _project(h, qkv)  # [b, 1, nq + 2 nkv]
         else:
             y = torch.cat([att.q_proj(h), att.k_proj(h), att.v_proj(h)], -1)
+        if getattr(att, "q_norm", None) is not None:  # Qwen3: query and key heads RMS-normed before the rotary
+            heads = y[..., :nq + nkv].view(b, q_heads + kv_heads, hd)
+            y = torch.cat([_norm(att.q_norm, heads[:, :q_heads]).reshape(b, 1, nq),
+                           _norm(att.k_norm, heads[:, q_heads:]).reshape(b, 1, nkv), y[..., nq + nkv:]], -1)
         if kernels:
             q = triton_step.rope_write(y, cos, sin, keys[i], values[i], col, q_heads, kv_heads)
             o = triton_step.attend(q, keys[i], values[i], bias, scale)  # [b, q_heads, hd]

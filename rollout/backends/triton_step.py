@@ -161,7 +161,8 @@ def rope_write(y: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torc
                col: torch.Tensor, q_heads: int, kv_heads: int) -> torch.Tensor:
     """From the joint q/k/v product y [b, 1, (q_heads + 2 kv_heads) * hd]: the rotated queries [b, q_heads, hd], and the
     rotated keys and the values written into column `col` (a 1-element tensor) of keys / values [b, kv, width, hd].
-    cos / sin: [b, 1, hd], as the model's rotary embedding gives them."""
+    cos / sin: [b, 1, hd], as the model's rotary embedding gives them. Qwen3's query and key heads are RMS-normed in y
+    before (torch_fused.step): this kernel rotates what it is given."""
     b, hd = y.shape[0], keys.shape[-1]
     y2 = y.reshape(b, -1)
     c2, s2 = cos.reshape(b, hd), sin.reshape(b, hd)
