@@ -47,10 +47,13 @@ class TorchGenerator(Generator):
 
     def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
                  generator_id: str = "torch-0", seed: int = 0, device: str | None = None, initial_version: int = 0,
-                 chat_template: bool = True, compute_dtype: str = "auto", options: dict | None = None):
+                 chat_template: bool = True, compute_dtype: str = "auto", options: dict | None = None,
+                 model: torch.nn.Module | None = None):
         """`compute_dtype`: model.compute_dtype ("auto": bf16 where the device computes it natively, else fp32;
         core/cpu.py); the weights are bf16 values either way, quantized from bf16 (rollout/backends/compute.py).
-        `options`: the `[rollout.torch]` table (TorchOptions)."""
+        `options`: the `[rollout.torch]` table (TorchOptions). `model`: a bf16 causal LM already built, served in
+        place of loading one from `model_path`, which then needs only the tokenizer (benches build models of published
+        shapes with random weights: bench/model_ladder.py); the generator quantizes it in place, as its own."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from qgrpo.core.cpu import compute_dtype as choose
@@ -70,7 +73,9 @@ class TorchGenerator(Generator):
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.stop_ids = stop_token_ids(model_path, self.tokenizer)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16).to(self.device).eval()
+        if model is None:
+            model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
+        model = model.to(self.device).eval()
         # What a full update must hold (the bf16 model's parameters), which of them are quantized, and the linear
         # layers' shapes (for adapters); then the one copy is quantized in place.
         self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}

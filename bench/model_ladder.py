@@ -1,0 +1,373 @@
+"""The torch generator at the model sizes people train, each precision against the memory and compute bounds of the
+machine it runs on, measured side by side in one run.
+
+    .venv/bin/python bench/model_ladder.py --models Qwen2.5-1.5B,Qwen3-8B --rows 8,32      # CUDA
+    .venv/bin/python bench/model_ladder.py --device cpu --models tiny-qwen2,tiny-qwen3 --rows 1,8 --contexts 32 \\
+        --new-tokens 8 --precisions bf16,int8                                          # a dry run on a CPU
+
+Models (`--models`, from bench/model_shapes.py): each built from its published config (architecture, widths, heads,
+vocabulary, tied or untied embeddings) with random bf16 weights (seed 0) on the device it runs on; nothing is
+downloaded, and speed does not depend on the values. The tokenizer is borrowed (`--tokenizer`: a folder, or builtin:
+NAME; tiny-digits' character tokenizer where that is missing) and the model keeps its published vocabulary, so the
+embedding and head have their published bytes; the table's header says which tokenizer. Each (model, precision) is
+served by qgrpo's torch generator (rollout/backends/torch_backend.py) as a run serves it: quantized in place at
+start, its decode steps replayed as CUDA graphs of the fused step on a GPU (`[rollout.torch]` defaults), the static
+decoder's steps on a CPU, where it computes in the CPU's compute dtype (`compute` column: fp32 on CPUs without native
+bf16). A model is built again for each precision (same seed, same weights).
+
+Per (rows, context): prompts of exactly `context` tokens (rows / 8 prompts x 8 completions, or 1 x rows below 8),
+`--new-tokens` new tokens every row (stop ids emptied; `full` checks it), T = 1. One warm-up generate (graph
+capture), then `--repeats` timed generates (median) and the prompts' forward timed alone: `prefill tok/s` the prompt
+tokens over it; `decode tok/s` rows x new tokens over (generate - prefill).
+
+Bounds, from what this run measures: `mem bound` is rows over the bytes a decode step must read (the served linear
+weights, lm_head included, in their storage format; one embedding row per row; the KV cache at the mean context,
+prompt + half the new tokens) at the read bandwidth measured here (bench/gpu_speed.py: `read_bandwidth`);
+`compute bound` is rows over a step's FLOPs (2 x the matrix-product parameters, lm_head included, plus attention's
+4 x layers x query heads x head dim x context per row) at the bf16 (CPU: compute-dtype) matmul rate measured here on
+the model's own gate/up product at `--compute-rows` rows. `binds` names the lower one; `of bound` is decode tok/s over
+it. `vs bf16` is decode tok/s over bf16's at the same model, rows and context. `GiB` is the generator's weights
+(`memory_bytes()["total"]`), `peak GiB` the device's peak allocation over the variant (CUDA).
+
+`--budget-s` bounds the run: variants are run in order (precisions, then models, then contexts and rows as given)
+and those past the deadline are listed as skipped; the JSON (`--out`) is written after every row, so a run cut short
+keeps what it measured. A variant that fails records its error and the run goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on shared cores
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.gpu_speed import (  # noqa: E402 - measured as gpu_speed measures them
+    batch_shape,
+    completion_tokens,
+    decode_info,
+    finite,
+    fmt,
+    load_tokenizer,
+    never_stop,
+    read_bandwidth,
+    release,
+    sync,
+    timed,
+)
+from bench.model_shapes import SHAPES, build_config, head_dim, linear_shapes  # noqa: E402
+
+GROUP_SIZE = 8
+
+
+def build_model(name: str, tok, device: str):
+    """Shape `name` with random bf16 weights (seed 0) on `device`, its published vocabulary kept."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    cfg = build_config(name, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=pad)
+    torch.manual_seed(0)
+    try:
+        with torch.device(device):  # initialised where it runs: seconds on a GPU for 14 B parameters
+            return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    except Exception:  # noqa: BLE001 - slower, same model: built on the CPU, then moved
+        print(traceback.format_exc(), file=sys.stderr)
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device)
+
+
+def prompts_of(tok, n: int, length: int) -> list:
+    """`n` distinct prompts of exactly `length` tokens each (no chat template): digits and spaces, cut at `length`
+    tokens and checked to encode back to that many."""
+    from qgrpo.core.records import PromptItem
+
+    out = []
+    for i in range(n):
+        words, ids = [], []
+        k = 0
+        while len(ids) < length + 8:
+            words.append(" ".join(str((i * 7919 + j * 104729) % 1000) for j in range(k, k + 64)))
+            k += 64
+            ids = tok(" ".join(words), add_special_tokens=True)["input_ids"]
+        for cut in range(length, length + 8):  # a cut inside a word can re-encode longer: take the first that holds
+            text = tok.decode(ids[:cut], skip_special_tokens=True)
+            if len(tok(text, add_special_tokens=True)["input_ids"]) == length:
+                break
+        out.append(PromptItem(prompt_id=f"p{i}", prompt=text, reference=""))
+    return out
+
+
+def matmul_rate(device: str, dtype, k: int, n: int, rows: int, repeats: int = 5) -> float:
+    """FLOP/s of a [rows, k] x [k, n] product in `dtype` (median of `repeats` after two warm-ups)."""
+    import torch
+
+    a = torch.randn(rows, k, dtype=dtype, device=device)
+    b = torch.randn(n, k, dtype=dtype, device=device)
+    f = lambda: torch.nn.functional.linear(a, b)  # noqa: E731
+    for _ in range(2):
+        f()
+    s = statistics.median(timed(f, device)[1] for _ in range(repeats))
+    return 2 * rows * k * n / s
+
+
+def step_flops(name: str, context: float) -> float:
+    """FLOPs of one row's decode step: 2 x the matrix products' parameters (lm_head included) plus attention's scores
+    and weighted sum over `context` columns (4 x layers x query heads x head dim x context)."""
+    _, v = SHAPES[name]
+    s = linear_shapes(name)
+    per_layer = sum(n * k for key, (n, k) in s.items() if key in ("qkv", "o", "gate_up", "down"))
+    products = v["num_hidden_layers"] * per_layer + s["lm_head"][0] * s["lm_head"][1]
+    attn = 4 * v["num_hidden_layers"] * v["num_attention_heads"] * head_dim(v) * context
+    return 2 * products + attn
+
+
+def kv_bytes(name: str, rows: int, context: float, element: int = 2) -> float:
+    _, v = SHAPES[name]
+    return rows * v["num_hidden_layers"] * 2 * v["num_key_value_heads"] * head_dim(v) * element * context
+
+
+def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, emit, over) -> None:
+    """One (model, precision): the generator built once, then every (context, rows); rows appended to res["rows"]."""
+    import torch
+
+    from qgrpo.core.records import SamplingParams
+    from qgrpo.rollout import fp8
+    from qgrpo.rollout.backends.torch_backend import TorchGenerator
+
+    cuda = args.device.startswith("cuda")
+    served, _, route = precision.partition("/")  # fp8/weight_only, fp8/scaled_mm: fp8 decode's route
+    held = fp8.FP8_DECODE
+    base = {"model": name, "precision": precision}
+    gen = model = None
+    made = []
+    try:
+        fp8.FP8_DECODE = route or held
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        model = build_model(name, tok, args.device)
+        sync(args.device)
+        build_s = time.perf_counter() - t0
+        gen, load_s = timed(lambda: TorchGenerator(folder, precision=served, device=args.device, model=model,
+                                                   chat_template=False), args.device)
+        model = None
+        never_stop(gen)
+        mem = gen.memory_bytes()
+        for ctx in args.contexts:
+            for rows in args.rows:
+                row = {**base, "rows": rows, "context": ctx, "build_s": build_s, "load_s": load_s,
+                       "compute": gen.compute_dtype, "linear_bytes": int(mem["linear"]),
+                       "total_bytes": int(mem["total"])}
+                made.append(row)
+                res["rows"].append(row)
+                if over():
+                    row["skipped"] = "budget spent"
+                    res["budget"]["skipped"].append(f"{name}/{precision}/{ctx}/{rows}")
+                    emit()
+                    continue
+                n, g = batch_shape(rows)
+                items = prompts_of(tok, n, ctx)
+                L = args.new_tokens
+                once = lambda seed, items=items, g=g: gen.generate(  # noqa: E731
+                    items, SamplingParams(g, L, temperature=1.0, seed=seed))
+                _, row["warmup_s"] = timed(lambda: once(0), args.device)
+                runs = []
+                for r in range(args.repeats):
+                    groups, s = timed(lambda r=r: once(100 + r), args.device)
+                    runs.append({"seconds": s, "tokens": completion_tokens(groups)})
+                pre = statistics.median(timed(lambda: gen.prefill_seconds(items), args.device)[1]
+                                        for _ in range(args.repeats))
+                row["runs"] = runs
+                row["seconds"] = statistics.median(x["seconds"] for x in runs)
+                row["full"] = all(x["tokens"] == rows * L for x in runs)
+                row["prefill_s"] = pre
+                row["prefill_tokens_per_s"] = n * ctx / pre
+                row["decode_tokens_per_s"] = rows * L / (row["seconds"] - pre) if row["seconds"] > pre else None
+                row.update({f"decode_{k}": v for k, v in decode_info(gen, None).items()})
+                if cuda:
+                    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                bounds(row, name, res, args)
+                emit()
+    except Exception as e:  # noqa: BLE001 - one variant's failure must not cost the others' results
+        print(traceback.format_exc(), file=sys.stderr)
+        if not made or "seconds" in made[-1] or "skipped" in made[-1]:
+            made.append({**base, "rows": None, "context": None})
+            res["rows"].append(made[-1])
+        made[-1]["error"] = f"{type(e).__name__}: {e}"[:1000]
+        emit()
+    finally:
+        gen = model = None
+        fp8.FP8_DECODE = held
+        release(args.device)
+
+
+def bounds(row: dict, name: str, res: dict, args) -> None:
+    """The row's memory and compute bounds (module docstring), which binds, its share of that, and vs bf16."""
+    _, v = SHAPES[name]
+    rows, ctx = row["rows"], row["context"] + (args.new_tokens + 1) / 2
+    act = 2 if row["compute"] in ("bf16", "fp16") else 4
+    step_bytes = row["linear_bytes"] + rows * v["hidden_size"] * act + kv_bytes(name, rows, ctx, act)
+    mem = rows * res["bandwidth"]["bytes_per_s"] / step_bytes
+    rate = res["matmul"].get(name)
+    comp = rows * rate / (rows * step_flops(name, ctx)) if rate else None
+    row["step_bytes"] = step_bytes
+    row["mem_bound_tokens_per_s"] = mem
+    row["compute_bound_tokens_per_s"] = comp
+    row["binds"] = "memory" if comp is None or mem <= comp else "compute"
+    speed = row.get("decode_tokens_per_s")
+    if speed:
+        row["share_of_bound"] = speed / min(mem, comp or mem)
+        base = next((r for r in res["rows"] if r["model"] == name and r["precision"] == "bf16"
+                     and r["rows"] == rows and r["context"] == row["context"] and r.get("decode_tokens_per_s")), None)
+        if base is not None and base is not row:
+            row["vs_bf16"] = speed / base["decode_tokens_per_s"]
+
+
+def table(res: dict) -> str:
+    head = ["model", "precision", "compute", "ctx", "rows", "GiB", "peak GiB", "full", "prefill tok/s",
+            "decode tok/s", "mem bound", "compute bound", "binds", "of bound", "vs bf16", "note"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in res["rows"]:
+        note = r.get("error") or r.get("skipped") or r.get("decode_fallback") or ""
+        cells = [r["model"], r["precision"], r.get("compute", ""), r.get("context"), r.get("rows"),
+                 fmt(r.get("total_bytes") and r["total_bytes"] / 2**30, ".2f"), fmt(r.get("peak_gib"), ".1f"),
+                 "" if "full" not in r else ("yes" if r["full"] else "NO"),
+                 fmt(r.get("prefill_tokens_per_s"), ".0f"), fmt(r.get("decode_tokens_per_s"), ".0f"),
+                 fmt(r.get("mem_bound_tokens_per_s"), ".0f"), fmt(r.get("compute_bound_tokens_per_s"), ".0f"),
+                 r.get("binds", ""), fmt(r.get("share_of_bound"), ".1%"), fmt(r.get("vs_bf16"), ".2f"),
+                 str(note).replace("|", "/")[:120]]
+        lines.append("| " + " | ".join("" if c is None else str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="", help="cuda:0 where CUDA is, else cpu")
+    ap.add_argument("--models", default="Qwen2.5-1.5B,Qwen3-8B,Qwen2.5-0.5B,Qwen3-4B,Qwen2.5-14B")
+    ap.add_argument("--precisions", default="", help="default: CUDA bf16,int8,int4,fp8/weight_only,fp8/scaled_mm,"
+                    "nf4; CPU every precision the torch backend serves there")
+    ap.add_argument("--rows", default="8,32")
+    ap.add_argument("--contexts", default="512,2048", help="prompt tokens")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--compute-rows", type=int, default=4096, help="rows of the matmul-rate measurement")
+    ap.add_argument("--bandwidth-gib", type=float, default=0.0, help="default: 2 on CUDA, 1/4 on a CPU")
+    ap.add_argument("--tokenizer", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "model_ladder.json"))
+    args = ap.parse_args(argv)
+    import torch
+
+    from qgrpo.rollout.options import QUANT_SERVED
+
+    args.device = args.device or ("cuda:0" if torch.cuda.is_available() else "cpu")
+    cuda = args.device.startswith("cuda")
+    args.models = args.models.split(",")
+    unknown = [m for m in args.models if m not in SHAPES]
+    if unknown:
+        ap.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
+    args.precisions = (args.precisions.split(",") if args.precisions else
+                       ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
+                       else list(QUANT_SERVED["cpu"]))
+    served = QUANT_SERVED["cuda" if cuda else "cpu"]
+    bad = [p for p in args.precisions if p.partition("/")[0] not in served
+           or p.partition("/")[2] not in ("", "weight_only", "scaled_mm")]
+    if bad:
+        ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
+                 f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA)")
+    args.rows = [int(x) for x in args.rows.split(",")]
+    args.contexts = [int(x) for x in args.contexts.split(",")]
+    args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)
+    return args
+
+
+def main(argv=None) -> dict:
+    t_start = time.perf_counter()
+    args = _parse(argv)
+    import torch
+    import transformers
+
+    from qgrpo.core.cpu import compute_dtype, torch_dtype
+
+    cuda = args.device.startswith("cuda")
+    name = torch.cuda.get_device_name(args.device) if cuda else "cpu"
+    cpu_model = ""
+    if not cuda:
+        try:
+            cpu_model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                             if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    res = {"command": ".venv/bin/python bench/model_ladder.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+           "device_name": name, "cpu": cpu_model or None, "cpus": os.cpu_count(), "torch": torch.__version__,
+           "cuda": torch.version.cuda, "transformers": transformers.__version__,
+           "args": {k: v for k, v in vars(args).items()}, "rows": [], "budget": {"budget_s": args.budget_s,
+                                                                                 "skipped": []}}
+    if cuda:
+        try:
+            import subprocess
+
+            res["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=20).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            res["driver"] = None
+
+    res["machine"] = (f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, driver {res.get('driver')}, "
+                      f"transformers {transformers.__version__}" if cuda else
+                      f"{cpu_model or 'a CPU'}, {os.cpu_count()} CPUs, torch {torch.__version__}, transformers "
+                      f"{transformers.__version__}")
+
+    def emit() -> None:
+        res["budget"]["elapsed_s"] = time.perf_counter() - t_start
+        out.write_text(json.dumps(finite(res), indent=2, allow_nan=False, default=str) + "\n")
+
+    over = lambda: time.perf_counter() - t_start > args.budget_s  # noqa: E731
+    tok, res["tokenizer"], res["tokenizer_note"] = load_tokenizer(args.tokenizer)
+    res["bandwidth"] = read_bandwidth(args.device, args.bandwidth_gib)
+    dtype = torch_dtype(compute_dtype("auto", torch.device(args.device))[0])
+    res["compute_dtype"] = str(dtype).removeprefix("torch.")
+    res["matmul"] = {}
+    for m in args.models:  # each model's gate/up product at many rows: the rate its decode step can compute at
+        n, k = linear_shapes(m)["gate_up"]
+        res["matmul"][m] = matmul_rate(args.device, dtype, k, n, args.compute_rows if cuda else 64)
+    release(args.device)
+    print(f"{name}: read {res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s; "
+          + ", ".join(f"{m} {r / 1e12:.2f} TFLOP/s" for m, r in res["matmul"].items()), flush=True)
+    emit()
+    with tempfile.TemporaryDirectory(prefix="model_ladder_") as folder:
+        tok.save_pretrained(folder)  # the generator reads the tokenizer here; the model comes built
+        for p in args.precisions:  # precision-major: every model's bf16 (the baseline) first, then each format
+            for m in args.models:
+                if over():
+                    res["budget"]["skipped"].append(f"{m}/{p}")
+                    res["rows"].append({"model": m, "precision": p, "rows": None, "context": None,
+                                        "skipped": "budget spent"})
+                    emit()
+                    continue
+                print(f"{m} {p} ...", flush=True)
+                run_variant(args, m, p, folder, tok, res, emit, over)
+    res["table"] = table(res)
+    emit()
+    print(f"\n{name}{f' ({cpu_model})' if cpu_model else ''}, torch {torch.__version__}; tokenizer "
+          f"{res['tokenizer']}{' (' + res['tokenizer_note'] + ')' if res['tokenizer_note'] else ''}; "
+          f"{args.new_tokens} new tokens at T=1, median of {args.repeats}; read "
+          f"{res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s; {res['budget']['elapsed_s']:.0f} s of "
+          f"{args.budget_s:.0f}" + (f"; skipped: {', '.join(res['budget']['skipped'])}"
+                                    if res["budget"]["skipped"] else ""))
+    print(res["table"])
+    print(f"wrote {out}")
+    return res
+
+
+if __name__ == "__main__":
+    main()

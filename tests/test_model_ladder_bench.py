@@ -1,0 +1,84 @@
+"""bench/model_ladder.py and bench/model_shapes.py on a CPU: the published shapes build to the published parameter
+counts, the ladder's dry run measures every variant at tiny shapes with finite bounds, and a spent budget skips."""
+import json
+
+import pytest
+
+from bench import model_ladder
+from bench.model_shapes import SHAPES, build_config, parameter_count
+
+# The parameter counts the models' cards and safetensors indexes publish (norms and biases included).
+PUBLISHED = {"SmolLM2-135M": 134_515_008, "Qwen2.5-0.5B": 494_032_768, "Llama-3.2-1B": 1_235_814_400,
+             "Qwen2.5-1.5B": 1_543_714_304, "Qwen3-4B": 4_022_468_096, "Qwen3-8B": 8_190_735_360,
+             "Qwen2.5-14B": 14_770_033_664}
+
+
+def _reject(name: str):
+    raise AssertionError(f"{name} in the JSON")
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_each_published_shape_builds_to_its_published_size(name):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):  # no memory: shapes only
+        model = AutoModelForCausalLM.from_config(build_config(name))
+    assert model.config.model_type == SHAPES[name][0]
+    assert sum(p.numel() for p in model.parameters()) == PUBLISHED[name]
+    products = parameter_count(name)["total"]
+    assert 0.999 * PUBLISHED[name] < products <= PUBLISHED[name]  # norms and biases are the rest
+
+
+@pytest.mark.heavy  # ~15 s: eight tiny variants measured
+def test_dry_run_measures_every_variant_with_finite_bounds(tmp_path):
+    out = tmp_path / "ladder.json"
+    res = model_ladder.main(["--device", "cpu", "--models", "tiny-qwen2,tiny-qwen3", "--precisions", "bf16,int8",
+                             "--rows", "1,8", "--contexts", "24", "--new-tokens", "4", "--repeats", "1",
+                             "--out", str(out)])
+    saved = json.loads(out.read_text(), parse_constant=_reject)  # no NaN / Infinity anywhere
+    assert saved["rows"] == json.loads(json.dumps(res["rows"]))
+    assert res["budget"]["skipped"] == [] and res["machine"].endswith(f"transformers {res['transformers']}")
+    rows = {(r["model"], r["precision"], r["rows"]): r for r in res["rows"]}
+    assert set(rows) == {(m, p, n) for m in ("tiny-qwen2", "tiny-qwen3") for p in ("bf16", "int8") for n in (1, 8)}
+    for key, r in rows.items():
+        assert "error" not in r and "skipped" not in r, (key, r)
+        assert r["full"] and r["context"] == 24, key
+        assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0, key
+        assert r["mem_bound_tokens_per_s"] > 0 and r["compute_bound_tokens_per_s"] > 0, key
+        assert r["binds"] in ("memory", "compute") and 0 < r["share_of_bound"], key
+        # Every architecture of the ladder decodes on the generator's static decoder, not transformers' forward.
+        assert r["decode_loop"] == "static", key
+        if key[1] == "int8":
+            base = rows[(key[0], "bf16", key[2])]
+            assert r["linear_bytes"] < 0.7 * base["linear_bytes"]
+            assert r["vs_bf16"] == pytest.approx(r["decode_tokens_per_s"] / base["decode_tokens_per_s"])
+    assert "| tiny-qwen3 | int8 |" in res["table"]
+
+
+def test_prompts_have_exactly_the_asked_length():
+    from transformers import AutoTokenizer
+
+    from qgrpo.rollout.models import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny-digits"))
+    for n in (5, 64):
+        items = model_ladder.prompts_of(tok, 3, n)
+        assert len({it.prompt for it in items}) == 3  # distinct prompts: a realistic prefill
+        assert all(len(tok(it.prompt)["input_ids"]) == n for it in items)
+
+
+def test_a_spent_budget_skips_every_variant_and_says_so(tmp_path):
+    res = model_ladder.main(["--device", "cpu", "--models", "tiny-llama", "--precisions", "bf16,int8", "--rows", "8",
+                             "--contexts", "16", "--budget-s", "0", "--out", str(tmp_path / "l.json")])
+    assert res["budget"]["skipped"] == ["tiny-llama/bf16", "tiny-llama/int8"]
+    assert all(r.get("skipped") == "budget spent" for r in res["rows"])
+
+
+def test_unknown_model_or_precision_is_refused_naming_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        model_ladder.main(["--device", "cpu", "--models", "Qwen9-1T"])
+    assert "--models: unknown Qwen9-1T" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        model_ladder.main(["--device", "cpu", "--models", "tiny-llama", "--precisions", "fp8"])
+    assert "--precisions: fp8 not served" in capsys.readouterr().err
