@@ -2,17 +2,20 @@
 # The GPU checks in one prepared run on a one-GPU CUDA machine (docs/gpus.md), within a wall-clock deadline: the
 # benches first, alone on the GPU, then the `cuda` tests in two processes side by side (in-process tests; the tiny job
 # as a stream of two rollout actors through Ray). Each part gets what is left of the deadline and writes its log and
-# JSON to OUT as it goes, so a part cut short still leaves what it measured.
+# JSON to OUT as it goes, so a part cut short still leaves what it measured; with PACK set, OUT is also packed into
+# that one archive after every part (for a machine that returns few files).
 #   bash bench/gpu_session.sh OUT [DEADLINE_S] [TOKENIZER]
 # OUT: a folder for the logs and JSON; DEADLINE_S: the whole run's seconds (default 540); TOKENIZER: a tokenizer
-# folder for bench/gpu_speed.py (default: its builtin). PYTHON picks the interpreter (default python3); PARTS the
-# parts run (default "bench tests"), e.g. PARTS=tests after a change that needs only the tests again.
+# folder for the benches (default: their builtin). PYTHON picks the interpreter (default python3); PARTS the parts
+# run (default "ladder products tests"; "bench" is bench/gpu_speed.py at the 1.3b shape with its learner row), e.g.
+# PARTS=tests after a change that needs only the tests again.
 set -u
 OUT=${1:?usage: bash bench/gpu_session.sh OUT [DEADLINE_S] [TOKENIZER]}
 DEADLINE=${2:-540}
 TOK=${3:-}
 PY=${PYTHON:-python3}
-PARTS=${PARTS:-bench tests}
+PARTS=${PARTS:-ladder products tests}
+PACK=${PACK:-}
 mkdir -p "$OUT"
 T0=$(date +%s)
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
@@ -24,7 +27,9 @@ part() {
   local s=$(date +%s)
   timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
   echo "$name: rc=$? in $(( $(date +%s) - s )) s (limit $t s)" | tee -a "$OUT/summary.txt"
+  pack
 }
+pack() { [[ -z "$PACK" ]] || tar -czf "$PACK.tmp" -C "$OUT" . && mv -f "$PACK.tmp" "$PACK" 2>/dev/null; true; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda,
 'triton', triton.__version__, 'transformers', transformers.__version__)" >> "$OUT/gpu.txt" 2>&1
@@ -37,7 +42,25 @@ part gpu_speed 200 "$PY" bench/gpu_speed.py ${TOK:+--tokenizer "$TOK"} --precisi
 part gpu_matmuls 80 "$PY" bench/gpu_matmuls.py --rows 8,64 --calls 20 --repeats 3 --out "$OUT/gpu_matmuls.json"
 fi
 
-# 2. The cuda tests: in-process ones and the Ray stream job side by side (the GPU has room for both).
+# 2. The model-size ladder (bench/model_ladder.py): Qwen2.5-1.5B and Qwen3-8B at every precision first, then the other
+# sizes at bf16, int8 and int4; then each product of the 1.5B and 8B shapes alone, GemLite's kernels beside ours
+# (GemLite autotunes the shapes its shipped configs lack: a few seconds each).
+if [[ " $PARTS " == *" ladder "* ]]; then
+part ladder_main 175 "$PY" bench/model_ladder.py ${TOK:+--tokenizer "$TOK"} --models Qwen2.5-1.5B,Qwen3-8B \
+  --precisions bf16,int8,int4,fp8/weight_only,fp8/scaled_mm,nf4 --rows 8,32 --contexts 512,2048 --budget-s 160 \
+  --out "$OUT/model_ladder_main.json"
+part ladder_sizes 95 "$PY" bench/model_ladder.py ${TOK:+--tokenizer "$TOK"} \
+  --models Qwen2.5-0.5B,Qwen3-4B,Qwen2.5-14B --precisions bf16,int8,int4 --rows 8,32 --contexts 512 --budget-s 80 \
+  --out "$OUT/model_ladder_sizes.json"
+fi
+if [[ " $PARTS " == *" products "* ]]; then
+part products 75 "$PY" bench/gpu_matmuls.py --models Qwen2.5-1.5B,Qwen3-8B --rows 8,32 \
+  --precisions bf16,int8,int4,int4/unpadded,fp8/weight_only,int4/gemlite,int8/gemlite --gemlite-after all \
+  --gemlite-autotune default --calls 20 --repeats 3 --budget-s 60 --gemlite-save "$OUT/gemlite_configs.json" \
+  --out "$OUT/gpu_matmuls_models.json"
+fi
+
+# 3. The cuda tests: in-process ones and the Ray stream job side by side (the GPU has room for both).
 if [[ " $PARTS " == *" tests "* ]]; then
 T=(-p no:cacheprovider -o addopts="" -rA --timeout 300 -q)
 part tests_inprocess 260 "$PY" -m pytest -m cuda tests/test_cuda.py tests/test_quant_devices.py \
@@ -50,3 +73,4 @@ wait
 find "$S/tmp" -name metrics.jsonl -exec cp {} "$OUT/stream_metrics.jsonl" \;
 fi
 echo "done in $(( $(date +%s) - T0 )) s" | tee -a "$OUT/summary.txt"
+pack
