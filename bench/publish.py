@@ -265,6 +265,42 @@ def gpu_matmuls(d: dict) -> list[str]:
             *(["", *wrap("Failed: " + "; ".join(errors))] if errors else [])]
 
 
+def gpu_matmuls_models(d: dict) -> list[str]:
+    """bench/gpu_matmuls.py --models: each product of the named models' decode steps alone, one line per product
+    and rows, bf16's kernel time and every other route's speed-up over it."""
+    routes = list(dict.fromkeys(r["route"] for r in d["rows"] if r["route"] != "bf16" and "seconds" in r))
+    keyed: dict[tuple, dict] = {}
+    for r in d["rows"]:
+        if "seconds" in r:
+            keyed.setdefault((r["model"], r["product"], r["n"], r["k"], r["rows"]), {})[r["route"]] = r
+    rows = []
+    for (model, product, n, k, nrows), by in keyed.items():
+        base = by.get("bf16")
+        rows.append([model, product, f"{n} x {k}", nrows, f(base and base["seconds"] * 1e6, 1),
+                     pct(base and base["of_bandwidth"], 0),
+                     *[("BAD " if by[x].get("bad") else "") + (f(by[x].get("vs_bf16")) or "")
+                       if x in by else None for x in routes]])
+    skipped = [r for r in d["rows"] if r.get("skipped")]
+    gl = d.get("gemlite") or {}
+    short = {"fp8/weight_only": "fp8/wo", "int4/unpadded": "int4/unpad"}  # table width: docs lines <= 120
+    routes_shown = [short.get(x, x) for x in routes]
+    return [*wrap(f"Each product alone, captured in a CUDA graph of {d['args']['calls']} calls (kernel time, launch "
+                  "gaps left out), random bf16 weights quantized as each route quantizes them. \"bf16 us\": cuBLAS's "
+                  "time; \"of bw\": bf16's weight bytes over it as a share of the read bandwidth "
+                  f"({d['read_bytes_per_s'] / 1e12:.2f} TB/s measured); each route's column: bf16's time over the "
+                  "route's (above 1: faster). `int8` is the generator's Triton kernel, `int4` torchao's tinygemm "
+                  "layout as the generator packs it, tinygemm without torchao's padding of K to "
+                  "1024 (`int4/unpad`), `fp8/wo` the generator's fp8 weight-only decode kernel, `*/gemlite` GemLite "
+                  f"{gl.get('version', '')} (autotune `{gl.get('autotune', '')}`, shipped config "
+                  f"`{str(gl.get('config') or 'none').rsplit('/', 1)[-1]}`). "
+                  + (f"{bad} measurements exceeded their error tolerance against float32 (marked BAD)" if (bad := sum(
+                      1 for r in d["rows"] if r.get("bad"))) else "Every route stayed within its error tolerance "
+                     "against float32") + f" ({', '.join(f'{k} {v}' for k, v in d['tolerance'].items())}; the "
+                  f"largest error measured {max(r['err'] for r in d['rows'] if 'err' in r):.3f})."
+                  + (f" {len(skipped)} measurements did not fit the run's budget." if skipped else "")), "",
+            *table(["model", "product", "N x K", "rows", "bf16 us", "of bw", *routes_shown], rows)]
+
+
 def gpu_speed(d: dict) -> list[str]:
     """bench/gpu_speed.py: the torch generator per precision and decode loop on a GPU, and the learner's step."""
     m, bw, mm = d["model"], d["bandwidth"], d["matmul"]
@@ -316,6 +352,36 @@ def gpu_speed(d: dict) -> list[str]:
                           f"({ln['flops_formula']}), {pct(ln['share_of_matmul'])} of the matmul rate, peak "
                           f"{ln['peak_gib']:.1f} GiB.")]
     return out
+
+
+def model_ladder(d: dict) -> list[str]:
+    """bench/model_ladder.py: the torch generator per model size and precision against its bounds."""
+    done = [r for r in d["rows"] if r.get("decode_tokens_per_s")]
+    precisions = list(dict.fromkeys(r["precision"] for r in done if r["precision"] != "bf16"))
+    keyed: dict[tuple, dict] = {}
+    for r in done:
+        keyed.setdefault((r["model"], r["context"], r["rows"]), {})[r["precision"]] = r
+    rows = []
+    for (model, ctx, nrows), by in keyed.items():
+        b = by.get("bf16")
+        rows.append([model, ctx, nrows, gb(b and b["total_bytes"], 1), f(b and b["decode_tokens_per_s"], 0),
+                     pct(b and b.get("share_of_bound"), 0),
+                     *[f"{f(by[p].get('vs_bf16'))} ({pct(by[p].get('share_of_bound'), 0)})" if p in by else None
+                       for p in precisions]])
+    skipped = [r for r in d["rows"] if r.get("skipped")]
+    bw = d["bandwidth"]["bytes_per_s"]
+    return [*wrap(f"Each model built from its published config with random bf16 weights, served by the torch "
+                  f"generator as a run serves it (quantized at start, the fused decode step in CUDA graphs); prompts "
+                  f"of exactly `ctx` tokens, {d['args']['new_tokens']} new tokens every row at T = 1, median of "
+                  f"{d['args']['repeats']}. \"GiB\": bf16's weights as served; \"decode tok/s\": rows x new tokens "
+                  "over (generate - the prompts' forward timed alone); \"of bound\": that over the lower of the "
+                  "memory bound (the served weights, one embedding row per row and the KV cache at the mean context "
+                  f"read once per step at {bw / 1e12:.2f} TB/s, measured here) and the compute bound (the step's "
+                  "FLOPs at the bf16 matmul rate measured on the model's own gate/up product); the memory bound "
+                  "binds in every row. Each precision's cell: its decode tokens/s over bf16's at the same model, "
+                  "context and rows, and (in brackets) its share of its own bound. " + d.get("note", "")
+                  + (f" {len(skipped)} variants or rows did not fit the run's budget." if skipped else "")), "",
+            *table(["model", "ctx", "rows", "GiB", "bf16 decode tok/s", "bf16 of bound", *precisions], rows)]
 
 
 def generator_memory(d: dict) -> list[str]:
@@ -647,6 +713,21 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "quantized copy rebuilt at each sync; each in a fresh process, three full updates.", generator_memory),
     ]),
     ("On a GPU", [
+        ("model_ladder_h200", "Quantized rollouts by model size on an H200",
+         "The torch generator at Qwen2.5-1.5B's and Qwen3-8B's published shapes, every precision it serves on CUDA, "
+         "at 8 and 32 rows and contexts of 512 and 2,048 tokens (`bench/model_ladder.py`). Which format to pick at "
+         "which size: [quantization.md](quantization.md#on-a-gpu).", model_ladder),
+        ("model_ladder_h200_sizes", "The other sizes",
+         "Qwen2.5-0.5B, Qwen3-4B and Qwen2.5-14B at bf16, int8 and int4, in the same session.", model_ladder),
+        ("model_ladder_h200_rows", "Qwen3-8B at 16 and 64 rows",
+         "Where int8 and fp8 stop paying as rows grow, on another H200 of the same kind.", model_ladder),
+        ("gpu_matmuls_models", "Each product alone at those sizes, GemLite beside ours",
+         "The products of Qwen2.5-1.5B's and Qwen3-8B's decode steps one at a time, in the same session as the "
+         "ladder, with GemLite's int4 and int8 kernels (briefly autotuned) beside the generator's.",
+         gpu_matmuls_models),
+        ("gpu_matmuls_gemlite_tuned", "GemLite fully autotuned on Qwen3-8B's largest products",
+         "GemLite's own default autotune on the three products that hold most of Qwen3-8B's bytes.",
+         gpu_matmuls_models),
         ("gpu_speed", "The fused decode step and the quantized routes on an H200",
          "The torch generator per precision with its decode step in CUDA graphs, unfused (`graphs`) and fused "
          "(`graphs_fused`), against the card's memory bound, with each 8-row step's kernels, and the learner's step "
