@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from qgrpo.cluster.config.preflight import TRAIN_SAMPLE, length_hints, model_context, preflight, sample_items
+from qgrpo.cluster.config.preflight import (
+    TRAIN_SAMPLE,
+    length_hints,
+    model_context,
+    precision_hints,
+    preflight,
+    sample_items,
+)
 from qgrpo.cluster.config.schema import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -276,3 +283,15 @@ def test_output_dir_where_no_folder_can_be_made_even_by_root(tmp_path):
     (msg,) = output_dir_problems("/proc/qgrpo-runs")
     assert msg.startswith("run.output_dir: '/proc/qgrpo-runs' cannot be created: its nearest existing parent '/proc'")
     assert output_dir_problems(str(tmp_path / "runs")) == [] and not list(tmp_path.iterdir())
+
+
+def test_int4_on_a_gpu_with_the_torch_backend_hints_that_it_costs_time(tiny_model_path, tmp_path):
+    gpu = ("rollout.backend='torch'", "rollout.num_gpus=0.5")
+    (hint,) = precision_hints(tiny_cfg(tiny_model_path, tmp_path, *gpu, "rollout.precision='int4'"))
+    assert hint.startswith('rollout.precision = "int4" on a GPU decodes slower than bf16 with the torch backend')
+    assert "docs/quantization.md#on-a-gpu" in hint and 'choose "int8"' in hint
+    assert "0.46-0.52x" in precision_hints(tiny_cfg(tiny_model_path, tmp_path, *gpu, "rollout.precision='nf4'"))[0]
+    # int8 on a GPU, and int4 on a CPU (where it is measured by another bench), get none
+    assert precision_hints(tiny_cfg(tiny_model_path, tmp_path, *gpu, "rollout.precision='int8'")) == []
+    assert precision_hints(tiny_cfg(tiny_model_path, tmp_path, "rollout.backend='torch'", "rollout.num_gpus=0",
+                                    "rollout.precision='int4'")) == []

@@ -213,7 +213,7 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
 
     progress = progress or Progress()
     quiet_libraries()
-    from qgrpo.cluster.config.preflight import length_hints, preflight
+    from qgrpo.cluster.config.preflight import length_hints, precision_hints, preflight
 
     model_path = _model_path(cfg, progress)
     if resume is not None:
@@ -226,7 +226,7 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
     here = address is None and gpus is None  # this machine's CPUs; a cluster's are known once connected
     cpus = (os.cpu_count() or 1) if here else None
     problems = preflight(cfg, model_path, cpus, resuming=resume is not None)
-    for hint in length_hints(cfg, model_path):
+    for hint in length_hints(cfg, model_path) + precision_hints(cfg):
         progress.hint(hint)
     if not problems:
         cpu_words = (f"actors fit the {cpus} CPUs here" if here else "CPUs not checked ("
