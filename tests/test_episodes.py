@@ -259,6 +259,8 @@ def test_the_learner_scores_a_real_trajectory_as_the_generator_sampled_it(tok):
         shifted.append((learner[row, p - 1:p - 1 + len(c.token_ids)][mask] - want).abs())
         assert torch.all(torch.tensor(c.logprobs)[~mask] == 0.0)
     gap, off = torch.cat(gaps), torch.cat(shifted)
-    # bf16 rounding between a KV-cached decode and one full forward: measured mean 0.03, max 0.14 nats a token
-    assert len(gap) > 20 and gap.mean() < 0.05 and gap.max() < 0.5, (gap.mean(), gap.max())
+    # bf16 rounding between a KV-cached decode and one full forward, which depends on the CPU's bf16 kernels: measured
+    # mean 0.03, max 0.14 nats a token on an AMD EPYC; mean 0.051, max 0.24 on an Intel Xeon with AMX. A token off
+    # (the control below) is more than 1 nat.
+    assert len(gap) > 20 and gap.mean() < 0.08 and gap.max() < 0.5, (gap.mean(), gap.max())
     assert off.mean() > 1.0, off.mean()  # the comparison tells misaligned tokens apart
