@@ -354,16 +354,19 @@ HINT_SAMPLE = 64  # train prompts whose references are measured
 
 
 def precision_hints(cfg: Config) -> list[str]:
-    """rollout.precision int4 / nf4 on the torch backend's GPU path: measured slower than bf16 there at every model
-    size (0.5B to 14B on an H200, docs/quantization.md#on-a-gpu): memory saved, time lost, which a user picking it for
-    speed would not expect. vLLM serves int4 through other kernels and is not measured here: no hint for it."""
+    """rollout.precision where its backend decoded slower than bf16 on the actors' device at every model size measured
+    (BackendSpec.slower_than_bf16; the torch backend's int4 and nf4 on CUDA: docs/quantization.md#on-a-gpu): memory
+    saved, time lost, which a user choosing a quantized format for speed would not expect. The choice stands."""
+    from qgrpo.rollout.backends import REGISTRY, device_of
+
     r = cfg.rollout
-    if r.backend != "torch" or not r.num_gpus or r.precision not in ("int4", "nf4"):
+    ratio = REGISTRY[r.backend].slower_than_bf16.get(device_of(r.num_gpus), {}).get(r.precision)
+    if ratio is None:
         return []
-    return [f"rollout.precision = \"{r.precision}\" on a GPU decodes slower than bf16 with the torch backend: "
-            f"{'0.27-0.82x' if r.precision == 'int4' else '0.46-0.52x'} of bf16's tokens/s on an H200 at every model "
-            "size measured (0.5B-14B, docs/quantization.md#on-a-gpu). It saves weight memory, not time; for speed "
-            "choose \"int8\" (1.1-1.3x from 4B at up to about 16 rows per actor) or \"bf16\""]
+    return [f"rollout.precision = \"{r.precision}\" decodes slower than bf16 with the {r.backend} backend on "
+            f"{device_of(r.num_gpus)}: {ratio} of bf16's tokens/s at every model size measured (0.5B-14B on an H200, "
+            "docs/quantization.md#on-a-gpu). It saves weight memory, not time; for speed choose \"int8\" (1.1-1.3x "
+            "from 4B at up to about 16 rows per actor) or \"bf16\""]
 
 
 def length_hints(cfg: Config, model_path: str) -> list[str]:

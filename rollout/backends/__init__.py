@@ -276,6 +276,10 @@ class BackendSpec:
     # "module:function" of its own checks of this machine before a run (cluster/config/preflight.py), imported only
     # then: fn(rollout_cfg, model_path, here) -> config messages, `here` when the actors run on this machine
     preflight: str = ""
+    # device -> {precision: its decode speed against bf16's, as measured}, for the precisions it serves there that
+    # decoded slower than bf16 at every model size measured: `check` hints so (cluster/config/preflight.py), as a user
+    # choosing a quantized format expects it to be faster
+    slower_than_bf16: dict[str, dict[str, str]] = field(default_factory=dict, hash=False)
 
     def __post_init__(self):
         unknown = set(self.precisions_by_device) - set(DEVICES)
@@ -375,6 +379,8 @@ REGISTRY: dict[str, BackendSpec] = {
             compute_dtype=True, adapters_only=True, fake_quant_head=True,
             reference_scorer="qgrpo.rollout.reference:ReferenceScorer",
             multi_turn=True, options=TorchOptions,
+            # an H200, Qwen2.5-0.5B to Qwen2.5-14B, 8 and 32 rows (bench/model_ladder.py; docs/quantization.md)
+            slower_than_bf16={"cuda": {"int4": "0.27-0.82x", "nf4": "0.46-0.52x"}},
             grids={  # torchao's (core/grids.py): int8 per row over [-128, 127], eps float32's; int4 tinygemm groups
                 "int8": GridSpec("symmetric", -128, 127, divisor=127.5, eps=2.0 ** -23, dtype="bfloat16"),
                 "int4": GridSpec("affine", 0, 15, eps=1e-6, dtype="bfloat16", grouped=True),
