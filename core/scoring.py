@@ -292,10 +292,13 @@ def shared_prompt_logprobs(model, input_ids: torch.Tensor, prompt_lens: torch.Te
                 prefix_mask[g, K - n:] = 1
         pos = (prefix_mask.cumsum(-1) - 1).clamp(min=0)
         parts = split_head(model)  # the prefix's logits are never needed: run the trunk alone where possible
+        given = kv_replay.prefix_cache() if replay else None
         kw = dict(input_ids=prefix, attention_mask=prefix_mask, position_ids=pos, use_cache=True,
-                  **({"past_key_values": kv_replay.prefix_cache()} if replay else {}))
+                  **({"past_key_values": given} if replay else {}))
         out = parts[0](**kw) if parts else model(**kw, logits_to_keep=1)
-        cache = out.past_key_values
+        # Under checkpointing transformers turns use_cache off, and some models (Qwen2, Qwen3) then return no cache
+        # although their layers filled the one given: the replay cache is read from our own reference.
+        cache = given if replay else out.past_key_values
     if seq_lens is not None and packs(model, K + T):
         if replay and cache is not None:
             cache = kv_replay.suffix_cache(cache)

@@ -210,6 +210,38 @@ def test_gradient_checkpointing_recomputes_and_gives_the_same_update(tiny_model_
     assert all(torch.equal(w_plain[n], w_ckpt[n]) for n in w_plain)
 
 
+@pytest.fixture(scope="module", params=["qwen2", "qwen3"])
+def other_arch_path(request, tiny_model_path, tmp_path_factory) -> str:
+    """A random 2-layer model of another architecture with the tiny model's tokenizer: Qwen2 and Qwen3 return no cache
+    from a forward whose use_cache transformers turned off (gradient checkpointing), Llama does."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src = Path(tiny_model_path)
+    tiny = json.loads((src / "config.json").read_text())
+    torch.manual_seed(0)
+    cfg = AutoConfig.for_model(request.param, vocab_size=tiny["vocab_size"], hidden_size=64, intermediate_size=128,
+                               num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               max_position_embeddings=128, tie_word_embeddings=False,
+                               pad_token_id=tiny.get("pad_token_id"), eos_token_id=tiny.get("eos_token_id"),
+                               bos_token_id=tiny.get("bos_token_id"))
+    out = tmp_path_factory.mktemp(request.param)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
+    for f in src.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+@pytest.mark.parametrize("prompt", ["shared", "packed"])
+def test_gradient_checkpointing_with_a_shared_prompt_on_qwen_models(other_arch_path, prompt):
+    """The shared-prompt forward under checkpointing on Qwen2 / Qwen3 (the default job's learner settings on the
+    models most users train): the same update as without checkpointing, where it failed with a shape mismatch when the
+    prompt's cache was read from the model's output."""
+    test_gradient_checkpointing_recomputes_and_gives_the_same_update(other_arch_path, "full", prompt)
+
+
 def test_adamw8bit_keeps_8bit_moments_trains_and_obeys_the_guard(tiny_model_path):
     learner = _learner(tiny_model_path, "full", lr=1e-2, optimizer="adamw8bit")
     before = {n: t.clone() for n, t in learner.named_weights()}
