@@ -7,8 +7,9 @@
 #   bash bench/gpu_session.sh OUT [DEADLINE_S] [TOKENIZER]
 # OUT: a folder for the logs and JSON; DEADLINE_S: the whole run's seconds (default 540); TOKENIZER: a tokenizer
 # folder for the benches (default: their builtin). PYTHON picks the interpreter (default python3); PARTS the parts
-# run (default "ladder products tests"; "bench" is bench/gpu_speed.py at the 1.3b shape with its learner row), e.g.
-# PARTS=tests after a change that needs only the tests again.
+# run (default "ladder products tests"; "bench" is bench/gpu_speed.py at the 1.3b shape with its learner row; "step" is
+# the whole GRPO step at the Qwen2.5-1.5B shape against TRL, then the learner's step by operator; it needs TOKENIZER),
+# e.g. PARTS=tests after a change that needs only the tests again.
 set -u
 OUT=${1:?usage: bash bench/gpu_session.sh OUT [DEADLINE_S] [TOKENIZER]}
 DEADLINE=${2:-540}
@@ -60,7 +61,26 @@ part products 75 "$PY" bench/gpu_matmuls.py --models Qwen2.5-1.5B,Qwen3-8B --row
   --out "$OUT/gpu_matmuls_models.json"
 fi
 
-# 3. The cuda tests: in-process ones and the Ray stream job side by side (the GPU has room for both).
+# 3. The whole GRPO step (bench/vs_trl.py on bench/gpu_step.toml, the default job's settings) at the Qwen2.5-1.5B shape
+# with random weights, every role on the one GPU: our step with bf16, int8 and int4 rollouts, TRL's GRPOTrainer on the
+# same model and batch, a LoRA learner, a stream; each run alone on the GPU. Then the learner's step by operator.
+if [[ " $PARTS " == *" step "* ]]; then
+M=$(mktemp -d)/qwen2.5-1.5b
+part step_model 60 "$PY" bench/model_shapes.py save Qwen2.5-1.5B "$M" --tokenizer "${TOK:?step needs TOKENIZER}" \
+  --device cuda
+SHARES=(--ours-set learner.num_gpus=0.5 --ours-set reference.num_gpus=0.2 --ours-set rollout.num_gpus=0.3)
+part step 330 "$PY" bench/vs_trl.py --device cuda --config bench/gpu_step.toml --model "$M" --label \
+  "Qwen2.5-1.5B shape, random bf16 weights (published vocabulary, SmolLM2's tokenizer)" --rounds 1 --steps 4 \
+  --prompts 8 --group-size 8 --max-new-tokens 24 --keep-going --budget-s 250 --timeout-s 150 --trl-threads 8 \
+  "${SHARES[@]}" --ours-set 'rollout.precision="bf16"' --ours-variant 'int8:rollout.precision="int8"' \
+  --ours-variant 'int4:rollout.precision="int4"' --ours-variant 'lora:learner.mode="lora"' \
+  --ours-variant 'stream int8:rollout.precision="int8";algo.max_staleness=1' \
+  --out "$OUT/gpu_step.json"
+part learner_ops 80 "$PY" bench/learner_ops.py --device cuda --config bench/gpu_step.toml --model "$M" \
+  --shapes default --out "$OUT/learner_ops_cuda.json"
+fi
+
+# 4. The cuda tests: in-process ones and the Ray stream job side by side (the GPU has room for both).
 if [[ " $PARTS " == *" tests "* ]]; then
 T=(-p no:cacheprovider -o addopts="" -rA --timeout 300 -q)
 part tests_inprocess 260 "$PY" -m pytest -m cuda tests/test_cuda.py tests/test_quant_devices.py \

@@ -13,8 +13,13 @@ comparison's, each operator's own time put in one bucket:
 - Python and dispatch: time in Python functions (the model's, the loss's, autograd's), outside any operator;
 - time the profiler saw in no event at all.
 
+On a GPU (`--device cuda`) each operator's own time is the GPU time of the kernels it launched (the profiler's
+self device time), the ceiling is the card's bf16 matmul rate at the same shapes, and the last bucket, "GPU idle", is
+the step's wall time in which no kernel of ours ran: the host's Python, dispatch and launches the GPU waited for.
+
     .venv/bin/python bench/learner_ops.py                              # both shapes
     .venv/bin/python bench/learner_ops.py --shapes trl --publish       # one shape, then bench/published/
+    python bench/learner_ops.py --device cuda --config bench/gpu_step.toml --model FOLDER --shapes default --out F
 
 Writes bench/results/learner_ops.json and prints a table; `--publish` also writes
 bench/published/learner_ops.{json,txt}. Each shape runs in its own process: a warm-up step, a timed step, then the
@@ -35,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from gpu_speed import one_rank_env as gpu_rank_env  # noqa: E402
 from learner_profile import batch, matmul_ceiling, one_rank_env, useful_flops  # noqa: E402
 from sides import machine, versions  # noqa: E402
 
@@ -54,7 +60,7 @@ HEAD_BACKWARD = ("LogSoftmaxBackward", "GatherBackward", "LogsumexpBackward", "_
 ATTENTION_BACKWARD = ("BmmBackward", "SoftmaxBackward", "ScaledDotProduct", "MaskedFillBackward")
 
 
-def default_shape(config: Path) -> dict:
+def default_shape(config: Path, model: str = "") -> dict:
     """The default job's learner batch: prompts_per_step x group_size rows, prompts as the task renders them (mean
     length of a step's prompts), completions up to max_new_tokens; its KL and gradient checkpointing."""
     from transformers import AutoTokenizer
@@ -65,7 +71,7 @@ def default_shape(config: Path) -> dict:
     from qgrpo.rollout.tasks import make_task
 
     cfg = load_config(str(config))
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(cfg.model.path))
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(model or cfg.model.path))
     task = make_task(cfg.task, cfg.run.seed)
     lens = [len(format_prompt(tok, task.item(i))) for i in range(cfg.rollout.prompts_per_step)]
     return {"groups": cfg.rollout.prompts_per_step, "group_size": cfg.rollout.group_size,
@@ -175,7 +181,8 @@ def bucket(event, vocab: int) -> str:
 
 def run_shape(args) -> None:
     """Child process: one shape, JSON on stdout's last line."""
-    one_rank_env()
+    cuda = args.device == "cuda"
+    gpu_rank_env("cuda:0") if cuda else one_rank_env()
     import torch
     from torch.profiler import ProfilerActivity, profile
     from transformers import AutoConfig
@@ -198,38 +205,52 @@ def run_shape(args) -> None:
     learner = Learner(path, LearnerSettings(
         lr=1e-6, micro_batch_per_rank=len(b), sequences_per_rank=len(b), zero_stage=0,
         gradient_checkpointing=shape["gradient_checkpointing"],
-        objective=ObjectiveSettings(kl_coeff=shape["kl_coeff"])))
+        objective=ObjectiveSettings(kl_coeff=shape["kl_coeff"])), device="cuda:0" if cuda else None)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     walls = []
     for _ in range(2):  # warm-up, then the timed step
+        sync()
         t0 = time.perf_counter()
         learner.train_step(b)
+        sync()
         walls.append(time.perf_counter() - t0)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True) as prof:
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities, record_shapes=True, with_stack=True) as prof:
         t0 = time.perf_counter()
         learner.train_step(b)
+        sync()
         profiled = time.perf_counter() - t0
     seconds, flops, per_thread = defaultdict(float), defaultdict(float), defaultdict(float)
     top: dict = defaultdict(lambda: [0.0, 0])  # (name, bucket) -> [own seconds, calls]
+    from torch.autograd import DeviceType
+
     for e in prof.events():
+        if cuda and e.device_type != DeviceType.CPU:
+            continue  # kernels: their time is their launching operator's self device time
+        own = (e.self_device_time_total if cuda else e.self_cpu_time_total) / 1e6
         k = bucket(e, cfg.vocab_size)
         if k == "waiting":
-            per_thread["waiting"] += e.self_cpu_time_total / 1e6
+            per_thread["waiting"] += own
             continue
-        seconds[k] += e.self_cpu_time_total / 1e6
-        per_thread[e.thread] += e.self_cpu_time_total / 1e6
+        if cuda and own == 0:
+            continue
+        seconds[k] += own
+        per_thread[e.thread] += own
         t = top[(e.name if not is_python(e) else e.name.split("(")[0] + ": " + e.name.rsplit(": ", 1)[-1], k)]
-        t[0] += e.self_cpu_time_total / 1e6
+        t[0] += own
         t[1] += 1
         if e.name in MATMULS:
             flops[k] += matmul_flops(e)
-    seconds["outside operators"] = max(0.0, profiled - sum(seconds.values()))
+    seconds["GPU idle" if cuda else "outside operators"] = max(0.0, profiled - sum(seconds.values()))
     print(json.dumps({"shape": shape, "compute_dtype": learner.compute_dtype, "compute_why": learner.compute_why,
                       "warmup_s": walls[0], "step_s": walls[1], "profiled_s": profiled,
                       "self_s_per_thread": {str(k): v for k, v in per_thread.items()},
                       "top": [{"name": n, "bucket": b, "self_s": v[0], "calls": v[1]}
                               for (n, b), v in sorted(top.items(), key=lambda kv: -kv[1][0])[:40]],
                       "seconds": dict(seconds), "matmul_flop": dict(flops),
-                      "useful_tflop": useful_flops(cfg, ns, lens) / 1e12}))
+                      "useful_tflop": useful_flops(cfg, ns, lens) / 1e12, "device": args.device,
+                      "gpu": torch.cuda.get_device_name(0) if cuda else None,
+                      "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else None}))
 
 
 def ceiling(args, shape: dict, dtype: str) -> dict:
@@ -241,7 +262,7 @@ def ceiling(args, shape: dict, dtype: str) -> dict:
 
     cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
     tokens = shape["groups"] * shape["group_size"] * (shape["completion_len"] + 1)
-    return matmul_ceiling(cfg, tokens, args.threads, torch_dtype(dtype))
+    return matmul_ceiling(cfg, tokens, args.threads, torch_dtype(dtype), "cuda:0" if args.device == "cuda" else "cpu")
 
 
 def table(result: dict) -> str:
@@ -257,8 +278,11 @@ def table(result: dict) -> str:
                    f"TFLOP = {100 * r['useful_tflop'] * 1e12 / r['step_s'] / best:.1f}% of the {r['compute_dtype']} "
                    f"matmul ceiling measured here ({best / 1e9:.1f} GFLOP/s: " + ", ".join(
                        f"{k} {v / 1e9:.1f}" for k, v in r["ceiling_flops"].items()) + ")")
+        if r.get("device") == "cuda":
+            out.append(f"on {r['gpu']}: operators' own GPU time; peak allocated "
+                       f"{r['peak_gpu_bytes'] / 2**30:.1f} GiB")
         out.append(f"{'bucket':<34}{'s':>8}{'share':>8}{'GFLOP/s':>9}{'% ceil':>8}")
-        for k in BUCKETS:
+        for k in BUCKETS + (("GPU idle",) if r.get("device") == "cuda" else ()):
             sec = r["seconds"].get(k, 0.0)
             fl = r["matmul_flop"].get(k, 0.0)
             rate = f"{fl / sec / 1e9:>9.1f}{100 * fl / sec / best:>8.1f}" if fl and sec else f"{'':>9}{'':>8}"
@@ -270,21 +294,29 @@ def table(result: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=("default", "trl"), default=["default", "trl"])
-    ap.add_argument("--model", default="builtin:smollm2-135m-instruct")
+    ap.add_argument("--model", default="builtin:smollm2-135m-instruct",
+                    help="builtin:NAME or a folder (bench/model_shapes.py save writes a published shape)")
+    ap.add_argument("--config", type=Path, default=DEFAULT_CONFIG,
+                    help="the job whose batch is the default shape (bench/gpu_step.toml: the same prompts from a file, "
+                         "for a machine without reasoning-gym)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default="", help="the JSON (default bench/results/learner_ops.json)")
     ap.add_argument("--publish", action="store_true")
     ap.add_argument("--shape-json", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.shape_json:
         return run_shape(args)
-    shapes = {"default": lambda: default_shape(DEFAULT_CONFIG), "trl": lambda: dict(TRL)}
+    shapes = {"default": lambda: default_shape(args.config, args.model), "trl": lambda: dict(TRL)}
     rows = []
     for name in args.shapes:
         shape = shapes[name]()
         cmd = [sys.executable, __file__, "--shape-json", json.dumps(shape), "--model", args.model,
-               "--threads", str(args.threads)]
+               "--threads", str(args.threads), "--device", args.device]
         p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                           env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(ROOT)})
+                           env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE",
+                                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", ""))
+                                                              if p)})
         if p.returncode:
             print(p.stderr[-3000:], file=sys.stderr)
             raise SystemExit(f"shape {name!r} failed")
@@ -295,7 +327,9 @@ def main() -> None:
               "machine": machine(), "versions": versions(), "shapes": rows}
     text = table(result)
     print(text)
-    (ROOT / "bench" / "results" / "learner_ops.json").write_text(json.dumps(result, indent=1))
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / "learner_ops.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     if args.publish:
         (ROOT / "bench" / "published" / "learner_ops.json").write_text(json.dumps(result, indent=1))
         (ROOT / "bench" / "published" / "learner_ops.txt").write_text(text + "\n")

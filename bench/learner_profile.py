@@ -98,24 +98,28 @@ def useful_flops(cfg, args, lens) -> float:
     return 3 * fwd
 
 
-def matmul_ceiling(cfg, tokens: int, threads: int, dtype=None) -> dict:
+def matmul_ceiling(cfg, tokens: int, threads: int, dtype=None, device: str = "cpu") -> dict:
     """Matrix products (bf16 unless `dtype` says otherwise) at the learner's shapes (tokens x hidden times hidden x
-    {intermediate, vocab chunk}, and the transposed weight-gradient shape); the best is the ceiling."""
+    {intermediate, vocab chunk}, and the transposed weight-gradient shape), on `device`; the best is the ceiling."""
     import torch
 
     dtype = dtype or torch.bfloat16
     torch.set_num_threads(threads)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     shapes = {"x@W_mlp": (tokens, H, I), "x@W_head(1024)": (1024, H, V), "dY^T@x (grad)": (I, tokens, H)}
     out = {}
     for name, (m, k, n) in shapes.items():
-        a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+        a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
         for _ in range(2):
             a @ b
+        sync()
         reps, t0 = 0, time.perf_counter()
         while time.perf_counter() - t0 < 1.5:
-            a @ b
-            reps += 1
+            for _ in range(1 if device == "cpu" else 20):  # a GPU product takes microseconds: time them in tens
+                a @ b
+                reps += 1
+            sync()
         out[name] = 2 * m * k * n * reps / (time.perf_counter() - t0)
     return out
 

@@ -45,7 +45,7 @@ class MemorySampler(threading.Thread):
     machine, so PSS is sampled less often (peaks shorter than that may be missed) and the thread's own CPU time is
     reported."""
 
-    def __init__(self, pid: int, interval: float = 0.5, pss_every: int = 6):
+    def __init__(self, pid: int, interval: float = 0.5, pss_every: int = 6, gpu: bool = False):
         super().__init__(daemon=True)
         import psutil
 
@@ -59,6 +59,9 @@ class MemorySampler(threading.Thread):
         self.tree_cpu: dict[int, float] = {}  # pid -> CPU seconds (user + system) when last seen
         self.machine_busy = busy_seconds(psutil)  # to tell how much CPU other jobs took meanwhile (`others_cores`)
         self.t0, self.load_start = time.time(), os.getloadavg()[0]
+        # gpu: nvidia-smi's memory per process (pid -> peak MiB; a process in another PID namespace, as in some
+        # containers, is not ours to name: it counts only in the device's total) and the device's used memory
+        self.gpu, self.gpu_pid_peak, self.gpu_used_peak, self.gpu_used_start, self.gpu_error = gpu, {}, 0, None, None
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -100,10 +103,42 @@ class MemorySampler(threading.Thread):
             peak = self.role_peak.setdefault(r, [0, 0])
             peak[0], peak[1] = max(peak[0], a), max(peak[1], b)
         self.series.append((t, rss, pss if full else None))
+        if self.gpu:
+            self.sample_gpu()
         if self.session and len(self.series) % 10 == 1:  # every ~5 s: Ray processes of our session outside our tree
             for p in ps.process_iter(["pid", "cmdline"]):
                 if p.info["pid"] not in ours and any(self.session in a for a in p.info["cmdline"] or ()):
                     self.unowned.add(p.info["pid"])
+
+    def sample_gpu(self) -> None:
+        try:
+            apps = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,"
+                                   "nounits"], capture_output=True, text=True, timeout=10).stdout
+            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                  capture_output=True, text=True, timeout=10).stdout
+        except (OSError, subprocess.SubprocessError) as e:
+            self.gpu, self.gpu_error = False, f"{type(e).__name__}: {e}"
+            return
+        for line in apps.splitlines():
+            pid, _, mib = line.partition(",")
+            if pid.strip().isdigit() and mib.strip().isdigit():
+                p = int(pid)
+                self.gpu_pid_peak[p] = max(self.gpu_pid_peak.get(p, 0), int(mib))
+        total = sum(int(x) for x in used.split() if x.strip().isdigit())
+        if self.gpu_used_start is None:
+            self.gpu_used_start = total
+        self.gpu_used_peak = max(self.gpu_used_peak, total)
+
+    def gpu_result(self) -> dict:
+        """Peak GPU memory (MiB) per role (processes of the side's tree that nvidia-smi named), and the device's used
+        memory: its peak, and at the first sample (before the side had touched the GPU, or other jobs' share)."""
+        per_role: dict[str, int] = {}
+        for pid, mib in self.gpu_pid_peak.items():
+            if pid in self.roles:
+                per_role[self.roles[pid]] = per_role.get(self.roles[pid], 0) + mib
+        return {"per_role_peak_mib": per_role, "device_used_peak_mib": self.gpu_used_peak,
+                "device_used_start_mib": self.gpu_used_start,
+                "unnamed_pids": sorted(p for p in self.gpu_pid_peak if p not in self.roles), "error": self.gpu_error}
 
     def finish(self) -> None:
         """Once the side has exited: the CPU other jobs used meanwhile, in cores on average (machine busy time minus
@@ -125,6 +160,7 @@ class MemorySampler(threading.Thread):
                 "per_role_peak": {r: {"rss": a, "pss": b, "processes": len(per_pid.get(r, []))}
                                   for r, (a, b) in self.role_peak.items()},
                 "per_process_peak": per_pid, "ray_session": self.session, "unowned_ray_processes": sorted(self.unowned),
+                **({"gpu": self.gpu_result()} if self.gpu or self.gpu_error else {}),
                 "samples": len(self.series), "interval_s": self.interval, "pss_every": self.pss_every,
                 "sampler_cpu_s": round(self.cpu_s, 1), "tree_cpu_s": round(sum(self.tree_cpu.values()), 1),
                 "others_cores": round(self.others_cores, 2), "load_avg": [self.load_start, self.load_end],
@@ -138,12 +174,14 @@ def busy_seconds(psutil) -> float:
     return t.user + t.nice + t.system + getattr(t, "irq", 0) + getattr(t, "softirq", 0) + getattr(t, "steal", 0)
 
 
-def run_side(cmd: list[str], env: dict, log: Path, timeout_s: float) -> tuple[int, MemorySampler, float]:
-    """Run one side to completion under the memory sampler; on timeout or Ctrl-C stop it and every descendant."""
+def run_side(cmd: list[str], env: dict, log: Path, timeout_s: float,
+             gpu: bool = False) -> tuple[int, MemorySampler, float]:
+    """Run one side to completion under the memory sampler (`gpu`: GPU memory too); on timeout or Ctrl-C stop it
+    and every descendant."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
-        sampler = MemorySampler(proc.pid)
+        sampler = MemorySampler(proc.pid, gpu=gpu)
         sampler.start()
         t0 = time.time()
         try:
@@ -183,7 +221,9 @@ def side_env(threads: int = 0) -> dict:
     from qgrpo.actors.common import thread_env
 
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS")}
-    env.update(PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
+    # the project first, then what the caller's path already had (a machine whose packages live there: the GPU kit)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env.update(PYTHONPATH=path, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1")
     if threads:
         env.update(thread_env(threads))
@@ -197,8 +237,15 @@ def versions() -> dict:
             out[p] = version(p)
         except PackageNotFoundError:
             out[p] = None
-    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
-    out["qgrpo_commit"] = git("rev-parse", "HEAD") + (" (dirty)" if git("status", "--porcelain", "--", ".") else "")
+    def git(*a) -> str:  # "" outside a checkout (the GPU kit's copy of the tree) or without git
+        try:
+            return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+    head = git("rev-parse", "HEAD")
+    # a copy of the tree outside its checkout (the GPU kit) is told its commit by QGRPO_COMMIT
+    out["qgrpo_commit"] = (head + (" (dirty)" if git("status", "--porcelain", "--", ".") else "") if head
+                           else os.environ.get("QGRPO_COMMIT", ""))
     return out
 
 

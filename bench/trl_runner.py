@@ -7,14 +7,16 @@ What is the same as our side: the model folder (bf16), the prompts (our task cod
 order, `shuffle_dataset=False`, as our PromptSampler hands them out; the chat template applied by TRL is checked to
 give exactly the token ids our generators feed, see `prompt_ids_match`), the rewards (our rollout/rewards.py functions
 with the config's weights; TRL sums weighted rewards before normalising by the group std, as we do), G completions per
-prompt, up to N new tokens, T = 1, no top-k / top-p, lr, grad clip 1, no reference (beta 0), clip 0.2 on both sides,
-token-mean loss (TRL's `dapo`, our `token_mean`), one optimizer step per batch of prompts x G.
+prompt, up to N new tokens, T = 1, no top-k / top-p, lr, grad clip 1, the KL coefficient (TRL's `beta`, our
+`algo.kl_coeff`; both the k3 estimator; 0 = no reference model), clip 0.2 on both sides, token-mean loss (TRL's
+`dapo`, our `token_mean`), one optimizer step per batch of prompts x G, gradient checkpointing as
+`learner.gradient_checkpointing` says (TRL's default is on; bench/vs_trl.toml turns it off on both sides).
 What differs, inherent to TRL here: HF `generate` (no vLLM), bf16 weights trained directly (AdamW on bf16 parameters,
 no fp32 master copy: less work and memory than our DeepSpeed BF16 learner; at lr 1e-5 a step leaves ~98% of the bf16
 weights unchanged, as the update is below their rounding step), one process for generation and learning. `--trl-dtype
 float32` in vs_trl.py loads fp32 weights instead (bf16 autocast in the learner; generation then runs in fp32).
-`gradient_checkpointing` is off (TRL's default is on; our learner does not recompute activations); `--trl-set` in
-vs_trl.py changes any GRPOConfig field.
+`--trl-set` in vs_trl.py changes any GRPOConfig field. With `"device": "cuda"` in the spec, TRL trains and
+generates on the GPU (`use_cpu` false); the record then holds torch's peak allocated GPU memory.
 
 Timing: wall clock at each `on_step_end` (a step's interval therefore also holds the previous step's logging, as our
 side's metrics timestamps do); generation is timed around `_generate_single_turn` (HF generate of all P x G rows).
@@ -47,14 +49,15 @@ def _grpo_config(cfg, spec: dict) -> dict:
     """GRPOConfig's fields for our config (the module doc says which match ours), then the --trl-set ones."""
     ro = cfg.rollout
     grpo = dict(
-        output_dir=spec["tmp_dir"], use_cpu=True, bf16=True, seed=cfg.run.seed, max_steps=cfg.run.steps,
-        per_device_train_batch_size=ro.prompts_per_step * ro.group_size, gradient_accumulation_steps=1,
-        num_generations=ro.group_size, max_completion_length=ro.max_new_tokens, temperature=ro.temperature,
-        top_p=ro.top_p, top_k=ro.top_k, learning_rate=cfg.learner.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=cfg.learner.weight_decay, adam_beta1=cfg.learner.beta1,
-        adam_beta2=cfg.learner.beta2, max_grad_norm=cfg.learner.grad_clip, beta=0.0, epsilon=cfg.algo.clip_low,
-        epsilon_high=cfg.algo.clip_high, loss_type="dapo", scale_rewards="group", num_iterations=1, use_vllm=False,
-        shuffle_dataset=False, gradient_checkpointing=False, logging_steps=1, save_strategy="no",
+        output_dir=spec["tmp_dir"], use_cpu=spec.get("device", "cpu") == "cpu", bf16=True, seed=cfg.run.seed,
+        max_steps=cfg.run.steps, per_device_train_batch_size=ro.prompts_per_step * ro.group_size,
+        gradient_accumulation_steps=1, num_generations=ro.group_size, max_completion_length=ro.max_new_tokens,
+        temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k, learning_rate=cfg.learner.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=cfg.learner.weight_decay,
+        adam_beta1=cfg.learner.beta1, adam_beta2=cfg.learner.beta2, max_grad_norm=cfg.learner.grad_clip,
+        beta=cfg.algo.kl_coeff, epsilon=cfg.algo.clip_low, epsilon_high=cfg.algo.clip_high, loss_type="dapo",
+        scale_rewards="group", num_iterations=1, use_vllm=False, shuffle_dataset=False,
+        gradient_checkpointing=cfg.learner.gradient_checkpointing, logging_steps=1, save_strategy="no",
         eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_num_workers=0,
         reward_weights=[s.weight for s in cfg.rewards.functions])
     grpo.update(spec["trl_set"])
@@ -122,6 +125,8 @@ def main(spec: dict) -> None:
     record["setup_s"] = time.time() - t0
     trainer.train()
     record["threads"] = torch.get_num_threads()
+    if torch.cuda.is_available() and spec.get("device") == "cuda":
+        record["cuda_max_allocated"] = torch.cuda.max_memory_allocated()
     Path(spec["out"]).write_text(json.dumps(record, indent=2) + "\n")
 
 
