@@ -24,7 +24,7 @@ from qgrpo.rollout.backends import REGISTRY, make_generator
 from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, hf_tensors
 from qgrpo.rollout.episodes import Episodes, EpisodeSetup, tools_for
 from qgrpo.rollout.noise import NormNoise
-from qgrpo.rollout.requantize import Requantizer
+from qgrpo.rollout.requantize import VISIBILITY_ROW_STRIDE, Requantizer
 
 
 class _RolloutActor(CollectiveMember):
@@ -74,7 +74,7 @@ class _RolloutActor(CollectiveMember):
         grids = self.gen.quant_grids()
         if not grids or (mode == "nearest" and not visibility):
             return None
-        return Requantizer(mode, grids, hf_tensors(model_path, grids))
+        return Requantizer(mode, grids, hf_tensors(model_path, grids), row_stride=VISIBILITY_ROW_STRIDE)
 
     def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
                  ) -> tuple[list[GroupRollout], GenerationStats]:
