@@ -194,6 +194,7 @@ def main() -> None:
                          "memory is sampled with nvidia-smi")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="start no side after this many seconds (0: no budget); what was skipped is recorded")
+    ap.add_argument("--no-trl", action="store_true", help="our sides only (TRL measured in another run)")
     ap.add_argument("--keep-going", action="store_true",
                     help="a side that fails is recorded (its log named) and the others still run")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per run of one side")
@@ -221,7 +222,8 @@ def main() -> None:
         name, _, sets = v.partition(":")
         variants[f"qgrpo {name}"] = [x for x in sets.split(";") if x]
     # ours, TRL, then the variants of ours: under a budget the comparison itself comes first
-    rounds: dict[str, list] = {"qgrpo": [], "trl": [], **{side: [] for side in variants if side != "qgrpo"}}
+    rounds: dict[str, list] = {"qgrpo": [], **({} if args.no_trl else {"trl": []}),
+                               **{side: [] for side in variants if side != "qgrpo"}}
     failed, skipped = [], []
     for n in range(1, args.rounds + 1):
         for side in rounds:
