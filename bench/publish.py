@@ -515,6 +515,43 @@ def vs_trl(d: dict) -> list[str]:
                   f"peak RSS {r['peak_rss']:.2f}x.")]
 
 
+def gpu_step(d: dict) -> list[str]:
+    """bench/vs_trl.py --device cuda: the whole step per side with our stages and the GPU's peak memory; from the
+    medians of a finished run, or from the runs a partial one kept (`rounds`, `failed`)."""
+    sides = {side: rs[0] for side, rs in d["rounds"].items() if rs}
+    rows = []
+    for side, r in sides.items():
+        st, gpu = r.get("stages_s_per_step") or {}, r["memory"].get("gpu") or {}
+        rows.append([side, f(r["s_per_step"], 1), f(r["trained_tokens_per_s"], 0),
+                     *(f(st.get(k)) if st else None for k in ("generate", "reference", "learn", "sync", "requantize")),
+                     f(gpu.get("device_used_peak_mib", 0) / 1024, 1) if gpu else None])
+    lines = [*table(["side", "s/step", "trained tok/s", "generate", "reference", "learn", "sync", "of which "
+                     "re-quantize", "GPU peak GiB"], rows), ""]
+    lines += wrap("Seconds per step over the timed steps. Ours by stage: generate (the driver's wait for rollouts), "
+                  "reference (scoring and packing), learn (the learner actor's step), sync (export, transfer through "
+                  "Ray's object store, load and the fingerprint check; re-quantization and the rollout actor's "
+                  "update-visibility measure inside it). TRL's learn column is everything but its `generate`. GPU "
+                  "peak: the device's used memory, all roles together.")
+    for side, r in sides.items():
+        roles = (r["memory"].get("gpu") or {}).get("per_role_peak_mib") or {}
+        if roles:
+            lines += ["", *wrap(f"{side}, peak GPU memory by process: " + ", ".join(
+                f"{k} {v / 1024:.1f} GiB" for k, v in sorted(roles.items(), key=lambda kv: -kv[1])) + ".")]
+    ratio = d.get("ratio_ours_over_trl")
+    if ratio:
+        others = "".join(f"; {k.split('/')[0]} {v:.2f}x" for k, v in ratio.items()
+                         if k.endswith("/trained_tokens_per_s"))
+        lines += ["", *wrap("qgrpo over TRL, completion tokens trained per second: "
+                            f"{ratio['trained_tokens_per_s']:.2f}x{others}.")]
+    failed = d.get("failed") or (d.get("meta") or {}).get("failed") or []
+    skipped = (d.get("meta") or {}).get("skipped") or []
+    if failed or skipped:
+        lines += ["", *wrap("Not measured: " + "; ".join(
+            [f"{x['side']} ({x['error'].split(':')[0]})" for x in failed] + [f"{x} (the session's budget)"
+                                                                          for x in skipped]) + ".")]
+    return lines
+
+
 def weight_transport(d: dict) -> list[str]:
     """bench/weight_transport.py: one weight sync through the object store and the collective."""
     m = d["meta"]
@@ -728,6 +765,20 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("gpu_matmuls_gemlite_tuned", "GemLite fully autotuned on Qwen3-8B's largest products",
          "GemLite's own default autotune on the three products that hold most of Qwen3-8B's bytes.",
          gpu_matmuls_models),
+        ("gpu_step_h200", "The whole GRPO step at 1.5B on one H200, against TRL",
+         "The default job's settings (`bench/gpu_step.toml`: 8 prompts x 8 completions x 24 new tokens, KL 0.005 "
+         "with a reference, gradient checkpointing) at the Qwen2.5-1.5B shape with random bf16 weights, every role "
+         "on the one GPU (learner 0.5, reference 0.2, rollout 0.3 of it), our step with bf16 and int8 rollouts and "
+         "TRL 1.16's GRPOTrainer on the same model, prompts, rewards and batch (its generation is transformers' "
+         "`generate`: vLLM cannot travel to that machine). Each run alone on the GPU, 4 steps of which 3 timed. "
+         "The int4, LoRA and stream runs did not fit the session. In this run's JSON the rollout actor's processes "
+         "are counted as \"ray system\" (the sampler did not know its class name then).", gpu_step),
+        ("gpu_step_h200_sampled", "The int8 step again, with update visibility sampled",
+         "The same int8 run after the rollout actor measured update visibility on every 32nd row instead of every "
+         "weight, on another H200 of the same kind: the sync's re-quantization went from 8.8 to 1.1 s.", gpu_step),
+        ("learner_ops_h200", "The learner's step by operator on an H200",
+         "The learner alone (DeepSpeed, one rank, in-process) at the same shape and batch, under torch.profiler: "
+         "each operator's own GPU time, and the step's time in which the GPU ran nothing of ours.", learner_ops),
         ("gpu_speed", "The fused decode step and the quantized routes on an H200",
          "The torch generator per precision with its decode step in CUDA graphs, unfused (`graphs`) and fused "
          "(`graphs_fused`), against the card's memory bound, with each 8-row step's kernels, and the learner's step "

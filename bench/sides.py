@@ -21,7 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 GB = 2**30
 # Process titles Ray gives actor processes -> role; other processes are told apart by `role`.
-ACTOR_ROLES = (("ray::LearnerActor", "learner"), ("ray::RolloutActor", "rollout"), ("ray::ReferenceActor", "reference"))
+# The rollout actor's class is _RolloutActor (actors/rollout_actor.py); before it was listed here its processes were
+# counted as "ray system" (bench/published/ results up to gpu_step_h200*.json).
+ACTOR_ROLES = (("ray::LearnerActor", "learner"), ("ray::RolloutActor", "rollout"), ("ray::_RolloutActor", "rollout"),
+               ("ray::ReferenceActor", "reference"))
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "ray", "reasoning-gym", "psutil")
 
 

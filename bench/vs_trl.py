@@ -31,6 +31,14 @@ metrics.jsonl timestamps, TRL's `on_step_end`), so everything a step costs is in
     .venv/bin/python bench/vs_trl.py [--rounds 2] [--steps 6] [--prompts 4] [--group-size 8] [--max-new-tokens 64]
     .venv/bin/python bench/vs_trl.py --quick      # smoke check: 3 steps, 1 round, 16 new tokens
     make bench-trl                                # installs the `bench` extra (TRL) first; ARGS="..." passes flags
+    python bench/vs_trl.py --device cuda --config bench/gpu_step.toml --model FOLDER ...   # PARTS=step in
+                                                  # bench/gpu_session.sh: a published shape on one GPU
+
+On a GPU (`--device cuda`) both sides train there: ours with each role's share of the card from `--ours-set`
+(`learner.num_gpus=0.5` ...), TRL's in its one process; GPU memory is sampled with nvidia-smi (the device's used memory,
+and each process of the side where nvidia-smi names it), and our side's seconds per stage come from its metrics.
+`--model` takes any model folder: `python bench/model_shapes.py save SHAPE FOLDER --tokenizer DIR` writes a published
+shape with random weights, which both sides load.
 
 Writes bench/results/vs_trl.json (vs_trl_quick.json with --quick) with every round's raw numbers and each side's log
 under bench/results/vs_trl_logs/; `--publish` also writes bench/published/vs_trl.{json,txt}.
@@ -42,6 +50,7 @@ import datetime
 import io
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -52,7 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from sides import GB, run_side, side_env, versions  # noqa: E402  (the process sampler: bench/sides.py)
+from sides import GB, machine, run_side, side_env, versions  # noqa: E402  (the process sampler: bench/sides.py)
 
 CONFIG = ROOT / "bench" / "vs_trl.toml"
 WARMUP_STEPS = 1
@@ -71,7 +80,10 @@ def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
             ("rollout", "precision"), ("rollout", "backend"), ("learner", "mode"), ("algo", "max_staleness"),
             ("learner", "gradient_checkpointing"), ("algo", "kl_coeff"))} if ran else {}
     steps = [m for m in lines if "time/step" in m]
-    if rc != 0 or len(steps) != args.steps:
+    # every step logged, then the timeout: the exit (the final checkpoint, Ray's shutdown) outlasted it; the steps'
+    # figures come from the run's own clock and stand, and the record says so
+    exit_timed_out = rc == -1 and len(steps) == args.steps
+    if (rc != 0 and not exit_timed_out) or len(steps) != args.steps:
         raise SystemExit(f"our side failed (exit {rc}, {len(steps)} of {args.steps} steps): see "
                          f"{args.log_dir / f'ours_round{n}.log'}")
     per_step = args.prompts * args.group_size
@@ -97,6 +109,7 @@ def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
                 if k in m} for m in steps],
         # rewards and batch packing were timed inside the reference lap before they had laps of their own
         reference_s=stage["rewards"] + stage["pack"] + stage["reference"], sync_s=stage["sync"], settings=settings,
+        exit_timed_out=exit_timed_out,
         stages_s_per_step={"generate": stage["generate"] / len(timed), "rewards": stage["rewards"] / len(timed),
                            "reference": (stage["pack"] + stage["reference"]) / len(timed),
                            "learn": stage["learn"] / len(timed), "sync": stage["sync"] / len(timed),
@@ -255,6 +268,8 @@ def main() -> None:
                            if args.model == "builtin:smollm2-135m-instruct" and args.config == CONFIG.resolve()
                            else f"{args.model}, {args.config.name}")
     result = {
+        "command": " ".join(["python", "bench/vs_trl.py", *(shlex.quote(a) for a in sys.argv[1:])]),
+        "machine": machine(),
         "meta": {"date": started, **versions(), "cpu_count": os.cpu_count(), "model": model_path, "label": label,
                  "device": args.device, "gpu": gpu_name() if args.device == "cuda" else None,
                  "failed": failed, "skipped": skipped,
@@ -337,7 +352,7 @@ def table(result: dict) -> str:
           f"{ratio['peak_pss']:.2f}x peak PSS" + "".join(f"; {k.split('/')[0]}: {v:.2f}x" for k, v in ratio.items()
                                                           if k.startswith("qgrpo ")))
     else:
-        p("\nTRL's side did not finish: no ratio")
+        p("\nTRL's side not run (--no-trl): no ratio" if a.get("no_trl") else "\nTRL's side did not finish: no ratio")
     for f in meta.get("failed", []):
         p(f"FAILED round {f['round']} {f['side']}: {f['error']}")
     if meta.get("skipped"):

@@ -91,3 +91,13 @@ def test_without_nvidia_smi_the_sampler_says_so(tmp_path, monkeypatch):
     sampler.finish()
     gpu = sampler.result({})["gpu"]
     assert gpu["error"] and "nvidia-smi" in gpu["error"] and gpu["per_role_peak_mib"] == {}
+
+
+def test_actor_processes_are_named_by_their_role():
+    from qgrpo.actors.learner_actor import LearnerActor  # noqa: F401  (the classes whose titles are matched)
+    from qgrpo.actors.rollout_actor import _RolloutActor
+
+    assert sides.role([f"ray::{_RolloutActor.__name__}.generate"], 5, 1) == "rollout"
+    assert sides.role(["ray::LearnerActor.train_step"], 5, 1) == "learner"
+    assert sides.role(["ray::ReferenceActor.score"], 5, 1) == "reference"
+    assert sides.role(["ray::IDLE"], 5, 1) == "ray idle workers" and sides.role(["python"], 1, 1) == "driver"
