@@ -370,15 +370,21 @@ def model_ladder(d: dict) -> list[str]:
                        for p in precisions]])
     skipped = [r for r in d["rows"] if r.get("skipped")]
     bw = d["bandwidth"]["bytes_per_s"]
+    gpu = bool(d.get("cuda"))
+    loop = "the fused decode step in CUDA graphs" if gpu else "its static-cache decode step"
+    rate = f"{bw / 1e12:.2f} TB/s" if gpu else f"{bw / 1e9:.0f} GB/s"
+    binds = {r.get("binds") for r in done}
+    bound = ("the memory bound binds in every row" if binds == {"memory"} else
+             f"the bound that binds is in the JSON's `binds` ({', '.join(sorted(str(b) for b in binds))})")
     return [*wrap(f"Each model built from its published config with random bf16 weights, served by the torch "
-                  f"generator as a run serves it (quantized at start, the fused decode step in CUDA graphs); prompts "
+                  f"generator as a run serves it (quantized at start, {loop}); prompts "
                   f"of exactly `ctx` tokens, {d['args']['new_tokens']} new tokens every row at T = 1, median of "
                   f"{d['args']['repeats']}. \"GiB\": bf16's weights as served; \"decode tok/s\": rows x new tokens "
                   "over (generate - the prompts' forward timed alone); \"of bound\": that over the lower of the "
                   "memory bound (the served weights, one embedding row per row and the KV cache at the mean context "
-                  f"read once per step at {bw / 1e12:.2f} TB/s, measured here) and the compute bound (the step's "
-                  "FLOPs at the bf16 matmul rate measured on the model's own gate/up product); the memory bound "
-                  "binds in every row. Each precision's cell: its decode tokens/s over bf16's at the same model, "
+                  f"read once per step at {rate}, measured here) and the compute bound (the step's "
+                  f"FLOPs at the bf16 matmul rate measured on the model's own gate/up product); {bound}. Each "
+                  "precision's cell: its decode tokens/s over bf16's at the same model, "
                   "context and rows, and (in brackets) its share of its own bound. " + d.get("note", "")
                   + (f" {len(skipped)} variants or rows did not fit the run's budget." if skipped else "")), "",
             *table(["model", "ctx", "rows", "GiB", "bf16 decode tok/s", "bf16 of bound", *precisions], rows)]
@@ -745,6 +751,12 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "completions), against the bound of its matrix products.", generation),
         ("generation_compiled", "A compiled decode step",
          "The static-cache decode step compiled by torch.compile (inductor) against the eager one.", generation),
+        ("model_ladder_cpu", "Quantized rollouts by model size on a 2-core CPU",
+         "The torch generator at Qwen2.5-0.5B's and Qwen2.5-1.5B's published shapes (random weights) on a 2-core "
+         "Intel Xeon whose cores compute bf16 natively (avx512_bf16, amx_bf16), so the unquantized baseline reads 2 "
+         "bytes a weight (an AVX2-only CPU computes in fp32 and reads 4: there the formats' gains would be larger); "
+         "bf16, int8 and int4 at 1 and 8 rows, 64-token prompts. A first run with 16 new tokens and one or two "
+         "repeats gave cells above their bound and is not published.", model_ladder),
         ("generator_memory", "Rollout actor memory",
          "The torch generator holding one copy, re-quantized in place at each sync, against a bf16 master beside a "
          "quantized copy rebuilt at each sync; each in a fresh process, three full updates.", generator_memory),
