@@ -25,7 +25,8 @@ direction (1: they follow it, 0: they stand still). NaN when nothing changed. Th
 weights are kept: 3 bytes per measured weight in each actor.
 
 In ``nearest`` mode the weights are handed over untouched and only measured, so the measurement may be a sample:
-every ``row_stride``-th row of each quantized tensor (the actor's: VISIBILITY_ROW_STRIDE). A grid's scales are per row
+every ``row_stride``-th row of each quantized tensor (the actor's: VISIBILITY_ROW_STRIDE), closer where that would
+leave fewer than VISIBILITY_MIN_ROWS rows (a small model's tensors are measured whole). A grid's scales are per row
 or per group along a row, so a row's codes do not depend on the other rows: the sampled rows' codes are exactly the
 served ones, and the shares and ratios are estimates over a fixed, evenly spread set of rows. Measured in full, the
 rounding and comparison ran on the actor's CPU over every weight: 8.8 s of each sync of a 1.5B model's int8 rollouts
@@ -45,7 +46,8 @@ from qgrpo.core.grids import Encoded, Grid, bits, decode, encode, handed
 from qgrpo.rollout.options import REQUANTIZE_MODES
 
 VISIBILITY_KEYS = ("code_change_frac", "bf16_change_frac", "update_norm_ratio", "update_projection")
-VISIBILITY_ROW_STRIDE = 32  # nearest: every 32nd row of each quantized tensor is measured (at least its first)
+VISIBILITY_ROW_STRIDE = 32  # nearest: every 32nd row of each quantized tensor is measured
+VISIBILITY_MIN_ROWS = 64  # ... but at least this many rows of it (all of them where it has fewer)
 
 
 @dataclass
@@ -88,8 +90,10 @@ class Requantizer:
                 self.kept[name] = self._kept(name, w, encode(grids[name], w), w.float())
 
     def _rows(self, w: torch.Tensor) -> torch.Tensor:
-        """The rows of `w` that are rounded and measured (all of them but in nearest mode with a stride)."""
-        return w if self.stride == 1 else w[::self.stride]
+        """The rows of `w` that are rounded and measured (all of them but in nearest mode with a stride): every
+        stride-th row, or closer so that at least VISIBILITY_MIN_ROWS are."""
+        step = min(self.stride, max(1, w.shape[0] // VISIBILITY_MIN_ROWS))
+        return w if step == 1 else w[::step]
 
     def _kept(self, name: str, w: torch.Tensor, enc: Encoded, target: torch.Tensor) -> _Kept:
         residual = target - decode(self.grids[name], enc) if self.mode == "error_feedback" else None

@@ -130,9 +130,10 @@ def test_visibility_on_hand_made_tensors():
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_visibility_on_every_32nd_row_estimates_the_full_measure(precision):
-    """The rollout actor measures visibility on every 32nd row (a grid's scales are per row or per row group, so those
-    rows' codes are the served ones): on an RL-sized update of 512 x 1024 weights each estimate is within a few
-    percent of the full measure, the tensors are handed over untouched, and a sixteenth of the state is kept."""
+    """The rollout actor measures visibility on every 32nd row, at least 64 rows of a tensor (a grid's scales are per
+    row or per row group, so those rows' codes are the served ones): on an update of 512 x 1024 weights (every 8th
+    row, 64 rows) each estimate is within 10% of the full measure, the tensors are handed over untouched, an eighth
+    of the state is kept, and a tensor of 64 rows or fewer is measured whole."""
     grid = served_grid("torch", precision, 64)
     w0 = _weight(512, 1024, seed=3)
     g = torch.Generator().manual_seed(4)
@@ -141,13 +142,17 @@ def test_visibility_on_every_32nd_row_estimates_the_full_measure(precision):
     sampled = Requantizer("nearest", {"w": grid}, [("w", w0)], row_stride=32)
     a, b = full.prepare(1, [("w", w1)]), sampled.prepare(1, [("w", w1)])
     assert b.tensors[0][1] is w1  # nearest hands the received tensor over as it came
-    assert sampled.kept["w"].weight.shape == (16, 1024) and full.kept["w"].weight.shape == (512, 1024)
+    assert sampled.kept["w"].weight.shape == (64, 1024) and full.kept["w"].weight.shape == (512, 1024)
     est, exact = sampled.commit(b), full.commit(a)
     assert 0.001 < exact["code_change_frac"] < 0.9, exact  # the update is neither nothing nor everything
     for k, v in exact.items():
         assert math.isfinite(est[k]) and abs(est[k] - v) <= 0.1 * abs(v), (k, est[k], v)
-    # the sampled rows are the first of each block of 32: their codes are those of the full measure
-    assert torch.equal(sampled.kept["w"].codes.codes, full.kept["w"].codes.codes[::32])
+    # the sampled rows are the first of each block of 8: their codes are those of the full measure
+    assert torch.equal(sampled.kept["w"].codes.codes, full.kept["w"].codes.codes[::8])
+    small = Requantizer("nearest", {"v": grid}, [("v", w0[:64])], row_stride=32)
+    assert small.kept["v"].weight.shape == (64, 1024)  # too few rows to sample: measured whole
+    wide = Requantizer("nearest", {"u": grid}, [("u", _weight(4096, 64, seed=5))], row_stride=32)
+    assert wide.kept["u"].weight.shape == (128, 64)  # every 32nd of 4096 rows
     with pytest.raises(ValueError, match="row_stride"):
         Requantizer("nearest", {"w": grid}, row_stride=0)
     assert Requantizer("stochastic", {"w": grid}, row_stride=32).stride == 1  # re-rounding modes round every row
