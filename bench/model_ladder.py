@@ -63,25 +63,18 @@ from bench.gpu_speed import (  # noqa: E402 - measured as gpu_speed measures the
     sync,
     timed,
 )
-from bench.model_shapes import SHAPES, build_config, head_dim, linear_shapes  # noqa: E402
+from bench.model_shapes import SHAPES, head_dim, linear_shapes, random_model  # noqa: E402
 
 GROUP_SIZE = 8
 
 
 def build_model(name: str, tok, device: str):
     """Shape `name` with random bf16 weights (seed 0) on `device`, its published vocabulary kept."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    cfg = build_config(name, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=pad)
-    torch.manual_seed(0)
     try:
-        with torch.device(device):  # initialised where it runs: seconds on a GPU for 14 B parameters
-            return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+        return random_model(name, tok, device)
     except Exception:  # noqa: BLE001 - slower, same model: built on the CPU, then moved
         print(traceback.format_exc(), file=sys.stderr)
-        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device)
+        return random_model(name, tok, "cpu").to(device)
 
 
 def prompts_of(tok, n: int, length: int) -> list:

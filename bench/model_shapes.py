@@ -90,30 +90,37 @@ def parameter_count(name: str) -> dict[str, int]:
             "total": layer * v["num_hidden_layers"] + head * (1 if v["tie_word_embeddings"] else 2)}
 
 
+def random_model(name: str, tok, device: str = "cpu", seed: int = 0, vocab_size: int | None = None):
+    """Shape `name` with random bf16 weights (seeded), initialised on `device` (seconds on a GPU at 14B), the
+    tokenizer `tok`'s special ids in its config; `vocab_size` replaces the published vocabulary where given."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    cfg = build_config(name, vocab_size=vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       pad_token_id=pad)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
 def save_random(name: str, tokenizer: str, folder: str, device: str = "cpu", seed: int = 0) -> dict:
     """A checkpoint folder of shape `name` with random bf16 weights (seeded) and the tokenizer of folder `tokenizer`,
     which any trainer loads like a downloaded one (the whole-step benches: bench/vs_trl.py --model). The published
     vocabulary is kept (ids past the borrowed tokenizer's decode to nothing) unless it is smaller than the tokenizer's
     (the tiny shapes): then the tokenizer's, and `vocab_note` says so. Returns what was written."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tokenizer)
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     published = SHAPES[name][1]["vocab_size"]
     vocab = max(published, len(tok))
-    cfg = build_config(name, vocab_size=vocab, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                       pad_token_id=pad)
-    torch.manual_seed(seed)
-    with torch.device(device):  # initialised where it runs: seconds on a GPU
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    model = random_model(name, tok, device, seed, vocab)
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     params = sum(p.numel() for p in model.parameters())
     return {"shape": name, "folder": folder, "parameters": params, "vocab": vocab, "tokenizer": tokenizer,
             "tokenizer_vocab": len(tok), "seed": seed,
             "vocab_note": None if vocab == published else f"vocabulary {vocab} (the tokenizer's), not {published}"}
-
 
 if __name__ == "__main__":
     import argparse

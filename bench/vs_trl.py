@@ -93,9 +93,8 @@ def ours(args, overrides: list[str], model_path: str, n: int | str) -> dict:
     stage = {k: sum(m.get(f"time/{k}", 0.0) for m in timed)
              for k in ("generate", "rewards", "pack", "reference", "learn", "sync")}
     # inside the sync: the slowest rollout actor's re-quantization of what it received (NaN where none timed it)
-    requant = [m.get("sync/requantize_seconds_max") for m in timed]
-    requant_s = sum(x for x in requant if isinstance(x, (int, float)) and x == x) if any(
-        isinstance(x, (int, float)) and x == x for x in requant) else None
+    requant = [x for m in timed if (x := m.get("sync/requantize_seconds_max")) is not None and x == x]
+    requant_s = sum(requant) if requant else None
     # runs of the older one-step-off loop lapped the wait for the step ahead apart; a stream's wait is in "generate"
     stage["generate"] += sum(m.get("time/rollout_wait", 0.0) for m in timed)
     first_start = steps[0]["time"] - steps[0]["time/step"]
