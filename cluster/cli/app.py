@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--config", help="preset whose [task], [rewards] and max_new_tokens to use")
     e.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     e.add_argument("-n", type=int, default=0, help="held-out prompts (default: task.eval_size)")
-    e.add_argument("--precision", default="bf16", help="generator precision for the evaluation (default bf16)")
+    e.add_argument("--precision", default="bf16", help="generator precision for the evaluation (default bf16; "
+                   "auto: each one tried here, the fastest the precision guard accepts)")
     e.add_argument("--backend", help="generator backend for the evaluation, e.g. vllm (default: the config's)")
     r = sub.add_parser("report", help="PNG plots and a Markdown summary of a run")
     r.add_argument("run_dir", help="a run directory or its URI (the report is written into RUN_DIR/report)")

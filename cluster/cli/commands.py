@@ -38,6 +38,10 @@ class CheckReport(Progress):
     def hint(self, text: str) -> None:
         self.say(f"qgrpo: hint: {text}")
 
+    def table(self, lines: list[str]) -> None:
+        for line in lines:
+            self.say(f"    {line}")
+
 
 def check_command(args) -> int:
     """`qgrpo check`: every check `qgrpo train` runs before Ray starts (the same function, `before_ray`), one line per
@@ -58,7 +62,7 @@ def check_command(args) -> int:
     report.say(f"qgrpo check: {args.config}" + (f" on --gpus {args.gpus}" if gpus else f" for the cluster at {address}"
                                                if address else " on this machine"))
     try:
-        before_ray(args, address=address, gpus=gpus, progress=report)
+        before_ray(args, address=address, gpus=gpus, progress=report, trials=True)
     except Refused as e:
         report.say(f"qgrpo: {e}")
         report.say(f"qgrpo check: REFUSED: {e.count} problem{'s' * (e.count != 1)}")
@@ -116,7 +120,16 @@ def eval_command(args) -> int:
               "environment's episodes; name another judge with --set rewards.eval_metric=NAME (the run's own held-out "
               "evaluations, in RUN_DIR/evals, are judged by the environment)", file=sys.stderr)
         return EXIT_CONFIG
+    from qgrpo.cluster.cli.train import _auto_here
+    from qgrpo.cluster.run.precision_auto import is_auto
+
     with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
+        if is_auto(cfg):  # tried here, where the evaluation's generator runs, as `qgrpo check` tries it
+            try:
+                cfg = _auto_here(cfg, path, Progress()).cfg
+            except Refused as e:
+                print(f"qgrpo eval: {e}", file=sys.stderr)
+                return EXIT_CONFIG
         res = evaluate_model(path, eval_task, n, cfg.rollout.max_new_tokens, judge,
                              precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
                              backend=cfg.rollout.backend,

@@ -25,7 +25,15 @@ import sys
 import time
 from pathlib import Path
 
-from qgrpo.cluster.cli.train import EXIT_CONFIG, EXIT_FAILED, Progress, Refused, _model_path, _start_ray
+from qgrpo.cluster.cli.train import (
+    EXIT_CONFIG,
+    EXIT_FAILED,
+    Progress,
+    Refused,
+    _model_path,
+    _start_ray,
+    auto_precision,
+)
 from qgrpo.cluster.config.schema import ConfigError, load_config
 from qgrpo.cluster.run.stopping import StopRequest
 from qgrpo.core import storage
@@ -196,8 +204,11 @@ def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: 
 
     from qgrpo.actors.endpoint_actor import EndpointActor
     from qgrpo.cluster.config.plan import infeasible, role_requests
+    from qgrpo.cluster.run.precision_auto import is_auto
     from qgrpo.cluster.run.workers import RolloutPool
 
+    if is_auto(served.cfg):  # tried on a rollout actor's machine before the pool starts (cli/train.py)
+        served.cfg = auto_precision(served.cfg, served.model_path, None, None)[0]
     cfg, ro = served.cfg, served.cfg.rollout
     request = next(r for r in role_requests(cfg) if r.role == "rollout")
     problems = infeasible([request], ray.nodes())

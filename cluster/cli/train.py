@@ -51,6 +51,11 @@ class Progress:
         """What would run but likely waste the run: train prints it on stderr, check in its report."""
         print(f"qgrpo: hint: {text}", file=sys.stderr)
 
+    def table(self, lines: list[str]) -> None:
+        """A table under the line before it (the precision trials of rollout.precision = "auto")."""
+        for line in lines:
+            print(f"qgrpo:     {line}", file=sys.stderr)
+
 
 def resume_point(args):
     """The checkpoint `--resume` names (its run's newest complete one for a run directory), or None."""
@@ -93,11 +98,14 @@ def _load(args, resume, machine: list[str]):
 
 
 def before_ray(args, resume=None, address: str | None = None, gpus: list[int] | None = None,
-               progress: Progress | None = None):
+               progress: Progress | None = None, trials: bool = False):
     """(config, local model folder) after every check `qgrpo train` runs before Ray starts; raises Refused listing
     every problem of the first stage that has any (config; dataset and rewards; reward calls; model and machine).
     `address`: a cluster, whose CPUs and GPUs are checked once connected; `gpus` (`qgrpo check --gpus`): the GPU counts
-    of the nodes of another machine, whose GPU plan is checked instead of this one's, and whose CPUs are not known."""
+    of the nodes of another machine, whose GPU plan is checked instead of this one's, and whose CPUs are not known.
+    `trials` (check): rollout.precision = "auto" is tried here, in this process, when the rollout actors would run
+    on this machine; train tries it in a Ray task once Ray starts (`auto_precision`), and the config it returns
+    still says auto."""
     progress = progress or Progress()
     cfg = checked_config(args, resume, progress)
     from qgrpo.rollout.environments.probe import probe_environment_checks  # reset and one step on a train row
@@ -105,7 +113,51 @@ def before_ray(args, resume=None, address: str | None = None, gpus: list[int] | 
 
     _refuse(probe_checks(cfg, here=address is None and gpus is None, progress=progress)
             + probe_environment_checks(cfg, progress))
-    return cfg, _preflight(cfg, resume, address, gpus, progress)
+    model_path = _preflight(cfg, resume, address, gpus, progress)
+    from qgrpo.cluster.run.precision_auto import here, is_auto
+
+    if is_auto(cfg) and trials and here(cfg, address, gpus):
+        _auto_here(cfg, model_path, progress)
+    elif is_auto(cfg):
+        progress.told("precision", "auto: each precision the backend serves is tried on a rollout actor's machine "
+                      "when the run starts, the fastest the precision guard accepts chosen")
+    return cfg, model_path
+
+
+def _auto_here(cfg, model_path: str, progress: Progress):
+    """rollout.precision = "auto" tried in this process (check, the rollout actors on this machine): the Choice."""
+    from qgrpo.cluster.run.precision_auto import choice, local_threads, run_trials
+
+    try:
+        made = choice(cfg, run_trials(cfg, model_path, local_threads(cfg)))
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    progress.told("precision", made.lines[0])
+    progress.table(made.lines[1:])
+    return made
+
+
+def auto_precision(cfg, model_path: str, resume, address: str | None):
+    """rollout.precision = "auto" resolved once Ray runs: (the config with the precision chosen, the Choice; None for a
+    resumed run, which keeps the precision its config.toml recorded). Raises Refused when the guard accepts none."""
+    from qgrpo.cluster.run.precision_auto import choice, local_threads, remote_trials, resumed_choice
+
+    if resume is not None:
+        saved = storage.join(_run_root(resume), "config.toml")
+        chosen = resumed_choice(storage.read_text(saved)) if storage.exists(saved) else None
+        if chosen is not None:
+            print(f"qgrpo: rollout.precision: auto: {chosen}, the resumed run's choice", file=sys.stderr)
+            import dataclasses
+
+            return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, precision=chosen)), None
+    threads = cfg.rollout.threads if address else local_threads(cfg)
+    try:
+        made = choice(cfg, remote_trials(cfg, model_path, threads))
+    except ValueError as e:
+        raise Refused(str(e)) from None
+    print(f"qgrpo: precision: {made.lines[0]}", file=sys.stderr)
+    Progress().table(made.lines[1:])
+    return made.cfg, made
 
 
 def _reward_checks(cfg) -> list[str]:
@@ -251,12 +303,13 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
 COMPUTE_NOTE = "# model.compute_dtype on this machine's CPU: "  # the choice, recorded under the run's config.toml
 
 
-def _recorded(cfg) -> str:
-    """The run's config.toml: the effective config, and the compute dtype `auto` chose here (core/cpu.py)."""
+def _recorded(cfg, note: str = "") -> str:
+    """The run's config.toml: the effective config, the trials behind rollout.precision = "auto" (`note`), and the
+    compute dtype `auto` chose here (core/cpu.py)."""
     from qgrpo.cluster.config.tomlio import to_toml
     from qgrpo.core.cpu import compute_dtype
 
-    return to_toml(cfg) + COMPUTE_NOTE + "{} ({})\n".format(*compute_dtype(cfg.model.compute_dtype, "cpu"))
+    return to_toml(cfg) + note + COMPUTE_NOTE + "{} ({})\n".format(*compute_dtype(cfg.model.compute_dtype, "cpu"))
 
 
 def _gpu_plan(cfg, address: str | None, gpus: list[int] | None) -> tuple[str, list[str]]:
@@ -321,14 +374,23 @@ def _check_cluster(cfg, address: str | None, started: bool) -> None:
 
 
 def _unnoted(text: str) -> str:
-    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith(COMPUTE_NOTE))
+    from qgrpo.cluster.run.precision_auto import NOTE
+
+    return "".join(line for line in text.splitlines(keepends=True)
+                   if not line.startswith(COMPUTE_NOTE) and not line.startswith(NOTE))
 
 
-def _open_run_dir(cfg, resume) -> storage.RunDir:
-    """The run directory with the effective config.toml in it: the resumed run's own, or a new one."""
+def _open_run_dir(cfg, resume, note: str = "") -> storage.RunDir:
+    """The run directory with the effective config.toml in it: the resumed run's own, or a new one. `note`: the trials
+    of rollout.precision = "auto" (a resumed run keeps the note it has)."""
     if resume is not None:
+        from qgrpo.cluster.run.precision_auto import NOTE
+
         run_dir = storage.RunDir.resume(_run_root(resume))  # a URI run: logs come down to a staging copy, mirrored
-        saved, effective = run_dir.local / "config.toml", _recorded(cfg)
+        saved = run_dir.local / "config.toml"
+        kept = [line for line in saved.read_text().splitlines(keepends=True) if line.startswith(NOTE)] \
+            if saved.is_file() and not note else []
+        effective = _recorded(cfg, note or "".join(kept))
         if saved.is_file() and _unnoted(saved.read_text()) != _unnoted(effective):  # the record follows the run
             step = storage.name(resume).removeprefix("step_")
             saved.rename(run_dir.local / f"config.before_resume_at_{step}.toml")
@@ -339,7 +401,7 @@ def _open_run_dir(cfg, resume) -> storage.RunDir:
         return run_dir
     try:  # a URI: the first sync shows the run there and proves it writable before any actor starts
         run_dir = storage.RunDir.create(cfg.run.output_dir, f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-        (run_dir.local / "config.toml").write_text(_recorded(cfg))
+        (run_dir.local / "config.toml").write_text(_recorded(cfg, note))
         run_dir.sync()
     except OSError as e:
         raise Refused(f"run.output_dir: cannot write the run directory there ({type(e).__name__}: {e}); pick a "
@@ -378,7 +440,12 @@ def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
     stop.on_exit = local_ray_killer() if started else None
     try:
         _check_cluster(cfg, address, started)
-        run_dir = None if stop.requested else _open_run_dir(cfg, resume)
+        from qgrpo.cluster.run.precision_auto import is_auto
+
+        made = None
+        if is_auto(cfg) and not stop.requested:  # tried on a rollout actor's machine, before any actor starts
+            cfg, made = auto_precision(cfg, model_path, resume, address)
+        run_dir = None if stop.requested else _open_run_dir(cfg, resume, made.note if made else "")
     except Refused as e:
         if started:
             ray.shutdown()
@@ -394,7 +461,7 @@ def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
                                                else ""), file=sys.stderr)
     t0 = time.monotonic()
     try:
-        result = train(cfg, run_dir, model_path, resume, stop)
+        result = train(cfg, run_dir, model_path, resume, stop, auto_precision=made.record if made else None)
     except (RunFailed, storage.StorageError) as e:  # StorageError: the last copy of the logs to a URI failed
         print(f"qgrpo: {e}", file=sys.stderr)
         return stop.status or EXIT_FAILED  # after a signal: it may have reached the actors too (a process group's)

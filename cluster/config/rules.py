@@ -327,11 +327,31 @@ def _environment_label(cfg: Config) -> list[str]:
 # Backends, precisions and placement
 
 
-@rule("rollout.backend", "rollout.precision", "rollout.num_gpus")
+@rule("rollout.backend", "rollout.precision", "rollout.num_gpus", "sync.requantize",
+      "learner.fake_quant")
 def _rollout_precision(cfg: Config) -> list[str]:
-    spec = REGISTRY[cfg.rollout.backend]
+    from qgrpo.rollout.backends import AUTO, auto_candidates, device_of
+
+    ro = cfg.rollout
+    spec = REGISTRY[ro.backend]
     here = set(spec.unavailable())  # platform and packages: environment_problems reports those
-    return [p for p in spec.problems(cfg.rollout.precision, cfg.rollout.num_gpus) if p not in here]
+    if ro.precision != AUTO:
+        return [p for p in spec.problems(ro.precision, ro.num_gpus) if p not in here]
+    device = device_of(ro.num_gpus)
+    if auto_candidates(ro.backend, device, grid_needed(cfg)):
+        return []
+    if not spec.served(device):  # the backend does not run there: its own message for any precision says so
+        return [p for p in spec.problems("bf16", ro.num_gpus) if p not in here]
+    return [f"rollout.precision: \"auto\" tries the precisions with a grid the rollout actor emulates "
+            f"(sync.requantize = {cfg.sync.requantize!r}, learner.fake_quant = {cfg.learner.fake_quant!r}), and the "
+            f"{ro.backend} backend serves none on {device}; name a precision, or set sync.requantize = \"nearest\" and "
+            "fake_quant = \"off\""]
+
+
+def grid_needed(cfg: Config) -> bool:
+    """Whether the config needs the generators' format to be an emulated grid (sync.requantize other than "nearest",
+    learner.fake_quant = "rollout"): then `auto` tries only those."""
+    return cfg.sync.requantize != "nearest" or cfg.learner.fake_quant != "off"
 
 
 @rule(*(f"rollout.{name}" for name, spec in REGISTRY.items() if spec.options is not None), "rollout.num_gpus")

@@ -301,8 +301,11 @@ class RolloutConfig(role_resources("per rollout actor", "rollout_node", cpus=1.0
                                    gpus=" (CUDA clusters; vllm's tensor_parallel_size within)")):
     backend: choice(tuple(REGISTRY), UNKNOWN_BACKEND) = "torch"
     """Generator backend (rollout/backends: what each serves and needs)."""
-    precision: Str = setting("int8", allowed=_precisions(REGISTRY))
-    """Weights of the generators' linear layers; what is served depends on rollout.backend and the device."""
+    precision: Str = setting("int8", allowed=_precisions(REGISTRY) + "; or auto")
+    """Weights of the generators' linear layers; what is served depends on rollout.backend and the device. "auto":
+    before the run starts, each precision served there is timed on a few decode steps of the run's rows on a rollout
+    actor's machine and put to the precision guard's tests; the fastest one accepted is used, and the run directory's
+    config.toml and start event record the trials (docs/quantization.md)."""
     group_size_quant: choice((32, 64, 128), "must be {either}") = 64
     """int4 quantization group along in_features."""
     num_actors: Int = setting(1, ge=1)

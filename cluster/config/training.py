@@ -27,7 +27,7 @@ from qgrpo.learner.objective.knobs import REGISTERED, knobs
 from qgrpo.learner.objective.losses import LOSSES, loss_keys
 from qgrpo.learner.objective.rules import RULES as OBJECTIVE_RULES
 from qgrpo.learner.objective.settings import ObjectiveSettings
-from qgrpo.rollout.backends import EMULATED_FORMATS, REGISTRY
+from qgrpo.rollout.backends import AUTO, EMULATED_FORMATS, REGISTRY
 from qgrpo.rollout.options import REQUANTIZE_MODES
 
 LR_SCHEDULES = ("constant", "cosine")  # learner.lr_schedule (learner/engine.py: lr_factor)
@@ -219,8 +219,8 @@ def _overlong_buffer(a, cfg) -> list[str]:
 
 def _requantize_format(_, cfg) -> list[str]:
     ro = cfg.rollout
-    if cfg.sync.requantize == "nearest" or REGISTRY[ro.backend].emulates(ro.precision):
-        return []
+    if cfg.sync.requantize == "nearest" or REGISTRY[ro.backend].emulates(ro.precision) or ro.precision == AUTO:
+        return []  # auto tries the emulated grids only (rules.py: _rollout_precision)
     served = ", ".join(f"{b} {p}" for b, p in EMULATED_FORMATS)
     return [f"sync.requantize: {cfg.sync.requantize!r} needs a quantized grid the rollout actor emulates ({served}); "
             f"rollout.backend {ro.backend!r} at rollout.precision {ro.precision!r} rounds by itself: set "
@@ -234,7 +234,7 @@ def _fake_quant(_, cfg) -> list[str]:
     if le.mode != "full":
         return [f"learner.fake_quant: \"rollout\" needs learner.mode = \"full\" (the generators of a {le.mode} "
                 "learner quantize the merged weights, which the learner never holds); set fake_quant = \"off\""]
-    if REGISTRY[ro.backend].emulates(ro.precision):
+    if REGISTRY[ro.backend].emulates(ro.precision) or ro.precision == AUTO:
         return []
     served = ", ".join(f"{b} {p}" for b, p in EMULATED_FORMATS)
     return [f"learner.fake_quant: \"rollout\" simulates a grid the project emulates ({served}); rollout.backend "

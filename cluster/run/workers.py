@@ -98,6 +98,17 @@ def gather(calls: dict, seconds: float, stage: str, setting: str) -> dict:
     return out
 
 
+def generator_kwargs(cfg: Config, model_path: str, precision: str, generator_id: str, version: int) -> dict:
+    """The keyword arguments of a rollout actor's generator (`make_generator`): a pool's, and a precision trial's
+    (cluster/run/precision_auto.py), so that a trial times the generator the run will use."""
+    ro = cfg.rollout
+    return dict(model_path=model_path, precision=precision, group_size_quant=ro.group_size_quant,
+                generator_id=generator_id, seed=cfg.run.seed, initial_version=version,
+                chat_template=cfg.task.chat_template,
+                **REGISTRY[ro.backend].generator_options(
+                    ro, cfg.model.compute_dtype, adapter_rank=cfg.learner.lora.rank if cfg.sync.adapters_only else 0))
+
+
 class RolloutPool:
     """The rollout actors, replaced when they die, moved up the precision ladder on request."""
 
@@ -130,13 +141,8 @@ class RolloutPool:
         return RolloutActor.options(**self.request.actor_options(),
                                     runtime_env={"env_vars": {**thread_env(self.threads),
                                                               **role_env(self.request.gpus)}}).remote(
-            ro.backend,
-            dict(model_path=self.policy_path, precision=self.precision, group_size_quant=ro.group_size_quant,
-                 generator_id=self.name(slot), seed=self.cfg.run.seed, initial_version=self.policy_version,
-                 chat_template=self.cfg.task.chat_template,
-                 **REGISTRY[ro.backend].generator_options(
-                     ro, self.cfg.model.compute_dtype,
-                     adapter_rank=self.cfg.learner.lora.rank if self.cfg.sync.adapters_only else 0)),
+            ro.backend, generator_kwargs(self.cfg, self.policy_path, self.precision, self.name(slot),
+                                         self.policy_version),
             self.threads, self.last_update, self.cfg.sync.requantize, self.cfg.sync.visibility,
             NormNoise(ro.norm_noise, ro.norm_noise_end, ro.norm_noise_stages,
                       horizon=self.cfg.run.steps * self.cfg.algo.updates_per_batch),

@@ -422,6 +422,18 @@ REFERENCE_BACKENDS = {name: spec.precisions for name, spec in REGISTRY.items() i
 LADDER = {"int4": "int8", "nf4": "int8", "fp8": "bf16", "int8": "bf16"}
 
 
+# rollout.precision's value that asks for a trial of each precision the backend serves on the actors' device, the
+# fastest one the precision guard accepts chosen (rollout/precision_trials.py, cluster/run/precision_auto.py).
+AUTO = "auto"
+
+
+def auto_candidates(backend: str, device: str, grid_needed: bool = False) -> tuple[str, ...]:
+    """The precisions `rollout.precision = "auto"` tries: those `backend` serves on `device`, less those without an
+    emulated grid when the config needs one (sync.requantize other than "nearest", learner.fake_quant = "rollout")."""
+    spec = REGISTRY[backend]
+    return tuple(p for p in spec.served(device) if not grid_needed or spec.emulates(p))
+
+
 def next_rung(backend: str, precision: str, device: str = "cpu") -> str | None:
     """The next precision up the ladder that `backend` serves on `device` (the actor's: `device_of(num_gpus)`), rungs
     not served there skipped; None at the top."""
@@ -457,5 +469,5 @@ def backend_options(backend: str, rollout_cfg, compute_dtype: str = "auto", adap
 
 
 __all__ = ["Generator", "BackendSpec", "GridSpec", "REGISTRY", "EMULATED_FORMATS", "VLLMOptions", "TorchOptions",
-           "REFERENCE_BACKENDS", "LADDER", "next_rung", "make_generator", "served_grid", "available_here",
-           "backend_options", "option", "DEVICES", "device_of"]
+           "REFERENCE_BACKENDS", "LADDER", "AUTO", "auto_candidates", "next_rung", "make_generator", "served_grid",
+           "available_here", "backend_options", "option", "DEVICES", "device_of"]
