@@ -108,7 +108,7 @@ class Learner:
         if s.gradient_checkpointing and s.shared_prompt:  # the prompt cache survives the layers' replay
             kv_replay.keep_cache_under_checkpointing(model)
         if s.fake_quant_grid is not None:  # learner.fake_quant = "rollout": the generators' rounding in the forward
-            fake_quant_layers(model, s.fake_quant_grid, s.fake_quant_head)
+            fake_quant_layers(model, s.fake_quant_grid, s.fake_quant_head, s.fake_quant_tied_head)
         # Our own optimizer object: DeepSpeed's "AdamW" config type silently becomes its CPU Adam, a ~150 s JIT build.
         # Only trainable tensors reach it (the adapters in lora/qlora).
         # An fp32 learner keeps bf16 weights over fp32 masters, as DeepSpeed's bf16 mode does (learner/optim.py).

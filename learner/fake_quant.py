@@ -30,10 +30,12 @@ def _forward(self, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, fake_quantize(self.weight, self._qgrpo_grid), self.bias)
 
 
-def fake_quant_layers(model: nn.Module, grid: Grid, head: bool) -> list[str]:
+def fake_quant_layers(model: nn.Module, grid: Grid, head: bool, tied_head: bool = False) -> list[str]:
     """Make the model's plain nn.Linear layers compute with fake-quantized weights, in place: those whose weight fits
-    the grid, the output head only when `head` (the torch generator quantizes an untied head, vLLM's int8 never) and
-    never when it is tied to the input embedding (no generator quantizes it then). Returns the layers' names."""
+    the grid, the output head only when `head` (the torch generator quantizes an untied head, vLLM's int8 never), and
+    a head tied to the input embedding only when `tied_head` (the torch generator's quantize_head: the head's product
+    then computes with the rounded shared weight, the embedding lookup with the weight itself). Returns the layers'
+    names."""
     out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     tied = out is not None and emb is not None and out.weight is emb.weight
@@ -41,7 +43,7 @@ def fake_quant_layers(model: nn.Module, grid: Grid, head: bool) -> list[str]:
     for name, m in model.named_modules():
         if type(m) is not nn.Linear or not grid.fits(tuple(m.weight.shape)):
             continue
-        if m is out and (tied or not head):
+        if m is out and ((tied and not tied_head) or (not tied and not head)):
             continue
         m._qgrpo_grid = grid
         m.forward = types.MethodType(_forward, m)

@@ -49,6 +49,7 @@ class LearnerSettings:
     # untied output head; None: the learner computes with its bf16 weights
     fake_quant_grid: Grid | None = None
     fake_quant_head: bool = False
+    fake_quant_tied_head: bool = False  # ... and a head tied to the embedding ([rollout.torch] quantize_head)
 
     @property
     def grad_accum(self) -> int:

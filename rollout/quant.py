@@ -55,7 +55,9 @@ Layers left in bf16 (counted as ``bf16_linears`` by ``quant_config_summary``), d
 - int4 / nf4 on CPU: layers whose ``out_features`` is not a multiple of 16 (int4) / 32 (nf4): the CPU packers
   refuse those shapes. On CUDA any out_features fits (the tinygemm packer pads N; bnb's CUDA blocks are flat).
 - fp8, any device: layers whose ``in_features`` or ``out_features`` is not a multiple of 16 (``_scaled_mm``'s rule).
-- all precisions: ``lm_head`` when its weight is tied to the input embedding (quantizing it would break the tie).
+- all precisions: ``lm_head`` when its weight is tied to the input embedding (quantizing it would break the tie),
+  unless ``head=True`` (``[rollout.torch] quantize_head``): the head then gets its own weight, a copy of the
+  embedding's, which is quantized like any other layer while the embedding stays bf16 (``untie_head``).
 
 Verified here on CPU only (this machine has no GPU): every CPU path, and the device decision (``quant_path``,
 ``serves``, ``layer_fits``), and fp8's numerics through CPU ``_scaled_mm``. NOT run here: the four CUDA paths (int8,
@@ -133,20 +135,47 @@ def _tied_lm_head(model: nn.Module) -> nn.Module | None:
     return None
 
 
-def _to_quantize(model: nn.Module, precision: str, group_size: int,
-                 device_type: str = "cpu") -> list[tuple[str, nn.Linear]]:
-    """(name, module) of the plain bf16 nn.Linear layers this precision will quantize on `device_type`."""
-    skip = _tied_lm_head(model)
+def tied_head_source(model: nn.Module) -> tuple[str, str] | None:
+    """(the output projection's module name, the name of the embedding weight it is tied to) when they are tied, else
+    None: what a generator that quantizes a tied head (`quantize_model(head=True)`) re-quantizes the head from."""
+    head = _tied_lm_head(model)
+    if head is None:
+        return None
+    module = next(name for name, m in model.named_modules() if m is head)
+    weight = next(name for name, p in model.named_parameters(remove_duplicate=False) if p is head.weight
+                  and not name.startswith(module + "."))
+    return module, weight
+
+
+def untie_head(model: nn.Module) -> str | None:
+    """Give a tied output projection its own weight (a copy of the embedding's), so that it can be quantized while
+    the embedding stays bf16; the head's module name, or None when the head was not tied."""
+    head = _tied_lm_head(model)
+    if head is None:
+        return None
+    head.weight = nn.Parameter(head.weight.detach().clone(), requires_grad=False)
+    if getattr(model, "config", None) is not None:  # a later tie_weights() must not tie them again
+        model.config.tie_word_embeddings = False
+    return next(name for name, m in model.named_modules() if m is head)
+
+
+def _to_quantize(model: nn.Module, precision: str, group_size: int, device_type: str = "cpu",
+                 head: bool = False) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of the plain bf16 nn.Linear layers this precision will quantize on `device_type`; a tied head
+    only with `head`."""
+    skip = None if head else _tied_lm_head(model)
     return [(name, m) for name, m in model.named_modules()
             if type(m) is nn.Linear and m is not skip
             and layer_fits(precision, device_type, m.out_features, m.in_features, group_size)]
 
 
-def quantized_weight_names(model: nn.Module, precision: str, group_size: int, device_type: str) -> list[str]:
-    """Names of the weights `quantize_model` quantizes at `precision` on `device_type` (none at bf16)."""
+def quantized_weight_names(model: nn.Module, precision: str, group_size: int, device_type: str,
+                           head: bool = False) -> list[str]:
+    """Names of the weights `quantize_model` quantizes at `precision` on `device_type` (none at bf16); with `head`,
+    a tied head's too."""
     if precision == "bf16":
         return []
-    return [f"{name}.weight" for name, _ in _to_quantize(model, precision, group_size, device_type)]
+    return [f"{name}.weight" for name, _ in _to_quantize(model, precision, group_size, device_type, head)]
 
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -158,7 +187,7 @@ def _model_device(model: nn.Module) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn.Module:
+def quantize_model(model: nn.Module, precision: str, group_size: int = 64, head: bool = False) -> nn.Module:
     """Quantize the nn.Linear layers of a HF causal LM (bf16 weights) in place, on the device its weights are on (CPU
     or CUDA), and return it.
 
@@ -168,7 +197,8 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
     in_features. fp8 (CUDA): ``Fp8Linear``, float8 weights (rollout/fp8.py). Layers that
     don't fit the kernel's shapes (``layer_fits``) stay bf16, as does a tied lm_head. Activations stay bf16;
     ``model(input_ids)`` and ``model.generate`` keep working on the same device. A model is quantized once; new
-    weights for its quantized layers go through ``requantize_in_place``.
+    weights for its quantized layers go through ``requantize_in_place``. `head`: a tied lm_head is untied
+    (``untie_head``) and quantized too.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -190,16 +220,19 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64) -> nn
             raise ValueError(f"rollout.precision: fp8 on CUDA runs torch._scaled_mm on float8 tensor cores, which need "
                              f"compute capability >= 8.9 (Ada or Hopper); {torch.cuda.get_device_name(device)} is "
                              f"{cap[0]}.{cap[1]}: choose rollout.precision = {others}")
-    return _quantize_layers(model, precision, group_size, device)
+    return _quantize_layers(model, precision, group_size, device, head)
 
 
-def _quantize_layers(model: nn.Module, precision: str, group_size: int, device: torch.device) -> nn.Module:
+def _quantize_layers(model: nn.Module, precision: str, group_size: int, device: torch.device,
+                     head: bool = False) -> nn.Module:
     """quantize_model past its checks: quantize the fitting layers at `precision` on `device` (no check that the pair
     is served: the tests run fp8's numerics on CPU through it) and start the storage epoch at 0."""
     model._qgrpo_quant = (precision, group_size)
     model._qgrpo_storage_epoch = 0
     if precision == "bf16":
         return model
+    if head:
+        untie_head(model)
     layers = _to_quantize(model, precision, group_size, device.type)
     if precision == "nf4":
         _quantize_nf4(model, layers, group_size, device)

@@ -38,6 +38,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         reference_from_learner=cfg.reference.from_learner,
         fake_quant_grid=served_grid(ro.backend, ro.precision, ro.group_size_quant) if le.fake_quant == "rollout"
         else None, fake_quant_head=REGISTRY[ro.backend].fake_quant_head,
+        fake_quant_tied_head=REGISTRY[ro.backend].quantizes_tied_head(ro),
     )
 
 

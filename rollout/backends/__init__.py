@@ -140,6 +140,12 @@ class TorchOptions:
                               "step instead of 1,373 for a 28-layer model at bf16). On an H200 it decoded 2.0-2.2x the "
                               "graphs of the unfused step (docs/performance.md). Off: the graphs record the static "
                               "decoder's step.")
+    quantize_head: bool = option(False, "Quantize the output projection (lm_head) at rollout.precision too where "
+                                 "it is tied to the input embedding (SmolLM2, Qwen2.5 up to 3B, Llama-3.2): the head "
+                                 "gets its own quantized copy of the embedding, which stays bf16, and each sync "
+                                 "re-quantizes it, rounding to nearest. A head of its own (untied) is always "
+                                 "quantized. The learner's fake_quant then simulates the head too "
+                                 "(docs/quantization.md).")
 
     def problems(self, where: str, num_gpus: float) -> list[str]:
         return []
@@ -318,6 +324,11 @@ class BackendSpec:
         if adapter_rank and self.adapter_rank_arg:
             out[self.adapter_rank_arg] = adapter_rank
         return out
+
+    def quantizes_tied_head(self, rollout_cfg) -> bool:
+        """Whether its generators, set by `rollout_cfg` (its [rollout.NAME] table's `quantize_head`), quantize an
+        output head tied to the input embedding (learner.fake_quant simulates that head then)."""
+        return self.options is not None and bool(getattr(getattr(rollout_cfg, self.name), "quantize_head", False))
 
     def served(self, device: str) -> tuple[str, ...]:
         """The precisions served on `device` ("cpu" or "cuda"); () where the backend does not run there."""

@@ -28,7 +28,13 @@ from qgrpo.rollout.backends.common import (
 from qgrpo.rollout.backends.compute import compute_in
 from qgrpo.rollout.backends.torch_decode import StaticDecoder, pick
 from qgrpo.rollout.backends.torch_graphs import GraphDecoder
-from qgrpo.rollout.quant import linear_weight_bytes, quantize_model, quantized_weight_names, requantize_in_place
+from qgrpo.rollout.quant import (
+    linear_weight_bytes,
+    quantize_model,
+    quantized_weight_names,
+    requantize_in_place,
+    tied_head_source,
+)
 
 
 def load_into(model: torch.nn.Module, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -76,18 +82,21 @@ class TorchGenerator(Generator):
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16)
         model = model.to(self.device).eval()
+        self.options = TorchOptions(**(options or {}))
         # What a full update must hold (the bf16 model's parameters), which of them are quantized, and the linear
-        # layers' shapes (for adapters); then the one copy is quantized in place.
+        # layers' shapes (for adapters); then the one copy is quantized in place. A tied head quantized on request
+        # (options.quantize_head) is re-quantized at each update from the embedding it copies (`_head_copy`).
+        head = self.options.quantize_head
         self._shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-        self._quantized = quantized_weight_names(model, precision, group_size_quant, self.device.type)
+        self._quantized = quantized_weight_names(model, precision, group_size_quant, self.device.type, head)
+        self._head_copy = tied_head_source(model) if head and precision != "bf16" else None
         self._linears = {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
         self.compute_dtype, self.compute_why = choose(compute_dtype, self.device)
         self._dtype = torch_dtype(self.compute_dtype)
-        self.model = compute_in(quantize_model(model, precision, group_size_quant), self._dtype).eval()
+        self.model = compute_in(quantize_model(model, precision, group_size_quant, head), self._dtype).eval()
         # Llama-family models decode on a preallocated cache (torch_decode.py); others through their own forward.
         self.decoder = StaticDecoder(self.model) if StaticDecoder.supports(self.model) else None
         # On CUDA the same steps replayed as CUDA graphs (torch_graphs.py), where the options ask for them.
-        self.options = TorchOptions(**(options or {}))
         self.graphs = None
         if self.decoder is not None and self.device.type == "cuda" and self.options.cuda_graphs:
             self.graphs = GraphDecoder(self.model, self.pad_id, self.stop_ids, fused=self.options.fused_step)
@@ -239,7 +248,11 @@ class TorchGenerator(Generator):
             if name not in quantized:
                 params[name].copy_(t)
         if self._quantized:
-            requantize_in_place(self.model, {n.removesuffix(".weight"): t for n, t in received if n in quantized})
+            new = {n.removesuffix(".weight"): t for n, t in received if n in quantized}
+            if self._head_copy is not None:  # the quantized head's own copy of the embedding it was tied to
+                head, embedding = self._head_copy
+                new[head] = next(t for n, t in received if n == embedding)
+            requantize_in_place(self.model, new)
             compute_in(self.model, self._dtype)  # layers made anew (nf4) compute as before
         self._base_only = False  # adapters, relative to the base this generator started from, no longer fit
         self.requantize_seconds = time.perf_counter() - t0
@@ -273,7 +286,8 @@ class TorchGenerator(Generator):
         """{HF tensor name: core.grids.Grid} of the weights this generator quantizes onto a grid the rollout actor
         can emulate (rollout/requantize.py); {} at bf16 and nf4."""
         grid = served_grid("torch", self.precision, self.group_size_quant)
-        return {} if grid is None else {name: grid for name in self._quantized}
+        copy = f"{self._head_copy[0]}.weight" if self._head_copy else None  # no tensor of the stream: its own
+        return {} if grid is None else {name: grid for name in self._quantized if name != copy}
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> list[float]:
