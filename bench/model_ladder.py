@@ -13,7 +13,10 @@ embedding and head have their published bytes; the table's header says which tok
 served by qgrpo's torch generator (rollout/backends/torch_backend.py) as a run serves it: quantized in place at
 start, its decode steps replayed as CUDA graphs of the fused step on a GPU (`[rollout.torch]` defaults), the static
 decoder's steps on a CPU, where it computes in the CPU's compute dtype (`compute` column: fp32 on CPUs without native
-bf16). A model is built again for each precision (same seed, same weights).
+bf16). A model is built again for each precision (same seed, same weights). `FORMAT+head` (e.g. `int8+head`) serves
+the format with `[rollout.torch] quantize_head`: a head tied to the embedding quantized too (the others keep it bf16).
+`int8/kernel` (CPU) sends every product of up to 64 rows through torch's int8 kernel, the rule before the generator
+measured, per weight shape, up to how many rows that kernel beats its cast-and-bf16-product route (`int8`).
 
 Per (rows, context): prompts of exactly `context` tokens (rows / 8 prompts x 8 completions, or 1 x rows below 8),
 `--new-tokens` new tokens every row (stop ids emptied; `full` checks it), T = 1. One warm-up generate (graph
@@ -132,17 +135,20 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
     import torch
 
     from qgrpo.core.records import SamplingParams
-    from qgrpo.rollout import fp8
+    from qgrpo.rollout import fp8, quant
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     cuda = args.device.startswith("cuda")
-    served, _, route = precision.partition("/")  # fp8/weight_only, fp8/scaled_mm: fp8 decode's route
-    held = fp8.FP8_DECODE
+    format_, _, extra = precision.partition("+")  # int8+head: the tied head quantized too ([rollout.torch])
+    served, _, route = format_.partition("/")  # fp8/weight_only, fp8/scaled_mm: fp8 decode's route
+    held, rows_rule = fp8.FP8_DECODE, quant.cpu_int8_rows
     base = {"model": name, "precision": precision}
     gen = model = None
     made = []
     try:
-        fp8.FP8_DECODE = route or held
+        fp8.FP8_DECODE = route if served == "fp8" and route else held
+        if served == "int8" and route == "kernel":  # the former rule: up to INT8PACK_ROWS rows through the kernel
+            quant.cpu_int8_rows = lambda n, k, dtype: quant.INT8PACK_ROWS
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -150,7 +156,8 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
         sync(args.device)
         build_s = time.perf_counter() - t0
         gen, load_s = timed(lambda: TorchGenerator(folder, precision=served, device=args.device, model=model,
-                                                   chat_template=False), args.device)
+                                                   chat_template=False,
+                                                   options={"quantize_head": extra == "head"}), args.device)
         model = None
         never_stop(gen)
         mem = gen.memory_bytes()
@@ -198,7 +205,7 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
         emit()
     finally:
         gen = model = None
-        fp8.FP8_DECODE = held
+        fp8.FP8_DECODE, quant.cpu_int8_rows = held, rows_rule
         release(args.device)
 
 
@@ -271,11 +278,14 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
-    bad = [p for p in args.precisions if p.partition("/")[0] not in served
-           or p.partition("/")[2] not in ("", "weight_only", "scaled_mm")]
+    bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
+           or p.partition("+")[0].partition("/")[2] not in {"fp8": ("", "weight_only", "scaled_mm"),
+                                                            "int8": ("", "kernel")}.get(p.partition("/")[0], ("",))
+           or p.partition("+")[2] not in ("", "head")]
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
-                 f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA)")
+                 f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel on CPU; "
+                 "FORMAT+head: a tied head quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)

@@ -280,8 +280,62 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
 # Measured on the default job's batch (bench/generation_speed.py, 2-core AMD EPYC with avx512_bf16): decode 450
 # tokens/s with the int8 kernel against 395 through torchao, while a 1,200-row prefill took 0.64 s against 0.36 s.
 # "torchao" keeps torchao's linear. Same storage either way (tests/test_quant.py).
+# Where the two routes cross depends on the CPU: the kernel's time grows with every row past the first two (it
+# decodes the weight again per row), the bf16 product's barely until it is compute-bound. On a 2-core Xeon with AMX a
+# [8960, 1536] product took 0.65 ms through the kernel against 1.4 ms in bf16 at 1 row, but 1.9 against 1.2 at 8 rows
+# and 16 against 3.3 at 64 (bench/gpu_matmuls.py --device cpu). So on CPU the rows a product sends through the kernel
+# are measured, once per process for each weight shape and activation dtype, at the first product
+# (`cpu_int8_rows`), up to INT8PACK_ROWS.
 INT8_LINEAR = "direct"
 INT8PACK_ROWS = 64
+ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the CPU routes are compared
+_CPU_INT8_ROWS: dict[tuple, int] = {}  # (N, K, activation dtype) -> the most rows through the kernel on this CPU
+
+
+def cpu_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
+    """The most rows (of ROW_STEPS, up to INT8PACK_ROWS; 0: none) for which `_weight_int8pack_mm` beat torchao's
+    arithmetic (cast, product in `dtype`, scale) on a random int8 weight [n, k] on this CPU, in this process's threads;
+    measured at the first call for each (n, k, dtype) and kept (about 1-60 ms each)."""
+    key = (n, k, dtype)
+    if key not in _CPU_INT8_ROWS:
+        _CPU_INT8_ROWS[key] = _measure_int8_rows(n, k, dtype)
+    return _CPU_INT8_ROWS[key]
+
+
+def _measure_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
+    """Rows up the ladder of ROW_STEPS while the kernel is at most as slow as the cast route (median of 3 calls each,
+    after one); the last such rows. The kernel's cost per row only grows, so the first loss ends the climb."""
+    import time
+
+    def seconds(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1]
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) / 127
+    best = 0
+    with torch.no_grad():
+        for rows in (r for r in ROW_STEPS if r <= INT8PACK_ROWS):
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            kernel = seconds(lambda x=x: _int8_kernel(x, q, scale))
+            cast = seconds(lambda x=x: nn.functional.linear(x, q.to(x.dtype)) * scale.to(x.dtype))
+            if kernel > cast:
+                break
+            best = rows
+    return best
+
+
+def _int8_kernel(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] through `_weight_int8pack_mm`, in x's dtype out. float32 activations (model.compute_dtype) enter
+    the kernel as bf16, as on every machine: its float32 path ran 13x slower than its bf16 one on an AVX2 CPU, and
+    rounding to bf16 is far inside int8's own error."""
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), qdata, scale.to(torch.bfloat16)).to(x.dtype)
 
 
 def _int8_direct(module: nn.Module) -> None:
@@ -318,8 +372,9 @@ def _int8_kernel_takes(x: torch.Tensor) -> bool:
 def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the int8 weight `qdata` [N, K] with per-row `scale` [N] (+ bias), as `_int8_forward`: on
-    CUDA the Triton kernel where it takes the rows; on CPU `_weight_int8pack_mm` for at most INT8PACK_ROWS rows; else
-    torchao's weight-only arithmetic (x W_int8^T in x's dtype, then the per-row scale)."""
+    CUDA the Triton kernel where it takes the rows; on CPU `_weight_int8pack_mm` for as many rows as it was measured
+    faster here (`cpu_int8_rows`); else torchao's weight-only arithmetic (x W_int8^T in x's dtype, then the per-row
+    scale)."""
     if x.device.type != "cpu":
         if _int8_kernel_takes(x):
             from qgrpo.rollout import w8_triton
@@ -328,12 +383,9 @@ def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
         y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
     rows = x.numel() // x.shape[-1]
-    if x.dtype in (torch.bfloat16, torch.float32) and rows <= INT8PACK_ROWS:
-        # float32 activations (model.compute_dtype) enter the kernel as bf16, as on every machine: its float32 path
-        # ran 13x slower than its bf16 one on an AVX2 CPU, and rounding to bf16 is far inside int8's own error.
-        y = torch._weight_int8pack_mm(x.reshape(rows, x.shape[-1]).to(torch.bfloat16), qdata,
-                                      scale.to(torch.bfloat16)).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], qdata.shape[0])
+    if x.dtype in (torch.bfloat16, torch.float32) and rows <= INT8PACK_ROWS \
+            and rows <= cpu_int8_rows(qdata.shape[0], qdata.shape[1], x.dtype):
+        y = _int8_kernel(x.reshape(rows, x.shape[-1]), qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
     else:
         y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)
     return y if bias is None else y + bias

@@ -82,3 +82,16 @@ def test_unknown_model_or_precision_is_refused_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         model_ladder.main(["--device", "cpu", "--models", "tiny-llama", "--precisions", "fp8"])
     assert "--precisions: fp8 not served" in capsys.readouterr().err
+
+
+def test_a_tied_head_quantized_is_its_own_variant(tmp_path):
+    res = model_ladder.main(["--device", "cpu", "--models", "tiny-qwen2", "--precisions", "bf16,int8,int8+head",
+                             "--rows", "1", "--contexts", "16", "--new-tokens", "2", "--repeats", "1",
+                             "--out", str(tmp_path / "ladder.json")])
+    rows = {r["precision"]: r for r in res["rows"]}
+    assert all("error" not in r and r["decode_tokens_per_s"] > 0 for r in rows.values()), rows
+    # tiny-qwen2 ties its head: int8 keeps it bf16 (512 x 64 x 2 bytes), int8+head holds it in int8 (about half)
+    saved = rows["int8"]["linear_bytes"] - rows["int8+head"]["linear_bytes"]
+    assert 0.4 * 512 * 64 * 2 < saved < 0.6 * 512 * 64 * 2
+    assert rows["int8+head"]["total_bytes"] > rows["int8"]["total_bytes"]  # the embedding stays bf16 beside it
+    assert "vs_bf16" in rows["int8+head"]

@@ -179,6 +179,7 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
     lin, ref_lin = fast.model.layers[0].mlp.up_proj, slow.model.layers[0].mlp.up_proj
     assert "forward" in vars(lin) and "forward" not in vars(ref_lin)
     monkeypatch.setattr(quant, "INT8PACK_ROWS", 16)
+    monkeypatch.setattr(quant, "cpu_int8_rows", lambda n, k, dtype: 64)  # the kernel to 16 rows, whatever is measured
     x = torch.randn(rows // 5 or 1, min(rows, 5) if rows < 10 else 7, 128, dtype=torch.bfloat16)
     exact = x.float() @ (lin.weight.qdata.float() * lin.weight.scale.float()).T  # the dequantized weight
     y = lin(x)
@@ -196,6 +197,45 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
     lin = fast.model.layers[0].mlp.up_proj
     want = x.float() @ new.float().T
     assert ((lin(x).float() - want).abs().max() / want.abs().max()) < 0.02
+
+
+def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wins(monkeypatch):
+    import time
+
+    import qgrpo.rollout.quant as quant
+
+    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})
+    rows = quant.cpu_int8_rows(256, 128, torch.bfloat16)
+    assert rows in (0, *quant.ROW_STEPS) and quant._CPU_INT8_ROWS == {(256, 128, torch.bfloat16): rows}
+    monkeypatch.setattr(quant, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
+    assert quant.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept
+    monkeypatch.undo()
+    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})
+    monkeypatch.setattr(quant, "_int8_kernel", lambda x, q, s: x[:, :1] * 0)  # a kernel that costs nothing
+    assert quant._measure_int8_rows(256, 128, torch.bfloat16) == 64  # up to INT8PACK_ROWS
+    monkeypatch.setattr(quant, "INT8PACK_ROWS", 16)
+    assert quant._measure_int8_rows(256, 128, torch.bfloat16) == 16
+
+    def slow_past_two(x, q, s):  # free to two rows, then 5 ms a row
+        if x.shape[0] > 2:
+            time.sleep(0.005 * (x.shape[0] - 2))
+        return x[:, :1] * 0
+    monkeypatch.setattr(quant, "_int8_kernel", slow_past_two)
+    assert quant._measure_int8_rows(256, 128, torch.bfloat16) == 2
+
+
+def test_an_int8_product_takes_the_measured_route(monkeypatch):
+    import qgrpo.rollout.quant as quant
+
+    q = torch.randint(-127, 128, (64, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    scale = torch.rand(64) / 127
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    kernel, cast = quant._int8_kernel(x, q, scale), torch.nn.functional.linear(x, q.bfloat16()) * scale.bfloat16()
+    assert not torch.equal(kernel, cast)  # the two routes round differently: which one ran is visible
+    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {(64, 128, torch.bfloat16): 4})
+    assert torch.equal(quant.int8_product(x, q, scale), kernel)
+    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {(64, 128, torch.bfloat16): 2})
+    assert torch.equal(quant.int8_product(x, q, scale), cast)
 
 
 # --- fp8 (Fp8Linear, torch._scaled_mm): numerics on CPU -------------------------------------------------------------
