@@ -18,7 +18,7 @@ import tomllib
 from qgrpo.rollout.backends import AUTO, auto_candidates, device_of
 from qgrpo.rollout.precision_trials import Trial, choose, table
 
-TRIAL_NEW_TOKENS = 32  # the most tokens a trial samples per row (a few decode steps past the prefill)
+TRIAL_NEW_TOKENS = 16  # the most tokens a trial samples per row (a few decode steps past the prefill)
 NOTE = "# rollout.precision = \"auto\" chose "  # the comment line under the run's config.toml
 
 
