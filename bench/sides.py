@@ -23,8 +23,10 @@ GB = 2**30
 # Process titles Ray gives actor processes -> role; other processes are told apart by `role`.
 # The rollout actor's class is _RolloutActor (actors/rollout_actor.py); before it was listed here its processes were
 # counted as "ray system" (bench/published/ results up to gpu_step_h200*.json).
+# Ray titles an actor's process with its class's name: the rollout actor's is _ThreadedRolloutActor (its concurrency
+# groups' subclass, actors/rollout_actor.py), which the earlier prefixes missed, counting it as "ray system".
 ACTOR_ROLES = (("ray::LearnerActor", "learner"), ("ray::RolloutActor", "rollout"), ("ray::_RolloutActor", "rollout"),
-               ("ray::ReferenceActor", "reference"))
+               ("ray::_ThreadedRolloutActor", "rollout"), ("ray::ReferenceActor", "reference"))
 PACKAGES = ("torch", "transformers", "trl", "accelerate", "datasets", "deepspeed", "ray", "reasoning-gym", "psutil")
 
 

@@ -95,9 +95,10 @@ def test_without_nvidia_smi_the_sampler_says_so(tmp_path, monkeypatch):
 
 def test_actor_processes_are_named_by_their_role():
     from qgrpo.actors.learner_actor import LearnerActor  # noqa: F401  (the classes whose titles are matched)
-    from qgrpo.actors.rollout_actor import _RolloutActor
+    from qgrpo.actors.rollout_actor import RolloutActor
 
-    assert sides.role([f"ray::{_RolloutActor.__name__}.generate"], 5, 1) == "rollout"
+    # Ray titles the process with the class the remote handle wraps (the threaded subclass)
+    assert sides.role([f"ray::{RolloutActor.__ray_metadata__.class_name}.generate"], 5, 1) == "rollout"
     assert sides.role(["ray::LearnerActor.train_step"], 5, 1) == "learner"
     assert sides.role(["ray::ReferenceActor.score"], 5, 1) == "reference"
     assert sides.role(["ray::IDLE"], 5, 1) == "ray idle workers" and sides.role(["python"], 1, 1) == "driver"
