@@ -284,15 +284,24 @@ def gpu_matmuls_models(d: dict) -> list[str]:
     gl = d.get("gemlite") or {}
     short = {"fp8/weight_only": "fp8/wo", "int4/unpadded": "int4/unpad"}  # table width: docs lines <= 120
     routes_shown = [short.get(x, x) for x in routes]
-    return [*wrap(f"Each product alone, captured in a CUDA graph of {d['args']['calls']} calls (kernel time, launch "
-                  "gaps left out), random bf16 weights quantized as each route quantizes them. \"bf16 us\": cuBLAS's "
-                  "time; \"of bw\": bf16's weight bytes over it as a share of the read bandwidth "
-                  f"({d['read_bytes_per_s'] / 1e12:.2f} TB/s measured); each route's column: bf16's time over the "
-                  "route's (above 1: faster). `int8` is the generator's Triton kernel, `int4` torchao's tinygemm "
-                  "layout as the generator packs it, tinygemm without torchao's padding of K to "
-                  "1024 (`int4/unpad`), `fp8/wo` the generator's fp8 weight-only decode kernel, `*/gemlite` GemLite "
-                  f"{gl.get('version', '')} (autotune `{gl.get('autotune', '')}`, shipped config "
-                  f"`{str(gl.get('config') or 'none').rsplit('/', 1)[-1]}`). "
+    cpu = str(d.get("machine", "")).startswith("cpu")
+    how = (f"Each product alone, called {d['args']['calls']} times in a row per timing on the CPU's threads, random "
+           "bf16 weights quantized as each route quantizes them. \"bf16 us\": torch's bf16 product's time per call; "
+           "\"of bw\": bf16's weight bytes over it as a share of the read bandwidth "
+           f"({d['read_bytes_per_s'] / 1e9:.0f} GB/s measured on a buffer that may sit in cache); each route's "
+           "column: bf16's time over the route's (above 1: faster). `int8` is the generator's CPU int8 product, "
+           "`int8/aten` torch's int8 kernel at every row count, `int4` torch's CPU int4 kernel on torchao's packing. "
+           if cpu else
+           f"Each product alone, captured in a CUDA graph of {d['args']['calls']} calls (kernel time, launch "
+           "gaps left out), random bf16 weights quantized as each route quantizes them. \"bf16 us\": cuBLAS's "
+           "time; \"of bw\": bf16's weight bytes over it as a share of the read bandwidth "
+           f"({d['read_bytes_per_s'] / 1e12:.2f} TB/s measured); each route's column: bf16's time over the "
+           "route's (above 1: faster). `int8` is the generator's Triton kernel, `int4` torchao's tinygemm "
+           "layout as the generator packs it, tinygemm without torchao's padding of K to "
+           "1024 (`int4/unpad`), `fp8/wo` the generator's fp8 weight-only decode kernel, `*/gemlite` GemLite "
+           f"{gl.get('version', '')} (autotune `{gl.get('autotune', '')}`, shipped config "
+           f"`{str(gl.get('config') or 'none').rsplit('/', 1)[-1]}`). ")
+    return [*wrap(how
                   + (f"{bad} measurements exceeded their error tolerance against float32 (marked BAD)" if (bad := sum(
                       1 for r in d["rows"] if r.get("bad"))) else "Every route stayed within its error tolerance "
                      "against float32") + f" ({', '.join(f'{k} {v}' for k, v in d['tolerance'].items())}; the "
@@ -525,24 +534,33 @@ def gpu_step(d: dict) -> list[str]:
     """bench/vs_trl.py --device cuda: the whole step per side with our stages and the GPU's peak memory; from the
     medians of a finished run, or from the runs a partial one kept (`rounds`, `failed`)."""
     sides = {side: rs[0] for side, rs in d["rounds"].items() if rs}
+    on_gpu = any(r["memory"].get("gpu") for r in sides.values())
     rows = []
     for side, r in sides.items():
         st, gpu = r.get("stages_s_per_step") or {}, r["memory"].get("gpu") or {}
+        peak = (f(gpu.get("device_used_peak_mib", 0) / 1024, 1) if gpu else None) if on_gpu else \
+            gb(r["memory"].get("peak_pss"), 1)
         rows.append([side, f(r["s_per_step"], 1), f(r["trained_tokens_per_s"], 0),
                      *(f(st.get(k)) if st else None for k in ("generate", "reference", "learn", "sync", "requantize")),
-                     f(gpu.get("device_used_peak_mib", 0) / 1024, 1) if gpu else None])
+                     peak])
     lines = [*table(["side", "s/step", "trained tok/s", "generate", "reference", "learn", "sync", "of which "
-                     "re-quantize", "GPU peak GiB"], rows), ""]
+                     "re-quantize", "GPU peak GiB" if on_gpu else "peak PSS GiB"], rows), ""]
     lines += wrap("Seconds per step over the timed steps. Ours by stage: generate (the driver's wait for rollouts), "
                   "reference (scoring and packing), learn (the learner actor's step), sync (export, transfer through "
                   "Ray's object store, load and the fingerprint check; re-quantization and the rollout actor's "
-                  "update-visibility measure inside it). TRL's learn column is everything but its `generate`. GPU "
-                  "peak: the device's used memory, all roles together.")
+                  "update-visibility measure inside it). TRL's learn column is everything but its `generate`. "
+                  + ("GPU peak: the device's used memory, all roles together." if on_gpu else
+                     "Peak PSS: the proportional set size of every process of the side, summed (shared pages split "
+                     "between the processes that map them)."))
     for side, r in sides.items():
         roles = (r["memory"].get("gpu") or {}).get("per_role_peak_mib") or {}
         if roles:
             lines += ["", *wrap(f"{side}, peak GPU memory by process: " + ", ".join(
                 f"{k} {v / 1024:.1f} GiB" for k, v in sorted(roles.items(), key=lambda kv: -kv[1])) + ".")]
+        elif not on_gpu and r["memory"].get("per_role_peak"):
+            roles = r["memory"]["per_role_peak"]
+            lines += ["", *wrap(f"{side}, peak PSS by role: " + ", ".join(
+                f"{k} {gb(v['pss'], 1)} GiB" for k, v in sorted(roles.items(), key=lambda kv: -kv[1]["pss"])) + ".")]
     ratio = d.get("ratio_ours_over_trl")
     if ratio:
         others = "".join(f"; {k.split('/')[0]} {v:.2f}x" for k, v in ratio.items()
@@ -757,6 +775,22 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "bytes a weight (an AVX2-only CPU computes in fp32 and reads 4: there the formats' gains would be larger); "
          "bf16, int8 and int4 at 1 and 8 rows, 64-token prompts. A first run with 16 new tokens and one or two "
          "repeats gave cells above their bound and is not published.", model_ladder),
+        ("model_ladder_cpu_routes", "The int8 kernel's rows and the quantized head on a 2-core CPU",
+         "The same two shapes on the same kind of CPU with 32 new tokens at 1, 8 and 32 rows. `int8/kernel` sends "
+         "every product of up to 64 rows through torch's int8 kernel, the rule before the generator measured up to "
+         "how many rows that kernel beats its cast-and-bf16-product route (`int8`, the generator now); `+head` "
+         "quantizes the head tied to the embedding as well (`[rollout.torch] quantize_head`).", model_ladder),
+        ("gpu_matmuls_cpu", "The int8 and int4 products alone on a 2-core CPU",
+         "Qwen2.5-1.5B's gate/up and down products alone at 1 to 64 rows on the same kind of CPU: bf16, torch's int8 "
+         "kernel on every row count (`int8/aten`), the generator's int8 product (the kernel up to the rows it was "
+         "measured faster, then the cast route) and int4 (torch's CPU int4 kernel).", gpu_matmuls_models),
+        ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
+         "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
+         "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
+         "bf16: int8 rollouts (`qgrpo`, the config's), unquantized (`bf16`) and int4, int8 as a stream "
+         "(`algo.max_staleness = 1`), a LoRA learner with int8 rollouts, and `rollout.precision = \"auto\"` (its "
+         "trials run before the run starts, outside the timed steps). Speed only: the completions of a random model "
+         "run to the length bound.", gpu_step),
         ("generator_memory", "Rollout actor memory",
          "The torch generator holding one copy, re-quantized in place at each sync, against a bf16 master beside a "
          "quantized copy rebuilt at each sync; each in a fresh process, three full updates.", generator_memory),

@@ -282,8 +282,9 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
 # "torchao" keeps torchao's linear. Same storage either way (tests/test_quant.py).
 # Where the two routes cross depends on the CPU: the kernel's time grows with every row past the first two (it
 # decodes the weight again per row), the bf16 product's barely until it is compute-bound. On a 2-core Xeon with AMX a
-# [8960, 1536] product took 0.65 ms through the kernel against 1.4 ms in bf16 at 1 row, but 1.9 against 1.2 at 8 rows
-# and 16 against 3.3 at 64 (bench/gpu_matmuls.py --device cpu). So on CPU the rows a product sends through the kernel
+# [8960, 1536] product took 0.75 ms through the kernel against 1.31 ms in bf16 at 1 row, but 1.98 against 1.19 at 8
+# rows and 21.5 against 2.9 at 64 (bench/gpu_matmuls.py --device cpu; docs/performance.md). So on CPU the rows a
+# product sends through the kernel
 # are measured, once per process for each weight shape and activation dtype, at the first product
 # (`cpu_int8_rows`), up to INT8PACK_ROWS.
 INT8_LINEAR = "direct"
