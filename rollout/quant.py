@@ -284,23 +284,63 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
 # decodes the weight again per row), the bf16 product's barely until it is compute-bound. On a 2-core Xeon with AMX a
 # [8960, 1536] product took 0.75 ms through the kernel against 1.31 ms in bf16 at 1 row, but 1.98 against 1.19 at 8
 # rows and 21.5 against 2.9 at 64 (bench/gpu_matmuls.py --device cpu; docs/performance.md). So on CPU the rows a
-# product sends through the kernel
-# are measured, once per process for each weight shape and activation dtype, at the first product
-# (`cpu_int8_rows`), up to INT8PACK_ROWS.
+# product sends through the kernel are measured, for each weight shape and activation dtype, at the first product
+# (`cpu_int8_rows`), up to INT8PACK_ROWS. The two routes round differently, so the measure is kept in a file of the
+# cache (`ROUTES_FILE`, under a key of the CPU model, thread count and torch version) and read by every later process
+# on the machine: a run resumed, or its actor replaced, samples through the same routes as before.
 INT8_LINEAR = "direct"
 INT8PACK_ROWS = 64
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the CPU routes are compared
 _CPU_INT8_ROWS: dict[tuple, int] = {}  # (N, K, activation dtype) -> the most rows through the kernel on this CPU
 
 
+ROUTES_FILE = "cpu_int8_rows.json"  # under the cache root (core/storage.py: cache_root), by machine key
+
+
 def cpu_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
     """The most rows (of ROW_STEPS, up to INT8PACK_ROWS; 0: none) for which `_weight_int8pack_mm` beat torchao's
-    arithmetic (cast, product in `dtype`, scale) on a random int8 weight [n, k] on this CPU, in this process's threads;
-    measured at the first call for each (n, k, dtype) and kept (about 1-60 ms each)."""
+    arithmetic (cast, product in `dtype`, scale) on a random int8 weight [n, k] on this CPU, in this process's threads:
+    what this machine's routes file holds for it, else measured now (about 1-60 ms) and added there."""
     key = (n, k, dtype)
     if key not in _CPU_INT8_ROWS:
-        _CPU_INT8_ROWS[key] = _measure_int8_rows(n, k, dtype)
+        recorded = _routes_record()
+        name = f"{n}x{k}:{str(dtype).removeprefix('torch.')}"
+        if name not in recorded:
+            measured = _measure_int8_rows(n, k, dtype)
+            recorded = _routes_record()  # another process may have recorded it meanwhile: the first record holds
+            if name not in recorded:
+                recorded[name] = measured
+                _routes_record(recorded)
+        _CPU_INT8_ROWS[key] = int(recorded[name])
     return _CPU_INT8_ROWS[key]
+
+
+def _routes_record(update: dict | None = None) -> dict:
+    """This machine's measured routes ({"NxK:dtype": rows}) from the cache's routes file, under a key of the CPU
+    model, torch's thread count and torch's version; with `update`, written back first (atomically; a file that
+    cannot be read or written leaves the measure to this process)."""
+    import json
+    import os
+
+    from qgrpo.core.cpu import isa
+    from qgrpo.core.storage import cache_root
+
+    path = cache_root() / ROUTES_FILE
+    machine = f"{isa().name or 'cpu'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}
+    if update is not None:
+        data[machine] = {**data.get(machine, {}), **update}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            tmp.replace(path)
+        except OSError:
+            pass
+    return dict(data.get(machine, {}))
 
 
 def _measure_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:

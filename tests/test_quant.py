@@ -5,6 +5,7 @@ fp8 is served on CUDA only, but torch's ``_scaled_mm`` runs on CPU too: its nume
 ``_quantize_layers`` (quantize_model past its device check), which quantize_model itself refuses on CPU."""
 
 import copy
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -199,16 +200,22 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
     assert ((lin(x).float() - want).abs().max() / want.abs().max()) < 0.02
 
 
-def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wins(monkeypatch):
+def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wins(monkeypatch, tmp_path):
     import time
 
     import qgrpo.rollout.quant as quant
 
+    monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
     monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})
     rows = quant.cpu_int8_rows(256, 128, torch.bfloat16)
     assert rows in (0, *quant.ROW_STEPS) and quant._CPU_INT8_ROWS == {(256, 128, torch.bfloat16): rows}
+    (machine, recorded), = json.loads((tmp_path / quant.ROUTES_FILE).read_text()).items()
+    assert recorded == {"256x128:bfloat16": rows} and f"{torch.get_num_threads()} threads" in machine
     monkeypatch.setattr(quant, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
-    assert quant.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept
+    assert quant.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept in this process
+    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})  # a later process on this machine reads the file
+    (tmp_path / quant.ROUTES_FILE).write_text(json.dumps({machine: {"256x128:bfloat16": 32}}))
+    assert quant.cpu_int8_rows(256, 128, torch.bfloat16) == 32
     monkeypatch.undo()
     monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})
     monkeypatch.setattr(quant, "_int8_kernel", lambda x, q, s: x[:, :1] * 0)  # a kernel that costs nothing
