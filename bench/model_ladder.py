@@ -16,7 +16,9 @@ decoder's steps on a CPU, where it computes in the CPU's compute dtype (`compute
 bf16). A model is built again for each precision (same seed, same weights). `FORMAT+head` (e.g. `int8+head`) serves
 the format with `[rollout.torch] quantize_head`: a head tied to the embedding quantized too (the others keep it bf16).
 `int8/kernel` (CPU) sends every product of up to 64 rows through torch's int8 kernel, the rule before the generator
-measured, per weight shape, up to how many rows that kernel beats its cast-and-bf16-product route (`int8`).
+measured, per weight shape, up to how many rows that kernel beats its cast-and-bf16-product route (`int8`);
+`int4/kernel` (CPU) every product through torch's int4 kernel, the rule before a prefill's rows went through the
+weight decoded once (`int4`; rollout/cpu_kernels.py).
 
 Per (rows, context): prompts of exactly `context` tokens (rows / 8 prompts x 8 completions, or 1 x rows below 8),
 `--new-tokens` new tokens every row (stop ids emptied; `full` checks it), T = 1. One warm-up generate (graph
@@ -135,20 +137,22 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
     import torch
 
     from qgrpo.core.records import SamplingParams
-    from qgrpo.rollout import fp8, quant
+    from qgrpo.rollout import cpu_kernels, fp8
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     cuda = args.device.startswith("cuda")
     format_, _, extra = precision.partition("+")  # int8+head: the tied head quantized too ([rollout.torch])
     served, _, route = format_.partition("/")  # fp8/weight_only, fp8/scaled_mm: fp8 decode's route
-    held, rows_rule = fp8.FP8_DECODE, quant.cpu_int8_rows
+    held, rules = fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows)
     base = {"model": name, "precision": precision}
     gen = model = None
     made = []
     try:
         fp8.FP8_DECODE = route if served == "fp8" and route else held
-        if served == "int8" and route == "kernel":  # the former rule: up to INT8PACK_ROWS rows through the kernel
-            quant.cpu_int8_rows = lambda n, k, dtype: quant.INT8PACK_ROWS
+        if served == "int8" and route == "kernel":  # the former rule: up to 64 rows through the kernel
+            cpu_kernels.cpu_int8_rows = lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS
+        if served == "int4" and route == "kernel":  # the former rule: every row through the kernel
+            cpu_kernels.cpu_int4_rows = lambda n, k, group, dtype: 1 << 62
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
@@ -205,7 +209,7 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
         emit()
     finally:
         gen = model = None
-        fp8.FP8_DECODE, quant.cpu_int8_rows = held, rows_rule
+        fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows) = held, rules
         release(args.device)
 
 
@@ -278,14 +282,14 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
+    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel"), "int4": ("", "kernel")}
     bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
-           or p.partition("+")[0].partition("/")[2] not in {"fp8": ("", "weight_only", "scaled_mm"),
-                                                            "int8": ("", "kernel")}.get(p.partition("/")[0], ("",))
+           or p.partition("+")[0].partition("/")[2] not in routes.get(p.partition("/")[0], ("",))
            or p.partition("+")[2] not in ("", "head")]
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
-                 f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel on CPU; "
-                 "FORMAT+head: a tied head quantized too)")
+                 f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int4/kernel "
+                 "on CPU; FORMAT+head: a tied head quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)

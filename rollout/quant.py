@@ -73,6 +73,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from qgrpo.rollout import cpu_kernels
 from qgrpo.rollout.fp8 import Fp8Linear, quantize_fp8
 from qgrpo.rollout.options import QUANT_PATHS as _PATHS
 from qgrpo.rollout.options import QUANT_SERVED as SERVED
@@ -270,113 +271,25 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
         for m in model.modules():
             if id(m) in chosen:
                 _int8_direct(m)
+    elif device.type == "cpu":
+        for m in model.modules():
+            if id(m) in chosen:
+                _int4_direct(m)
 
 
 # CPU int8 products. torchao's weight-only int8 linear casts the whole int8 weight to bf16 at every call (a bf16 copy
 # written and read again per product) behind a tensor subclass's Python dispatch. "direct" reads the layer's int8 data
-# with plain torch ops instead: at most INT8PACK_ROWS rows (a decode step) through torch's `_weight_int8pack_mm`,
-# which reads the int8 weight inside the kernel and applies the per-row scale there; more rows (a prefill, scoring)
-# through torchao's own arithmetic (cast, one bf16 product, the scale), where the bf16 product's blocking wins.
-# Measured on the default job's batch (bench/generation_speed.py, 2-core AMD EPYC with avx512_bf16): decode 450
-# tokens/s with the int8 kernel against 395 through torchao, while a 1,200-row prefill took 0.64 s against 0.36 s.
+# with plain torch ops instead: a decode step's few rows through torch's `_weight_int8pack_mm`, which reads the int8
+# weight inside the kernel and applies the per-row scale there; more rows (a prefill, scoring) through torchao's own
+# arithmetic (cast, one bf16 product, the scale), where the bf16 product's blocking wins. Up to how many rows the
+# kernel wins is measured per weight shape on the machine (rollout/cpu_kernels.py: `cpu_int8_rows`). Measured on the
+# default job's batch (bench/generation_speed.py, 2-core AMD EPYC with avx512_bf16): decode 450 tokens/s with the int8
+# kernel against 395 through torchao, while a 1,200-row prefill took 0.64 s against 0.36 s.
 # "torchao" keeps torchao's linear. Same storage either way (tests/test_quant.py).
-# Where the two routes cross depends on the CPU: the kernel's time grows with every row past the first two (it
-# decodes the weight again per row), the bf16 product's barely until it is compute-bound. On a 2-core Xeon with AMX a
-# [8960, 1536] product took 0.75 ms through the kernel against 1.31 ms in bf16 at 1 row, but 1.98 against 1.19 at 8
-# rows and 21.5 against 2.9 at 64 (bench/gpu_matmuls.py --device cpu; docs/performance.md). So on CPU the rows a
-# product sends through the kernel are measured, for each weight shape and activation dtype, at the first product
-# (`cpu_int8_rows`), up to INT8PACK_ROWS. The two routes round differently, so the measure is kept in a file of the
-# cache (`ROUTES_FILE`, under a key of the CPU model, thread count and torch version) and read by every later process
-# on the machine: a run resumed, or its actor replaced, samples through the same routes as before.
+# CPU int4 layers take the same kind of route (`_int4_forward`): torch's int4 kernel up to the rows measured faster
+# there, the weight decoded once per call and one plain product past them (cpu_kernels.int4_product).
 INT8_LINEAR = "direct"
-INT8PACK_ROWS = 64
-ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the CPU routes are compared
-_CPU_INT8_ROWS: dict[tuple, int] = {}  # (N, K, activation dtype) -> the most rows through the kernel on this CPU
-
-
-ROUTES_FILE = "cpu_int8_rows.json"  # under the cache root (core/storage.py: cache_root), by machine key
-
-
-def cpu_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
-    """The most rows (of ROW_STEPS, up to INT8PACK_ROWS; 0: none) for which `_weight_int8pack_mm` beat torchao's
-    arithmetic (cast, product in `dtype`, scale) on a random int8 weight [n, k] on this CPU, in this process's threads:
-    what this machine's routes file holds for it, else measured now (about 1-60 ms) and added there."""
-    key = (n, k, dtype)
-    if key not in _CPU_INT8_ROWS:
-        recorded = _routes_record()
-        name = f"{n}x{k}:{str(dtype).removeprefix('torch.')}"
-        if name not in recorded:
-            measured = _measure_int8_rows(n, k, dtype)
-            recorded = _routes_record()  # another process may have recorded it meanwhile: the first record holds
-            if name not in recorded:
-                recorded[name] = measured
-                _routes_record(recorded)
-        _CPU_INT8_ROWS[key] = int(recorded[name])
-    return _CPU_INT8_ROWS[key]
-
-
-def _routes_record(update: dict | None = None) -> dict:
-    """This machine's measured routes ({"NxK:dtype": rows}) from the cache's routes file, under a key of the CPU
-    model, torch's thread count and torch's version; with `update`, written back first (atomically; a file that
-    cannot be read or written leaves the measure to this process)."""
-    import json
-    import os
-
-    from qgrpo.core.cpu import isa
-    from qgrpo.core.storage import cache_root
-
-    path = cache_root() / ROUTES_FILE
-    machine = f"{isa().name or 'cpu'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        data = {}
-    if update is not None:
-        data[machine] = {**data.get(machine, {}), **update}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-            tmp.replace(path)
-        except OSError:
-            pass
-    return dict(data.get(machine, {}))
-
-
-def _measure_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
-    """Rows up the ladder of ROW_STEPS while the kernel is at most as slow as the cast route (median of 3 calls each,
-    after one); the last such rows. The kernel's cost per row only grows, so the first loss ends the climb."""
-    import time
-
-    def seconds(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return sorted(times)[1]
-
-    g = torch.Generator().manual_seed(0)
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
-    scale = torch.rand(n, generator=g) / 127
-    best = 0
-    with torch.no_grad():
-        for rows in (r for r in ROW_STEPS if r <= INT8PACK_ROWS):
-            x = torch.randn(rows, k, generator=g).to(dtype)
-            kernel = seconds(lambda x=x: _int8_kernel(x, q, scale))
-            cast = seconds(lambda x=x: nn.functional.linear(x, q.to(x.dtype)) * scale.to(x.dtype))
-            if kernel > cast:
-                break
-            best = rows
-    return best
-
-
-def _int8_kernel(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] through `_weight_int8pack_mm`, in x's dtype out. float32 activations (model.compute_dtype) enter
-    the kernel as bf16, as on every machine: its float32 path ran 13x slower than its bf16 one on an AVX2 CPU, and
-    rounding to bf16 is far inside int8's own error."""
-    return torch._weight_int8pack_mm(x.to(torch.bfloat16), qdata, scale.to(torch.bfloat16)).to(x.dtype)
+INT8PACK_ROWS = 64  # on CUDA: the most rows through the Triton int8 kernel (rollout/w8_triton.py)
 
 
 def _int8_direct(module: nn.Module) -> None:
@@ -390,6 +303,23 @@ def _int8_direct(module: nn.Module) -> None:
         return
     module._int8 = (w.qdata, w.scale.reshape(-1))
     module.forward = _int8_forward.__get__(module)
+
+
+def _int4_direct(module: nn.Module) -> None:
+    """Route a CPU int4 layer's forward through cpu_kernels.int4_product (the kernel's rows measured per shape), as
+    long as torchao's weight is the plain weight-only kind (no activation scale or quantization) and this torch's
+    packing is one we can decode; else torchao's linear. It reads the layer's live weight at each call."""
+    w = module.weight
+    if type(w).__name__ != "Int4OpaqueTensor" or w.block_size[0] != 1 or w.act_pre_scale is not None \
+            or w.act_mapping_type is not None or cpu_kernels.int4_layout() is None:
+        module.__dict__.pop("forward", None)
+        return
+    module.forward = _int4_forward.__get__(module)
+
+
+def _int4_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    w = self.weight
+    return cpu_kernels.int4_product(x, w.qdata, w.scale_and_zero, w.shape[0], w.block_size[1], self.bias)
 
 
 def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -414,8 +344,8 @@ def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] times the int8 weight `qdata` [N, K] with per-row `scale` [N] (+ bias), as `_int8_forward`: on
     CUDA the Triton kernel where it takes the rows; on CPU `_weight_int8pack_mm` for as many rows as it was measured
-    faster here (`cpu_int8_rows`); else torchao's weight-only arithmetic (x W_int8^T in x's dtype, then the per-row
-    scale)."""
+    faster here (`cpu_kernels.cpu_int8_rows`); else torchao's weight-only arithmetic (x W_int8^T in x's dtype, then
+    the per-row scale)."""
     if x.device.type != "cpu":
         if _int8_kernel_takes(x):
             from qgrpo.rollout import w8_triton
@@ -424,9 +354,8 @@ def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
         y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
     rows = x.numel() // x.shape[-1]
-    if x.dtype in (torch.bfloat16, torch.float32) and rows <= INT8PACK_ROWS \
-            and rows <= cpu_int8_rows(qdata.shape[0], qdata.shape[1], x.dtype):
-        y = _int8_kernel(x.reshape(rows, x.shape[-1]), qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
+    if x.dtype in (torch.bfloat16, torch.float32) and rows <= cpu_kernels.cpu_int8_rows(*qdata.shape, x.dtype):
+        y = cpu_kernels.int8_kernel(x.reshape(rows, x.shape[-1]), qdata, scale).reshape(*x.shape[:-1], qdata.shape[0])
     else:
         y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)
     return y if bias is None else y + bias

@@ -6,6 +6,7 @@ fp8 is served on CUDA only, but torch's ``_scaled_mm`` runs on CPU too: its nume
 
 import copy
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,6 +173,7 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
     torchao's own linear; the model's log-probs inside int8's bounds; a re-quantization moves the layer to the new
     codes."""
     import qgrpo.rollout.quant as quant
+    from qgrpo.rollout import cpu_kernels
     from qgrpo.rollout.quant import requantize_in_place
 
     fast = quantize_model(copy.deepcopy(base), "int8")
@@ -179,8 +181,7 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
     slow = quantize_model(copy.deepcopy(base), "int8")
     lin, ref_lin = fast.model.layers[0].mlp.up_proj, slow.model.layers[0].mlp.up_proj
     assert "forward" in vars(lin) and "forward" not in vars(ref_lin)
-    monkeypatch.setattr(quant, "INT8PACK_ROWS", 16)
-    monkeypatch.setattr(quant, "cpu_int8_rows", lambda n, k, dtype: 64)  # the kernel to 16 rows, whatever is measured
+    monkeypatch.setattr(cpu_kernels, "cpu_int8_rows", lambda n, k, dtype: 16)  # the kernel to 16 rows
     x = torch.randn(rows // 5 or 1, min(rows, 5) if rows < 10 else 7, 128, dtype=torch.bfloat16)
     exact = x.float() @ (lin.weight.qdata.float() * lin.weight.scale.float()).T  # the dequantized weight
     y = lin(x)
@@ -203,46 +204,128 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
 def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wins(monkeypatch, tmp_path):
     import time
 
-    import qgrpo.rollout.quant as quant
+    from qgrpo.rollout import cpu_kernels as ck
 
     monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
-    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})
-    rows = quant.cpu_int8_rows(256, 128, torch.bfloat16)
-    assert rows in (0, *quant.ROW_STEPS) and quant._CPU_INT8_ROWS == {(256, 128, torch.bfloat16): rows}
-    (machine, recorded), = json.loads((tmp_path / quant.ROUTES_FILE).read_text()).items()
+    monkeypatch.setattr(ck, "_ROWS", {})
+    rows = ck.cpu_int8_rows(256, 128, torch.bfloat16)
+    assert rows in (0, *ck.ROW_STEPS) and ck._ROWS == {("int8", 256, 128, None, torch.bfloat16): rows}
+    (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
     assert recorded == {"256x128:bfloat16": rows} and f"{torch.get_num_threads()} threads" in machine
-    monkeypatch.setattr(quant, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
-    assert quant.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept in this process
-    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})  # a later process on this machine reads the file
-    (tmp_path / quant.ROUTES_FILE).write_text(json.dumps({machine: {"256x128:bfloat16": 32}}))
-    assert quant.cpu_int8_rows(256, 128, torch.bfloat16) == 32
+    monkeypatch.setattr(ck, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
+    assert ck.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept in this process
+    monkeypatch.setattr(ck, "_ROWS", {})  # a later process on this machine reads the file
+    (tmp_path / ck.ROUTES_FILE).write_text(json.dumps({machine: {"256x128:bfloat16": 32}}))
+    assert ck.cpu_int8_rows(256, 128, torch.bfloat16) == 32
     monkeypatch.undo()
-    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {})
-    monkeypatch.setattr(quant, "_int8_kernel", lambda x, q, s: x[:, :1] * 0)  # a kernel that costs nothing
-    assert quant._measure_int8_rows(256, 128, torch.bfloat16) == 64  # up to INT8PACK_ROWS
-    monkeypatch.setattr(quant, "INT8PACK_ROWS", 16)
-    assert quant._measure_int8_rows(256, 128, torch.bfloat16) == 16
+    monkeypatch.setattr(ck, "_ROWS", {})
+    monkeypatch.setattr(ck, "int8_kernel", lambda x, q, s: x[:, :1] * 0)  # a kernel that costs nothing
+    assert ck._measure_int8_rows(256, 128, torch.bfloat16) == 64  # up to INT8_KERNEL_MAX_ROWS
+    monkeypatch.setattr(ck, "INT8_KERNEL_MAX_ROWS", 16)
+    assert ck._measure_int8_rows(256, 128, torch.bfloat16) == 16
 
     def slow_past_two(x, q, s):  # free to two rows, then 5 ms a row
         if x.shape[0] > 2:
             time.sleep(0.005 * (x.shape[0] - 2))
         return x[:, :1] * 0
-    monkeypatch.setattr(quant, "_int8_kernel", slow_past_two)
-    assert quant._measure_int8_rows(256, 128, torch.bfloat16) == 2
+    monkeypatch.setattr(ck, "int8_kernel", slow_past_two)
+    assert ck._measure_int8_rows(256, 128, torch.bfloat16) == 2
 
 
 def test_an_int8_product_takes_the_measured_route(monkeypatch):
     import qgrpo.rollout.quant as quant
+    from qgrpo.rollout import cpu_kernels as ck
 
     q = torch.randint(-127, 128, (64, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
     scale = torch.rand(64) / 127
     x = torch.randn(4, 128, dtype=torch.bfloat16)
-    kernel, cast = quant._int8_kernel(x, q, scale), torch.nn.functional.linear(x, q.bfloat16()) * scale.bfloat16()
+    kernel, cast = ck.int8_kernel(x, q, scale), torch.nn.functional.linear(x, q.bfloat16()) * scale.bfloat16()
     assert not torch.equal(kernel, cast)  # the two routes round differently: which one ran is visible
-    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {(64, 128, torch.bfloat16): 4})
+    monkeypatch.setattr(ck, "_ROWS", {("int8", 64, 128, None, torch.bfloat16): 4})
     assert torch.equal(quant.int8_product(x, q, scale), kernel)
-    monkeypatch.setattr(quant, "_CPU_INT8_ROWS", {(64, 128, torch.bfloat16): 2})
+    monkeypatch.setattr(ck, "_ROWS", {("int8", 64, 128, None, torch.bfloat16): 2})
     assert torch.equal(quant.int8_product(x, q, scale), cast)
+
+
+# --- int4 on CPU: torch's packing decoded, and the route past the kernel's rows ---------------------------------------
+
+@pytest.mark.parametrize("capability", ["", "avx2", "default"])
+def test_int4_packing_is_decoded_exactly_at_each_cpu_capability(capability):
+    """torch packs CPU int4 differently per vector width (AVX-512, AVX2, scalar): in a fresh process with that
+    capability forced, the layout found decodes a weight with whole blocks and a tail (N = 80, 208) exactly as the
+    kernel's own product on the identity does, in bf16 and float32."""
+    code = """
+import torch
+from qgrpo.rollout import cpu_kernels as ck
+layout = ck.int4_layout()
+assert layout is not None
+for n, k, g in ((80, 128, 64), (208, 256, 32)):
+    packed, sz = ck._probe_int4(n, k, g, seed=3)
+    want = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), packed, g, sz)
+    got = ck.int4_dequantize(packed, sz, n, k, g, torch.bfloat16)
+    assert torch.equal(got, want), (layout, n, (got.float() - want.float()).abs().max())
+    wide = ck.int4_dequantize(packed, sz, n, k, g, torch.float32)
+    assert wide.dtype == torch.float32 and torch.equal(wide.bfloat16(), want)
+print(layout)
+"""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = {"avx2": "('lanes', 32)", "default": "('pairs', 32)"}.get(capability)
+    assert want is None or out.stdout.strip().endswith(want)
+
+
+def test_an_int4_product_past_the_kernel_rows_decodes_the_weight_once(monkeypatch):
+    """Rows past the measured ones go through the decoded weight, in chunks, with a tail: within bf16 rounding of the
+    kernel's product and of the float32 product on the decoded weight; float32 activations stay float32 there. A
+    model's int4 layers take this route, and a re-quantized layer is read live."""
+    from qgrpo.rollout import cpu_kernels as ck
+    from qgrpo.rollout.quant import requantize_in_place
+
+    monkeypatch.setattr(ck, "INT4_CHUNK", 64)  # two whole-block chunks and a tail of 16 at 208 rows
+    packed, sz = ck._probe_int4(208, 256, 32, seed=4)
+    exact = ck.int4_dequantize(packed, sz, 208, 256, 32, torch.float32)
+    x = torch.randn(2, 5, 256, dtype=torch.bfloat16)
+    for rows, dtype in ((4, torch.bfloat16), (4, torch.float32), (0, torch.float32)):
+        monkeypatch.setattr(ck, "_ROWS", {("int4", 208, 256, 32, dtype): rows})
+        y = ck.int4_product(x.to(dtype), packed, sz, 208, 32)
+        want = x.float() @ exact
+        assert y.shape == (2, 5, 208) and y.dtype == dtype and torch.isfinite(y).all()
+        assert ((y.float() - want).abs().max() / want.abs().max()) < 0.01
+        kernel = ck.int4_kernel(x.reshape(10, 256), packed, sz, 32).reshape(2, 5, 208).float()
+        assert ((y.float() - kernel).abs().max() / kernel.abs().max()) < 0.01
+    assert ck.int4_product(x[:1, :4], packed, sz, 208, 32, bias=torch.ones(208)).shape == (1, 4, 208)
+
+    lin = torch.nn.Sequential(torch.nn.Linear(256, 208, bias=False)).bfloat16()
+    quantize_model(lin, "int4", 32)
+    assert "forward" in vars(lin[0])
+    monkeypatch.setattr(ck, "_ROWS", {("int4", 208, 256, 32, torch.bfloat16): 4})
+    new = torch.randn(208, 256, dtype=torch.bfloat16) * 0.1
+    requantize_in_place(lin, {"0": new})
+    want = x.float() @ new.float().T
+    assert ((lin(x).float() - want).abs().max() / want.abs().max()) < 0.1  # int4's own error, the new weight's
+
+
+def test_cpu_int4_rows_climb_while_the_kernel_wins(monkeypatch, tmp_path):
+    import time
+
+    from qgrpo.rollout import cpu_kernels as ck
+
+    monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
+    monkeypatch.setattr(ck, "_ROWS", {})
+    rows = ck.cpu_int4_rows(128, 256, 64, torch.bfloat16)
+    assert rows in (0, *ck.INT4_ROW_STEPS)
+    (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
+    assert recorded == {"int4:128x256:g64:bfloat16": rows}
+
+    def slow_past_eight(x, q, sz, g):  # free to 8 rows, then 2 ms a row
+        if x.shape[0] > 8:
+            time.sleep(0.002 * (x.shape[0] - 8))
+        return x[:, :1] * 0
+    monkeypatch.setattr(ck, "int4_kernel", slow_past_eight)
+    assert ck._measure_int4_rows(128, 256, 64, torch.bfloat16) == 8
+    monkeypatch.setattr(ck, "_LAYOUT", [None])  # a torch whose packing we cannot decode: the kernel at every row
+    assert ck.cpu_int4_rows(128, 256, 64, torch.float32) == ck.INT4_ROW_STEPS[-1]
 
 
 # --- fp8 (Fp8Linear, torch._scaled_mm): numerics on CPU -------------------------------------------------------------

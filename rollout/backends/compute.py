@@ -5,8 +5,10 @@ AVX512-BF16 or AMX), the torch generator and the reference compute in float32 on
 holds exactly, so the weights served are the ones received; quantized weights (torchao tensor subclasses, bitsandbytes
 Params4bit) keep their codes and scales, and their layers take float32 activations:
 - int8: torch's int8 kernel and torchao's arithmetic take float32 inputs as they are (rollout/quant.py);
-- int4 (CPU): torch's int4 kernel multiplies in the dtype of its bf16 scales, so the layer's input is cast to bf16 and
-  its output back (the int4 product itself is unchanged);
+- int4 (CPU): torch's int4 kernel multiplies in the dtype of its bf16 scales, so a decode step's rows enter it as bf16
+  and leave as float32, while more rows are multiplied by the weight decoded into float32 (rollout/cpu_kernels.py:
+  int4_product); a layer torchao's linear still runs (no known packing) gets its input cast to bf16 and its output
+  back;
 - nf4: bitsandbytes computes in the dtype its layer is told (`compute_dtype`).
 A quantized model is quantized first, from its bf16 weights, as everywhere: the codes are those of a bf16 generator.
 """
@@ -38,7 +40,8 @@ def compute_in(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         w = getattr(module, "weight", None)
         if type(module).__name__ == "Linear4bit":
             module.compute_dtype = dtype
-        elif isinstance(module, nn.Linear) and type(w).__name__ == "Int4OpaqueTensor" and dtype != torch.bfloat16:
+        elif isinstance(module, nn.Linear) and type(w).__name__ == "Int4OpaqueTensor" and dtype != torch.bfloat16 \
+                and "forward" not in vars(module):  # quant.py's int4 forward takes float32 itself
             module.forward = _int4_in_bf16.__get__(module)
     model.config.dtype = dtype
     return model

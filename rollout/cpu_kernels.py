@@ -1,0 +1,250 @@
+"""Which route a CPU int8 or int4 product takes, measured per weight shape on this machine, and the int4 dequantizer.
+
+torch's CPU kernels for weight-only int8 and int4 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) read
+the quantized weight inside the kernel, which pays at a decode step's few rows, but they decode the weight again for
+every block of 4 rows: their time grows with the rows. A product of many rows (a prefill) is faster as one plain
+product on the weight decoded once into the activations' dtype. On a 2-core Xeon with AMX, [8960, 1536]
+(bench/gpu_matmuls.py --device cpu, docs/performance.md):
+
+- int8: 0.75 ms through the kernel against 1.31 ms in bf16 at 1 row, but 1.98 against 1.19 at 8 rows;
+- int4: 15.9 ms through the kernel at 64 rows, 232 ms at 1,024 against 31 ms decoded once (about 11 ms) then one bf16
+  product.
+
+So the rows up to which each kernel wins are measured, for each weight shape and activation dtype, at the first
+product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8, up to about a second for a large int4
+shape). The routes round differently, so a measure is kept in a file of the cache (``ROUTES_FILE``, under a key of
+the CPU model, thread count and torch version) that every later process on the machine reads: a run resumed, or its
+actor replaced, samples through the same routes as before. The first record of a shape holds.
+
+The int4 dequantizer (``int4_dequantize``) unpacks torch's CPU packing, whose layout depends on the kernel's vector
+width (the comment above ``weight_to_int4pack_kernel`` in aten/src/ATen/native/cpu/int4mm_kernel.cpp): blocks of
+64 (AVX-512) or 32 (AVX2, the default) output rows, each stored as [K, block / 2] bytes; in a full block the low
+nibbles hold the first half of the block's rows and the high nibbles the second half ("lanes"), except in torch's
+scalar build, where and in a block's tail, a byte holds two neighbouring rows ("pairs"). Which layout this process's
+torch packs is found once, by unpacking a probe weight and comparing with the kernel's own product on the identity
+(``int4_layout``); if none matches, every int4 product stays on the kernel.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+ROUTES_FILE = "cpu_int8_rows.json"  # under the cache root (core/storage.py: cache_root), by machine key
+ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the int8 routes are compared
+INT4_ROW_STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the int4 routes
+INT8_KERNEL_MAX_ROWS = 64  # never more rows through the int8 kernel, whatever is measured
+_ROWS: dict[tuple, int] = {}  # (format, N, K, group, activation dtype) -> the most rows through the kernel here
+_LAYOUTS = (("lanes", 64), ("lanes", 32), ("pairs", 32), ("pairs", 64))
+_LAYOUT: list = []  # [the layout found] once looked for; [None]: none matched
+INT4_CHUNK = 4096  # output rows decoded at a time: a [K, 4096] slice of the weight, not the whole (a head is large)
+
+
+def cpu_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
+    """The most rows (of ROW_STEPS, up to INT8_KERNEL_MAX_ROWS; 0: none) for which `_weight_int8pack_mm` beat
+    torchao's arithmetic (cast, product in `dtype`, scale) on a random int8 weight [n, k] on this CPU, in this
+    process's threads: what this machine's routes file holds for it, else measured now (about 1-60 ms) and added."""
+    return _kernel_rows(("int8", n, k, None, dtype), f"{n}x{k}:{_name(dtype)}", lambda: _measure_int8_rows(n, k, dtype))
+
+
+def cpu_int4_rows(n: int, k: int, group: int, dtype: torch.dtype) -> int:
+    """The most rows (of INT4_ROW_STEPS) for which `_weight_int4pack_mm_for_cpu` beat decoding the int4 weight [n, k]
+    (group `group`) once into `dtype` and one plain product, on this CPU in this process's threads; the largest step
+    when the kernel won at every step, or when no dequantizer layout matched this torch (the kernel then takes every
+    product: see `int4_product`). Recorded and read as `cpu_int8_rows`'."""
+    if int4_layout() is None:
+        return INT4_ROW_STEPS[-1]
+    return _kernel_rows(("int4", n, k, group, dtype), f"int4:{n}x{k}:g{group}:{_name(dtype)}",
+                        lambda: _measure_int4_rows(n, k, group, dtype))
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _kernel_rows(key: tuple, name: str, measure) -> int:
+    if key not in _ROWS:
+        recorded = _routes_record()
+        if name not in recorded:
+            measured = measure()
+            recorded = _routes_record()  # another process may have recorded it meanwhile: the first record holds
+            if name not in recorded:
+                recorded[name] = measured
+                _routes_record(recorded)
+        _ROWS[key] = int(recorded[name])
+    return _ROWS[key]
+
+
+def _routes_record(update: dict | None = None) -> dict:
+    """This machine's measured routes ({"NxK:dtype": rows, "int4:NxK:gG:dtype": rows}) from the cache's routes file,
+    under a key of the CPU model, torch's thread count and torch's version; with `update`, written back first
+    (atomically; a file that cannot be read or written leaves the measure to this process)."""
+    import json
+    import os
+
+    from qgrpo.core.cpu import isa
+    from qgrpo.core.storage import cache_root
+
+    path = cache_root() / ROUTES_FILE
+    machine = f"{isa().name or 'cpu'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}
+    if update is not None:
+        data[machine] = {**data.get(machine, {}), **update}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            tmp.replace(path)
+        except OSError:
+            pass
+    return dict(data.get(machine, {}))
+
+
+def _seconds(fn) -> float:
+    """Median of 3 calls, after one."""
+    fn()
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[1]
+
+
+def _climb(steps, k: int, dtype: torch.dtype, kernel, other) -> int:
+    """Rows up `steps` while `kernel(x)` is at most as slow as `other(x)`; the last such rows. The kernel's cost per
+    row only grows, so the first loss ends the climb."""
+    g = torch.Generator().manual_seed(0)
+    best = 0
+    with torch.no_grad():
+        for rows in steps:
+            x = torch.randn(rows, k, generator=g).to(dtype)
+            if _seconds(lambda x=x: kernel(x)) > _seconds(lambda x=x: other(x)):
+                break
+            best = rows
+    return best
+
+
+def _measure_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) / 127
+    return _climb([r for r in ROW_STEPS if r <= INT8_KERNEL_MAX_ROWS], k, dtype, lambda x: int8_kernel(x, q, scale),
+                  lambda x: torch.nn.functional.linear(x, q.to(x.dtype)) * scale.to(x.dtype))
+
+
+def int8_kernel(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [rows, K] through `_weight_int8pack_mm`, in x's dtype out. float32 activations (model.compute_dtype) enter
+    the kernel as bf16, as on every machine: its float32 path ran 13x slower than its bf16 one on an AVX2 CPU, and
+    rounding to bf16 is far inside int8's own error."""
+    return torch._weight_int8pack_mm(x.to(torch.bfloat16), qdata, scale.to(torch.bfloat16)).to(x.dtype)
+
+
+# --- int4 -----------------------------------------------------------------------------------------------------------
+
+def _probe_int4(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU packing of random int4 codes [n, k] and random (scale, zero) pairs [k / group, n, 2] in bf16."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32, generator=g)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    sz = torch.stack([torch.rand(k // group, n, generator=g) + 0.5, torch.randn(k // group, n, generator=g)], -1)
+    return packed, sz.to(torch.bfloat16)
+
+
+def int4_layout() -> tuple[str, int] | None:
+    """The packing this process's torch uses, (kind, block), found once by unpacking a probe (80 rows: full blocks
+    and a tail of 16 at either block width) and comparing with the kernel's product on the identity; None if no known
+    layout matches."""
+    if not _LAYOUT:
+        found = None
+        try:
+            packed, sz = _probe_int4(80, 128, 64)
+            eye = torch.eye(128, dtype=torch.bfloat16)
+            want = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 64, sz)  # [K, N]: the decoded weight
+            for layout in _LAYOUTS:
+                got = _decode(packed, sz, 80, 128, 64, torch.bfloat16, layout)
+                if (got.float() - want.float()).abs().max() <= 0.01 * want.float().abs().max():
+                    found = layout
+                    break
+        except (RuntimeError, ValueError):  # a build without the CPU int4 kernel
+            found = None
+        _LAYOUT.append(found)
+    return _LAYOUT[0]
+
+
+def int4_dequantize(qdata: torch.Tensor, scale_and_zero: torch.Tensor, n: int, k: int, group: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """The int4 weight packed for `_weight_int4pack_mm_for_cpu` (uint8 [n, k / 2], (scale, zero) pairs
+    [k / group, n, 2]) decoded into `dtype`, transposed: [k, n], each value (code - 8) * scale + zero computed in
+    float32 as the kernel computes it, then rounded once."""
+    layout = int4_layout()
+    if layout is None:
+        raise RuntimeError("int4_dequantize: this torch packs int4 in a layout we do not know (see int4_layout)")
+    return _decode(qdata, scale_and_zero, n, k, group, dtype, layout)
+
+
+def _decode(qdata, sz, n, k, group, dtype, layout) -> torch.Tensor:
+    return torch.cat([_dequantize(qdata, sz, k, group, dtype, layout, a, b) for a, b in _spans(n, layout[1])], 1)
+
+
+def _spans(n: int, block: int) -> list[tuple[int, int]]:
+    """[a, b) column spans decoded at a time: INT4_CHUNK rows of whole blocks, then the tail (under a block)."""
+    full = n // block * block
+    chunk = max(block, INT4_CHUNK // block * block)
+    return [(a, min(a + chunk, full)) for a in range(0, full, chunk)] + ([(full, n)] if full < n else [])
+
+
+def _dequantize(qdata, sz, k, group, dtype, layout, a: int, b: int) -> torch.Tensor:
+    """Rows [a, b) of the weight decoded, [k, b - a]: whole blocks, or the tail after the last whole block."""
+    kind, block = layout
+    cols = b - a
+    if cols % block == 0:  # whole blocks, each [K, block / 2] bytes
+        raw = qdata[a:b].reshape(cols // block, k, block // 2)
+        if kind == "lanes":  # low nibbles: the block's first half of rows, high: the second
+            codes = torch.cat([raw & 15, raw >> 4], -1)
+        else:  # a byte holds two neighbouring rows
+            codes = torch.stack([raw & 15, raw >> 4], -1).reshape(cols // block, k, block)
+        codes = codes.transpose(0, 1).reshape(k, cols)
+    else:  # the tail: [K, cols / 2] bytes, two neighbouring rows in a byte
+        raw = qdata[a:b].reshape(k, cols // 2)
+        codes = torch.stack([raw & 15, raw >> 4], -1).reshape(k, cols)
+    s = sz[:, a:b, 0].float().unsqueeze(1)  # [K / group, 1, cols]
+    z = sz[:, a:b, 1].float().unsqueeze(1)
+    w = codes.view(k // group, group, cols).float().sub_(8).mul_(s).add_(z)
+    return w.view(k, cols).to(dtype)
+
+
+def int4_product(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, n: int, group: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] times the CPU-packed int4 weight [n, K] (+ bias), in x's dtype: through `int4_kernel` up to the rows
+    measured faster there (`cpu_int4_rows`), else the weight decoded INT4_CHUNK rows at a time into x's dtype (float32
+    where the model computes in float32: no bf16 product emulated), each slice one plain product."""
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    rows = x2.shape[0]
+    if int4_layout() is None or rows <= cpu_int4_rows(n, k, group, x.dtype):
+        y = int4_kernel(x2, qdata, scale_and_zero, group)[:, :n]
+    else:
+        layout = int4_layout()
+        y = torch.empty(rows, n, dtype=x.dtype)
+        for a, b in _spans(n, layout[1]):
+            y[:, a:b] = x2 @ _dequantize(qdata, scale_and_zero, k, group, x.dtype, layout, a, b)
+    y = y.reshape(*x.shape[:-1], n)
+    return y if bias is None else y + bias
+
+
+def _measure_int4_rows(n: int, k: int, group: int, dtype: torch.dtype) -> int:
+    packed, sz = _probe_int4(n, k, group)
+    return _climb(INT4_ROW_STEPS, k, dtype, lambda x: int4_kernel(x, packed, sz, group),
+                  lambda x: x @ int4_dequantize(packed, sz, n, k, group, x.dtype))
+
+
+def int4_kernel(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
+    """x [rows, K] through `_weight_int4pack_mm_for_cpu`, in x's dtype out. The kernel multiplies in the dtype of its
+    (bf16) scales, so float32 activations (model.compute_dtype) enter it as bf16."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(scale_and_zero.dtype).contiguous(), qdata, group,
+                                                      scale_and_zero).to(x.dtype)
