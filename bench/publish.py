@@ -363,13 +363,20 @@ def gpu_speed(d: dict) -> list[str]:
     return out
 
 
-def model_ladder(d: dict) -> list[str]:
-    """bench/model_ladder.py: the torch generator per model size and precision against its bounds."""
-    done = [r for r in d["rows"] if r.get("decode_tokens_per_s")]
+def _ladder_cells(d: dict, measured: str) -> tuple[list, list, dict]:
+    """bench/model_ladder.py's rows that measured `measured`, the precisions beside bf16 among them, and those rows by
+    (model, context, rows), then precision."""
+    done = [r for r in d["rows"] if r.get(measured)]
     precisions = list(dict.fromkeys(r["precision"] for r in done if r["precision"] != "bf16"))
     keyed: dict[tuple, dict] = {}
     for r in done:
         keyed.setdefault((r["model"], r["context"], r["rows"]), {})[r["precision"]] = r
+    return done, precisions, keyed
+
+
+def model_ladder(d: dict) -> list[str]:
+    """bench/model_ladder.py: the torch generator per model size and precision against its bounds."""
+    done, precisions, keyed = _ladder_cells(d, "decode_tokens_per_s")
     rows = []
     for (model, ctx, nrows), by in keyed.items():
         b = by.get("bf16")
@@ -397,6 +404,30 @@ def model_ladder(d: dict) -> list[str]:
                   "context and rows, and (in brackets) its share of its own bound. " + d.get("note", "")
                   + (f" {len(skipped)} variants or rows did not fit the run's budget." if skipped else "")), "",
             *table(["model", "ctx", "rows", "GiB", "bf16 decode tok/s", "bf16 of bound", *precisions], rows)]
+
+
+def model_ladder_prefill(d: dict) -> list[str]:
+    """bench/model_ladder.py: the prompts' forward (prefill) per model size and precision, beside the decode."""
+    _, precisions, keyed = _ladder_cells(d, "prefill_tokens_per_s")
+
+    def cell(r: dict, b: dict | None) -> str:
+        ratio = b and r["prefill_tokens_per_s"] / b["prefill_tokens_per_s"]
+        return f"{f(r['prefill_tokens_per_s'], 0)} ({f(ratio)}x); {f(r['seconds'], 1)} s"
+    rows = []
+    for (model, ctx, nrows), by in keyed.items():
+        b = by.get("bf16")
+        prompts = max(1, nrows // 8)
+        rows.append([model, ctx, nrows, prompts * ctx,
+                     b and f"{f(b['prefill_tokens_per_s'], 0)}; {f(b['seconds'], 1)} s",
+                     *[cell(by[p], b) if p in by else None for p in precisions]])
+    return [*wrap(f"Each model built from its published config with random bf16 weights, served by the torch generator "
+                  f"as a run serves it; prompts of exactly `ctx` tokens (rows / 8 prompts of 8 completions, one below "
+                  f"8 rows), {d['args']['new_tokens']} new tokens every row, median of {d['args']['repeats']}. "
+                  "\"prompt tokens\": the tokens of one prefill (the prompts' forward, timed alone); each cell: "
+                  "prefill tokens/s (in brackets: over bf16's), then the whole generate's seconds (prefill and "
+                  "decode). "
+                  + d.get("note", "")), "",
+            *table(["model", "ctx", "rows", "prompt tokens", "bf16", *precisions], rows)]
 
 
 def generator_memory(d: dict) -> list[str]:
@@ -780,6 +811,26 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "every product of up to 64 rows through torch's int8 kernel, the rule before the generator measured up to "
          "how many rows that kernel beats its cast-and-bf16-product route (`int8`, the generator now); `+head` "
          "quantizes the head tied to the embedding as well (`[rollout.torch] quantize_head`).", model_ladder),
+        ("model_ladder_cpu_int4_prefill", "int4's prefill through the weight decoded once on a 2-core CPU",
+         "Qwen2.5-0.5B's and Llama-3.2-1B's shapes on the same kind of CPU, 256-token prompts: `int4/kernel` sends "
+         "every int4 product through torch's CPU int4 kernel (the rule before), `int4` past the kernel's measured "
+         "rows through the weight decoded 512 output rows at a time into bf16 and one product per slice "
+         "(rollout/cpu_kernels.py, the generator now).", model_ladder_prefill),
+        ("model_ladder_cpu_matrix", "Four sizes at 1 to 64 rows on a 2-core CPU",
+         "SmolLM2-135M's, Qwen2.5-0.5B's, Llama-3.2-1B's and Qwen2.5-1.5B's shapes (random weights) on the same kind "
+         "of CPU at 1, 8, 16 and 64 rows with 256-token prompts, 32 new tokens: bf16, int8 and int4 as the generator "
+         "serves them (the kernels' rows measured per shape, int4's prefill through the decoded weight). Cells at "
+         "about 100% of the memory bound read the weights as fast as the bench's own read of a buffer (a sum, 12 GB/s "
+         "here).", model_ladder),
+        ("model_ladder_cpu_ctx1024", "1,024-token prompts on a 2-core CPU",
+         "Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes on the same kind of CPU, one 1,024-token prompt with 8 "
+         "completions, 32 new tokens: bf16, int8 and int4.", model_ladder),
+        ("model_ladder_cpu_avx2", "The ladder on the same CPU limited to AVX2",
+         "Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes on the same 2-core Xeon with torch's and oneDNN's kernels capped "
+         "at AVX2 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`), as an AVX2-only CPU (a Zen 2 or Zen 3 "
+         "EPYC, say) runs them: `model.compute_dtype = \"auto\"` then computes in fp32, so the unquantized "
+         "generator reads 4 bytes a weight. The memory system is still the Xeon's. 256-token prompts, 32 new "
+         "tokens, 1, 8 and 64 rows.", model_ladder),
         ("gpu_matmuls_cpu", "The int8 and int4 products alone on a 2-core CPU",
          "Qwen2.5-1.5B's gate/up and down products alone at 1 to 64 rows on the same kind of CPU: bf16, torch's int8 "
          "kernel on every row count (`int8/aten`), the generator's int8 product (the kernel up to the rows it was "

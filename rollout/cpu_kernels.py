@@ -3,26 +3,26 @@
 torch's CPU kernels for weight-only int8 and int4 (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``) read
 the quantized weight inside the kernel, which pays at a decode step's few rows, but they decode the weight again for
 every block of 4 rows: their time grows with the rows. A product of many rows (a prefill) is faster as one plain
-product on the weight decoded once into the activations' dtype. On a 2-core Xeon with AMX, [8960, 1536]
-(bench/gpu_matmuls.py --device cpu, docs/performance.md):
+product on the weight decoded once into the activations' dtype. On a 2-core Xeon with AMX:
 
-- int8: 0.75 ms through the kernel against 1.31 ms in bf16 at 1 row, but 1.98 against 1.19 at 8 rows;
-- int4: 15.9 ms through the kernel at 64 rows, 232 ms at 1,024 against 31 ms decoded once (about 11 ms) then one bf16
-  product.
+- int8, [8960, 1536] alone: 0.75 ms through the kernel against 1.31 ms in bf16 at 1 row, but 1.98 against 1.19 at 8
+  rows (bench/gpu_matmuls.py --device cpu);
+- int4, Qwen2.5-0.5B's shape: a 2,048-token prefill at 146 tokens/s with every product through the kernel, 612 with
+  the weight decoded past the kernel's rows (bf16: 714; bench/model_ladder.py).
 
 So the rows up to which each kernel wins are measured, for each weight shape and activation dtype, at the first
-product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8, up to about a second for a large int4
-shape). The routes round differently, so a measure is kept in a file of the cache (``ROUTES_FILE``, under a key of
-the CPU model, thread count and torch version) that every later process on the machine reads: a run resumed, or its
-actor replaced, samples through the same routes as before. The first record of a shape holds.
+product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8, 2-4 s for an int4 [8960, 1536] on
+2 cores). The routes round differently, so a measure is kept in a file of the cache (``ROUTES_FILE``, under a key of
+the CPU model, kernel capability, thread count and torch version) that every later process on the machine reads: a
+run resumed, or its actor replaced, samples through the same routes as before. The first record of a shape holds.
 
 The int4 dequantizer (``int4_dequantize``) unpacks torch's CPU packing, whose layout depends on the kernel's vector
 width (the comment above ``weight_to_int4pack_kernel`` in aten/src/ATen/native/cpu/int4mm_kernel.cpp): blocks of
-64 (AVX-512) or 32 (AVX2, the default) output rows, each stored as [K, block / 2] bytes; in a full block the low
-nibbles hold the first half of the block's rows and the high nibbles the second half ("lanes"), except in torch's
-scalar build, where and in a block's tail, a byte holds two neighbouring rows ("pairs"). Which layout this process's
-torch packs is found once, by unpacking a probe weight and comparing with the kernel's own product on the identity
-(``int4_layout``); if none matches, every int4 product stays on the kernel.
+64 (AVX-512) or 32 (AVX2, the scalar build) output rows, each stored as [K, block / 2] bytes. In a whole block on
+AVX-512 and AVX2 the low nibbles hold the block's first half of rows and the high nibbles its second half ("lanes");
+in the scalar build, and in the tail after the last whole block, a byte holds two neighbouring rows ("pairs"). Which
+layout this process's torch packs is found once, by unpacking a probe weight and comparing with the kernel's own
+product on the identity (``int4_layout``); if none matches, every int4 product stays on the kernel.
 """
 
 from __future__ import annotations
@@ -80,7 +80,8 @@ def _kernel_rows(key: tuple, name: str, measure) -> int:
 
 def _routes_record(update: dict | None = None) -> dict:
     """This machine's measured routes ({"NxK:dtype": rows, "int4:NxK:gG:dtype": rows}) from the cache's routes file,
-    under a key of the CPU model, torch's thread count and torch's version; with `update`, written back first
+    under a key of the CPU model, the kernels' capability (AVX-512, or AVX2 where ATEN_CPU_CAPABILITY caps it: other
+    kernels, other crossovers), torch's thread count and torch's version; with `update`, written back first
     (atomically; a file that cannot be read or written leaves the measure to this process)."""
     import json
     import os
@@ -89,7 +90,8 @@ def _routes_record(update: dict | None = None) -> dict:
     from qgrpo.core.storage import cache_root
 
     path = cache_root() / ROUTES_FILE
-    machine = f"{isa().name or 'cpu'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    cpu = isa()
+    machine = f"{cpu.name or 'cpu'} | {cpu.capability} | {torch.get_num_threads()} threads | torch {torch.__version__}"
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):

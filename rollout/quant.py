@@ -12,8 +12,10 @@ exactly that):
   kernel ``_weight_int8pack_mm`` instead (no bf16 copy of the weight per call; ``INT8_LINEAR``).
 - int4, cpu (``torchao.int4_opaque_cpu``): torchao ``PrototypeInt4WeightOnlyConfig(group_size)`` ->
   ``Int4OpaqueTensor``: asymmetric int4, two nibbles per byte in uint8 ``qdata`` [N, K/2] plus bf16 (scale, zero)
-  pairs [K/group, N, 2] (~4.5 bits/weight at group 64); matmul by torch's own CPU kernel
-  ``aten._weight_int4pack_mm_for_cpu``. Its packer asserts a CPU tensor. Rejected on CPU, measured:
+  pairs [K/group, N, 2] (~4.5 bits/weight at group 64); a decode step's rows multiplied by torch's own CPU kernel
+  ``aten._weight_int4pack_mm_for_cpu``, more rows (a prefill) by the weight decoded once per call into the
+  activations' dtype (rollout/cpu_kernels.py; where the routes cross is measured per shape). Its packer asserts a CPU
+  tensor. Rejected on CPU, measured:
   ``Int4WeightOnlyConfig`` PLAIN / PRESHUFFLED ("Requires mslk"), PLAIN_INT32 ("does not support device cpu"),
   TILE_PACKED_TO_4D (needs CUDA); ``IntxWeightOnlyConfig(int4, PerGroup(64))`` runs but keeps each int4 value
   unpacked in an int8 byte (~8.5 bits/weight) and was less accurate (symmetric).

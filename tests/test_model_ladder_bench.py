@@ -95,3 +95,18 @@ def test_a_tied_head_quantized_is_its_own_variant(tmp_path):
     assert 0.4 * 512 * 64 * 2 < saved < 0.6 * 512 * 64 * 2
     assert rows["int8+head"]["total_bytes"] > rows["int8"]["total_bytes"]  # the embedding stays bf16 beside it
     assert "vs_bf16" in rows["int8+head"]
+
+
+def test_the_former_int4_route_is_its_own_variant_and_the_rule_comes_back(tmp_path, monkeypatch):
+    from qgrpo.rollout import cpu_kernels
+
+    seen = []
+    real = cpu_kernels.int4_kernel
+    monkeypatch.setattr(cpu_kernels, "int4_kernel", lambda x, *a: seen.append(x.shape[0]) or real(x, *a))
+    rule = cpu_kernels.cpu_int4_rows
+    res = model_ladder.main(["--device", "cpu", "--models", "tiny-llama", "--precisions", "int4/kernel",
+                             "--rows", "1", "--contexts", "600", "--new-tokens", "2", "--repeats", "1",
+                             "--out", str(tmp_path / "ladder.json")])
+    assert all("error" not in r and r["prefill_tokens_per_s"] > 0 for r in res["rows"]), res["rows"]
+    assert 600 in seen  # the 600-token prompt's forward went through the kernel, past any measured rows
+    assert cpu_kernels.cpu_int4_rows is rule

@@ -204,6 +204,7 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
 def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wins(monkeypatch, tmp_path):
     import time
 
+    from qgrpo.core.cpu import isa
     from qgrpo.rollout import cpu_kernels as ck
 
     monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
@@ -212,6 +213,7 @@ def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wi
     assert rows in (0, *ck.ROW_STEPS) and ck._ROWS == {("int8", 256, 128, None, torch.bfloat16): rows}
     (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
     assert recorded == {"256x128:bfloat16": rows} and f"{torch.get_num_threads()} threads" in machine
+    assert f"| {isa().capability} |" in machine  # other kernels (ATEN_CPU_CAPABILITY), other crossovers
     monkeypatch.setattr(ck, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
     assert ck.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept in this process
     monkeypatch.setattr(ck, "_ROWS", {})  # a later process on this machine reads the file
