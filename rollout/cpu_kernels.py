@@ -233,18 +233,25 @@ def int4_product(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Ten
     if int4_layout() is None or rows <= cpu_int4_rows(n, k, group, x.dtype):
         y = int4_kernel(x2, qdata, scale_and_zero, group)[:, :n]
     else:
-        layout = int4_layout()
-        y = torch.empty(rows, n, dtype=x.dtype)
-        for a, b in _spans(n, layout[1]):
-            y[:, a:b] = x2 @ _dequantize(qdata, scale_and_zero, k, group, x.dtype, layout, a, b)
+        y = _decoded_product(x2, qdata, scale_and_zero, n, group)
     y = y.reshape(*x.shape[:-1], n)
     return y if bias is None else y + bias
 
 
+def _decoded_product(x2: torch.Tensor, qdata: torch.Tensor, sz: torch.Tensor, n: int, group: int) -> torch.Tensor:
+    """x2 [rows, K] times the int4 weight decoded INT4_CHUNK output rows at a time into x2's dtype."""
+    layout = int4_layout()
+    y = torch.empty(x2.shape[0], n, dtype=x2.dtype)
+    for a, b in _spans(n, layout[1]):
+        y[:, a:b] = x2 @ _dequantize(qdata, sz, x2.shape[1], group, x2.dtype, layout, a, b)
+    return y
+
+
 def _measure_int4_rows(n: int, k: int, group: int, dtype: torch.dtype) -> int:
+    """The climb against the route a product past the kernel's rows takes (`_decoded_product`)."""
     packed, sz = _probe_int4(n, k, group)
     return _climb(INT4_ROW_STEPS, k, dtype, lambda x: int4_kernel(x, packed, sz, group),
-                  lambda x: x @ int4_dequantize(packed, sz, n, k, group, x.dtype))
+                  lambda x: _decoded_product(x, packed, sz, n, group))
 
 
 def int4_kernel(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
