@@ -90,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
                    "other machines")
     v.add_argument("--model-name", default=None, help="the model name served (default: environment.served_model, "
                    "qgrpo-policy)")
+    v.add_argument("--api-key", default=None, help="the key every call must send (Authorization: Bearer KEY; a "
+                   "client's api_key); default: $QGRPO_API_KEY, else none on loopback and one generated and printed "
+                   "when --host serves other machines")
+    v.add_argument("--max-body-mb", type=float, default=None, help="the largest request body in MiB (default 8)")
+    v.add_argument("--max-session-calls", type=int, default=None, help="calls one session may make (default 1000; "
+                   "0: no bound)")
+    v.add_argument("--session-idle-s", type=float, default=None, help="a session with no call for this long is "
+                   "closed (default 600; 0: never)")
     v.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
     g = sub.add_parser("merge", help="write a LoRA/QLoRA checkpoint's merged model (base + adapters) as an HF folder")
     g.add_argument("checkpoint", help="runs/NAME/checkpoints/step_N of a run with learner.mode = lora or qlora")

@@ -1,6 +1,6 @@
-"""`qgrpo serve CONFIG|CHECKPOINT [--port N] [--host H] [--model-name NAME] [--set key=value ...]`: the run's
-OpenAI-compatible endpoint (rollout/endpoint/, actors/endpoint_actor.py) over rollout actors of a base model or a
-checkpoint, without training.
+"""`qgrpo serve CONFIG|CHECKPOINT [--port N] [--host H] [--model-name NAME] [--api-key KEY] [--max-body-mb MB]
+[--max-session-calls N] [--session-idle-s S] [--set key=value ...]`: the run's OpenAI-compatible endpoint
+(rollout/endpoint/, actors/endpoint_actor.py) over rollout actors of a base model or a checkpoint, without training.
 
 - a TOML config serves its model.path, with its rollout backend, precision and num_actors, and its rollout sampling
   (temperature, top_p, top_k; max_new_tokens per call) as what a call leaves out;
@@ -10,16 +10,21 @@ checkpoint, without training.
 
 A local Ray of its own (RAY_ADDRESS is not joined) holds `rollout.num_actors` rollout actors, built as a run builds
 them (cluster/run/workers.py: RolloutPool), and the EndpointActor over them, which serves any session id
-(open_sessions). Nothing is written into the user's folders. It serves until Ctrl-C or SIGTERM, then stops Ray and exits
-0 (a second signal exits at once). Bad input (no such file, a config with errors, a port in use) is one `qgrpo serve:`
-message and exit status 2.
+(open_sessions). Access: bound beyond loopback, it asks every call for an API key (`--api-key`, else QGRPO_API_KEY,
+else one generated and printed on stderr); a call naming no session gets one of its client's own; a session's calls
+are bounded (`--max-session-calls`), an idle session is closed (`--session-idle-s`), a body is bounded
+(`--max-body-mb`). Nothing is written into the user's folders. It serves until Ctrl-C or SIGTERM, then stops Ray and
+exits 0 (a second signal exits at once). Bad input (no such file, a config with errors, a port in use) is one
+`qgrpo serve:` message and exit status 2.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import json
 import os
+import secrets
 import shlex
 import sys
 import time
@@ -39,7 +44,57 @@ from qgrpo.cluster.run.stopping import StopRequest
 from qgrpo.core import storage
 
 DEFAULT_PORT = 8000  # when neither --port nor environment.endpoint_port names one
+KEY_ENV = "QGRPO_API_KEY"  # the API key, when --api-key does not give one
+MAX_SESSION_CALLS = 1000  # calls one served session may make (--max-session-calls)
+SESSION_IDLE_S = 600.0  # a served session with no call for this long is closed (--session-idle-s)
+MAX_BODY_MB = 8.0  # the largest request body (--max-body-mb)
 POLL_S = 0.2  # how often the serving loop and the start-up waits look for a stop request
+
+
+@dataclasses.dataclass
+class Access:
+    """Who may call, and how much: the endpoint's api_key (None: none), body, per-session call and idle bounds."""
+
+    api_key: str | None
+    generated: bool  # the key was made here (printed once serving)
+    max_body_bytes: int
+    max_session_calls: int
+    idle_s: float
+
+    def kwargs(self) -> dict:
+        return {"api_key": self.api_key, "max_body_bytes": self.max_body_bytes,
+                "max_session_calls": self.max_session_calls, "idle_s": self.idle_s}
+
+
+def loopback(host: str) -> bool:
+    """`host` reaches this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def access(args, host: str) -> Access:
+    """--api-key, else QGRPO_API_KEY; bound beyond loopback without either: a key made now
+    (secrets.token_urlsafe(32)). Raises Refused on a bound out of range."""
+    key = getattr(args, "api_key", None) or os.environ.get(KEY_ENV) or None
+    generated = key is None and not loopback(host)
+    if generated:
+        key = secrets.token_urlsafe(32)
+    mb = getattr(args, "max_body_mb", None)
+    calls = getattr(args, "max_session_calls", None)
+    idle = getattr(args, "session_idle_s", None)
+    mb, calls, idle = (MAX_BODY_MB if mb is None else mb, MAX_SESSION_CALLS if calls is None else calls,
+                       SESSION_IDLE_S if idle is None else idle)
+    if not mb > 0:
+        raise Refused(f"--max-body-mb {mb:g}: a size in MiB above 0 (default {MAX_BODY_MB:g})")
+    if calls < 0:
+        raise Refused(f"--max-session-calls {calls}: a number of calls, 0 for no bound (default {MAX_SESSION_CALLS})")
+    if idle < 0:
+        raise Refused(f"--session-idle-s {idle:g}: seconds, 0 to keep idle sessions (default {SESSION_IDLE_S:g})")
+    return Access(key, generated, int(mb * 2**20), calls, float(idle))
 
 
 @dataclasses.dataclass
@@ -56,6 +111,7 @@ def serve_command(args) -> int:
         try:
             served = resolve(args, stack)
             host, port = listen_address(args, served.cfg)
+            keys = access(args, host)
         except Refused as e:
             print(f"qgrpo serve: {e}", file=sys.stderr)
             return EXIT_CONFIG
@@ -64,7 +120,7 @@ def serve_command(args) -> int:
             return 0
         stop = _Stop()
         with stop.handling():
-            return _serve(served, host, port, args.model_name or served.cfg.environment.served_model, stop)
+            return _serve(served, host, port, args.model_name or served.cfg.environment.served_model, stop, keys)
 
 
 # ------------------------------------------------------------------ what is served, checked before Ray starts
@@ -162,7 +218,7 @@ def listen_address(args, cfg) -> tuple[str, int]:
 
 # ------------------------------------------------------------------ serving
 
-def _serve(served: Served, host: str, port: int, model: str, stop: _Stop) -> int:
+def _serve(served: Served, host: str, port: int, model: str, stop: _Stop, keys: Access) -> int:
     import ray
 
     from qgrpo.actors.common import END_WAIT_S, end_actors
@@ -174,9 +230,9 @@ def _serve(served: Served, host: str, port: int, model: str, stop: _Stop) -> int
     stop.on_exit = local_ray_killer() if started else None
     held: list = []  # the actors' handles (Ray ends an actor once no handle to it is left), the endpoint last
     try:
-        address = _start(served, host, port, model, stop, held)
+        address = _start(served, host, port, model, stop, held, keys)
         if address is not None:
-            _say_serving(served, model, address)
+            _say_serving(served, model, address, keys)
             while not stop.requested:
                 time.sleep(POLL_S)
         status, line = 0, f"stopped ({stop.name})" + ("" if address is not None else " before serving")
@@ -197,7 +253,7 @@ class _Failed(Exception):
     """The actors or the endpoint did not start."""
 
 
-def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: list) -> str | None:
+def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: list, keys: Access) -> str | None:
     """The rollout actors and the endpoint over them, their handles put in `held`; the endpoint's address
     (http://HOST:PORT), or None when a stop was requested meanwhile."""
     import ray
@@ -226,9 +282,9 @@ def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: 
     if _wait([a.info.remote() for a in pool.actors], stop, cfg.faults.schedule_timeout_s,
              "starting the rollout actors (faults.schedule_timeout_s)") is None:
         return None
-    endpoint = EndpointActor.remote(model, served.model_path, list(pool.actors), host=host, port=port,
+    endpoint = EndpointActor.remote(model, served.model_path, pool.link(), host=host, port=port,
                                     max_tokens=ro.max_new_tokens, chat_template=cfg.task.chat_template,
-                                    open_sessions=True,
+                                    open_sessions=True, **keys.kwargs(),
                                     defaults={"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k})
     held.append(endpoint)
     out = _wait([endpoint.start.remote()], stop, 300, "starting the endpoint")
@@ -259,12 +315,19 @@ def _cause(err: BaseException) -> str:
     return (lines[-1] if lines else type(err).__name__)[:400]
 
 
-def _say_serving(served: Served, model: str, address: str) -> None:
-    """The address, the model name and a call to paste, on stdout (library messages go to stderr)."""
+def _say_serving(served: Served, model: str, address: str, keys: Access) -> None:
+    """The address, the model name and a call to paste, on stdout (library messages go to stderr); a key made here on
+    stderr, with the base URL."""
     cfg = served.cfg
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello"}],
                        "max_tokens": cfg.rollout.max_new_tokens})
-    curl = shlex.join(["curl", f"{address}/v1/chat/completions", "-H", "Content-Type: application/json", "-d", body])
+    auth = ["-H", f"Authorization: Bearer ${KEY_ENV}"] if keys.api_key else []
+    curl = shlex.join(["curl", f"{address}/v1/chat/completions", "-H", "Content-Type: application/json", *auth,
+                       "-d", body])
+    if keys.generated:
+        print(f"qgrpo serve: {address}/v1 is reached beyond this machine, so every call needs this API key "
+              f"(Authorization: Bearer KEY; a client's api_key); pass --api-key or {KEY_ENV} to choose it:\n"
+              f"  {KEY_ENV}={keys.api_key}", file=sys.stderr, flush=True)
     print(f"qgrpo serve: {served.source} ({cfg.rollout.backend} {cfg.rollout.precision}, {cfg.rollout.num_actors} "
           f"rollout actor{'s' * (cfg.rollout.num_actors != 1)})\n"
           f"  base URL: {address}/v1\n"

@@ -17,32 +17,49 @@ sampled token's log-prob from the quantized generator that sampled it (`choices[
 (`choices[].weight_versions`, vLLM's shape: [{"version", "start", "end"}] over output tokens) and a `qgrpo` block:
 precision, session, call id, parent call, branch (the branch's root call) and why the call forked, if it did.
 
-A session is named by its base URL's SID, else the X-Session-ID header, else the API key. Admission (`Admission`):
-while the rollout actors change (a resize, a replacement) a call waits; a new session past `max_sessions` waits for
-room; either answers 429 with Retry-After after `wait_s`.
+Request bodies are checked by one pydantic model per route (protocol.py); a refusal names the field.
+
+Access (`Endpoint(api_key=...)`): with a key, every route but GET /health needs `Authorization: Bearer KEY` (else 401
+invalid_api_key), and a session is named only by its base URL's SID or the X-Session-ID header. Without one (`qgrpo
+serve` on loopback), the bearer key names a session too, as before. A call naming no session gets one of its own
+client's (named from its address and key, salted: not guessable from outside), never a shared one. A body over
+`max_body_bytes` is answered 413 (its Content-Length, and the bytes actually read); a session past
+`max_session_calls` calls 400; served sessions idle past `idle_s` are closed.
+
+Admission (`Admission`): while the rollout actors change (a resize, a replacement) a call waits; a new session past
+`max_sessions` waits for room; either answers 429 with Retry-After after `wait_s`.
 """
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import math
+import secrets
 import time
 
 from qgrpo.rollout.endpoint.chat import (
+    TEMPLATE_PARSER,
     TOOL_PARSER,
     Renderer,
     RequestError,
     assistant_message,
     canonical,
     prompt_of_completion,
+    template_parse,
     token_text,
     tool_schemas,
 )
 from qgrpo.rollout.endpoint.engine import Batcher, Run, Sample
+from qgrpo.rollout.endpoint.protocol import ChatRequest, CompletionRequest, GenerateRequest, Sampling, parse
 from qgrpo.rollout.endpoint.sessions import Call, Session, SessionBook
 from qgrpo.rollout.episodes import EpisodeError
 
 MAX_SERVED_SESSIONS = 10_000  # `qgrpo serve` keeps this many sessions' records (the oldest go first)
+MAX_BODY_BYTES = 8 * 2**20  # a request body past this is refused 413 (`qgrpo serve --max-body-mb`)
+KEY_SOURCE = ("during a run, the agent's client is given the run's key as its API key (client.api_key); `qgrpo "
+              "serve` prints the key it generated when it started, or takes it from --api-key (QGRPO_API_KEY)")
 
 
 class Admission:
@@ -76,7 +93,12 @@ class Endpoint:
     def __init__(self, *, model: str, tokenizer, stop_ids: list[int], run: Run, slots: int, precision: str,
                  max_model_len: int, max_tokens: int, chat_template: bool = True, book: SessionBook | None = None,
                  admission: Admission | None = None, version=lambda: 0, defaults: dict | None = None,
-                 vocab_size: int = 0):
+                 vocab_size: int = 0, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_session_calls: int = 0, idle_s: float = 0.0):
+        """`api_key`: the run's secret every route but GET /health asks for (None: none, loopback only);
+        `max_body_bytes`: the largest request body; `max_session_calls`: calls one session may make (0: no bound;
+        a run's episodes are bounded by their limits, environment.max_turns); `idle_s`: a served session (one a call
+        opened, not the run) with no call for this long is closed, its actor pin freed (0: never)."""
         self.model, self.tokenizer, self.run, self.slots, self.precision = model, tokenizer, run, slots, precision
         self.max_model_len, self.max_tokens = max_model_len, max_tokens
         self.vocab_size = vocab_size or len(tokenizer)  # token ids past it are refused (the model has no such row)
@@ -91,19 +113,53 @@ class Endpoint:
         self.counts = {"calls": 0, "refused": 0, "forks": 0, "tool_calls": 0, "tool_parse_failures": 0,
                        "model_tokens": 0}
         self.load = [0] * slots  # sessions pinned per slot
+        self.api_key, self.max_body_bytes = api_key or None, max_body_bytes
+        self.max_session_calls, self.idle_s = max_session_calls, idle_s
+        self.salt = secrets.token_bytes(16)  # names the sessions of calls that name none
+        self.seen: dict[str, float] = {}  # session -> its last call's time (idle expiry)
+        self.busy: dict[str, int] = {}  # session -> calls in flight (never expired under them)
+        self.swept = 0.0
+        self.tool_parser = TEMPLATE_PARSER if getattr(tokenizer, "response_template", None) else TOOL_PARSER
 
     # --- sessions ---
     def session_id(self, request, path_sid: str | None) -> str:
+        """The per-session path's SID, else the X-Session-ID header; else, without a run key, the bearer key; else a
+        session of the calling client's own."""
         if path_sid:
             return path_sid
         sid = request.headers.get("x-session-id")
         if sid:
             return sid
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        return key or "default"
+        key = bearer(request.headers.get("authorization", ""))
+        if key and not self.api_key:
+            return key
+        return self.client_session(request.client.host if request.client else "", key)
+
+    def client_session(self, host: str, key: str) -> str:
+        """The session of a client that names none: from its address and key, salted by this endpoint's secret."""
+        digest = hmac.new(self.salt, f"{host}\0{key}".encode(), hashlib.sha256).hexdigest()
+        return f"client-{digest[:24]}"
+
+    def authorized(self, header: str) -> bool:
+        """The request's `Authorization` header carries this endpoint's key (always, without a key)."""
+        if not self.api_key:
+            return True
+        return hmac.compare_digest(bearer(header).encode(), self.api_key.encode())
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Close the served sessions idle past `idle_s` (none with a call in flight; none a run opened)."""
+        now = time.monotonic() if now is None else now
+        if not self.idle_s or now - self.swept < min(1.0, self.idle_s / 4):
+            return []
+        self.swept = now
+        gone = [sid for sid, s in list(self.book.sessions.items())
+                if s.step is None and not self.busy.get(sid) and now - self.seen.get(sid, s.opened) > self.idle_s]
+        for sid in gone:
+            self.close(sid)
+        return gone
 
     def session(self, sid: str) -> Session:
+        self.expire()
         s = self.book.get(sid)
         if s is None:
             if not self.book.open_sessions:
@@ -113,6 +169,7 @@ class Endpoint:
             if len(self.book.sessions) >= MAX_SERVED_SESSIONS:
                 self.close(next(iter(self.book.sessions)))
             s = self.open(sid)
+        self.seen[sid] = time.monotonic()
         return s
 
     def open(self, sid: str, step: int | None = None, limits: dict | None = None) -> Session:
@@ -129,6 +186,7 @@ class Endpoint:
         if s is not None and 0 <= s.slot < self.slots:
             self.load[s.slot] -= 1
         self.admission.leave(sid)
+        self.seen.pop(sid, None)
         return s
 
     def repin(self, slots: int) -> None:
@@ -142,8 +200,7 @@ class Endpoint:
             self.batcher = None
 
     # --- sampling one call ---
-    def _check_model(self, body: dict, session: Session, required: bool = True) -> None:
-        name = body.get("model")
+    def _check_model(self, name, session: Session, required: bool = True) -> None:
         if name is None and not required:
             return
         if name != self.model:
@@ -152,60 +209,46 @@ class Endpoint:
             session.errors.append(message)
             raise RequestError(message, "model", 404, "model_not_found")
 
-    def check_ids(self, ids, field: str) -> list[int]:
-        """Token ids given by a client: whole numbers the model's vocabulary has."""
-        if not isinstance(ids, list) or not ids:
-            raise RequestError(f"{field}: a non-empty list of token ids", field)
+    def check_ids(self, ids: list[int], field: str) -> list[int]:
+        """Token ids given by a client (whole numbers, checked by the request's model): ids the model's vocabulary
+        has."""
         for k, t in enumerate(ids):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+            if t >= self.vocab_size:
                 raise RequestError(f"{field}[{k}]: {t!r} is not a token id of this model (0 to "
                                    f"{self.vocab_size - 1})", field)
         return list(ids)
 
-    def sampling(self, body: dict, prompt_len: int, nested: bool = False, field: str = "messages") -> dict:
-        """max_tokens, temperature, top_p, top_k, seed from an OpenAI (or vLLM `sampling_params`) body, checked."""
-        where = "sampling_params." if nested else ""
-        for name in ("n",):
-            if body.get(name, 1) not in (1, None):
-                raise RequestError(f"{where}n: one choice per call is served (make n calls; each is a branch of the "
-                                   "session)", f"{where}n")
-        if body.get("stop") not in (None, [], ""):
-            raise RequestError(f"{where}stop: stop strings are not served; a turn ends at the model's stop tokens "
-                               "or max_tokens", f"{where}stop")
-        tops = body.get("top_logprobs") or 0, (body.get("logprobs") or 0) if nested else 0
-        if any(not isinstance(x, (int, bool)) for x in tops):
-            raise RequestError(f"{where}top_logprobs: a whole number, got {tops[0]!r}", f"{where}top_logprobs")
-        if tops[0] > 0 or tops[1] > 1:
-            raise RequestError(f"{where}top_logprobs: only the sampled token's log-prob is served (it is always "
-                               "returned)", f"{where}top_logprobs")
-        room = self.max_model_len - prompt_len
-        if room <= 0:
+    def sampling(self, req: Sampling, prompt_len: int, field: str = "messages") -> dict:
+        """max_tokens (as asked; `_limit` grants it), temperature, top_p, top_k, seed of a checked request, the
+        endpoint's defaults for what it leaves out."""
+        if self.max_model_len - prompt_len <= 0:
             raise RequestError(f"the prompt is {prompt_len} tokens; the model serves {self.max_model_len} "
                                "(max_model_len) prompt and completion together", field)
-        asked = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_tokens
-        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
-            raise RequestError(f"{where}max_tokens: a whole number >= 1, got {asked!r}", f"{where}max_tokens")
-        out = {"max_tokens": min(asked, room)}
-        for name, ok in (("temperature", lambda x: 0 <= x <= 10), ("top_p", lambda x: 0 < x <= 1),
-                         ("top_k", lambda x: x >= -1)):
-            v = body.get(name)
-            v = self.defaults[name] if v is None else v
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not ok(v):
-                raise RequestError(f"{where}{name}: out of range, got {v!r}", f"{where}{name}")
-            out[name] = v
+        out = {"max_tokens": req.asked_tokens() or self.max_tokens}
+        for name in ("temperature", "top_p", "top_k"):
+            v = getattr(req, name)
+            out[name] = self.defaults[name] if v is None else v
         out["top_k"] = max(int(out["top_k"]), 0)
         out["temperature"] = float(out["temperature"])
-        out["seed"] = body.get("seed") if isinstance(body.get("seed"), int) else None
+        out["seed"] = req.seed
         return out
 
-    def _limit(self, session: Session, prompt_ids: list[int], sampling: dict) -> dict:
-        """A run's episode limits (environment.max_turns, max_context, turn_tokens): a call past them is refused and
-        ends the episode (its finish says which)."""
+    def _limit(self, session: Session, prompt_ids: list[int], sampling: dict, call: Call | None = None) -> dict:
+        """A run's episode limits (environment.max_turns, max_context, turn_tokens) and the endpoint's
+        (max_session_calls, the model's max_model_len): a call past them is refused and ends the episode (its finish
+        says which); a call asking more tokens than they leave is granted fewer, and its Call says so."""
         lim = session.limits
         if lim.get("max_calls") and len(session.calls) >= lim["max_calls"]:
             session.ended = session.ended or "max_turns"
             raise RequestError(f"this episode has made its {lim['max_calls']} calls (environment.max_turns); it "
                                "ends here", None, 400, "max_turns")
+        if self.max_session_calls and len(session.calls) >= self.max_session_calls:
+            raise RequestError(f"this session has made its {self.max_session_calls} calls, the endpoint's limit per "
+                               "session (max_session_calls; `qgrpo serve --max-session-calls N` raises it); start "
+                               "another session (another session id)", None, 400, "max_session_calls")
+        caps = []
+        if lim.get("max_tokens"):
+            caps.append((lim["max_tokens"], "environment.turn_tokens"))
         if lim.get("max_context"):
             room = lim["max_context"] - len(prompt_ids)
             if room <= 0:
@@ -213,15 +256,22 @@ class Endpoint:
                 raise RequestError(f"this episode's conversation is {len(prompt_ids)} tokens, "
                                    f"environment.max_context is {lim['max_context']}; it ends here", "messages", 400,
                                    "context")
-            sampling = {**sampling, "max_tokens": min(sampling["max_tokens"], room)}
-        if lim.get("max_tokens"):
-            sampling = {**sampling, "max_tokens": min(sampling["max_tokens"], lim["max_tokens"])}
+            caps.append((room, "environment.max_context"))
+        caps.append((self.max_model_len - len(prompt_ids), "the model's max_model_len"))
+        asked = sampling["max_tokens"]
+        granted, cap = min(caps, key=lambda c: c[0])
+        if granted >= asked:
+            granted, cap = asked, ""
+        if call is not None:
+            call.asked_tokens, call.granted_tokens, call.token_cap = asked, granted, cap
+        sampling = {**sampling, "max_tokens": granted}
         if lim.get("greedy"):
             sampling = {**sampling, "temperature": 0.0, "top_p": 1.0, "top_k": 0}
         return sampling
 
-    async def sample(self, session: Session, prompt_ids: list[int], sampling: dict) -> Sample:
-        sampling = self._limit(session, prompt_ids, sampling)
+    async def sample(self, session: Session, prompt_ids: list[int], sampling: dict, call: Call | None = None
+                     ) -> Sample:
+        sampling = self._limit(session, prompt_ids, sampling, call)
         if not await self.admission.enter(session.id):
             self.counts["refused"] += 1
             raise RequestError("the endpoint is at capacity (sessions are admitted as room frees up, or the rollout "
@@ -244,17 +294,11 @@ class Endpoint:
 
     # --- the routes' work ---
     async def chat(self, session: Session, body: dict) -> tuple[Call, dict]:
-        self._check_model(body, session)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages: a non-empty list of chat messages", "messages")
-        if body.get("tool_choice") not in (None, "auto", "none"):
-            raise RequestError("tool_choice: \"auto\" and \"none\" are served; forcing a call is not (the model "
-                               "decides)", "tool_choice")
-        fmt = body.get("response_format") or {}
-        if not isinstance(fmt, dict) or fmt.get("type", "text") != "text":
-            raise RequestError("response_format: only text is served", "response_format")
-        schemas = [] if body.get("tool_choice") == "none" else tool_schemas(body.get("tools"))
+        req = parse(ChatRequest, body)
+        self._check_model(req.model, session)
+        messages = req.messages
+        offer = req.tool_choice != "none"
+        schemas = tool_schemas(req.tools) if offer else []
         tools = json.dumps(schemas, sort_keys=True)
         canon = [canonical(m, k) for k, m in enumerate(messages)]
         parent = session.chat_parent(canon, tools)
@@ -275,9 +319,10 @@ class Endpoint:
         call = Call(call_id, parent.id if parent else None, "chat", prompt, messages=canon, tools=tools, fork=fork,
                     tail_messages=[_as_message(canonical(m, k)) for k, m in enumerate(new)])
         t0 = time.monotonic()
-        sample = await self.sample(session, prompt, self.sampling(body, len(prompt)))
+        sample = await self.sample(session, prompt, self.sampling(req, len(prompt)), call)
         self.record(session, call, sample, t0)
-        message, parsed, failed = assistant_message(call.text, call_id.replace(":", "-"))
+        own = template_parse(self.tokenizer, call.text, prompt, schemas) if offer else None
+        message, parsed, failed = assistant_message(call.text, call_id.replace(":", "-"), offer, own)
         call.answer = canonical(message, 0)
         call.tool_calls, call.tool_parse_failures = parsed, failed
         self.counts["tool_calls"] += len(parsed)
@@ -290,14 +335,13 @@ class Endpoint:
         return call, self._response("chat.completion", call, sample, [choice])
 
     async def completions(self, session: Session, body: dict) -> tuple[Call, dict]:
-        self._check_model(body, session)
-        if body.get("echo") or body.get("suffix"):
-            raise RequestError("echo and suffix are not served", "echo")
-        prompt = prompt_of_completion(self.renderer, body.get("prompt"))
-        if not isinstance(body.get("prompt"), str):
+        req = parse(CompletionRequest, body)
+        self._check_model(req.model, session)
+        prompt = prompt_of_completion(self.renderer, req.prompt)
+        if not isinstance(req.prompt, str):
             self.check_ids(prompt, "prompt")
         call, sample = await self._token_call(session, "completions", prompt,
-                                              self.sampling(body, len(prompt), field="prompt"))
+                                              self.sampling(req, len(prompt), field="prompt"))
         texts = token_text(self.tokenizer, sample.ids)
         offsets = [sum(len(t) for t in texts[:k]) for k in range(len(texts))]
         choice = {"index": 0, "text": call.text, "finish_reason": sample.finish,
@@ -307,22 +351,18 @@ class Endpoint:
         return call, self._response("text_completion", call, sample, [choice])
 
     async def generate(self, session: Session, body: dict) -> tuple[Call, dict]:
-        self._check_model(body, session, required=False)
-        ids = self.check_ids(body.get("token_ids"), "token_ids")
-        params = body.get("sampling_params") or {}
-        if not isinstance(params, dict):
-            raise RequestError("sampling_params: an object", "sampling_params")
-        stops = params.get("stop_token_ids") or []
-        if not isinstance(stops, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stops):
-            raise RequestError("sampling_params.stop_token_ids: a list of token ids", "sampling_params.stop_token_ids")
-        call, sample = await self._token_call(session, "generate", ids,
-                                              self.sampling(params, len(ids), True, "token_ids"), set(stops))
+        req = parse(GenerateRequest, body)
+        self._check_model(req.model, session, required=False)
+        ids = self.check_ids(req.token_ids, "token_ids")
+        params = req.sampling_params
+        call, sample = await self._token_call(session, "generate", ids, self.sampling(params, len(ids), "token_ids"),
+                                              set(params.stop_token_ids or ()))
         choice = {"index": 0, "finish_reason": sample.finish, "stop_reason": None, "token_ids": sample.ids,
                   "logprobs": {"content": [{"token": f"token_id:{t}", "token_id": t, "logprob": lp, "top_logprobs": []}
                                            for t, lp in zip(sample.ids, sample.logprobs)]},
                   "weight_versions": spans_json(sample)}
         out = self._response("generate", call, sample, [choice])
-        out["request_id"] = str(body.get("request_id") or call.id)
+        out["request_id"] = str(req.request_id or call.id)
         out["output_mode"] = "tokens"
         return call, out
 
@@ -336,7 +376,7 @@ class Endpoint:
         if parent is not None:
             call.tail_messages = [{"role": "user", "content": self.renderer.decode(prompt[len(parent.end):])}]
         t0 = time.monotonic()
-        sample = await self.sample(session, prompt, sampling)
+        sample = await self.sample(session, prompt, sampling, call)
         end = next((i + 1 for i, t in enumerate(sample.ids) if t in stops), None)
         if end is not None and end < len(sample.ids):
             sample = Sample(sample.ids[:end], sample.logprobs[:end], [p for p in sample.spans if p[0] < end] or
@@ -356,7 +396,9 @@ class Endpoint:
                 "system_fingerprint": f"qgrpo-{self.precision}",
                 "qgrpo": {"precision": self.precision, "session": session, "call_id": call.id,
                           "parent": call.parent, "branch": root.id, "fork": call.fork or None,
-                          "weight_versions": spans_json(sample), "tool_parser": TOOL_PARSER}}
+                          "weight_versions": spans_json(sample), "tool_parser": self.tool_parser,
+                          "max_tokens": {"asked": call.asked_tokens, "granted": call.granted_tokens,
+                                         "cap": call.token_cap or None}}}
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "qgrpo",
@@ -365,6 +407,11 @@ class Endpoint:
     def stats(self) -> dict:
         return {**self.counts, "precision": self.precision, "open_sessions": len(self.book.sessions),
                 "refused": self.counts["refused"] + 0}
+
+
+def bearer(header: str) -> str:
+    """The key of an `Authorization: Bearer KEY` header ("" without one)."""
+    return header[7:].strip() if header[:7].lower() == "bearer " else ""
 
 
 def _as_message(canon: tuple) -> dict:
@@ -405,22 +452,52 @@ def app(endpoint: Endpoint):
 
     def error(e: RequestError) -> JSONResponse:
         headers = {"Retry-After": str(max(1, math.ceil(endpoint.admission.wait_s / 10)))} if e.status == 429 else None
-        kind = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error"}.get(e.status, "error")
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                413: "invalid_request_error", 429: "rate_limit_error"}.get(e.status, "error")
         return JSONResponse({"error": {"message": str(e), "type": kind, "param": e.param, "code": e.code}},
                             status_code=e.status, headers=headers)
+
+    def too_large() -> RequestError:
+        mb = endpoint.max_body_bytes / 2**20
+        return RequestError(f"the request body is over {endpoint.max_body_bytes} bytes ({mb:g} MiB), the endpoint's "
+                            "limit (max_body_bytes; `qgrpo serve --max-body-mb N` raises it)", None, 413,
+                            "request_too_large")
+
+    async def read_json(request) -> dict:
+        """The body, read up to the limit: its Content-Length first, then the bytes as they come (a chunked body
+        has none)."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > endpoint.max_body_bytes:
+            raise too_large()
+        chunks, n = [], 0
+        async for chunk in request.stream():
+            n += len(chunk)
+            if n > endpoint.max_body_bytes:
+                raise too_large()
+            chunks.append(chunk)
+        try:
+            body = json.loads(b"".join(chunks))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise RequestError("the body is not JSON", None) from None
+        if not isinstance(body, dict):
+            raise RequestError("the body is a JSON object", None)
+        return body
 
     def route(fn, stream_kind: str | None = None):
         async def handler(request):
             session = None
             try:
-                try:
-                    body = await request.json()
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    raise RequestError("the body is not JSON", None) from None
-                if not isinstance(body, dict):
-                    raise RequestError("the body is a JSON object", None)
+                body = await read_json(request)
                 session = endpoint.session(endpoint.session_id(request, request.path_params.get("sid")))
-                call, out = await fn(session, body)
+                endpoint.busy[session.id] = endpoint.busy.get(session.id, 0) + 1
+                try:
+                    call, out = await fn(session, body)
+                finally:
+                    endpoint.seen[session.id] = time.monotonic()
+                    if endpoint.busy.get(session.id, 0) <= 1:
+                        endpoint.busy.pop(session.id, None)
+                    else:
+                        endpoint.busy[session.id] -= 1
             except RequestError as e:
                 if session is not None and e.code not in ("max_turns", "context", "model_not_found"):
                     session.errors.append(str(e))  # a refused call fails its episode, loudly, even if the agent goes on
@@ -461,12 +538,25 @@ def app(endpoint: Endpoint):
 
     routes += [Route("/v1/sessions/{sid}", session_record, methods=["GET"]), Route("/health", health),
                Route("/{path:path}", not_served, methods=["GET", "POST", "PUT", "DELETE"])]
-    return Starlette(routes=routes)
+    inner = Starlette(routes=routes)
+
+    async def guarded(scope, receive, send):
+        """Every route but GET /health asks for the endpoint's key (when it has one)."""
+        if scope["type"] == "http" and endpoint.api_key and scope["path"] != "/health":
+            header = next((v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), "")
+            if not endpoint.authorized(header):
+                what = "a wrong API key" if bearer(header) else "no API key (Authorization: Bearer KEY)"
+                refusal = RequestError(f"this endpoint asks for its key; the call gave {what}. Where the key comes "
+                                       f"from: {KEY_SOURCE}", None, 401, "invalid_api_key")
+                await error(refusal)(scope, receive, send)
+                return
+        await inner(scope, receive, send)
+    return guarded
 
 
 async def _replay(out: dict, kind: str, include_usage: bool):
-    """A finished answer as OpenAI's server-sent events: the role, the content in one delta, the tool calls, the
-    finish (with the token ids and the qgrpo block), the usage when asked, then [DONE]."""
+    """A finished answer as OpenAI's server-sent events: the role, the reasoning and the content in one delta each,
+    the tool calls, the finish (with the token ids and the qgrpo block), the usage when asked, then [DONE]."""
     base = {"id": out["id"], "created": out["created"], "model": out["model"],
             "system_fingerprint": out["system_fingerprint"]}
     choice = out["choices"][0]
@@ -475,6 +565,8 @@ async def _replay(out: dict, kind: str, include_usage: bool):
         obj = "chat.completion.chunk"
         msg = choice["message"]
         deltas = [{"role": "assistant", "content": ""}]
+        if msg.get("reasoning_content"):
+            deltas.append({"reasoning_content": msg["reasoning_content"]})
         if msg.get("content"):
             deltas.append({"content": msg["content"]})
         if msg.get("tool_calls"):

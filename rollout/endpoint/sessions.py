@@ -43,6 +43,9 @@ class Call:
     tools: str = ""  # the request's tools, as JSON (chat calls)
     tool_calls: list[dict] = field(default_factory=list)  # parsed from the answer
     tool_parse_failures: int = 0
+    asked_tokens: int = 0  # the max_tokens the call asked for (its own, else the endpoint's default)
+    granted_tokens: int = 0  # what it was granted: lower when a limit cut it (token_cap says which)
+    token_cap: str = ""  # the setting that lowered it: environment.turn_tokens, environment.max_context, max_model_len
     fork: str = ""  # why this call did not extend its session's conversation ("" = it did, or the first call)
     precision: str = ""
     started: float = 0.0
@@ -132,13 +135,17 @@ class Session:
 
     def stats(self) -> dict:
         """branches (root-to-leaf paths), forks (calls that did not extend the call before them, with reasons),
-        calls, tool calls and tool-call parse failures."""
+        calls, tool calls and tool-call parse failures; capped_calls (granted fewer tokens than they asked), cut_calls
+        (ended by the token limit: finish "length"), tool_offers (calls whose request offered tools)."""
         forks = [c for c in self.calls if c.fork]
         multi = sum(max(len(self.children(c.id)) - 1, 0) for c in self.calls)
         return {"calls": len(self.calls), "branches": len(self.leaves()), "forks": len(forks) + multi,
                 "fork_reasons": [c.fork for c in forks], "tool_calls": sum(len(c.tool_calls) for c in self.calls),
                 "tool_parse_failures": sum(c.tool_parse_failures for c in self.calls),
-                "model_tokens": sum(len(c.ids) for c in self.calls), "errors": list(self.errors)}
+                "model_tokens": sum(len(c.ids) for c in self.calls), "errors": list(self.errors),
+                "capped_calls": sum(c.granted_tokens < c.asked_tokens for c in self.calls),
+                "cut_calls": sum(c.finish == "length" for c in self.calls),
+                "tool_offers": sum(c.tools not in ("", "[]") for c in self.calls)}
 
 
 @dataclass

@@ -8,7 +8,8 @@ The call format is the one most chat templates with tool use train their models 
 A model turn may hold several calls; each is run in order and answered with a tool message,
 {"role": "tool", "content": RESULT}. A call that cannot be parsed, names no tool of the environment, does not bind to
 the tool's parameters or raises is answered with the error as its tool message and counted in info["tool_errors"]:
-the model sees what went wrong, as it would from a real tool. A turn without a call is the model's final answer:
+the model sees what went wrong, as it would from a real tool; so is a <tool_call> never closed (a turn cut by
+max_tokens inside its call). A turn without a call is the model's final answer:
 the episode is done. `tools_prompt` writes the tools and the format out as text, for chat templates that do not render
 `tools=` themselves (SmolLM2's does not).
 """
@@ -94,6 +95,11 @@ def parse_tool_calls(turn: str) -> list[dict | str]:
                          f"{str(arguments)[:80]}")
             continue
         calls.append({"name": call["name"], "arguments": arguments})
+    rest = turn[turn.rfind("</tool_call>") + len("</tool_call>"):] if "</tool_call>" in turn else turn
+    if "<tool_call>" in rest:  # opened and never closed: the turn was cut (max_tokens) inside its call
+        body = rest[rest.index("<tool_call>") + len("<tool_call>"):].strip()
+        calls.append(f"the tool call is not closed with </tool_call> (the turn was cut, e.g. by max_tokens): "
+                     f"{body[:80]}")
     return calls
 
 
