@@ -83,7 +83,7 @@ def test_lines_written_while_the_bar_is_up_start_on_their_own_line(tmp_path):
         from pathlib import Path
         from qgrpo.cluster.rundir.runlog import RunLog
         before = sys.stderr
-        log = RunLog(Path({str(tmp_path)!r}), 3, 0, True, False)
+        log = RunLog(Path({str(tmp_path)!r}), 3, 0, True, False, terminal=True)  # stderr is a pipe here
         log.progress({{"reward/mean": 0.5, "perf/gen_tokens_per_s": 10.0}})
         print("PLAIN LINE", file=sys.stderr)
         warnings.warn("PY WARNING")

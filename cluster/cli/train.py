@@ -214,9 +214,9 @@ def checked_config(args, resume=None, progress: Progress | None = None):
         progress.passed("dataset", _dataset_found(cfg))
     reward_problems = _reward_checks(cfg)
     if not reward_problems:
-        from qgrpo.rollout.rewards.scoring import entry_label
+        from qgrpo.rollout.rewards.scoring import rewards_applied
 
-        progress.passed("rewards", " + ".join(f"{s.weight:g} x {entry_label(s)}" for s in cfg.rewards.functions)
+        progress.passed("rewards", rewards_applied(cfg)  # the environment's own score among them
                         + ("; functions import, signatures fit the columns" if any(
                             s.function for s in cfg.rewards.functions) else ""))
     from qgrpo.rollout.environments.probe import load_problems

@@ -8,8 +8,10 @@ The estimate (`StepEstimate`) adds up a synchronous step's stages, each from the
   input embedding, a lookup, not), 3 forwards' worth for the learner's forward and backward, 4 with gradient
   checkpointing, one for the reference, at the measured rate;
 - generation: the prompts' prefill (a later turn's: the trajectory's context so far, again), then one decode step per
-  new token of the longest completion, every turn's (environment.max_turns x environment.turn_tokens in a multi-turn
-  run): a batch decodes until its last row ends. Each decode step costs the batch's products at the measured rate
+  new token of the longest completion, every turn's (environment.max_turns x the turn's tokens in a multi-turn run,
+  cluster/config/turns.py: environment.turn_tokens, else rollout.max_new_tokens for an environment's turns and an
+  even share of environment.max_context for an agent's uncapped calls; a turn at most its share of max_context): a
+  batch decodes until its last row ends. Each decode step costs the batch's products at the measured rate
   plus a cost per layer of one forward beyond its products (launching kernels, Python), which dominates a small
   model: decoding one token at a time runs far below the matrix-product rate;
 - the environment: one reset, step and score timed here on the first train row, times the trajectories and turns of
@@ -131,11 +133,13 @@ def model_size(model_path: str) -> ModelSize:
 
 def _shape(cfg: Config) -> tuple[int, int, float]:
     """(turns, tokens per turn, expected completion tokens per trajectory) of the config's rollouts."""
-    env, ro = cfg.environment, cfg.rollout
-    if env.name:
-        turns, per_turn = env.max_turns, env.turn_tokens or ro.max_new_tokens
-    else:
-        turns, per_turn = 1, ro.max_new_tokens
+    from qgrpo.cluster.config.turns import turn_tokens
+
+    env = cfg.environment
+    turns = env.max_turns if env.name else 1
+    per_turn = turn_tokens(cfg)[0]
+    if env.name:  # a trajectory's turns share environment.max_context (an agent's uncapped call: all of it)
+        per_turn = min(per_turn, max(env.max_context // turns, 1))
     return turns, per_turn, COMPLETION_FILL * turns * per_turn
 
 

@@ -218,6 +218,20 @@ def _reward_entries(cfg: Config) -> list[str]:
     return out
 
 
+@rule("rewards.functions", "environment.name", "environment.weight")
+def _some_reward(cfg: Config) -> list[str]:
+    """rewards.functions = [] only where an environment's own score is the reward (environment.weight != 0)."""
+    env = cfg.environment
+    if cfg.rewards.functions or (env.name and env.weight):
+        return []
+    if env.name:
+        return ["rewards.functions: empty, and environment.weight = 0 leaves the environment's score out, so nothing "
+                "scores a trajectory; set environment.weight (e.g. 1.0) or list rewards, e.g. "
+                "[{name = \"answer_correct\", weight = 1.0}]"]
+    return ["rewards.functions: must not be empty without an [environment] (whose own score can be the reward); "
+            "list the rewards, e.g. [{name = \"answer_correct\", weight = 1.0}]"]
+
+
 @rule("rewards.eval_metric", "rewards.functions")
 def _eval_metric(cfg: Config) -> list[str]:
     """rewards.eval_metric names an accuracy built-in, a rewards.functions entry by its label, or "environment" (the
@@ -292,11 +306,13 @@ def _agent_dynamic_sampling(cfg: Config) -> list[str]:
 
 @rule("environment.name", "environment.turn_tokens", "environment.max_context", "rollout.max_new_tokens")
 def _turn_fits_context(cfg: Config) -> list[str]:
+    from qgrpo.cluster.config.turns import turn_tokens
+    from qgrpo.rollout.environments.loader import is_agent
+
     env = cfg.environment
-    if not env.name:
+    if not env.name or (is_agent(env.name) and not env.turn_tokens):  # an agent's call: what fits, no cap
         return []
-    turn, key = (env.turn_tokens, "environment.turn_tokens") if env.turn_tokens else (
-        cfg.rollout.max_new_tokens, "rollout.max_new_tokens (environment.turn_tokens = 0)")
+    turn, key = turn_tokens(cfg)
     if turn < env.max_context:
         return []
     return [f"environment.max_context: {env.max_context} tokens for a whole trajectory leave no room beside one "

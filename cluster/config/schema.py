@@ -142,12 +142,45 @@ def _without(data: dict, locs: list[tuple]) -> dict:
     return out
 
 
+def _environment_scores(data: dict[str, Any]) -> bool:
+    """Whether the config's [environment] gives a score of its own (a name, and a weight that is not 0)."""
+    env = data.get("environment")
+    if not isinstance(env, dict) or not isinstance(env.get("name"), str) or not env["name"]:
+        return False
+    weight = env.get("weight", 1.0)
+    return not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight != 0
+
+
+# Defaults that depend on other fields, applied where the user left the field out (never over a value given): (the
+# field, when it applies, the value). The effective config a run saves holds the value, so a resume reads the same.
+CONTEXT_DEFAULTS: list[tuple[str, Any, Any]] = [
+    # an environment or agent that scores its own trajectories: its score alone, not the default job's `correct`
+    # beside it (which would double a 0/1 score and reward any final answer holding the reference)
+    ("rewards.functions", _environment_scores, lambda: []),
+]
+
+
+def with_context_defaults(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` with CONTEXT_DEFAULTS filled in where their field is left out; `data` itself when none applies."""
+    out = data
+    for dotted, applies, value in CONTEXT_DEFAULTS:
+        section, key = dotted.split(".")
+        table = data.get(section, {})
+        if not isinstance(table, dict) or key in table or not applies(data):
+            continue
+        out = copy.deepcopy(out) if out is data else out
+        out.setdefault(section, {})[key] = value()
+    return out
+
+
 def check(data: dict[str, Any], check_environment: bool = True) -> tuple[Config | None, list[str]]:
     """(the config, every problem of it): field errors first, then the rules spanning fields (judged with defaults
     standing in for the failed fields, rules reading those skipped), then the environment. The config is None only
-    when the fields cannot be built even so."""
+    when the fields cannot be built even so. Fields left out take their defaults, those of CONTEXT_DEFAULTS read
+    from the other fields."""
     problems: list[str] = []
     schema()
+    data = with_context_defaults(data)
     try:
         cfg = _ADAPTER.validate_python(data)
         invalid: set[str] = set()

@@ -62,9 +62,11 @@ class RunConfig:
     keep_last: Int = setting(2, ge=1)
     """Checkpoints kept on disk."""
     log_every: Int = setting(1, ge=1)
-    """A metrics.jsonl line every N steps."""
+    """A metrics.jsonl line every N steps; without the progress bar, also a plain line on stderr (the step, reward
+    mean, loss, accuracies, seconds per step)."""
     progress: Bool = True
-    """Terminal progress bar."""
+    """A progress bar on stderr when stderr is a terminal; false, or stderr a file or a pipe (a `ray job submit` log):
+    a plain line every run.log_every steps instead."""
     tensorboard: Bool = True
     """TensorBoard event files under RUN_DIR/tensorboard when tensorboard is installed."""
     wandb_project: Str = ""
@@ -189,10 +191,15 @@ class RewardSpec:
 
 @dataclass(config=SECTION)
 class RewardsConfig:
-    functions: list[RewardSpec] = setting(default_factory=lambda: [RewardSpec(name="correct")], min_length=1,
+    functions: list[RewardSpec] = setting(default_factory=lambda: [RewardSpec(name="correct")],
+                                          allowed="not empty, unless an [environment] with environment.weight != 0 "
+                                          "scores (then [] = its score alone)",
                                           fix="e.g. [{name='answer_correct', weight=1.0}]")
     """The reward: the weighted sum of these, e.g. [{name = "answer_correct"}, {function = "my_rewards.py:brevity",
-    weight = 0.1}]. Where every one returns None for a completion, that is an error (rewards.on_error)."""
+    weight = 0.1}]; with an [environment], its own score joins them (environment.weight, reward/environment). Left
+    out of a config with an [environment] whose weight is not 0, it is [] (schema.CONTEXT_DEFAULTS): the environment's
+    or agent's own score alone, not the default job's correct beside it. Where every one returns None for a completion
+    (an agent returning None with [] here), that is an error (rewards.on_error)."""
     on_error: choice(ON_ERROR, "must be {quoted}") = "fail"
     """A reward call that raises, passes its timeout or returns the wrong count: "fail" stops the run naming the
     reward, the prompt and the line that raised; "zero" scores those completions 0 for that reward, counts them
@@ -240,12 +247,17 @@ class EnvironmentConfig:
     """Keyword settings of the environment (its class's or factory's parameters), e.g. {turn_penalty = 0.1}."""
     max_turns: Int = setting(4, ge=1)
     """Model turns per trajectory; one that has not ended by then finishes as "max_turns"."""
-    turn_tokens: Int = setting(0, ge=0, why="0 = rollout.max_new_tokens")
-    """New tokens per model turn (0 = rollout.max_new_tokens). A trajectory the environment ends on a turn cut here
-    (no stop token) finishes as "length"; a tool call needs room for its whole JSON."""
+    turn_tokens: Int = setting(0, ge=0, why="0 = rollout.max_new_tokens for an environment's turns, no cap for an "
+                               "agent's calls")
+    """New tokens per model turn. An environment's turn: 0 = rollout.max_new_tokens; a trajectory the environment
+    ends on a turn cut here (no stop token) finishes as "length". An agent program's call (agent:FILE.py:NAME) gets
+    the max_tokens it asks: 0 = no cap beyond the room left in environment.max_context and the model's length; set,
+    every call is capped at this many tokens (a call asking more is counted in agent/capped_calls, and one cut there in
+    agent/cut_calls). A tool call needs room for its whole JSON (cluster/config/turns.py)."""
     max_context: Int = setting(1024, ge=2)
-    """Tokens of a whole trajectory, the prompt and every turn included; one that reaches it finishes as "context".
-    At most the model's context."""
+    """Tokens of a whole trajectory, the prompt and every turn included; one that reaches it finishes as "context"
+    (an agent's call past it is refused, and each call's max_tokens is cut to the room it leaves). At most the
+    model's context."""
     timeout_s: Float = setting(10.0, gt=0)
     """Seconds one environment call (a reset, a step, a score) may take; past it, the call follows on_error."""
     on_error: choice(ENV_ON_ERROR, "must be {quoted}") = "end"

@@ -11,9 +11,11 @@ score is the 0 of a failure learns nothing.
 `SignalWatch` reads the step's metrics: no group with a reward spread (reward/groups_with_signal 0.0: every
 completion of a prompt scored alike, so every advantage is 0) and, for an environment with tools, no trajectory that
 called one (episode/called_tool_frac 0.0), each for NO_SIGNAL_STEPS steps in a row, give a warning with the likely
-causes and their fixes. Once per streak: the metrics say so on every step line; a warning repeated every step would
-bury the other lines of a long run without saying more. A step with signal (or a call) ends the streak, and the
-next streak warns again.
+causes and their fixes; so do an agent program's tools offered but never called (agent/tool_offers without
+agent/tool_calls_<P>), and its calls cut at max_tokens (agent/cut_calls) past CUT_SHARE of a step's calls, naming
+environment.turn_tokens and environment.max_context. Once per streak: the metrics say so on every step line; a
+warning repeated every step would bury the other lines of a long run without saying more. A step with signal (or a
+call) ends the streak, and the next streak warns again.
 """
 from __future__ import annotations
 
@@ -122,14 +124,32 @@ class EnvHealth:
 
 class SignalWatch:
     """Warnings for a run that cannot learn: no reward spread in any group, or (an environment with tools) no tool
-    called, for NO_SIGNAL_STEPS steps in a row; once per streak. `tools`: the environment's tools' names."""
+    called, for NO_SIGNAL_STEPS steps in a row; once per streak. `tools`: the environment's tools' names;
+    `turn_tokens`: an environment's turn length, or an agent's call cap (0: none). For an agent program (`agent`),
+    from the agent/* metrics: tools offered on its calls but none called for NO_SIGNAL_STEPS steps, and calls cut at
+    max_tokens past CUT_SHARE of a step's calls (`agent_warnings`); `max_context` names the room the calls share."""
 
-    def __init__(self, tools: list[str] | None = None, turn_tokens: int = 0, steps: int = NO_SIGNAL_STEPS):
+    def __init__(self, tools: list[str] | None = None, turn_tokens: int = 0, steps: int = NO_SIGNAL_STEPS,
+                 agent: bool = False, max_context: int = 0):
         self.tools, self.turn_tokens, self.steps = list(tools or []), turn_tokens, steps
-        self.flat = self.silent = 0
+        self.agent, self.max_context = agent, max_context
+        self.flat = self.silent = self.offered = self.cutting = 0
+
+    @classmethod
+    def of(cls, cfg, tools: list[str] | None = None) -> SignalWatch:
+        """The watch of a run of `cfg` (`tools`: a tool environment's tools' names), its turn length and, for an
+        agent program, its call cap, read as the run reads them (cluster/config/turns.py)."""
+        from qgrpo.cluster.config.turns import agent_call_cap
+        from qgrpo.rollout.environments.loader import is_agent
+
+        env = cfg.environment
+        if is_agent(env.name):
+            return cls([], agent_call_cap(cfg), agent=True, max_context=env.max_context)
+        return cls(tools, env.turn_tokens or cfg.rollout.max_new_tokens, max_context=env.max_context)
 
     def end_step(self, step: int, m: dict) -> list[dict]:
-        """The step's warning events from its metrics `m` (reward/groups_with_signal, episode/called_tool_frac)."""
+        """The step's warning events from its metrics `m` (reward/groups_with_signal, episode/called_tool_frac,
+        agent/*)."""
         events = []
         signal = m.get("reward/groups_with_signal")
         self.flat = self.flat + 1 if signal is not None and signal == 0 else 0
@@ -141,7 +161,63 @@ class SignalWatch:
         if self.silent == self.steps:
             events.append({"event": "warning", "step": step, "kind": "no_tool_calls", "steps": self.silent,
                            "tools": self.tools, "message": self._silent(m)})
-        return events + tool_parse_warnings(step, m)
+        return events + self.agent_warnings(step, m) + tool_parse_warnings(step, m)
+
+    # --- agent programs (agent/* metrics of cluster/run/agents.py) ---
+    def agent_warnings(self, step: int, m: dict) -> list[dict]:
+        """An agent's tools offered (agent/tool_offers > 0) but never called (agent/tool_calls_<P> 0) for `steps`
+        steps in a row; calls cut at max_tokens (agent/cut_calls) past CUT_SHARE of the step's agent/calls. Each
+        once per streak."""
+        if not self.agent or "agent/calls" not in m:
+            return []
+        events = []
+        offers, calls = m.get("agent/tool_offers", 0), m.get("agent/calls", 0)
+        tool_calls = sum(v for k, v in m.items() if k.startswith("agent/tool_calls_"))
+        self.offered = self.offered + 1 if offers and not tool_calls else 0
+        if self.offered == self.steps:
+            events.append({"event": "warning", "step": step, "kind": "no_agent_tool_calls", "steps": self.offered,
+                           "message": self._unused(m)})
+        cut = m.get("agent/cut_calls", 0)
+        self.cutting = self.cutting + 1 if calls and cut >= max(CUT_SHARE * calls, 1) else 0
+        if self.cutting == 1:
+            events.append({"event": "warning", "step": step, "kind": "cut_calls", "cut": cut, "calls": calls,
+                           "message": self._agent_cut(m)})
+        return events
+
+    def _cap(self) -> str:
+        return (f"environment.turn_tokens = {self.turn_tokens} caps every call" if self.turn_tokens else
+                "environment.turn_tokens = 0 (no cap per call)")
+
+    def _agent_cut(self, m: dict) -> str:
+        cut, calls, capped = m.get("agent/cut_calls", 0), m.get("agent/calls", 0), m.get("agent/capped_calls", 0)
+        head = (f"{cut} of the {calls} agent calls this step ended at their max_tokens (agent/cut_calls): each ends "
+                "mid-sentence, and a tool call cut mid-JSON does not parse")
+        if capped:
+            room = f" (environment.max_context = {self.max_context})" if self.max_context else ""
+            return (f"{head}; {capped} asked more tokens than the run grants (agent/capped_calls): {self._cap()}, and "
+                    f"each call gets at most the room left in environment.max_context{room}; raise "
+                    "environment.turn_tokens (or set it to 0: each call gets what it asks, up to that room) or "
+                    "environment.max_context")
+        return (f"{head}; none asked more than the run grants ({self._cap()}), so the agent's own max_tokens cut "
+                "them: ask for more in the agent")
+
+    def _unused(self, m: dict) -> str:
+        causes = ["the model does not know the chat template's tool format: a small model rarely calls a tool it is "
+                  "only told about; put a worked exchange (a question, the call, the tool's answer, the final "
+                  "answer) in the agent's messages (examples/agent_calculator)",
+                  "the prompt does not ask for the tool: say when to use it"]
+        cut, bad = m.get("agent/cut_calls", 0), sum(v for k, v in m.items()
+                                                    if k.startswith("agent/tool_parse_failures_"))
+        if cut:
+            causes.insert(0, f"{cut} of the {m.get('agent/calls', 0)} calls this step ended at max_tokens, which "
+                             f"cuts a tool call before its JSON closes ({self._cap()}; agent/capped_calls "
+                             f"{m.get('agent/capped_calls', 0)}): raise environment.turn_tokens or the agent's "
+                             "max_tokens")
+        if bad:
+            causes.insert(0, f"{bad} tool calls this step did not parse (agent/tool_parse_failures_*)")
+        return (f"the agent offered tools on its calls (agent/tool_offers {m.get('agent/tool_offers', 0)}) and the "
+                f"model called none for {self.offered} steps in a row (agent/tool_calls_* 0); likely causes: "
+                + "; ".join(causes) + "; `qgrpo check` plays one episode and says which")
 
     def _flat(self, m: dict) -> str:
         mean = m.get("reward/mean")
@@ -187,6 +263,7 @@ class SignalWatch:
                 "a trajectory that used the tool no better than one that did not")
 
 
+CUT_SHARE = 0.25  # of an agent's calls in a step, the share ended at max_tokens past which it warns
 PARSE_SHARE = 0.25  # of the tool calls a model wrote in a step, the share that failed to parse past which it warns
 
 

@@ -1,6 +1,10 @@
 """Run directory: metrics.jsonl, TensorBoard / W&B, progress bar (the effective config is written by
 cluster/config/tomlio.py).
 
+The bar is drawn when run.progress is on and stderr is a terminal. Otherwise (run.progress = false, or stderr a file
+or a pipe, as in a `ray job submit` log) every run.log_every steps, and at the last step, one plain line says the step,
+the reward's mean, the loss, the accuracies there are and the seconds per step (`RunLog.plain_line`).
+
 The progress bar owns the terminal's last line, redrawn in place. Whatever else this process writes while it is up (a
 Python warning, Ray's copies of its actors' output, a line of this package) must not land inside it: while the bar
 is shown, sys.stderr (and sys.stdout on a terminal) go through `_AboveBar`, which clears the bar before a line starts
@@ -62,12 +66,19 @@ class RunLog:
     when run.wandb_project is set; a progress bar on the terminal."""
 
     def __init__(self, run_dir: Path, total_steps: int, start_step: int = 0, progress: bool = True,
-                 tensorboard: bool = True, wandb_project: str = "", config: dict | None = None):
+                 tensorboard: bool = True, wandb_project: str = "", config: dict | None = None,
+                 log_every: int | None = None, terminal: bool | None = None):
         self.dir = run_dir
         self.metrics_path = run_dir / "metrics.jsonl"
         self.bar = self.tb = self.wandb = None
         self._streams: dict[str, Any] = {}  # sys.stderr / sys.stdout as they were before the bar (module docstring)
-        if progress:
+        # without the bar (run.progress = false, or stderr a file or a pipe: a `ray job submit` log), a plain line
+        # every run.log_every steps (`log_every`, else the config's)
+        self.total, self.log_every = total_steps, log_every or (config or {}).get("run", {}).get("log_every") or 1
+        self.held_out: tuple[int, float] | None = None  # the last held-out accuracy logged: (step, accuracy)
+        self._since: list[float] = []  # the seconds of the steps since the last plain line
+        self._clock = time.monotonic()
+        if progress and (_isatty(sys.stderr) if terminal is None else terminal):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True,
@@ -91,6 +102,8 @@ class RunLog:
         record = {"time": time.time(), **record}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if record.get("event") == "eval" and isinstance(record.get("accuracy"), (int, float)):
+            self.held_out = (record.get("step", 0), record["accuracy"])
         if record.get("event") in LOUD and record.get("message"):
             message = record["message"].removeprefix("warning: ")
             self.say(f"qgrpo: warning: step {record.get('step', '?')}: {message}")
@@ -128,7 +141,15 @@ class RunLog:
             print(line, file=sys.stderr, flush=True)
 
     def progress(self, m: dict[str, Any]) -> None:
+        """A step done: the bar moves, or without one, a plain line every log_every steps (`plain_line`)."""
         if self.bar is None:
+            now = time.monotonic()
+            self._since.append(m.get("time/step") or now - self._clock)
+            self._clock = now
+            step = m.get("step")
+            if isinstance(step, int) and (step % self.log_every == 0 or step == self.total):
+                self.say(self.plain_line(m))
+                self._since = []
             return
         post = {"reward": f"{m['reward/mean']:.3f}"}
         if "train/accuracy" in m:
@@ -137,6 +158,21 @@ class RunLog:
                      "tok/s": f"{m['perf/gen_tokens_per_s']:.0f}"})
         self.bar.set_postfix(post, refresh=False)
         self.bar.update(1)
+
+    def plain_line(self, m: dict[str, Any]) -> str:
+        """One step as a line, as TRL and verl log without a bar: the step, the reward's mean, the loss, the sample's
+        accuracy and the last held-out accuracy where there are, the seconds per step since the last line."""
+        parts = [f"qgrpo: step {m.get('step')}/{self.total}"]
+        for key, name, fmt in (("reward/mean", "reward", ".3f"), ("loss/total", "loss", ".4f"),
+                               ("train/accuracy", "accuracy", ".2f")):
+            if isinstance(m.get(key), (int, float)):
+                parts.append(f"{name} {m[key]:{fmt}}")
+        if self.held_out is not None:
+            parts.append(f"held-out {self.held_out[1]:.2f} (step {self.held_out[0]})")
+        if self._since:
+            per = sum(self._since) / len(self._since)
+            parts.append(f"{per:.1f} s/step")
+        return "  ".join(parts)
 
     def close(self) -> None:
         if self.bar is not None:

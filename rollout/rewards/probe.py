@@ -182,6 +182,8 @@ def probe_checks(cfg, here: bool = True, progress=None) -> list[str]:
     are printed on stderr); returns the problems, [] when every reward answered."""
     from qgrpo.rollout.tasks import make_task
 
+    if not cfg.rewards.functions:  # [] with an [environment]: its own score alone, probed with it
+        return []
     try:
         task = make_task(cfg.task, cfg.run.seed)
         try:

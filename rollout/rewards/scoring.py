@@ -253,3 +253,18 @@ def reward_problems(rewards_cfg, columns: set[str] | None) -> list[str]:
             continue
         problems += signature_problems(fn, field, columns)
     return problems
+
+
+def rewards_applied(cfg) -> str:
+    """The rewards a run of `cfg` adds up, in words, as `qgrpo check` says them: each rewards.functions entry and the
+    environment's (or agent's) own score by environment.weight, e.g. "0.2 x answer_format + 1 x the environment's own
+    score (reward/environment)"."""
+    from qgrpo.rollout.environments.loader import is_agent
+
+    parts = [f"{s.weight:g} x {entry_label(s)}" for s in cfg.rewards.functions]
+    env = cfg.environment
+    if env.name and env.weight:
+        own = "the agent's own reward" if is_agent(env.name) else "the environment's own score"
+        alone = "; rewards.functions = []: no other" if not parts else ""
+        parts.append(f"{env.weight:g} x {own} (reward/environment{alone})")
+    return " + ".join(parts) if parts else "none"
