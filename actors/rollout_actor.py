@@ -110,6 +110,8 @@ class _RolloutActor(CollectiveMember):
         update landed between two decode steps)."""
         def run():
             version = self.gen.policy_version
+            if faults.fires("rollout.kill", version + 1):
+                os.kill(os.getpid(), signal.SIGKILL)
             slow = faults.fires("rollout.slow_decode", version + 1)  # a drill: a call long enough for a sync to land
             self.gate.delay = faults.SLOW_DECODE_SECONDS if slow else 0.0
             return version, self.gen.continue_ids(sequences, sampling)

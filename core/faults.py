@@ -6,7 +6,8 @@ An entry `POINT@STEP` fires once, the first time POINT is reached at learner ste
 reaches it first: the claim is a file created exclusively under QGRPO_FAULTS_STATE, so a replaced actor does not fire
 it again. `POINT@STEP+` fires every time POINT is reached at STEP or later. The points:
 
-    rollout.kill       the rollout actor SIGKILLs its own process inside generate (a preempted node, an OOM kill)
+    rollout.kill       the rollout actor SIGKILLs its own process inside generate, or inside an endpoint call
+                       (complete) of that step (a preempted node, an OOM kill)
     rollout.hang       the rollout actor sleeps inside generate and never returns
     rollout.nan        the rollout actor returns NaN sampler log-probs for its first completion
     rollout.slow_decode  the rollout actor's decode loop sleeps SLOW_DECODE_SECONDS at every step boundary of the
@@ -15,6 +16,10 @@ it again. `POINT@STEP+` fires every time POINT is reached at STEP or later. The 
     learner.kill       learner rank 0 SIGKILLs its own process at the start of its step
     save.kill          the driver SIGKILLs its whole process group after the model files of a checkpoint are written
                        and before the checkpoint is complete
+    endpoint.kill      the endpoint actor SIGKILLs its own process at the first call after that step's agent
+                       sessions open (calls and episodes in flight)
+    agent_runner.kill  the agent runner SIGKILLs its own process when the first episode of a batch of that step
+                       ends (the batch's other episodes in flight)
     driver.slow        the driver sleeps SLOW_SECONDS before the step (a slow cluster: a drill of `qgrpo scale`
                        needs steps long enough for its request to land between two of them)
 
@@ -28,7 +33,7 @@ import tempfile
 ENV = "QGRPO_FAULTS"
 STATE_ENV = "QGRPO_FAULTS_STATE"
 POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "rollout.slow_decode", "learner.nan_loss", "learner.kill",
-          "save.kill", "driver.slow")
+          "save.kill", "driver.slow", "endpoint.kill", "agent_runner.kill")
 SLOW_SECONDS = 1.0
 SLOW_DECODE_SECONDS = 0.25
 

@@ -36,7 +36,7 @@ import asyncio, json, time, urllib.request
 def _post(client, body, model=None):
     body = {"model": model or client.model, **body}
     req = urllib.request.Request(client.base_url + "/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", "Authorization": f"Bearer {client.api_key}"})
     return json.loads(urllib.request.urlopen(req, timeout=60).read())
 
 

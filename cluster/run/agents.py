@@ -1,31 +1,51 @@
-"""The rollout supply of agent programs (cluster/run/supply.py's protocol): each step's rows are played as episodes
-by the user's agent (rollout/agents.py) against the run's endpoint (actors/endpoint_actor.py), served by the rollout
-actors; each episode is one session, its calls stitched by exact tokens into the row trained on.
+"""Agent programs as a source of the rollout stream (cluster/run/stream.py): each row of a step is played as G
+episodes by the user's agent (rollout/agents.py, in actors/agent_runner.py) against the run's endpoint
+(actors/endpoint_actor.py), which sends every call through the rollout pool's link (actors/pool_link.py); each episode
+is one session, its calls stitched by exact tokens into the row trained on.
 
-A step's episodes start once the staleness rule admits the step (learner/objective/staleness.py: the same rule as the
-stream's): the bound is kept by when sessions open, never by discarding finished episodes. `algo.max_staleness = 0`
-opens a step's sessions when the driver asks for it, after the sync before it, so every token of the step comes from
-one version; with S > 0 later steps' episodes run while the learner trains, and a sync that lands during a call is
-applied between two decode steps (the call's answer spans both versions; a branch's staleness is its oldest token's).
+`AgentEpisodes` has the rollout pool's dispatch (split, free_slots, submit, wait, collect, overdue, generate), so one
+stream, one admission pump and one staleness rule serve both kinds of rollout: a step's sessions open when the rule
+admits the step, never by discarding finished episodes. A chunk is one row's G episodes (rollout.group_size), at most
+environment.concurrency episodes at once in the runner, each within environment.episode_timeout_s. A sync that lands
+during a call is applied between two decode steps (the call's answer spans both versions).
 
-G episodes per row (rollout.group_size) run concurrently, at most environment.concurrency at once, each within
-environment.episode_timeout_s. A failed episode follows environment.on_error (rollout/agents.py). Per step the
-supply reports agent/* metrics: calls, forks, the branches beside the main one (counted, not trained), tool calls,
-tool-call parse failures and failed episodes, with the rollout precision in the metric's name for the two tool
-figures, so a format that breaks tool calling shows in the run's curves and warnings.
+What survives which death (docs/agents.md, "When a process dies"):
+- a rollout actor: the pool counts it and replaces it (faults.max_replacements in a row end the run); the endpoint's
+  calls waiting on it go to the replacement (same weights): the episodes go on and lose nothing.
+- the endpoint actor: its sessions are gone. A new endpoint starts (RUN_DIR/endpoint.json rewritten), and the
+  episodes in flight are played again from their start, in new sessions (counted: agent/replayed_episodes).
+- the agent runner: replaced; its episodes in flight are played again from their start (counted the same way).
+- an agent that blocks the runner's event loop past twice its deadline: the runner is replaced and those episodes
+  fail with that cause (environment.on_error), since they would block again.
+Deaths of the endpoint or the runner past faults.max_replacements in a row end the run at the step with how to
+resume. A failed episode follows environment.on_error (rollout/agents.py).
+
+Per step the chunks report agent/* metrics: calls, forks, the branches beside the main one (counted, not trained),
+tool calls, tool-call parse failures, failed and replayed episodes, calls cut or capped by max_tokens, calls that
+offered tools, with the rollout precision in the metric's name for the two tool figures, so a format that breaks
+tool calling shows in the run's curves and warnings.
 """
 from __future__ import annotations
 
-import threading
+import json
+import secrets
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 
-from qgrpo.cluster.run.supply import StepRollouts
-from qgrpo.core.records import GenerationStats, GroupRollout
-from qgrpo.learner.objective.staleness import admission
+from qgrpo.cluster.config.turns import agent_call_cap, agent_call_default
+from qgrpo.core import faults
+from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 
-POLL_S = 0.05
+ENDPOINT_FILE = "endpoint.json"  # RUN_DIR/endpoint.json: the run's endpoint address, model name, how to reach it
+IN_FLIGHT = 4096  # chunks (rows) in flight at most; environment.concurrency bounds the episodes that really run
+REPORTS_S = 5.0  # the endpoint's long poll of failures
+BLOCKED = ("the agent runner did not answer within twice environment.episode_timeout_s: an agent blocked its event "
+           "loop (a blocking call inside async code: use the async client, or a plain def, which runs on a thread)")
+STATS = ("calls", "forks", "branches", "tool_calls", "tool_parse_failures", "model_tokens", "cut_calls",
+         "capped_calls", "tool_offers")
 
 
 def _here():
@@ -33,160 +53,287 @@ def _here():
     default); the rollout actors behind it may be anywhere in the cluster."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-ENDPOINT_FILE = "endpoint.json"  # RUN_DIR/endpoint.json: the run's endpoint address, model name, how to reach it
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+            "runtime_env": {"env_vars": faults.env()}}
 
 
-class AgentSupply:
-    """Episodes of the agent environment.name names, step by step. `pool`: the rollout actors (RolloutPool)."""
+@dataclass(eq=False)
+class EpisodeCall:
+    """One chunk's episodes in flight in the runner (AgentEpisodes.submit)."""
 
-    restored = 0
+    ref: ray.ObjectRef
+    slot: int
+    prompt_ids: tuple[str, ...]
+    step: int  # the generators' (1-based) step
+    sent: float
+    items: list
+    sids: list[str]
+    runner: str  # the runner's actor id, and the endpoint's generation, when the chunk was sent
+    endpoint: int
+    greedy: bool = False
+    replays: int = field(default=0)
 
-    def __init__(self, cfg, pool, sampler, start_step: int, published: int):
-        from qgrpo.actors.endpoint_actor import EndpointActor
+
+class AgentEpisodes:
+    """The episodes of the agent environment.name names. `pool`: the rollout actors (RolloutPool); `run_dir`: where
+    endpoint.json goes."""
+
+    def __init__(self, cfg, pool, run_dir: Path | None = None):
         from qgrpo.rollout.environments.loader import environment_spec
 
-        env, ro, a = cfg.environment, cfg.rollout, cfg.algo
-        self.cfg, self.pool, self.sampler = cfg, pool, sampler
-        self.rule = admission(a.max_staleness, a.update_every, a.overlap)
+        env, ro = cfg.environment, cfg.rollout
+        self.cfg, self.pool, self.run_dir = cfg, pool, run_dir
         self.spec = environment_spec(env.name, env.params)
         self.model = env.served_model
-        self.limits = {"max_calls": env.max_turns, "max_context": env.max_context,
-                       "max_tokens": env.turn_tokens or ro.max_new_tokens}
-        self.endpoint = EndpointActor.options(scheduling_strategy=_here()).remote(
-            self.model, pool.policy_path, list(pool.actors), host=env.endpoint_host, port=env.endpoint_port,
-            max_tokens=env.turn_tokens or ro.max_new_tokens, chat_template=cfg.task.chat_template,
-            open_sessions=False, defaults={"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k})
-        self.address = ray.get(self.endpoint.start.remote(), timeout=300)
-        self.runner = self._runner()
-        self.steps, self.held, self.held_version = cfg.run.steps, start_step, published
-        self.asked, self.next_step = start_step - 1, start_step
-        self.launched: dict[int, dict] = {}  # step -> its episodes in flight
-        self.done: dict[int, StepRollouts] = {}
-        self.error: BaseException | None = None
-        self.paused = False
-        self.episodes = 0
-        self.cv = threading.Condition()
-        self.stop = threading.Event()
+        self.key = secrets.token_urlsafe(32)  # every call must carry it (the agent's client has it as its API key)
+        self.limits = {"max_calls": env.max_turns, "max_context": env.max_context, "max_tokens": agent_call_cap(cfg)}
+        self.defaults = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+        self.generation = 0  # endpoints started
+        self.restarts = {"endpoint": 0, "runner": 0}  # deaths in a row
+        self.replayed: dict[str, int] = {}  # prompt id -> its episodes played again (not yet reported)
+        self.blocked: set[str] = set()  # runners replaced for blocking: their chunks fail, not replay
+        self.watch_ref = None
         self._tokenizer = None
-        self.thread = threading.Thread(target=self._pump, name="agent-supply", daemon=True)
-        self.thread.start()
+        self.endpoint, self.address = self._start_endpoint()
+        self.runner, self.runner_id = self._runner()
+        pool.watch(self._push)
+
+    # --- the two actors ---
+    def _start_endpoint(self):
+        from qgrpo.actors.endpoint_actor import EndpointActor
+
+        env = self.cfg.environment
+        kwargs = {"host": env.endpoint_host, "port": env.endpoint_port if not self.generation else 0,
+                  "max_tokens": agent_call_default(self.cfg), "chat_template":
+                  self.cfg.task.chat_template, "open_sessions": False, "defaults": self.defaults}
+        endpoint = EndpointActor.options(**_here()).remote(self.model, self.pool.policy_path, self.pool.link(),
+                                                           api_key=self.key, **kwargs)
+        address = ray.get(endpoint.start.remote(), timeout=300)
+        self.generation += 1
+        self.address = address
+        if self.run_dir is not None:
+            (Path(self.run_dir) / ENDPOINT_FILE).write_text(json.dumps(self.info(), indent=1) + "\n")
+        return endpoint, address
 
     def _runner(self):
         from qgrpo.actors.agent_runner import AgentRunner
 
-        runner = AgentRunner.options(scheduling_strategy=_here()).remote(self.spec, self.cfg.environment.concurrency)
+        runner = AgentRunner.options(**_here()).remote(self.spec, self.cfg.environment.concurrency)
         ray.get(runner.ready.remote(), timeout=120)  # the agent's file loads there, or this raises
-        return runner
+        return runner, runner._actor_id.hex()
+
+    def _restart(self, which: str, cause: str) -> None:
+        """A new endpoint or runner after its process died; too many deaths in a row end the run."""
+        from qgrpo.cluster.run.workers import RunFailed
+
+        self.restarts[which] += 1
+        limit = self.cfg.faults.max_replacements
+        name = {"endpoint": "the endpoint actor", "runner": "the agent runner"}[which]
+        self.pool.events.append({"event": f"{which}_failed", "cause": cause, "failures_in_a_row":
+                                 self.restarts[which]})
+        if self.restarts[which] > limit:
+            raise RunFailed(f"agent episodes: {name} died {self.restarts[which]} times in a row "
+                            f"(faults.max_replacements = {limit}); last cause: {cause}")
+        if which == "endpoint":
+            _kill(self.endpoint)
+            self.watch_ref = None
+            self.endpoint, _ = self._start_endpoint()
+            self.pool.events.append({"event": "endpoint_restarted", "address": self.address,
+                                     "base_url": f"{self.address}/v1"})
+        else:
+            _kill(self.runner)
+            self.runner, self.runner_id = self._runner()
+            self.pool.events.append({"event": "agent_runner_restarted"})
+
+    def _endpoint(self, method: str, *args):
+        """A call to the endpoint actor; one that died meanwhile is started again (the call goes to the new one)."""
+        try:
+            return ray.get(getattr(self.endpoint, method).remote(*args), timeout=120)
+        except ray.exceptions.RayActorError as e:
+            self._restart("endpoint", _cause(e))
+            return ray.get(getattr(self.endpoint, method).remote(*args), timeout=120)
+
+    def _push(self, actors: list) -> None:
+        """The pool's watcher: its actors changed (a replacement, a resize, the precision ladder)."""
+        try:
+            ray.get(self.endpoint.set_actors.remote(actors), timeout=60)
+        except ray.exceptions.RayError:  # the endpoint died: the one started next takes the pool's link as it is
+            pass
 
     def info(self) -> dict:
         """What RUN_DIR/endpoint.json holds."""
         return {"address": self.address, "base_url": f"{self.address}/v1", "model": self.model,
                 "session_base_url": f"{self.address}/sessions/SESSION_ID/v1", "agent": self.spec.name}
 
-    # --- the pump ---
-    def _admit(self) -> None:
-        while (not self.paused and self.next_step < self.steps
-               and self.rule.admits(self.next_step, self.held, self.asked)):
-            self._launch(self.next_step)
-            self.next_step += 1
+    def announce(self) -> list[tuple[dict, str]]:
+        """(the run log's event, the line for stderr) at the start of a run."""
+        return [({"event": "endpoint", **self.info()},
+                 f"qgrpo: agents call the endpoint at {self.address}/v1 (model {self.model!r}; "
+                 f"RUN_DIR/{ENDPOINT_FILE})")]
 
-    def _launch(self, step: int, items=None, greedy: bool = False, group_size: int | None = None) -> dict:
+    # --- the pool's dispatch, for the stream ---
+    def name(self, slot: int) -> str:
+        return "the agent runner"
+
+    def split(self, items: list[PromptItem]) -> list[list[PromptItem]]:
+        """One chunk per row: a row's episodes are sent, collected and played again together."""
+        return [[item] for item in items]
+
+    def free_slots(self, busy: set[int]) -> list[int]:
+        return [s for s in range(len(busy) + IN_FLIGHT) if s not in busy][:IN_FLIGHT - len(busy)]
+
+    def submit(self, slot: int, items: list[PromptItem], sampling: SamplingParams, step: int,
+               greedy: bool = False) -> EpisodeCall:
         from qgrpo.rollout.agents import AgentClient, episode_row
 
-        G = group_size or self.cfg.rollout.group_size
-        items = items if items is not None else self.sampler.next(self.cfg.rollout.prompts_per_step)
-        tag = f"e{step}" if greedy else f"s{step}"
-        sids = [f"{tag}-{i}-{g}-{self.episodes}" for i in range(len(items)) for g in range(G)]
-        self.episodes += 1
-        ray.get(self.endpoint.open_sessions.remote(sids, step, {**self.limits, "greedy": greedy}))
-        episodes = [(episode_row(items[k // G]), AgentClient(f"{self.address}/sessions/{sid}/v1", sid, self.model,
-                                                             sid)) for k, sid in enumerate(sids)]
-        entry = {"items": items, "sids": sids, "G": G, "cursor": self.sampler.cursor, "t0": time.monotonic(),
-                 "ref": self.runner.run.remote(episodes, self.cfg.environment.episode_timeout_s)}
-        if not greedy:
-            self.launched[step] = entry
-        return entry
+        G = sampling.group_size
+        tag = "e" if greedy else "s"
+        # s<step>-<row>-<episode>-<random>: readable in logs, never guessable (the key is needed besides)
+        sids = [f"{tag}{step}-{i}-{g}-{secrets.token_hex(12)}" for i in range(len(items)) for g in range(G)]
+        self._endpoint("open_sessions", sids, step, {**self.limits, "greedy": greedy})
+        episodes = [(episode_row(items[k // G]), AgentClient(f"{self.address}/sessions/{sid}/v1", self.key,
+                                                             self.model, sid)) for k, sid in enumerate(sids)]
+        ref = self.runner.run.remote(episodes, self.cfg.environment.episode_timeout_s, step)
+        return EpisodeCall(ref, slot, tuple(i.prompt_id for i in items), step, time.monotonic(), list(items), sids,
+                           self.runner_id, self.generation, greedy)
 
-    def _pump(self) -> None:
+    def wait(self, calls: list[EpisodeCall], timeout: float) -> list[EpisodeCall]:
+        """The calls done, waiting up to `timeout`; meanwhile the endpoint's reports of failed rollout calls are taken
+        to the pool (counted, a dead actor replaced and its handle pushed back)."""
+        if self.watch_ref is None:
+            self.watch_ref = self.endpoint.reports.remote(REPORTS_S)
+        by_ref = {c.ref: c for c in calls}
+        ready, _ = ray.wait([*by_ref, self.watch_ref], num_returns=1, timeout=max(timeout, 0.0))
+        if self.watch_ref in ready:
+            self._reports()
+        return [by_ref[r] for r in ready if r in by_ref]
+
+    def _reports(self) -> None:
+        from qgrpo.actors.pool_link import actor_id
+        from qgrpo.cluster.run.workers import StageTimeout
+
+        ref, self.watch_ref = self.watch_ref, None
         try:
-            while not self.stop.is_set():
-                with self.cv:
-                    self._admit()
-                    flight = dict(self.launched)
-                if not flight:
-                    with self.cv:
-                        self.cv.wait(POLL_S)
-                    continue
-                refs = {e["ref"]: s for s, e in flight.items()}
-                ready, _ = ray.wait(list(refs), num_returns=1, timeout=POLL_S)
-                for ref in ready:
-                    step = refs[ref]
-                    out = self._collect(step, flight[step])
-                    with self.cv:
-                        self.launched.pop(step, None)
-                        self.done[step] = out
-                        self.cv.notify_all()
-                self._overdue(flight)
-        except BaseException as e:  # noqa: BLE001 - raised in the driver by take()
-            with self.cv:
-                self.error = e
-                self.cv.notify_all()
+            rep = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            self._restart("endpoint", _cause(e))
+            return
+        for slot in rep["served"]:
+            if slot < len(self.pool.actors):
+                self.pool.served(slot)
+        for f in rep["failures"]:
+            slot = f["slot"]
+            if f["hung"]:
+                raise StageTimeout(f"an agent's call to {self.pool.name(slot)}: {f['cause']}; raise "
+                                   "faults.generate_timeout_s if generation is that slow, or look for a hung actor")
+            if slot < len(self.pool.actors) and actor_id(self.pool.actors[slot]) == f["actor_id"]:
+                self.pool.failed(slot, f["cause"], f["dead"], [], "an agent's call to the endpoint")
 
-    def _overdue(self, flight: dict) -> None:
-        """An agent that blocks its event loop (a blocking call inside async code) keeps the runner from keeping
-        deadlines: past twice the deadline the runner is replaced and the step's episodes failed with that cause."""
-        limit = 2 * self.cfg.environment.episode_timeout_s + 30
-        for step, e in flight.items():
-            if time.monotonic() - e["t0"] > limit:
-                ray.kill(self.runner, no_restart=True)
-                self.runner = self._runner()
-                with self.cv:
-                    for s, other in list(self.launched.items()):
-                        self.done[s] = self._collect(s, other, blocked=True)
-                        self.launched.pop(s)
-                    self.cv.notify_all()
-                return
+    def collect(self, call: EpisodeCall):
+        """(groups, stats, agent/* metrics) of a finished chunk; None where the endpoint or the runner died under
+        it: its episodes are played again from their start (the stream sends the chunk again, first)."""
+        from qgrpo.rollout.agents import Outcome
 
-    def _collect(self, step: int, entry: dict, blocked: bool = False, greedy: bool = False) -> StepRollouts:
-        from qgrpo.rollout.agents import Outcome, episode_group
-
+        blocked = call.runner in self.blocked
+        try:
+            outcomes = ray.get(call.ref) if not blocked else None
+        except ray.exceptions.RayActorError as e:
+            if call.runner in self.blocked:
+                blocked = True
+            else:
+                if call.runner == self.runner_id:
+                    self._restart("runner", _cause(e))
+                return self._replay(call)
+        if call.endpoint != self.generation:  # its sessions died with the endpoint
+            return self._replay(call)
+        try:
+            sessions = ray.get(self.endpoint.close_sessions.remote(call.sids), timeout=120)
+        except ray.exceptions.RayActorError as e:  # the endpoint died under these episodes
+            self._restart("endpoint", _cause(e))
+            return self._replay(call)
         if blocked:
-            why = ("the agent runner did not answer within twice environment.episode_timeout_s: an agent blocked "
-                   "its event loop (a blocking call inside async code: use the async client, or a plain def, which "
-                   "runs on a thread)")
-            outcomes = [Outcome(sid, error=why, timed_out=True) for sid in entry["sids"]]
-        else:
-            outcomes = ray.get(entry["ref"])
-        sessions = ray.get(self.endpoint.close_sessions.remote(entry["sids"]))
-        G, groups, problems, stats = entry["G"], [], [], {"calls": 0, "forks": 0, "branches": 0, "tool_calls": 0,
-                                                          "tool_parse_failures": 0, "model_tokens": 0}
-        for i, item in enumerate(entry["items"]):
-            ss = [sessions.get(sid) for sid in entry["sids"][i * G:(i + 1) * G]]
+            outcomes = [Outcome(sid, error=BLOCKED, timed_out=True) for sid in call.sids]
+        self.restarts = {"endpoint": 0, "runner": 0}
+        return self._groups(call, outcomes, sessions)
+
+    def _replay(self, call: EpisodeCall) -> None:
+        if call.endpoint == self.generation:
+            try:
+                ray.get(self.endpoint.close_sessions.remote(call.sids), timeout=60)
+            except ray.exceptions.RayError:
+                pass
+        for pid in call.prompt_ids:
+            self.replayed[pid] = self.replayed.get(pid, 0) + len(call.sids) // len(call.prompt_ids)
+        return None
+
+    def overdue(self, calls: list[EpisodeCall], seconds: float) -> None:
+        """An agent that blocks its event loop (a blocking call inside async code) keeps the runner from keeping
+        deadlines: past twice the deadline the runner is replaced and its chunks' episodes fail with that cause.
+        (`seconds`, the rollout actors' deadline, applies to each call inside the endpoint's link.)"""
+        limit = 2 * self.cfg.environment.episode_timeout_s + 30
+        if any(time.monotonic() - c.sent > limit and c.runner == self.runner_id for c in calls):
+            self.blocked.add(self.runner_id)
+            _kill(self.runner)
+            self.runner, self.runner_id = self._runner()
+
+    def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
+                 ) -> tuple[list[GroupRollout], list[GenerationStats]]:
+        """Held-out rows played once each, at temperature 0 (the endpoint samples these sessions greedily whatever
+        the agent asks), their episodes judged by the run's metric."""
+        from qgrpo.cluster.run.workers import RunFailed
+
+        sampling = SamplingParams(1, sampling.max_new_tokens, 0.0)
+        calls = [self.submit(-1, [item], sampling, step, greedy=True) for item in items]
+        done, late = ray.wait([c.ref for c in calls], num_returns=len(calls),
+                              timeout=2 * self.cfg.environment.episode_timeout_s + 30)
+        if late:  # an agent blocked the runner: its episodes fail with that cause (as in training)
+            self.blocked.add(self.runner_id)
+            _kill(self.runner)
+            self.runner, self.runner_id = self._runner()
+        out = []
+        for c in calls:
+            result = self.collect(c)
+            if result is None:
+                raise RunFailed("held-out agent episodes: the endpoint or the agent runner died during the "
+                                "evaluation")
+            out.append(result)
+        return [g for gs, _, _ in out for g in gs], [s for _, s, _ in out]
+
+    # --- a chunk's rows ---
+    def _groups(self, call: EpisodeCall, outcomes, sessions: dict):
+        from qgrpo.rollout.agents import episode_group
+
+        G, groups, problems = len(call.sids) // len(call.items), [], []
+        stats = dict.fromkeys(STATS, 0)
+        for i, item in enumerate(call.items):
+            ss = [sessions.get(sid) for sid in call.sids[i * G:(i + 1) * G]]
             for s in ss:
                 if s is not None:
                     st = s.stats()
                     for k in stats:
-                        stats[k] += st[k] - (1 if k == "branches" and st[k] else 0)
-            version = min((s.calls[0].spans[0][1] for s in ss if s is not None and s.calls), default=self.held_version)
+                        stats[k] += st.get(k, 0) - (1 if k == "branches" and st.get(k) else 0)
+            version = min((s.calls[0].spans[0][1] for s in ss if s is not None and s.calls),
+                          default=self.pool.version())
             group, bad = episode_group(item, outcomes[i * G:(i + 1) * G], ss, version, "agents", self.pool.precision,
                                        self._prompt(item))
             groups.append(group)
             problems += [f"row {item.prompt_id}: {p}" for p in bad]
-        if problems and self.cfg.environment.on_error == "fail" and not greedy:
+        if problems and self.cfg.environment.on_error == "fail" and not call.greedy:
             from qgrpo.cluster.run.workers import RunFailed
 
             raise RunFailed(f"agent episode failed: {problems[0]} (environment.on_error = \"fail\"; \"end\" ends the "
                             "episode with a score of 0 instead)")
-        seconds = time.monotonic() - entry["t0"]
         prec = self.pool.precision
+        replayed = sum(self.replayed.pop(pid, 0) for pid in call.prompt_ids)
         metrics = {"agent/calls": stats["calls"], "agent/forks": stats["forks"],
-                   "agent/untrained_branches": stats["branches"],
-                   f"agent/tool_calls_{prec}": stats["tool_calls"],
+                   "agent/untrained_branches": stats["branches"], f"agent/tool_calls_{prec}": stats["tool_calls"],
                    f"agent/tool_parse_failures_{prec}": stats["tool_parse_failures"],
-                   "agent/failed_episodes": len(problems), "agent/seconds": seconds}
-        gen = GenerationStats("agents", seconds, stats["model_tokens"], min(g.policy_version for g in groups))
-        return StepRollouts(groups, [gen], entry["cursor"], stream=metrics)
+                   "agent/failed_episodes": len(problems), "agent/replayed_episodes": replayed,
+                   "agent/cut_calls": stats["cut_calls"], "agent/capped_calls": stats["capped_calls"],
+                   "agent/tool_offers": stats["tool_offers"]}
+        gen = GenerationStats("agents", time.monotonic() - call.sent, stats["model_tokens"],
+                              min(g.policy_version for g in groups))
+        return groups, gen, metrics
 
     def _prompt(self, item) -> list[int]:
         """The row's prompt as the generators format it: the prompt of a group none of whose episodes called."""
@@ -200,62 +347,19 @@ class AgentSupply:
 
         return format_prompt(self._tokenizer, item, self.cfg.task.chat_template)
 
-    # --- the driver's side ---
-    def take(self, step: int) -> StepRollouts:
-        with self.cv:
-            self.asked = max(self.asked, step)
-            self.cv.notify_all()
-            while step not in self.done:
-                if self.error is not None:
-                    raise self.error
-                self.cv.wait(1.0)
-            out = self.done.pop(step)
-        return out
-
-    def more(self, step: int, n: int, round_: int) -> StepRollouts:
-        raise RuntimeError("dynamic sampling (algo.dynamic_sampling) is not served for agent programs")
-
-    def evaluate(self, items) -> list[GroupRollout]:
-        """Held-out rows played once each, at temperature 0 (the endpoint samples these sessions greedily whatever
-        the agent asks), their episodes judged by the run's metric."""
-        entry = self._launch(-1, items=items, greedy=True, group_size=1)
-        done, _ = ray.wait([entry["ref"]], timeout=2 * self.cfg.environment.episode_timeout_s + 30)
-        return self._collect(-1, entry, blocked=not done, greedy=True).groups
-
-    def advance(self, done: int, version: int) -> None:
-        with self.cv:
-            self.held, self.held_version = done, version
-            self.cv.notify_all()
-
-    def pause(self) -> None:
-        """Open no new sessions and wait for the episodes in flight (before the actors change)."""
-        with self.cv:
-            self.paused = True
-            while self.launched and self.error is None:
-                self.cv.wait(1.0)
-            if self.error is not None:
-                raise self.error
-        ray.get(self.endpoint.pause.remote())
-
-    def resume(self) -> None:
-        ray.get(self.endpoint.resume.remote(list(self.pool.actors)))
-        with self.cv:
-            self.paused = False
-            self.cv.notify_all()
-
-    def snapshot(self) -> dict | None:
-        """Episodes are not kept across a checkpoint: a resume plays the steps beyond it again from the sampler's
-        cursor (None: the checkpoint's own cursor says it all). Under S > 0 the steps drawn ahead are drawn again."""
-        return None
-
-    def stats(self) -> dict:
-        return ray.get(self.endpoint.stats.remote())
-
     def close(self) -> None:
-        self.stop.set()
-        self.thread.join(5)
         for actor in (self.runner, self.endpoint):
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            _kill(actor)
+
+
+def _cause(err: BaseException) -> str:
+    from qgrpo.actors.pool_link import _cause as cause
+
+    return cause(err)
+
+
+def _kill(actor) -> None:
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # noqa: BLE001 - already gone
+        pass

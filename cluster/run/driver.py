@@ -193,19 +193,11 @@ class TrainingRun:
         # Where each step's groups come from (cluster/run/supply.py), resumed with what a checkpoint drew beyond its
         # step
         buffer = read_buffer(resume) if resume is not None else None
-        self.agents = None  # agent programs behind the endpoint (cluster/run/agents.py), else the stream
-        if is_agent(cfg.environment.name):
-            from qgrpo.cluster.run.agents import ENDPOINT_FILE, AgentSupply
-
-            self.supply = self.agents = AgentSupply(cfg, self.workers.rollout, sampler, self.state.step,
-                                                    self.state.published_version)
-            (self.dir.local / ENDPOINT_FILE).write_text(json.dumps(self.agents.info(), indent=1) + "\n")
-            self.log.write({"event": "endpoint", "step": self.state.step, **self.agents.info()})
-            print(f"qgrpo: agents call the endpoint at {self.agents.address}/v1 (model {cfg.environment.served_model!r}"
-                  f"; RUN_DIR/{ENDPOINT_FILE})", file=sys.stderr)
-        else:
-            self.supply = open_supply(cfg, self.workers.rollout, sampler, self.state.step,
-                                      self.state.published_version, buffer)
+        self.supply = open_supply(cfg, self.workers.rollout, sampler, self.state.step, self.state.published_version,
+                                  buffer, self.dir.local)
+        for event, line in self.supply.announce():  # an agent source: where its endpoint is
+            self.log.write({**event, "step": self.state.step})
+            print(line, file=sys.stderr)
         if buffer:  # the groups generated ahead of the checkpoint, trained on as they were sampled
             self.log.write({"event": "stream_restored", "step": self.state.step, "groups": self.supply.restored,
                             "steps": sorted(int(s) + 1 for s in buffer["steps"])})
@@ -228,7 +220,7 @@ class TrainingRun:
 
             tools = tool_names(environment_spec(env.name, env.params))
         return (EnvHealth(env.name, env.max_failed_steps, env.on_error, self.dir.local),
-                SignalWatch(tools, env.turn_tokens or cfg.rollout.max_new_tokens))
+                SignalWatch.of(cfg, tools))
 
     def _baseline(self, train_task) -> dict | None:
         if self.metric.environment:  # a fixed answer is not a trajectory the environment scored: no baseline
@@ -301,10 +293,7 @@ class TrainingRun:
         """Held-out accuracy of the policy the rollout actors hold (greedy, task.eval_size prompts)."""
         tokens = self.cfg.run.eval_max_new_tokens or self.cfg.rollout.max_new_tokens
         items = eval_items(self.eval_task, self.cfg.task.eval_size)
-        if self.agents is not None:  # each held-out row played once by the agent, sampled greedily
-            groups = self.agents.evaluate(items)
-        else:
-            groups, _ = self.workers.generate(items, greedy(tokens))
+        groups = self.supply.evaluate(items, greedy(tokens))  # an agent's: each row played once, sampled greedily
         try:
             self.evals[done] = score_eval(groups, self.metric, details=True)
         except JudgeError as e:

@@ -33,6 +33,11 @@ that were waiting or in flight, and draws on from that cursor. A checkpoint with
 leaves the stream to draw from the checkpoint's own cursor. A chunk whose actor failed is sent again, first, to a
 live actor (RolloutPool.collect replaces a dead one).
 
+The stream's source is the rollout pool (RolloutPool: a chunk is a generation call on one actor) or, for agent
+programs (environment.name = "agent:..."), the pool behind the run's endpoint (cluster/run/agents.py: AgentEpisodes,
+a chunk is one row's episodes): both have the same dispatch, so one pump, one admission rule and one snapshot serve
+both. A chunk may report metrics beside its groups (agent/*: summed over the step's chunks into the step's metrics).
+
 Limits: a chunk is the unit of admission (a long-tail completion holds its chunk, though it no longer holds a
 sync); steps are taken in order (a slow chunk of step c delays step c even when later steps' chunks are done).
 """
@@ -45,7 +50,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from qgrpo.cluster.run.supply import RolloutSupply, StepRollouts, step_sampling
-from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem
+from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem, SamplingParams
 from qgrpo.learner.objective.staleness import Admission, admission, token_ages
 
 POLL_S = 0.05
@@ -60,12 +65,15 @@ class Chunk:
 
 
 class RolloutStream:
-    """The one RolloutSupply (cluster/run/supply.py). `pool`: the rollout actors' public dispatch (RolloutPool:
-    split, free_slots, submit, wait, collect, overdue, name); `rule`: the admission rule."""
+    """The one RolloutSupply (cluster/run/supply.py). `pool`: the rollout source's public dispatch (RolloutPool, or
+    AgentEpisodes over it: split, free_slots, submit, wait, collect, overdue, name, generate, announce); `rule`: the
+    admission rule."""
 
     def __init__(self, pool, sampler, ro, *, seed: int, rule: Admission, start_step: int, published: int, steps: int,
-                 timeout_s: float, buffer: dict | None = None):
-        """`buffer`: a checkpoint's snapshot to take up (`restore`) before anything is drawn."""
+                 timeout_s: float, buffer: dict | None = None, on_close=None):
+        """`buffer`: a checkpoint's snapshot to take up (`restore`) before anything is drawn; `on_close`: what ends
+        the source with the stream (the agent episodes' actors)."""
+        self.on_close = on_close
         self.pool, self.sampler, self.ro, self.seed, self.rule = pool, sampler, ro, seed, rule
         self.steps, self.timeout_s = steps, timeout_s
         self.held = start_step  # the actors hold the weights of this many steps (the last sync's)
@@ -74,7 +82,7 @@ class RolloutStream:
         self.next_step = start_step  # the next step whose prompts are drawn
         self.queue: deque[Chunk] = deque()  # drawn, not yet sent
         self.flight: dict = {}  # Call -> Chunk
-        self.done: dict[tuple[int, int], dict[int, tuple]] = {}  # draw -> chunk index -> (groups, stats)
+        self.done: dict[tuple[int, int], dict[int, tuple]] = {}  # draw -> chunk index -> (groups, stats[, metrics])
         self.chunks: dict[tuple[int, int], list[list]] = {}  # draw -> its chunks' prompts (for a snapshot)
         self.expected: dict[tuple[int, int], tuple[int, int]] = {}  # draw -> (number of chunks, cursor after it)
         self.error: BaseException | None = None
@@ -139,9 +147,9 @@ class RolloutStream:
                 self.error = e
                 self.cv.notify_all()
 
-    def _wait(self, key: tuple[int, int]) -> tuple[list[GroupRollout], list[GenerationStats], int]:
-        """The draw's groups (in prompt order), stats and cursor, once all its chunks are in; removed from the
-        stream."""
+    def _wait(self, key: tuple[int, int]) -> tuple[list[GroupRollout], list[GenerationStats], int, dict]:
+        """The draw's groups (in prompt order), stats, cursor and its chunks' metrics summed, once all its chunks are
+        in; removed from the stream."""
         self._admit()
         self._send()
         self.cv.notify_all()
@@ -154,7 +162,11 @@ class RolloutStream:
             self.cv.wait(1.0)
         results, (n, cursor) = self.done.pop(key), self.expected.pop(key)
         self.chunks.pop(key, None)
-        return [g for k in range(n) for g in results[k][0]], [results[k][1] for k in range(n)], cursor
+        metrics: dict = {}
+        for k in range(n):
+            for name, v in (results[k][2] if len(results[k]) > 2 else {}).items():
+                metrics[name] = metrics.get(name, 0) + v
+        return [g for k in range(n) for g in results[k][0]], [results[k][1] for k in range(n)], cursor, metrics
 
     # --- the driver's side ---
     def take(self, step: int) -> StepRollouts:
@@ -164,13 +176,13 @@ class RolloutStream:
         t0 = time.monotonic()
         with self.cv:
             self.asked = max(self.asked, step)
-            groups, stats, cursor = self._wait((step, 0))
-            buffered = sum(len(gs) for d in self.done.values() for gs, _ in d.values())
+            groups, stats, cursor, metrics = self._wait((step, 0))
+            buffered = sum(len(r[0]) for d in self.done.values() for r in d.values())
             in_flight = sum(len(c.items) for c in self.flight.values())
         if self.rule.synchronous:
-            return StepRollouts(groups, stats, cursor)
+            return StepRollouts(groups, stats, cursor, stream=metrics)
         ages = [self.held_version - g.policy_version for g in groups]
-        return StepRollouts(groups, stats, cursor, stream={
+        return StepRollouts(groups, stats, cursor, stream={**metrics,
             "stream/wait_s": time.monotonic() - t0, "stream/buffered_groups": buffered,
             "stream/in_flight_prompts": in_flight, "stream/staleness_mean": sum(ages) / len(ages),
             "stream/staleness_max": max(ages)})
@@ -183,8 +195,8 @@ class RolloutStream:
                                "0, no algo.overlap)")
         with self.cv:
             self._draw((step, round_), n, first=True)
-            groups, stats, cursor = self._wait((step, round_))
-        return StepRollouts(groups, stats, cursor)
+            groups, stats, cursor, metrics = self._wait((step, round_))
+        return StepRollouts(groups, stats, cursor, stream=metrics)
 
     def advance(self, done: int, version: int) -> None:
         """The actors now hold the weights of `done` steps, policy `version` (a sync, or a due sync the unchanged
@@ -221,8 +233,9 @@ class RolloutStream:
                 key = (step, round_)
                 n, cursor = self.expected[key]
                 steps[str(step)] = {"cursor": cursor, "chunks": [[_item_json(i) for i in c] for c in self.chunks[key]],
-                                    "done": {str(k): {"groups": [_group_json(g) for g in gs], "stats": _stats_json(st)}
-                                             for k, (gs, st) in self.done[key].items()}}
+                                    "done": {str(k): {"groups": [_group_json(g) for g in r[0]],
+                                                      "stats": _stats_json(r[1]), "metrics": r[2] if len(r) > 2 else {}}
+                                             for k, r in self.done[key].items()}}
             return {"next_step": self.next_step, "cursor": self.sampler.cursor, "steps": steps}
 
     def restore(self, state: dict) -> int:
@@ -238,29 +251,51 @@ class RolloutStream:
                 chunks = [[_item_of(i) for i in c] for c in entry["chunks"]]
                 self.expected[key] = (len(chunks), entry["cursor"])
                 self.chunks[key] = chunks
-                self.done[key] = {int(k): ([_group_of(g) for g in d["groups"]], _stats_of(d["stats"]))
-                                  for k, d in entry["done"].items()}
-                restored += sum(len(gs) for gs, _ in self.done[key].values())
+                self.done[key] = {int(k): ([_group_of(g) for g in d["groups"]], _stats_of(d["stats"]),
+                                           d.get("metrics") or {}) for k, d in entry["done"].items()}
+                restored += sum(len(r[0]) for r in self.done[key].values())
                 self.queue.extend(Chunk(key, k, c) for k, c in enumerate(chunks) if k not in self.done[key])
             self.next_step = state["next_step"]
             self.sampler.cursor = state["cursor"]
             self.cv.notify_all()
             return restored
 
+    # --- beside the steps ---
+    def evaluate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
+        """Held-out rows, each generated (or played by the agent) once with `sampling`, in the order of `items`."""
+        groups, _ = self.pool.generate(items, sampling, 0)
+        return groups
+
+    def announce(self) -> list[tuple[dict, str]]:
+        """(an event for the run log, a line for stderr) the source has to say when the run starts."""
+        return self.pool.announce()
+
     def close(self) -> None:
         self.stop.set()
         self.thread.join(5)
+        if self.on_close is not None:
+            self.on_close()
 
 
-def open_supply(cfg, pool, sampler, start_step: int, published: int, buffer: dict | None) -> RolloutSupply:
-    """The run's supply: a stream over the rollout pool (`pool`: cluster/run/workers.py's RolloutPool) under the
-    [algo] section's admission rule, starting after `start_step` steps with the actors holding policy `published`;
-    `buffer`: a checkpoint's snapshot to take up (None: draw from the sampler's cursor)."""
+def open_supply(cfg, pool, sampler, start_step: int, published: int, buffer: dict | None,
+                run_dir=None) -> RolloutSupply:
+    """The run's supply: a stream over the rollout pool (`pool`: cluster/run/workers.py's RolloutPool), or over the
+    agent episodes served by it (environment.name = "agent:...", cluster/run/agents.py; endpoint.json in `run_dir`),
+    under the [algo] section's admission rule, starting after `start_step` steps with the actors holding policy
+    `published`; `buffer`: a checkpoint's snapshot to take up (None: draw from the sampler's cursor)."""
+    from qgrpo.rollout.environments.loader import is_agent
+
     a = cfg.algo
-    return RolloutStream(pool, sampler, cfg.rollout, seed=cfg.run.seed,
+    source, on_close = pool, None
+    if is_agent(cfg.environment.name):
+        from qgrpo.cluster.run.agents import AgentEpisodes
+
+        source = AgentEpisodes(cfg, pool, run_dir)
+        on_close = source.close
+    return RolloutStream(source, sampler, cfg.rollout, seed=cfg.run.seed,
                          rule=admission(a.max_staleness, a.update_every, a.overlap), start_step=start_step,
                          published=published, steps=cfg.run.steps, timeout_s=cfg.faults.generate_timeout_s,
-                         buffer=buffer)
+                         buffer=buffer, on_close=on_close)
 
 
 def stream_ages(groups: list[GroupRollout], trained_from: int) -> dict:

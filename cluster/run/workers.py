@@ -122,6 +122,7 @@ class RolloutPool:
         self.spawned = [0] * cfg.rollout.num_actors  # actors created per slot
         self.failures = [0] * cfg.rollout.num_actors  # failures in a row per slot
         self.events: list[dict] = []  # for the run log
+        self.watchers: list = []  # called with the actors' handles whenever they change (`watch`)
         # sync.transport = "collective": the broadcast group (its members, formed again when the actors change).
         self.group = CollectiveGroup(lambda calls, seconds, stage: gather(calls, seconds, stage, "sync.timeout_s")) \
             if cfg.sync.transport == "collective" else None
@@ -150,21 +151,54 @@ class RolloutPool:
         )
 
     def _failed(self, slot: int, err: BaseException, prompt_ids: list[str], stage: str) -> None:
-        """Count a failure; replace the actor if its process is gone; end the run after too many in a row."""
+        self.failed(slot, _cause(err), isinstance(err, ray.exceptions.RayActorError), prompt_ids, stage)
+
+    def failed(self, slot: int, cause: str, dead: bool, prompt_ids: list[str], stage: str) -> None:
+        """Count a failure of the actor at `slot`; replace it if its process is gone (`dead`); end the run after too
+        many in a row. Also what a PoolLink reports from another process (an endpoint's call)."""
         self.failures[slot] += 1
-        name, cause, limit = self.name(slot), _cause(err), self.cfg.faults.max_replacements
+        name, limit = self.name(slot), self.cfg.faults.max_replacements
         self.events.append({"event": "rollout_actor_failed", "stage": stage, "actor": name, "cause": cause,
                             "prompt_ids": prompt_ids, "failures_in_a_row": self.failures[slot]})
         if self.failures[slot] > limit:
             raise RunFailed(f"{stage}: rollout actor {name} failed {self.failures[slot]} times in a row "
                             f"(faults.max_replacements = {limit}); last cause: {cause}; it held prompts "
                             f"{', '.join(prompt_ids) or '(none)'}")
-        if isinstance(err, ray.exceptions.RayActorError):
+        if dead:
             ray.kill(self.actors[slot], no_restart=True)
             self.actors[slot] = self._spawn(slot)
             self.events.append({"event": "rollout_actor_replaced", "stage": stage, "actor": name,
                                 "replacement": self.name(slot), "weights_version": self.last_update.version
                                 if self.last_update else self.policy_version})
+            self._changed()
+
+    def served(self, slot: int) -> None:
+        """The actor at `slot` answered: its failures in a row start again from 0."""
+        self.failures[slot] = 0
+
+    def watch(self, fn) -> None:
+        """`fn(actors)` is called with the actors' handles each time they change (a replacement, a resize, the
+        precision ladder): how a process that calls them through a PoolLink (the endpoint) gets the new ones."""
+        self.watchers.append(fn)
+
+    def _changed(self) -> None:
+        for fn in self.watchers:
+            fn(list(self.actors))
+
+    def link(self):
+        """The pool as another process calls it (actors/pool_link.py): the actors' handles, the generation
+        deadline; failures come back to `failed` through the process that holds the link."""
+        from qgrpo.actors.pool_link import PoolLink
+
+        return PoolLink(self.actors, self.cfg.faults.generate_timeout_s)
+
+    def announce(self) -> list[tuple[dict, str]]:
+        """Nothing to say at the start of a run (an agent source says where its endpoint is)."""
+        return []
+
+    def version(self) -> int:
+        """The policy version the actors hold (the last published one)."""
+        return self.last_update.version if self.last_update is not None else self.policy_version
 
     # --- dispatch: what the rollout supply (cluster/run/stream.py) and `generate` build on ---
     def split(self, items: list[PromptItem]) -> list[list[PromptItem]]:
@@ -269,6 +303,7 @@ class RolloutPool:
         gather({a.info.remote(): self.name(i) for i, a in enumerate(self.actors)},
                self.cfg.faults.generate_timeout_s, f"restarting the rollout actors at {precision}",
                "faults.generate_timeout_s")
+        self._changed()
 
     def info(self) -> list[dict]:
         return ray.get([a.info.remote() for a in self.actors])
@@ -306,6 +341,7 @@ class RolloutPool:
         if self.cores:  # local mode: the actors share this machine's cores
             self.threads = max(1, self.cores // n)
             ray.get([a.set_threads.remote(self.threads) for a in self.actors])
+        self._changed()
         return event
 
 
