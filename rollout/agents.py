@@ -142,13 +142,35 @@ def _reward(result) -> float | None:
     return float(result)
 
 
+BRANCHES = ("main", "drop")  # environment.branches: which branches of an episode train
+
+
+def branch_counts(session: Session | None, branches: str = "main") -> dict:
+    """What of a session trains under environment.branches: trained_calls (the calls of its trained row),
+    untrained_calls (its other calls), dropped (1 when "drop" leaves out an episode that forked)."""
+    if session is None or not session.calls:
+        return {"trained_calls": 0, "untrained_calls": 0, "dropped": 0}
+    n = len(session.calls)
+    forked = len(session.leaves()) > 1
+    if branches == "drop" and forked:
+        return {"trained_calls": 0, "untrained_calls": n, "dropped": 1}
+    main = session.stats()["main_calls"]
+    return {"trained_calls": main, "untrained_calls": n - main, "dropped": 0}
+
+
 def episode_group(item: PromptItem, outcomes: list[Outcome], sessions: list[Session | None], policy_version: int,
-                  generator_id: str, precision: str, fallback_prompt: list[int]) -> tuple[GroupRollout, list[str]]:
-    """The G episodes of one row as a GroupRollout: each session's main branch (sampled tokens mask 1, the rendered
-    turns between them mask 0), the group's prompt the longest prefix the branches share (each branch's own prompt
-    beyond it joins its completion, masked). A failed episode (its outcome's error, a session that made no call or
-    reached a limit) keeps whatever it sampled, scores 0 and finishes "env_error" ("max_turns" or "context" for a
-    limit). Returns the group and the problems to count (one per failed episode)."""
+                  generator_id: str, precision: str, fallback_prompt: list[int],
+                  branches: str = "main") -> tuple[GroupRollout, list[str]]:
+    """The G episodes of one row as a GroupRollout: each session's main branch (Session.branches: the most sampled
+    tokens, ties by the call issued first; sampled tokens mask 1, the rendered turns between them mask 0), the
+    group's prompt the longest prefix the branches share (each branch's own prompt beyond it joins its completion,
+    masked). `branches` (environment.branches): "main" trains each main branch; "drop" zeroes the loss mask of an
+    episode that forked (its row stays, so the group keeps its G rows, and its reward still enters the group's
+    mean and spread). A failed episode (its outcome's error, a session that made no call or reached a limit) keeps
+    whatever it sampled, scores 0 and finishes "env_error" ("max_turns" or "context" for a limit). Returns the group
+    and the problems to count (one per failed episode)."""
+    if branches not in BRANCHES:
+        raise ValueError(f"environment.branches: {branches!r}; one of {', '.join(BRANCHES)}")
     rows = []
     for o, s in zip(outcomes, sessions, strict=True):
         calls = s.calls if s is not None else []
@@ -163,6 +185,10 @@ def episode_group(item: PromptItem, outcomes: list[Outcome], sessions: list[Sess
     comps, problems = [], []
     for o, s, r in zip(outcomes, sessions, rows, strict=True):
         comp = _completion(r, prefix)
+        if branch_counts(s, branches)["dropped"]:
+            import dataclasses
+
+            comp = dataclasses.replace(comp, model_mask=[0] * len(comp.token_ids))
         ended = s.ended if s is not None else ""
         if o.error:
             if ended and o.reward is None:  # the agent stopped at a limit the endpoint set: a truncated episode

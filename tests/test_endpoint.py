@@ -317,11 +317,16 @@ def test_token_in_calls_stitch_by_token_prefix(ep):
     assert stats["branches"] == 3  # child, sibling, and the fork's own root
     assert stats["forks"] == 2  # the sibling (a parent's second child) and the rewritten history
     assert stats["fork_reasons"] == [qf["fork"]]
-    # the branch of the last call is the fork alone; the sibling's branch is root + its own tail
+    # the main branch is the one with the most sampled tokens, ties by the order the calls were issued: root + child
+    # (not the fork, the last call); the fork is a branch of its own; the sibling's branch is root + its own tail
     from qgrpo.rollout.endpoint.sessions import branch_row
 
     s = ep.endpoint.book.get(sid)
-    assert branch_row(s).prompt_ids == changed and branch_row(s).calls == 1
+    main = branch_row(s)
+    assert main.calls == 2 and main.prompt_ids + main.completion.token_ids == end_of(child)
+    assert [c.id for c in s.branches()] == [child["qgrpo"]["call_id"], sibling["qgrpo"]["call_id"], qf["call_id"]]
+    b = branch_row(s, s.call(qf["call_id"]))
+    assert b.prompt_ids == changed and b.calls == 1
     b = branch_row(s, s.call(sibling["qgrpo"]["call_id"]))
     assert b.prompt_ids + b.completion.token_ids == end_of(sibling) and b.calls == 2
 

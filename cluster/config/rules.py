@@ -284,6 +284,16 @@ def _environment_params(cfg: Config) -> list[str]:
     return []
 
 
+@rule("environment.name", "environment.branches")
+def _environment_branches(cfg: Config) -> list[str]:
+    from qgrpo.rollout.environments.loader import is_agent
+
+    if cfg.environment.branches == "main" or is_agent(cfg.environment.name):
+        return []
+    return [f"environment.branches: {cfg.environment.branches!r} is read for agent programs only (environment.name "
+            f"= \"agent:FILE.py:NAME\"), whose calls can fork; an environment's trajectory never does: remove it"]
+
+
 @rule("environment.name", "rollout.backend")
 def _environment_backend(cfg: Config) -> list[str]:
     backend = cfg.rollout.backend

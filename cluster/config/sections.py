@@ -231,6 +231,7 @@ class RewardsConfig:
 
 
 ENV_ON_ERROR = ("end", "fail")
+ENV_BRANCHES = ("main", "drop")  # rollout/agents.py: BRANCHES
 
 
 @dataclass(config=SECTION)
@@ -281,6 +282,14 @@ class EnvironmentConfig:
     endpoint); the rest wait their turn."""
     episode_timeout_s: Float = setting(600.0, gt=0)
     """Agent programs: seconds one whole episode may take; past it, the episode fails and follows on_error."""
+    branches: choice(ENV_BRANCHES, "must be {quoted}") = "main"
+    """Agent programs: which branches of an episode's call tree train (docs/agents.md, Sessions). "main": the main
+    branch, the one with the most sampled tokens (ties: the call issued first); the calls on its other branches
+    are counted in agent/untrained_calls, and a step where more than a quarter of the calls did not train warns. "drop":
+    an episode that forked trains nothing (its row stays in its group with its loss mask zeroed, so the group keeps
+    group_size rows; counted in agent/dropped_episodes). Every branch as a row of its own is not offered: a step's
+    batch is rollout.prompts_per_step x rollout.group_size rows (the advantages' groups, the learner's gradient
+    accumulation)."""
     served_model: Str = setting("qgrpo-policy")
     """Agent programs: the model name the endpoint serves (what the agent passes as `model`; any other is refused)."""
     endpoint_host: Str = setting("127.0.0.1", fix="e.g. \"0.0.0.0\" to serve agents on other machines")

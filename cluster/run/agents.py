@@ -209,25 +209,13 @@ class AgentEpisodes:
         return [by_ref[r] for r in ready if r in by_ref]
 
     def _reports(self) -> None:
-        from qgrpo.actors.pool_link import actor_id
-        from qgrpo.cluster.run.workers import StageTimeout
-
         ref, self.watch_ref = self.watch_ref, None
         try:
-            rep = ray.get(ref)
+            reports = ray.get(ref)
         except ray.exceptions.RayActorError as e:
             self._restart("endpoint", _cause(e))
             return
-        for slot in rep["served"]:
-            if slot < len(self.pool.actors):
-                self.pool.served(slot)
-        for f in rep["failures"]:
-            slot = f["slot"]
-            if f["hung"]:
-                raise StageTimeout(f"an agent's call to {self.pool.name(slot)}: {f['cause']}; raise "
-                                   "faults.generate_timeout_s if generation is that slow, or look for a hung actor")
-            if slot < len(self.pool.actors) and actor_id(self.pool.actors[slot]) == f["actor_id"]:
-                self.pool.failed(slot, f["cause"], f["dead"], [], "an agent's call to the endpoint")
+        self.pool.take_reports(reports, "an agent's call to the endpoint")
 
     def collect(self, call: EpisodeCall):
         """(groups, stats, agent/* metrics) of a finished chunk; None where the endpoint or the runner died under
@@ -301,10 +289,14 @@ class AgentEpisodes:
 
     # --- a chunk's rows ---
     def _groups(self, call: EpisodeCall, outcomes, sessions: dict):
-        from qgrpo.rollout.agents import episode_group
+        from qgrpo.rollout.agents import branch_counts, episode_group
+        from qgrpo.rollout.endpoint.sessions import FORK_KINDS
 
         G, groups, problems = len(call.sids) // len(call.items), [], []
+        branches = self.cfg.environment.branches
         stats = dict.fromkeys(STATS, 0)
+        more = {"untrained_calls": 0, "dropped": 0, "edited_answers": 0, "second_children": 0}
+        kinds = dict.fromkeys(FORK_KINDS.values(), 0)  # every kind on every step: the curves have no gaps
         for i, item in enumerate(call.items):
             ss = [sessions.get(sid) for sid in call.sids[i * G:(i + 1) * G]]
             for s in ss:
@@ -312,10 +304,17 @@ class AgentEpisodes:
                     st = s.stats()
                     for k in stats:
                         stats[k] += st.get(k, 0) - (1 if k == "branches" and st.get(k) else 0)
+                    counted = branch_counts(s, branches)
+                    more["untrained_calls"] += counted["untrained_calls"]
+                    more["dropped"] += counted["dropped"]
+                    more["edited_answers"] += st.get("edited_answers", 0)
+                    more["second_children"] += st.get("second_children", 0)
+                    for kind, n in st.get("fork_kinds", {}).items():
+                        kinds[kind] = kinds.get(kind, 0) + n
             version = min((s.calls[0].spans[0][1] for s in ss if s is not None and s.calls),
                           default=self.pool.version())
             group, bad = episode_group(item, outcomes[i * G:(i + 1) * G], ss, version, "agents", self.pool.precision,
-                                       self._prompt(item))
+                                       self._prompt(item), branches)
             groups.append(group)
             problems += [f"row {item.prompt_id}: {p}" for p in bad]
         if problems and self.cfg.environment.on_error == "fail" and not call.greedy:
@@ -330,7 +329,10 @@ class AgentEpisodes:
                    f"agent/tool_parse_failures_{prec}": stats["tool_parse_failures"],
                    "agent/failed_episodes": len(problems), "agent/replayed_episodes": replayed,
                    "agent/cut_calls": stats["cut_calls"], "agent/capped_calls": stats["capped_calls"],
-                   "agent/tool_offers": stats["tool_offers"]}
+                   "agent/tool_offers": stats["tool_offers"], "agent/untrained_calls": more["untrained_calls"],
+                   "agent/dropped_episodes": more["dropped"], "agent/edited_answers": more["edited_answers"],
+                   "agent/forks_second_child": more["second_children"],
+                   **{f"agent/forks_{kind}": n for kind, n in kinds.items()}}
         gen = GenerationStats("agents", time.monotonic() - call.sent, stats["model_tokens"],
                               min(g.policy_version for g in groups))
         return groups, gen, metrics

@@ -12,10 +12,11 @@ score is the 0 of a failure learns nothing.
 completion of a prompt scored alike, so every advantage is 0) and, for an environment with tools, no trajectory that
 called one (episode/called_tool_frac 0.0), each for NO_SIGNAL_STEPS steps in a row, give a warning with the likely
 causes and their fixes; so do an agent program's tools offered but never called (agent/tool_offers without
-agent/tool_calls_<P>), and its calls cut at max_tokens (agent/cut_calls) past CUT_SHARE of a step's calls, naming
-environment.turn_tokens and environment.max_context. Once per streak: the metrics say so on every step line; a
-warning repeated every step would bury the other lines of a long run without saying more. A step with signal (or a
-call) ends the streak, and the next streak warns again.
+agent/tool_calls_<P>), its calls cut at max_tokens (agent/cut_calls) past CUT_SHARE of a step's calls, naming
+environment.turn_tokens and environment.max_context, and its calls on no trained branch (agent/untrained_calls) past
+UNTRAINED_SHARE of a step's calls, naming the forks' likely causes (agent/forks_<kind>) and environment.branches.
+Once per streak: the metrics say so on every step line; a warning repeated every step would bury the other lines of
+a long run without saying more. A step with signal (or a call) ends the streak, and the next streak warns again.
 """
 from __future__ import annotations
 
@@ -127,13 +128,14 @@ class SignalWatch:
     called, for NO_SIGNAL_STEPS steps in a row; once per streak. `tools`: the environment's tools' names;
     `turn_tokens`: an environment's turn length, or an agent's call cap (0: none). For an agent program (`agent`),
     from the agent/* metrics: tools offered on its calls but none called for NO_SIGNAL_STEPS steps, and calls cut at
-    max_tokens past CUT_SHARE of a step's calls (`agent_warnings`); `max_context` names the room the calls share."""
+    max_tokens past CUT_SHARE of a step's calls and calls that trained nothing past UNTRAINED_SHARE
+    (`agent_warnings`); `max_context` names the room the calls share, `branches` environment.branches."""
 
     def __init__(self, tools: list[str] | None = None, turn_tokens: int = 0, steps: int = NO_SIGNAL_STEPS,
-                 agent: bool = False, max_context: int = 0):
+                 agent: bool = False, max_context: int = 0, branches: str = "main"):
         self.tools, self.turn_tokens, self.steps = list(tools or []), turn_tokens, steps
-        self.agent, self.max_context = agent, max_context
-        self.flat = self.silent = self.offered = self.cutting = 0
+        self.agent, self.max_context, self.branches = agent, max_context, branches
+        self.flat = self.silent = self.offered = self.cutting = self.untrained = 0
 
     @classmethod
     def of(cls, cfg, tools: list[str] | None = None) -> SignalWatch:
@@ -144,7 +146,7 @@ class SignalWatch:
 
         env = cfg.environment
         if is_agent(env.name):
-            return cls([], agent_call_cap(cfg), agent=True, max_context=env.max_context)
+            return cls([], agent_call_cap(cfg), agent=True, max_context=env.max_context, branches=env.branches)
         return cls(tools, env.turn_tokens or cfg.rollout.max_new_tokens, max_context=env.max_context)
 
     def end_step(self, step: int, m: dict) -> list[dict]:
@@ -182,7 +184,42 @@ class SignalWatch:
         if self.cutting == 1:
             events.append({"event": "warning", "step": step, "kind": "cut_calls", "cut": cut, "calls": calls,
                            "message": self._agent_cut(m)})
+        untrained = m.get("agent/untrained_calls", 0)
+        self.untrained = self.untrained + 1 if calls and untrained > UNTRAINED_SHARE * calls else 0
+        if self.untrained == 1:
+            events.append({"event": "warning", "step": step, "kind": "untrained_calls", "untrained": untrained,
+                           "calls": calls, "causes": self._fork_causes(m), "message": self._untrained(m)})
         return events
+
+    @staticmethod
+    def _fork_causes(m: dict) -> list[str]:
+        """The forks' kinds this step, most first (agent/forks_<kind>)."""
+        counts = {k[len("agent/forks_"):]: v for k, v in m.items() if k.startswith("agent/forks_") and v}
+        return sorted(counts, key=lambda k: -counts[k])
+
+    def _untrained(self, m: dict) -> str:
+        untrained, calls = m.get("agent/untrained_calls", 0), m.get("agent/calls", 0)
+        words = {
+            "history": "the agent rewrote, trimmed or summarised its earlier messages: each rewrite starts a new "
+                       "branch (send the history back as it was, appending only)",
+            "answer": "answers sent back edited without their tool-call ids, or left out (send the assistant "
+                      "message back as returned: its tool-call ids link it even when its text changed)",
+            "template": "the chat template renders earlier turns differently once new messages follow and cannot "
+                        "render the new ones apart",
+            "tokens": "token-in prompts that extend no earlier call's tokens (re-tokenized history)",
+            "route": "a chat call after a token-in call in one episode (keep to one route)",
+            "second_child": "calls continuing a call that already had a continuation: retries, calls in flight "
+                            "together, sub-agents sharing the session",
+            "other": "forks of another kind"}
+        causes = [f"{words.get(k, k)} (agent/forks_{k} {m.get(f'agent/forks_{k}', 0)})" for k in self._fork_causes(m)]
+        setting = ("environment.branches = \"drop\" leaves out every episode that forked (agent/dropped_episodes "
+                   f"{m.get('agent/dropped_episodes', 0)})" if self.branches == "drop" else
+                   "environment.branches = \"main\" trains each episode's main branch only (the most sampled "
+                   "tokens); the calls on its other branches are counted, not trained")
+        return (f"{untrained} of the {calls} agent calls this step are on no trained branch (agent/untrained_calls): "
+                f"{setting}; likely causes: " + ("; ".join(causes) or "none recorded") + "; each call's fork and its "
+                "reason are in the session's record (GET /v1/sessions/SID under `qgrpo serve`; docs/agents.md, "
+                "Sessions)")
 
     def _cap(self) -> str:
         return (f"environment.turn_tokens = {self.turn_tokens} caps every call" if self.turn_tokens else
@@ -264,6 +301,7 @@ class SignalWatch:
 
 
 CUT_SHARE = 0.25  # of an agent's calls in a step, the share ended at max_tokens past which it warns
+UNTRAINED_SHARE = 0.25  # of an agent's calls in a step, the share on no trained branch past which it warns
 PARSE_SHARE = 0.25  # of the tool calls a model wrote in a step, the share that failed to parse past which it warns
 
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 from qgrpo.rollout.environments.tools import TOOL_CALL, parse_tool_calls, schemas_prompt
-from qgrpo.rollout.episodes import ChatTemplate, PlainText, encode, render
+from qgrpo.rollout.episodes import ChatTemplate, EpisodeError, PlainText, encode, render
 
 TOOL_PARSER = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, as rollout/environments/tools.py
 TEMPLATE_PARSER = "response_template"  # the tokenizer's own (transformers' tokenizer.parse_response)
 # a leading reasoning block: <think>...</think>, or an unclosed <think> (cut by max_tokens) to the end
 THINK = re.compile(r"\s*<think>(.*?)(?:</think>\s*|\Z)", re.DOTALL)
+BRIDGE_MARKER = "qgrpo-bridge-9c41"  # the placeholder assistant turn's text, after which the tail is rendered
 PREFIX_TOKENS = 32  # the prompt's last tokens handed to parse_response (where the template pre-writes the turn's start)
 
 
@@ -120,6 +122,9 @@ class Renderer:
         self.tokenizer = tokenizer
         self.stop_text = tokenizer.decode([stop_ids[0]]) if stop_ids else ""
         self.chat = bool(chat_template and getattr(tokenizer, "chat_template", None))
+        # the endpoint renders off its event loop (asyncio.to_thread): one rendering at a time, so that the tokenizer
+        # and the caches below are never used by two rendering threads at once
+        self.lock = threading.Lock()
         self._native: dict[str, bool] = {}  # tools JSON -> the template renders them itself
         self._texts: dict[str, object] = {}  # tools JSON -> its ChatTemplate / PlainText
 
@@ -142,9 +147,9 @@ class Renderer:
                                 if self.chat else PlainText(self.tokenizer, self.stop_text))
         return self._texts[key]
 
-    def messages(self, messages: list[dict], schemas: list[dict]) -> list[dict]:
+    def messages(self, messages: list[dict], schemas: list[dict], tools_message: bool = True) -> list[dict]:
         """What the template renders: {"role", "content"} only (and the tool calls where the template renders them),
-        with the tools' system message first where the template does not render `tools=`."""
+        with the tools' system message first where the template does not render `tools=` (`tools_message`)."""
         out = []
         for k, m in enumerate(messages):
             role, text, calls, _ = canonical(m, k)
@@ -156,7 +161,7 @@ class Renderer:
                 msg["content"] = text + "".join(
                     f"<tool_call>{json.dumps({'name': n, 'arguments': json.loads(a)})}</tool_call>" for n, a in calls)
             out.append(msg)
-        if schemas and not self.native_tools(schemas):
+        if tools_message and schemas and not self.native_tools(schemas):
             out.insert(0, {"role": "system", "content": schemas_prompt(schemas)})
         return out
 
@@ -164,14 +169,41 @@ class Renderer:
         """The token ids of a whole conversation, ending with the assistant's header."""
         if not messages:
             raise RequestError("messages: at least one message", "messages")
-        return self._text(schemas).prompt(self.messages(messages, schemas))
+        with self.lock:
+            return self._text(schemas).prompt(self.messages(messages, schemas))
 
-    def tail(self, history: list[dict], new: list[dict], schemas: list[dict], stopped: bool) -> list[int]:
-        """The token ids of `new` messages after `history` whose last message is the model's sampled turn (`stopped`:
-        it ended with a stop token), with the next assistant header: only the new tail is rendered."""
-        rendered = self.messages(history + new, schemas)
-        n = len(rendered) - len(new)
-        return self._text(schemas).turn(rendered[:n], rendered[n:], stopped)
+    def tail(self, new: list[dict], schemas: list[dict], stopped: bool, history=None) -> list[int]:
+        """The token ids of `new` messages after the model's sampled turn (`stopped`: it ended with a stop token),
+        with the next assistant header: the append-only bridge. Only the new messages are rendered, never the turns
+        before them: the template renders a placeholder conversation (a user turn, an assistant turn, then `new`) and
+        the text after the placeholder's stop token is the tail, so a template that renders earlier turns otherwise
+        once a user turn follows (Qwen3's drops their reasoning) still extends the sampled ids. Where the template
+        renders no placeholder turn as such (it never shows the marker, or ends the turn without the stop token),
+        `history()` (the conversation before `new`, its last message the sampled turn) is rendered whole and the
+        tail is its rendering with `new` less without (rollout/episodes.py: environment_turn_ids)."""
+        with self.lock:
+            return self._tail(new, schemas, stopped, history)
+
+    def _tail(self, new: list[dict], schemas: list[dict], stopped: bool, history) -> list[int]:
+        rendered = self.messages(new, schemas, tools_message=False)
+        text = self._text(schemas)
+        if not isinstance(text, ChatTemplate):
+            return text.turn([], rendered, stopped)
+        stop = self.stop_text
+        probe = [{"role": "user", "content": "q"}, {"role": "assistant", "content": BRIDGE_MARKER}]
+        try:
+            whole = render(self.tokenizer, probe + rendered, text.tools, True)
+        except Exception:  # noqa: BLE001 - a template that refuses the placeholder: the whole rendering answers
+            whole = ""
+        k = whole.find(BRIDGE_MARKER)
+        after = whole[k + len(BRIDGE_MARKER):] if k >= 0 else ""
+        if stop and stop in after:
+            return encode(self.tokenizer, ("" if stopped else stop) + after[after.index(stop) + len(stop):])
+        if history is None:
+            raise EpisodeError("the chat template renders no assistant turn ending with the stop token "
+                               f"{stop!r}, so the new messages cannot be rendered apart")
+        past = self.messages(history(), schemas)
+        return text.turn(past, rendered, stopped)
 
     def encode_text(self, text: str) -> list[int]:
         """A /v1/completions prompt given as text: the tokenizer's ids, its special tokens included (as vLLM)."""

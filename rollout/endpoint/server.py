@@ -4,8 +4,9 @@ generator, whichever backend it holds.
 
 Routes, each also under /sessions/{SID}/ (a per-session base URL: http://HOST:PORT/sessions/SID/v1):
 - POST /v1/chat/completions: messages (and function `tools`) rendered by the model's chat template, the session's
-  earlier calls reused token for token; the model's tool calls parsed into `tool_calls` (chat.py). `stream: true` is
-  answered by replaying the finished generation as server-sent events (one content delta, the tool calls, the end).
+  earlier calls reused token for token and only the new messages rendered, off the event loop; the model's tool calls
+  parsed into `tool_calls` (chat.py). `stream: true` is answered by replaying the finished generation as server-sent
+  events (one content delta, the tool calls, the end).
 - POST /v1/completions: a prompt as text or token ids.
 - POST /inference/v1/generate: vLLM's token-in, token-out schema (token_ids + sampling_params -> choices[].token_ids,
   logprobs.content[].{token_id, logprob}, weight_versions), as `renderers` and verifiers' TrainClient call it.
@@ -15,7 +16,9 @@ Routes, each also under /sessions/{SID}/ (a per-session base URL: http://HOST:PO
 Every answer carries the prompt's token ids (`prompt_token_ids`), the completion's (`choices[].token_ids`), each
 sampled token's log-prob from the quantized generator that sampled it (`choices[].logprobs`), the weight-version spans
 (`choices[].weight_versions`, vLLM's shape: [{"version", "start", "end"}] over output tokens) and a `qgrpo` block:
-precision, session, call id, parent call, branch (the branch's root call) and why the call forked, if it did.
+precision, session, call id, parent call, branch (the branch's root call), why the call forked, if it did, how its
+parent was found (`linked_by`: "tool_call_id", "response_id", "messages" or "tokens") and whether the client sent the
+parent's answer back with other text (`edited`: the prompt keeps the sampled ids).
 
 Request bodies are checked by one pydantic model per route (protocol.py); a refusal names the field.
 
@@ -53,7 +56,7 @@ from qgrpo.rollout.endpoint.chat import (
 )
 from qgrpo.rollout.endpoint.engine import Batcher, Run, Sample
 from qgrpo.rollout.endpoint.protocol import ChatRequest, CompletionRequest, GenerateRequest, Sampling, parse
-from qgrpo.rollout.endpoint.sessions import Call, Session, SessionBook
+from qgrpo.rollout.endpoint.sessions import Call, Session, SessionBook, chain
 from qgrpo.rollout.episodes import EpisodeError
 
 MAX_SERVED_SESSIONS = 10_000  # `qgrpo serve` keeps this many sessions' records (the oldest go first)
@@ -111,7 +114,7 @@ class Endpoint:
         self.defaults = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, **(defaults or {})}
         self.batcher: Batcher | None = None
         self.counts = {"calls": 0, "refused": 0, "forks": 0, "tool_calls": 0, "tool_parse_failures": 0,
-                       "model_tokens": 0}
+                       "model_tokens": 0, "edited_answers": 0}
         self.load = [0] * slots  # sessions pinned per slot
         self.api_key, self.max_body_bytes = api_key or None, max_body_bytes
         self.max_session_calls, self.idle_s = max_session_calls, idle_s
@@ -285,10 +288,11 @@ class Endpoint:
         call.ids, call.logprobs, call.spans, call.finish = sample.ids, sample.logprobs, sample.spans, sample.finish
         call.text = self.renderer.decode(sample.ids)
         call.precision, call.started, call.seconds = self.precision, t0, time.monotonic() - t0
-        sibling = call.parent is not None and any(c.parent == call.parent for c in session.calls)
-        session.calls.append(call)
+        sibling = call.parent is not None and bool(session.kids.get(call.parent))
+        session.add(call)
         self.counts["calls"] += 1
         self.counts["forks"] += bool(call.fork) + sibling  # as Session.stats counts them
+        self.counts["edited_answers"] += call.edited
         self.counts["model_tokens"] += len(sample.ids)
         return call
 
@@ -301,29 +305,35 @@ class Endpoint:
         schemas = tool_schemas(req.tools) if offer else []
         tools = json.dumps(schemas, sort_keys=True)
         canon = [canonical(m, k) for k, m in enumerate(messages)]
-        parent = session.chat_parent(canon, tools)
+        parent, j, how, edited = session.chat_parent(canon, tools, issued_ids(messages))
         call_id = self.book.next_call_id(session.id)
-        fork = ""
+        fork, tail = "", None
         if parent is not None:
-            n = len(parent.messages)
-            history = [_as_message(m) for m in parent.messages] + [{"role": "assistant", "content": parent.text}]
-            new = messages[n + 1:]
+            new = messages[j + 1:]
+
+            def history(p=parent):  # only for a template the bridge cannot render apart
+                return [_as_message(m) for m in session.messages_of(p)] + [{"role": "assistant", "content": p.text}]
             try:
-                prompt = parent.end + self.renderer.tail(history, new, schemas, parent.stopped)
-            except EpisodeError:  # a template that re-renders earlier turns (e.g. drops past reasoning): a fork
+                tail = await asyncio.to_thread(self.renderer.tail, new, schemas, parent.stopped, history)
+            except EpisodeError:  # a template that renders no turn apart and re-renders earlier turns: a fork
                 parent, fork = None, (f"the chat template renders call {parent.id}'s conversation differently once "
                                       "new messages follow it")
         if parent is None:
-            prompt = self.renderer.prompt(messages, schemas)
-            new, fork = messages, fork or session.fork_reason("chat", canon, None)
-        call = Call(call_id, parent.id if parent else None, "chat", prompt, messages=canon, tools=tools, fork=fork,
-                    tail_messages=[_as_message(canonical(m, k)) for k, m in enumerate(new)])
+            tail = await asyncio.to_thread(self.renderer.prompt, messages, schemas)
+            new, j, how, edited = messages, -1, "", False
+            fork = fork or session.fork_reason("chat", canon, None)
+        call = Call(call_id, parent.id if parent else None, "chat", tail, base=parent.chunks if parent else (),
+                    new_messages=canon[j + 1:], echoed=canon[j] if edited else None, n_messages=len(canon),
+                    key=chain(tools, canon)[-1], tools=tools, fork=fork, linked_by=how, edited=edited,
+                    tail_messages=[_as_message(c) for c in canon[j + 1:]])
+        prompt = call.prompt_ids
         t0 = time.monotonic()
         sample = await self.sample(session, prompt, self.sampling(req, len(prompt)), call)
         self.record(session, call, sample, t0)
         own = template_parse(self.tokenizer, call.text, prompt, schemas) if offer else None
         message, parsed, failed = assistant_message(call.text, call_id.replace(":", "-"), offer, own)
         call.answer = canonical(message, 0)
+        session.answered(call, [c["id"] for c in message.get("tool_calls") or ()] + [f"qgrpo-{call.id}"])
         call.tool_calls, call.tool_parse_failures = parsed, failed
         self.counts["tool_calls"] += len(parsed)
         self.counts["tool_parse_failures"] += failed
@@ -332,7 +342,7 @@ class Endpoint:
                   "logprobs": {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
                                            for t, lp in zip(token_text(self.tokenizer, sample.ids), sample.logprobs)]},
                   "token_ids": sample.ids, "weight_versions": spans_json(sample)}
-        return call, self._response("chat.completion", call, sample, [choice])
+        return call, self._response("chat.completion", call, sample, [choice], prompt)
 
     async def completions(self, session: Session, body: dict) -> tuple[Call, dict]:
         req = parse(CompletionRequest, body)
@@ -372,9 +382,11 @@ class Endpoint:
         the sample is cut (the tokens up to there are exactly those sampled)."""
         parent = session.token_parent(prompt)
         fork = "" if parent is not None else session.fork_reason(route, None, prompt)
-        call = Call(self.book.next_call_id(session.id), parent.id if parent else None, route, prompt, fork=fork)
+        cut = parent.prompt_len + len(parent.ids) if parent is not None else 0
+        call = Call(self.book.next_call_id(session.id), parent.id if parent else None, route, prompt[cut:],
+                    base=parent.chunks if parent else (), fork=fork, linked_by="tokens" if parent else "")
         if parent is not None:
-            call.tail_messages = [{"role": "user", "content": self.renderer.decode(prompt[len(parent.end):])}]
+            call.tail_messages = [{"role": "user", "content": self.renderer.decode(call.own)}]
         t0 = time.monotonic()
         sample = await self.sample(session, prompt, sampling, call)
         end = next((i + 1 for i, t in enumerate(sample.ids) if t in stops), None)
@@ -383,19 +395,21 @@ class Endpoint:
                             sample.spans[:1], "stop", sample.seconds)
         return self.record(session, call, sample, t0), sample
 
-    def _response(self, kind: str, call: Call, sample: Sample, choices: list[dict]) -> dict:
+    def _response(self, kind: str, call: Call, sample: Sample, choices: list[dict],
+                  prompt: list[int] | None = None) -> dict:
         session = call.id.rsplit(":", 1)[0]
         root = call
         s = self.book.get(session)
         if s is not None:
             root = s.path(call)[0]
         return {"id": f"qgrpo-{call.id}", "object": kind, "created": int(time.time()), "model": self.model,
-                "choices": choices, "prompt_token_ids": call.prompt_ids,
-                "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(sample.ids),
-                          "total_tokens": len(call.prompt_ids) + len(sample.ids)},
+                "choices": choices, "prompt_token_ids": call.prompt_ids if prompt is None else prompt,
+                "usage": {"prompt_tokens": call.prompt_len, "completion_tokens": len(sample.ids),
+                          "total_tokens": call.prompt_len + len(sample.ids)},
                 "system_fingerprint": f"qgrpo-{self.precision}",
                 "qgrpo": {"precision": self.precision, "session": session, "call_id": call.id,
                           "parent": call.parent, "branch": root.id, "fork": call.fork or None,
+                          "linked_by": call.linked_by or None, "edited": call.edited,
                           "weight_versions": spans_json(sample), "tool_parser": self.tool_parser,
                           "max_tokens": {"asked": call.asked_tokens, "granted": call.granted_tokens,
                                          "cap": call.token_cap or None}}}
@@ -412,6 +426,19 @@ class Endpoint:
 def bearer(header: str) -> str:
     """The key of an `Authorization: Bearer KEY` header ("" without one)."""
     return header[7:].strip() if header[:7].lower() == "bearer " else ""
+
+
+def issued_ids(messages: list) -> list[tuple[str, str]]:
+    """The ids the last assistant message of a request carries that the endpoint may have issued: its tool calls'
+    ids ("tool_call_id"), and its own `id` (an answer's id, "qgrpo-CALL", sent back by a client that keeps it)."""
+    last = next((m for m in reversed(messages) if isinstance(m, dict) and m.get("role") == "assistant"), None)
+    if last is None:
+        return []
+    out = [("tool_call_id", c["id"]) for c in last.get("tool_calls") or () if isinstance(c, dict)
+           and isinstance(c.get("id"), str)]
+    if isinstance(last.get("id"), str):
+        out.append(("response_id", last["id"]))
+    return out
 
 
 def _as_message(canon: tuple) -> dict:
@@ -436,8 +463,9 @@ def spans_json(sample: Sample) -> list[dict]:
 def session_json(s: Session) -> dict:
     """A session's record: its calls (ids, parents, token counts, forks) and branch statistics."""
     return {"session": s.id, "step": s.step, "stats": s.stats(),
-            "calls": [{"id": c.id, "parent": c.parent, "route": c.route, "prompt_tokens": len(c.prompt_ids),
+            "calls": [{"id": c.id, "parent": c.parent, "route": c.route, "prompt_tokens": c.prompt_len,
                        "completion_tokens": len(c.ids), "finish": c.finish, "fork": c.fork or None,
+                       "linked_by": c.linked_by or None, "edited": c.edited,
                        "tool_calls": c.tool_calls, "prompt_token_ids": c.prompt_ids, "token_ids": c.ids,
                        "logprobs": c.logprobs, "weight_versions": [{"version": str(v), "first": f}
                                                                    for f, v in c.spans]} for c in s.calls]}
