@@ -21,6 +21,9 @@ on one torch generator in this process (rollout/endpoint/local.py: `serve_local`
    `continue_ids` batch. Reported: completion tokens/s and calls/s, the mean batch the endpoint's Batcher formed
    (batched calls / batches), the share of the wall time the generator was busy, and the calls that forked (0: every
    call extended its session's conversation).
+3. **Through the run's pool** (bench/agent_pool_path.py; `--no-pool` leaves it out, `--quick` too): the endpoint as
+   a run serves it, a Ray EndpointActor calling a RolloutActor through the pool's link with the run's key, against
+   that actor's `complete` called directly; per call, and with 1, 8 and 64 concurrent sessions.
 
 By default every call samples exactly its max_tokens (`--natural-stops` leaves the model's stop tokens on): the
 generator's stop ids are replaced after the endpoint has taken the real ones, so the endpoint and the episode loop
@@ -52,6 +55,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from agent_pool_path import PoolPath  # noqa: E402
+from agent_pool_path import concurrency as pool_concurrency  # noqa: E402
+from agent_pool_path import per_call as pool_per_call  # noqa: E402
+from agent_pool_path import tables as pool_tables  # noqa: E402
 from calculator_job import machine  # noqa: E402
 from sides import busy_seconds, versions  # noqa: E402
 
@@ -241,13 +248,13 @@ def in_process(gen, timed: Timed, stop_ids: list[int], sessions: int, turns: int
             "generator_busy": sum(s for _, s, _ in gen_calls) / wall, "others_cores": load.stop()}
 
 
-async def _sessions(ep, sessions: int, turns: int, tokens: int, tag: str) -> tuple[int, int]:
+async def _sessions(ep, sessions: int, turns: int, tokens: int, tag: str, api_key: str = "bench") -> tuple[int, int]:
     import httpx
     import openai
 
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=sessions + 8)) as http:
         async def one(i: int) -> tuple[int, int]:
-            client = openai.AsyncOpenAI(base_url=ep.session_url(f"{tag}-{i}"), api_key="bench", max_retries=0,
+            client = openai.AsyncOpenAI(base_url=ep.session_url(f"{tag}-{i}"), api_key=api_key, max_retries=0,
                                         http_client=http)
             messages = [{"role": "user", "content": FIRST.format(i=i)}]
             n = 0
@@ -338,7 +345,8 @@ def tables(res: dict) -> str:
              "",
              *_md(["sessions", "calls", "in-process tok/s", "endpoint tok/s", "endpoint / in-process",
                    "in-process calls/s", "endpoint calls/s", "mean batch", "batches", "generator busy", "forks",
-                   "others' cores"], conc)]
+                   "others' cores"], conc),
+             *pool_tables(res, _md)]
     return "\n".join(lines)
 
 
@@ -358,18 +366,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sessions", default="1,8,64", help="concurrent sessions, comma-separated")
     ap.add_argument("--turns", type=int, default=3, help="chat calls per session")
     ap.add_argument("--turn-tokens", type=int, default=16, help="max_tokens of each session's calls")
-    ap.add_argument("--rounds", type=int, default=2, help="rounds of each session count (the median kept)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each session count (the median kept)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--natural-stops", action="store_true",
                     help="leave the model's stop tokens on (calls sample up to max_tokens, not exactly)")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 3 calls per route at 2 tokens, 1 and 3 sessions of 2 calls of 2 tokens")
+    ap.add_argument("--no-pool", action="store_true", help="leave out the part through the run's pool (Ray)")
+    ap.add_argument("--pool-repeats", type=int, default=20, help="through the pool: calls per path and max_tokens")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / f"{NAME}.json"))
     ap.add_argument("--publish", action="store_true", help=f"also write bench/published/{NAME}.{{json,txt}}")
     args = ap.parse_args(argv)
     if args.quick:
         args.tokens, args.repeats, args.warmup, args.sessions = "2", 3, 1, "1,3"
-        args.turns, args.turn_tokens, args.rounds = 2, 2, 1
+        args.turns, args.turn_tokens, args.rounds, args.no_pool = 2, 2, 1, True
     return args
 
 
@@ -388,6 +398,27 @@ def batcher_settings() -> dict:
     from qgrpo.rollout.endpoint import engine
 
     return {k: getattr(engine, k) for k in ("MAX_BATCH", "GATHER_S", "GATHER_MAX_S") if hasattr(engine, k)}
+
+
+def through_pool(args, path: str, tokens: list[int], sessions: list[int], ids: list[int]) -> dict:
+    """Part 3: the endpoint actor over a rollout actor through the pool's link (bench/agent_pool_path.py)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    pp = PoolPath(path, args.precision, args.threads, max(tokens + [args.turn_tokens]), not args.natural_stops)
+    try:
+        rows = []
+        for n in tokens:
+            print(f"through the pool: max_tokens {n}, {args.pool_repeats} calls per path", flush=True)
+            rows += pool_per_call(pp, ids, n, args.pool_repeats, args.warmup, summary)
+        conc = []
+        for s in sessions:
+            print(f"through the pool: {s} sessions x {args.turns} calls", flush=True)
+            conc.append(pool_concurrency(pp, tokenizer, s, args.turns, args.turn_tokens, args.rounds, FIRST,
+                                         FOLLOW_UPS, _sessions))
+    finally:
+        pp.close()
+    return {"repeats": args.pool_repeats, "per_call": rows, "concurrency": conc}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -423,12 +454,13 @@ def main(argv: list[str] | None = None) -> dict:
             conc.append(concurrency(ep, gen, timed, stop_ids, s, args.turns, args.turn_tokens, args.rounds))
     finally:
         ep.close()
+    pool = None if args.no_pool else through_pool(args, path, tokens, sessions, ids)
     argv = sys.argv[1:] if argv is None else argv
     res = {"bench": NAME, "command": shlex.join([".venv/bin/python", f"bench/{NAME}.py", *argv]), "machine": machine(),
            "model": args.model, "model_path": path, "precision": args.precision, "threads": torch.get_num_threads(),
            "args": vars(args), "versions": at_start, "prompt_tokens": len(ids), "fixed_length": not args.natural_stops,
            "batcher": batcher_settings(), "per_call_others_cores": per_call_load, "per_call": rows,
-           "concurrency": conc}
+           "concurrency": conc, "pool": pool}
     res["table"] = tables(res)
     print(res["table"])
     out = Path(args.out)

@@ -176,12 +176,25 @@ def agent_endpoint(d: dict) -> list[str]:
     conc = table(["sessions", "in-process tok/s", "endpoint tok/s", "endpoint / in-process", "mean batch (endpoint)"],
                  [[c["sessions"], f(c["in_process"]["tokens_per_s"], 1), f(c["endpoint"]["tokens_per_s"], 1),
                    f(c["endpoint_over_in_process"]), f(c["endpoint"].get("mean_batch"), 1)] for c in d["concurrency"]])
-    return [*wrap(f"{d['model']} at {d['precision']}, torch generator, one call at a time: the generator called "
-                  "directly (what the in-process episode loop does per turn) and the same through the endpoint's "
-                  "routes over HTTP (paired: the difference to the in-process call of the same repetition; front: "
-                  "HTTP, JSON and rendering; engine: the batcher's gathering and queue)."), "", *calls, "",
-            *wrap("Concurrent sessions, each a conversation of chat calls, against the in-process episode loop "
-                  "generating the same conversations in one batch per turn."), "", *conc]
+    out = [*wrap(f"{d['model']} at {d['precision']}, torch generator, one call at a time: the generator called "
+                 "directly (what the in-process episode loop does per turn) and the same through the endpoint's "
+                 "routes over HTTP (paired: the difference to the in-process call of the same repetition; front: "
+                 "HTTP, JSON and rendering; engine: the batcher's gathering and queue)."), "", *calls, "",
+           *wrap("Concurrent sessions, each a conversation of chat calls, against the in-process episode loop "
+                 "generating the same conversations in one batch per turn."), "", *conc]
+    pool = d.get("pool")
+    if pool:
+        rows = [[r["route"], r["max_tokens"], f(r["ms"]["p50"], 1), f(r["ms"]["p99"], 1),
+                 f(r.get("paired_overhead_ms"), 1) or "-"] for r in pool["per_call"]]
+        pconc = [[c["sessions"], f(c["direct"]["tokens_per_s"], 1), f(c["endpoint"]["tokens_per_s"], 1),
+                  f(c["endpoint_over_direct"]), c["endpoint"]["forks"]] for c in pool["concurrency"]]
+        out += ["", *wrap("As a run serves it: the endpoint as a Ray actor calling a rollout actor through the pool's "
+                          "link (deadlines, failures reported to the pool), the run's key on every call, against that "
+                          "actor's `complete` called directly; then concurrent sessions against direct batches, one "
+                          "per turn."), "",
+                *table(["path", "max_tokens", "p50 ms", "p99 ms", "paired overhead ms"], rows), "",
+                *table(["sessions", "direct tok/s", "endpoint tok/s", "endpoint / direct", "forks"], pconc)]
+    return out
 
 
 def from_run(d: dict) -> list[str]:
@@ -736,6 +749,10 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "[examples/agent_calculator/](../examples/agent_calculator/) (the same task as an ordinary `openai` SDK "
          "program with a `calculate` function tool, trained through the endpoint) and examples/calculator (the "
          "in-process environment), the same settings and steps, seed by seed, one run at a time.", calculator_job),
+        ("calculator_job_agent_pool", "The calculator agent through the rollout pool",
+         "[examples/agent_calculator/](../examples/agent_calculator/) with the endpoint calling the rollout actors "
+         "through the pool's link and the run's key on every call: whether it still learns, 2 steps, seed 0.",
+         calculator_job),
         ("agent_endpoint", "The endpoint's cost per call",
          "What serving agents through the OpenAI-compatible endpoint costs against the in-process episode loop "
          "(bench/agent_endpoint.py).", agent_endpoint),

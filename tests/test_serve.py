@@ -1,7 +1,8 @@
 """`qgrpo serve CONFIG|CHECKPOINT` (cluster/cli/serve.py): the run's endpoint over rollout actors on a local Ray, with
 no run. One served process answers each route (chat, completions, vLLM's token-in generate, the model list) with the
 token ids, log-probs and weight versions a run's endpoint gives, and stops on SIGINT with exit 0; bad input is one
-line and exit 2 before Ray starts; a checkpoint serves its own model files with the config saved in it."""
+line and exit 2 before Ray starts; a checkpoint serves its own model files with the config saved in it; a rollout
+actor that dies inside a call is replaced and the call answered by the replacement."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +95,36 @@ def test_serve_answers_every_route_and_stops_on_sigint(tiny_model_path, tmp_path
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the qgrpo process and the Ray it started
+            proc.wait()
+        out.close()
+        err.close()
+
+
+@pytest.mark.ray
+def test_a_served_call_whose_rollout_actor_dies_is_answered_by_its_replacement(tiny_model_path, tmp_path,
+                                                                              tmp_path_factory):
+    cache = Path(tiny_model_path).parents[1]
+    state = tmp_path_factory.mktemp("faults")
+    out, err = (tmp_path / "serve.stdout").open("w"), (tmp_path / "serve.stderr").open("w")
+    command = _command(tmp_path, "serve", TINY, "--port", "0", "--set", f"model.cache_dir={json.dumps(str(cache))}")
+    env = {**_env(), "QGRPO_FAULTS": "rollout.kill@1", "QGRPO_FAULTS_STATE": str(state)}  # the first call's actor
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=err, start_new_session=True)
+    try:
+        deadline, found = time.monotonic() + 240, None
+        while found is None:
+            found = BASE_URL.search((tmp_path / "serve.stdout").read_text())
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.stderr").read_text()
+            time.sleep(0.2)
+        text = _post(f"{found.group(1)}/completions", {"model": "qgrpo-policy", "prompt": "1+2=", "max_tokens": 2})
+        _check_tokens(text["choices"][0], text["choices"][0]["logprobs"]["token_logprobs"], 2)
+        log = (tmp_path / "serve.stderr").read_text()
+        assert "qgrpo serve: rollout actor torch-0 failed (ActorDiedError" in log
+        assert "rollout actor torch-0 replaced by torch-0.1" in log
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0, (tmp_path / "serve.stderr").read_text()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         out.close()
         err.close()

@@ -223,6 +223,7 @@ def _serve(served: Served, host: str, port: int, model: str, stop: _Stop, keys: 
 
     from qgrpo.actors.common import END_WAIT_S, end_actors
     from qgrpo.cluster.run.stopping import local_ray_killer
+    from qgrpo.cluster.run.workers import RunFailed
 
     os.environ.pop("RAY_ADDRESS", None)  # a Ray of its own on this machine, where the model folder is
     started = _start_ray(served.cfg, None)
@@ -230,15 +231,15 @@ def _serve(served: Served, host: str, port: int, model: str, stop: _Stop, keys: 
     stop.on_exit = local_ray_killer() if started else None
     held: list = []  # the actors' handles (Ray ends an actor once no handle to it is left), the endpoint last
     try:
-        address = _start(served, host, port, model, stop, held, keys)
-        if address is not None:
+        started_at = _start(served, host, port, model, stop, held, keys)
+        address = started_at[0] if started_at is not None else None
+        if started_at is not None:
             _say_serving(served, model, address, keys)
-            while not stop.requested:
-                time.sleep(POLL_S)
+            _keep_serving(*started_at[1:], stop)
         status, line = 0, f"stopped ({stop.name})" + ("" if address is not None else " before serving")
     except Refused as e:
         status, line = EXIT_CONFIG, str(e)
-    except _Failed as e:
+    except (_Failed, RunFailed) as e:
         status, line = EXIT_FAILED, str(e)
     finally:
         if held:  # an exit of their own, so that Ray reports no worker killed under it
@@ -253,9 +254,26 @@ class _Failed(Exception):
     """The actors or the endpoint did not start."""
 
 
-def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: list, keys: Access) -> str | None:
-    """The rollout actors and the endpoint over them, their handles put in `held`; the endpoint's address
-    (http://HOST:PORT), or None when a stop was requested meanwhile."""
+def _keep_serving(pool, endpoint, stop: _Stop) -> None:
+    """Until a stop: the endpoint's reports of failed calls taken to the pool, which counts them and replaces a dead
+    rollout actor (the endpoint gets the new handle; the calls waiting on the dead one go to it). Past
+    faults.max_replacements failures in a row, or a hung actor, RunFailed ends serving."""
+    import ray
+
+    pool.watch(lambda actors: ray.get(endpoint.set_actors.remote(actors), timeout=60))
+    while not stop.requested:
+        reports = ray.get(endpoint.reports.remote(POLL_S), timeout=60)
+        pool.take_reports(reports, "a served call")
+        events, pool.events = pool.events, []
+        for e in events:
+            said = (f"rollout actor {e['actor']} failed ({e['cause']})" if e["event"] == "rollout_actor_failed" else
+                    f"rollout actor {e['actor']} replaced by {e['replacement']}; its calls go there")
+            print(f"qgrpo serve: {said}", file=sys.stderr, flush=True)
+
+
+def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: list, keys: Access) -> tuple | None:
+    """The rollout actors and the endpoint over them, their handles put in `held`; (the endpoint's address
+    (http://HOST:PORT), the pool, the endpoint), or None when a stop was requested meanwhile."""
     import ray
 
     from qgrpo.actors.endpoint_actor import EndpointActor
@@ -288,7 +306,7 @@ def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: 
                                     defaults={"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k})
     held.append(endpoint)
     out = _wait([endpoint.start.remote()], stop, 300, "starting the endpoint")
-    return None if out is None else out[0]
+    return None if out is None else (out[0], pool, endpoint)
 
 
 def _wait(refs: list, stop: _Stop, seconds: float, what: str) -> list | None:

@@ -176,6 +176,24 @@ class RolloutPool:
         """The actor at `slot` answered: its failures in a row start again from 0."""
         self.failures[slot] = 0
 
+    def take_reports(self, reports: dict, stage: str) -> None:
+        """What a PoolLink reported (`PoolLink.take_reports`, fetched by the process holding the link's user): the
+        slots that answered start their failures in a row again; a failure of the actor the pool holds at that slot
+        is counted, and a dead one replaced (a report about an actor already replaced is old news). A hung call
+        raises StageTimeout, as a hung generate does."""
+        from qgrpo.actors.pool_link import actor_id
+
+        for slot in reports["served"]:
+            if slot < len(self.actors):
+                self.served(slot)
+        for f in reports["failures"]:
+            slot = f["slot"]
+            if f["hung"]:
+                raise StageTimeout(f"{stage}: {self.name(slot)} {f['cause']}; raise faults.generate_timeout_s if "
+                                   "generation is that slow, or look for a hung actor")
+            if slot < len(self.actors) and actor_id(self.actors[slot]) == f["actor_id"]:
+                self.failed(slot, f["cause"], f["dead"], [], stage)
+
     def watch(self, fn) -> None:
         """`fn(actors)` is called with the actors' handles each time they change (a replacement, a resize, the
         precision ladder): how a process that calls them through a PoolLink (the endpoint) gets the new ones."""
