@@ -146,10 +146,11 @@ def test_a_real_game_agrees_token_for_token():
         session = ep.endpoint.close(sid)
     finally:
         ep.close()
-    # The row trained on is the session's main branch: the last call and its parents. verifiers' chat-template
-    # renderer re-tokenizes the model's earlier replies, which may split them into other tokens than those sampled:
-    # then the next turn forks (both turns still agree with the record; the branch before the fork is not trained).
-    by_id, branch, c = {c["id"]: c for c in calls}, 0, calls[-1]
+    # The row trained on is the session's main branch (the one with the most sampled tokens: Session.main) and its
+    # parents. verifiers' chat-template renderer re-tokenizes the model's earlier replies, which may split them into
+    # other tokens than those sampled: then the next turn forks (both turns still agree with the record; the branch
+    # beside the main one is not trained).
+    by_id, branch, c = {c["id"]: c for c in calls}, 0, next(c for c in calls if c["id"] == session.main().id)
     while c is not None:
         branch, c = branch + 1, by_id.get(c["parent"])
     assert session.stats()["forks"] == sum(c["fork"] is not None for c in calls)

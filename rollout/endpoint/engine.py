@@ -19,11 +19,15 @@ from qgrpo.core.records import Completion, SamplingParams
 
 MAX_BATCH = 64  # sequences in one batch
 # Before a batch is sent to an idle generator, calls that arrive close together are gathered: while another arrived
-# within GATHER_S, and until as many calls as the slot's last batch held are in (the loop answers that batch's calls
-# one by one, so its sessions come back spread over milliseconds each), up to the larger of GATHER_MAX_S and a tenth
-# of the last batch's time. An isolated call waits GATHER_S.
+# within GATHER_S, and until the calls that waited through the last batch and as many as that batch held are in (the
+# loop answers that batch's calls one by one, so its sessions come back spread over milliseconds each; counting those
+# that waited too merges two cohorts of sessions into one batch instead of letting them alternate), up to the larger
+# of GATHER_MAX_S and a tenth of the last batch's time. An isolated call waits GATHER_S.
 GATHER_S = 0.005
 GATHER_MAX_S = 0.05
+# Calls the endpoint has received for the slot and not yet queued (being read, rendered) are waited for too, up to
+# this long: 64 sessions' calls arriving together are rendered one after another, more than GATHER_S apart.
+GATHER_COMING_MAX_S = 1.0
 
 
 @dataclass
@@ -53,8 +57,10 @@ Run = Callable[[int, list[list[int]], SamplingParams], Awaitable[tuple[int, list
 class Batcher:
     """Per-slot queues drained by one task each, on the running event loop."""
 
-    def __init__(self, run: Run, slots: int, stop_ids: list[int]):
+    def __init__(self, run: Run, slots: int, stop_ids: list[int], coming: Callable[[int], int] | None = None):
+        """`coming(slot)`: the calls received for the slot and not yet queued (the endpoint counts them)."""
         self.run, self.stop_ids = run, set(stop_ids)
+        self.coming = coming or (lambda slot: 0)
         self.queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(slots)]
         self.tasks = [asyncio.get_running_loop().create_task(self._drain(s)) for s in range(slots)]
         self.batches = 0
@@ -63,6 +69,7 @@ class Batcher:
         # and that batch's seconds, which bound the wait for them
         self.last_n = [0] * slots
         self.last_s = [0.0] * slots
+        self.waited = [0] * slots  # calls queued when the slot's last batch ended: another cohort of sessions
 
     async def sample(self, slot: int, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
                      top_k: int, seed: int | None) -> Sample:
@@ -75,10 +82,14 @@ class Batcher:
         while True:
             first = await q.get()
             t0, seen = time.monotonic(), -1
-            expect = min(self.last_n[slot], MAX_BATCH)  # the last batch's sessions, whose next calls are coming
+            # the calls that waited through the last batch, and that batch's sessions, whose next calls are coming
+            expect = min(self.waited[slot] + self.last_n[slot], MAX_BATCH)
             cap = max(GATHER_MAX_S, 0.1 * self.last_s[slot])
-            while q.qsize() < MAX_BATCH - 1 and time.monotonic() - t0 < cap \
-                    and (q.qsize() != seen or q.qsize() + 1 < expect):
+            while q.qsize() < MAX_BATCH - 1:
+                waited = time.monotonic() - t0
+                gathering = waited < cap and (q.qsize() != seen or q.qsize() + 1 < expect)
+                if not gathering and not (self.coming(slot) > 0 and waited < GATHER_COMING_MAX_S):
+                    break
                 seen = q.qsize()
                 await asyncio.sleep(GATHER_S)
             batch = [first]
@@ -91,6 +102,7 @@ class Batcher:
             t1 = time.monotonic()
             await self._one(slot, same)
             self.last_n[slot], self.last_s[slot] = len(same), time.monotonic() - t1
+            self.waited[slot] = q.qsize()
 
     async def _one(self, slot: int, batch: list[_Pending]) -> None:
         t, p, k = batch[0].key

@@ -35,6 +35,7 @@ Admission (`Admission`): while the rollout actors change (a resize, a replacemen
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import hashlib
 import hmac
 import json
@@ -60,6 +61,8 @@ from qgrpo.rollout.endpoint.sessions import Call, Session, SessionBook, chain
 from qgrpo.rollout.episodes import EpisodeError
 
 MAX_SERVED_SESSIONS = 10_000  # `qgrpo serve` keeps this many sessions' records (the oldest go first)
+# the call this request's task is serving, on its way to the batcher (Endpoint.arrive / settle)
+_TICKET: contextvars.ContextVar[list | None] = contextvars.ContextVar("qgrpo_endpoint_ticket", default=None)
 MAX_BODY_BYTES = 8 * 2**20  # a request body past this is refused 413 (`qgrpo serve --max-body-mb`)
 KEY_SOURCE = ("during a run, the agent's client is given the run's key as its API key (client.api_key); `qgrpo "
               "serve` prints the key it generated when it started, or takes it from --api-key (QGRPO_API_KEY)")
@@ -116,6 +119,7 @@ class Endpoint:
         self.counts = {"calls": 0, "refused": 0, "forks": 0, "tool_calls": 0, "tool_parse_failures": 0,
                        "model_tokens": 0, "edited_answers": 0}
         self.load = [0] * slots  # sessions pinned per slot
+        self.coming = [0] * slots  # calls received per slot, not yet queued in the batcher (`arrive`)
         self.api_key, self.max_body_bytes = api_key or None, max_body_bytes
         self.max_session_calls, self.idle_s = max_session_calls, idle_s
         self.salt = secrets.token_bytes(16)  # names the sessions of calls that name none
@@ -194,7 +198,7 @@ class Endpoint:
 
     def repin(self, slots: int) -> None:
         """The rollout actors changed (`slots` of them now): open sessions move to live ones."""
-        self.slots, self.load = slots, [0] * slots
+        self.slots, self.load, self.coming = slots, [0] * slots, [0] * slots
         for s in self.book.sessions.values():
             s.slot = min(range(slots), key=lambda k: self.load[k])
             self.load[s.slot] += 1
@@ -281,8 +285,25 @@ class Endpoint:
                                "actors are being changed); retry after the Retry-After seconds", None, 429,
                                "rate_limit_exceeded")
         if self.batcher is None:
-            self.batcher = Batcher(self.run, self.slots, self.stop_ids)
+            self.batcher = Batcher(self.run, self.slots, self.stop_ids,
+                                   lambda slot: self.coming[slot] if slot < len(self.coming) else 0)
+        self.settle(_TICKET.get())  # queued now: no longer on its way
         return await self.batcher.sample(max(session.slot, 0), prompt_ids, **sampling)
+
+    def arrive(self, session: Session) -> list:
+        """A call received for `session`, on its way to the batcher (read, rendered): counted per slot, so that the
+        batcher waits for it (engine.py: GATHER_COMING_MAX_S). Returns its ticket for `settle`."""
+        slot = max(session.slot, 0)
+        if slot < len(self.coming):
+            self.coming[slot] += 1
+        return [slot, True]
+
+    def settle(self, ticket: list | None) -> None:
+        """The call of `ticket` is queued, or failed before it was: no longer counted as coming."""
+        if ticket and ticket[1]:
+            ticket[1] = False
+            if ticket[0] < len(self.coming):
+                self.coming[ticket[0]] = max(self.coming[ticket[0]] - 1, 0)
 
     def record(self, session: Session, call: Call, sample: Sample, t0: float) -> Call:
         call.ids, call.logprobs, call.spans, call.finish = sample.ids, sample.logprobs, sample.spans, sample.finish
@@ -518,9 +539,13 @@ def app(endpoint: Endpoint):
                 body = await read_json(request)
                 session = endpoint.session(endpoint.session_id(request, request.path_params.get("sid")))
                 endpoint.busy[session.id] = endpoint.busy.get(session.id, 0) + 1
+                ticket = endpoint.arrive(session)
+                held = _TICKET.set(ticket)
                 try:
                     call, out = await fn(session, body)
                 finally:
+                    endpoint.settle(ticket)
+                    _TICKET.reset(held)
                     endpoint.seen[session.id] = time.monotonic()
                     if endpoint.busy.get(session.id, 0) <= 1:
                         endpoint.busy.pop(session.id, None)
