@@ -27,7 +27,8 @@ def actor_id(handle) -> str:
     return handle._actor_id.hex()
 
 
-def _cause(err: BaseException) -> str:
+def cause_of(err: BaseException) -> str:
+    """A remote error in one line: its type and the last line of a task's error (else the first), 300 characters."""
     lines = [line for line in str(err).splitlines() if line.strip()]
     text = lines[-1] if isinstance(err, ray.exceptions.RayTaskError) and lines else (lines[0] if lines else "")
     return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
@@ -69,13 +70,13 @@ class PoolLink:
                 raise LinkError(f"the rollout actor serving this session gave {why}; the run stops at this "
                                 "step") from None
             except ray.exceptions.RayActorError as e:
-                self._report(slot, handle, _cause(e), dead=True)
+                self._report(slot, handle, cause_of(e), dead=True)
                 if not await self._replaced(slot, handle, deadline):
                     raise LinkError("the rollout actor serving this session died and was not replaced within "
                                     f"{self.timeout_s:.0f} s (faults.generate_timeout_s)") from None
                 continue
             except ray.exceptions.RayTaskError as e:
-                self._report(slot, handle, _cause(e), dead=False)
+                self._report(slot, handle, cause_of(e), dead=False)
                 raise
             self.served.add(slot % len(self.actors))
             return out

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import ray
 
+from qgrpo.actors.pool_link import cause_of as _cause
 from qgrpo.cluster.config.turns import agent_call_cap, agent_call_default
 from qgrpo.core import faults
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
@@ -352,12 +353,6 @@ class AgentEpisodes:
     def close(self) -> None:
         for actor in (self.runner, self.endpoint):
             _kill(actor)
-
-
-def _cause(err: BaseException) -> str:
-    from qgrpo.actors.pool_link import _cause as cause
-
-    return cause(err)
 
 
 def _kill(actor) -> None:

@@ -20,6 +20,7 @@ import torch
 
 from qgrpo.actors.collective import CollectiveGroup
 from qgrpo.actors.common import END_WAIT_S, end_actors, thread_env
+from qgrpo.actors.pool_link import cause_of as _cause
 from qgrpo.actors.reference_actor import ReferenceActor
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
@@ -73,12 +74,6 @@ class RunFailed(RuntimeError):
 
 class StageTimeout(RunFailed):
     pass
-
-
-def _cause(err: BaseException) -> str:
-    lines = [l for l in str(err).splitlines() if l.strip()]
-    return f"{type(err).__name__}: {(lines[-1] if isinstance(err, ray.exceptions.RayTaskError) else lines[0])[:300]}" \
-        if lines else type(err).__name__
 
 
 def gather(calls: dict, seconds: float, stage: str, setting: str) -> dict:
