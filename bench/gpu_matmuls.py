@@ -395,6 +395,12 @@ def main(argv=None) -> None:
            "device_name": name, "torch": torch.__version__, "args": vars(args), "models": models,
            "read_bytes_per_s": bw, "tolerance": TOLERANCE, "gemlite": None,
            "budget": {"budget_s": args.budget_s, "skipped": []}, "rows": []}
+    if device.type == "cpu":  # which kernel the generator's `int8` route takes here, and the CPU as torch uses it
+        from qgrpo.core.cpu import isa
+        from qgrpo.rollout import cpu_native
+
+        res["cpu_int8_kernel"], res["cpu_isa"] = cpu_native.describe(), isa().words()
+        res["machine"] = f"{isa().name or 'a CPU'}, {res['machine']}"
     order = {"model": {m: i for i, m in enumerate(models)}, "route": {r: i for i, r in enumerate(routes)},
              "rows": {r: i for i, r in enumerate(rows_list)},
              "product": {p: i for i, p in enumerate(dict.fromkeys(p for t in tables.values() for p in t))}}

@@ -15,8 +15,10 @@ start, its decode steps replayed as CUDA graphs of the fused step on a GPU (`[ro
 decoder's steps on a CPU, where it computes in the CPU's compute dtype (`compute` column: fp32 on CPUs without native
 bf16). A model is built again for each precision (same seed, same weights). `FORMAT+head` (e.g. `int8+head`) serves
 the format with `[rollout.torch] quantize_head`: a head tied to the embedding quantized too (the others keep it bf16).
-`int8/kernel` (CPU) sends every product of up to 64 rows through torch's int8 kernel, the rule before the generator
-measured, per weight shape, up to how many rows that kernel beats its cast-and-bf16-product route (`int8`);
+`int8` (CPU) sends a product through qgrpo's own int8 kernel (rollout/cpu_native.py) up to the rows measured there
+to beat the cast-and-bf16-product route, per weight shape; `int8/torch` does the same with torch's
+`_weight_int8pack_mm` (the generator's kernel before qgrpo's, and where qgrpo's cannot be built); `int8/kernel` sends
+every product of up to 64 rows through the int8 kernel, the rule before those rows were measured;
 `int4/kernel` (CPU) every product through torch's int4 kernel, the rule before a prefill's rows went through the
 weight decoded once (`int4`; rollout/cpu_kernels.py).
 
@@ -41,6 +43,7 @@ keeps what it measured. A variant that fails records its error and the run goes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -137,7 +140,7 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
     import torch
 
     from qgrpo.core.records import SamplingParams
-    from qgrpo.rollout import cpu_kernels, fp8
+    from qgrpo.rollout import cpu_kernels, cpu_native, fp8
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
     cuda = args.device.startswith("cuda")
@@ -147,10 +150,13 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
     base = {"model": name, "precision": precision}
     gen = model = None
     made = []
+    stack = contextlib.ExitStack()
     try:
         fp8.FP8_DECODE = route if served == "fp8" and route else held
         if served == "int8" and route == "kernel":  # the former rule: up to 64 rows through the kernel
             cpu_kernels.cpu_int8_rows = lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS
+        if served == "int8" and route == "torch":  # torch's int8 kernel, not qgrpo's (its rows measured as well)
+            stack.enter_context(cpu_native.torch_kernel())
         if served == "int4" and route == "kernel":  # the former rule: every row through the kernel
             cpu_kernels.cpu_int4_rows = lambda n, k, group, dtype: 1 << 62
         if cuda:
@@ -209,6 +215,7 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
         emit()
     finally:
         gen = model = None
+        stack.close()
         fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows) = held, rules
         release(args.device)
 
@@ -329,6 +336,12 @@ def main(argv=None) -> dict:
         except (OSError, subprocess.SubprocessError):
             res["driver"] = None
 
+    else:
+        from qgrpo.core.cpu import isa
+        from qgrpo.rollout import cpu_native
+
+        res["cpu_int8_kernel"] = cpu_native.describe()  # qgrpo's or torch's (`int8/torch` variants: torch's)
+        res["cpu_isa"] = isa().words()
     res["machine"] = (f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, driver {res.get('driver')}, "
                       f"transformers {transformers.__version__}" if cuda else
                       f"{cpu_model or 'a CPU'}, {os.cpu_count()} CPUs, torch {torch.__version__}, transformers "

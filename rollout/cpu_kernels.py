@@ -10,11 +10,14 @@ product on the weight decoded once into the activations' dtype. On a 2-core Xeon
 - int4, Qwen2.5-0.5B's shape: a 2,048-token prefill at 146 tokens/s with every product through the kernel, 612 with
   the weight decoded past the kernel's rows (bf16: 714; bench/model_ladder.py).
 
-So the rows up to which each kernel wins are measured, for each weight shape and activation dtype, at the first
-product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8, 2-4 s for an int4 [8960, 1536] on
-2 cores). The routes round differently, so a measure is kept in a file of the cache (``ROUTES_FILE``, under a key of
-the CPU model, kernel capability, thread count and torch version) that every later process on the machine reads: a
-run resumed, or its actor replaced, samples through the same routes as before. The first record of a shape holds.
+qgrpo's own int8 kernel (rollout/cpu_native.py) reads the weight once per call for all rows, which moves the int8
+crossover up without removing it (at many rows a bf16 product on AMX or AVX512-BF16 still wins); where that kernel is
+built, `int8_kernel` is it, else torch's. So the rows up to which each kernel wins are measured, for each weight shape
+and activation dtype, at the first product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8,
+2-4 s for an int4 [8960, 1536] on 2 cores). The routes round differently, so a measure is kept in a file of the cache
+(``ROUTES_FILE``, under a key of the CPU model, kernel capability, thread count, torch version and int8 kernel) that
+every later process on the machine reads: a run resumed, or its actor replaced, samples through the same routes as
+before. The first record of a shape holds.
 
 The int4 dequantizer (``int4_dequantize``) unpacks torch's CPU packing, whose layout depends on the kernel's vector
 width (the comment above ``weight_to_int4pack_kernel`` in aten/src/ATen/native/cpu/int4mm_kernel.cpp): blocks of
@@ -31,11 +34,14 @@ import time
 
 import torch
 
+from qgrpo.rollout import cpu_native
+
 ROUTES_FILE = "cpu_int8_rows.json"  # under the cache root (core/storage.py: cache_root), by machine key
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the int8 routes are compared
 INT4_ROW_STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the int4 routes
 INT8_KERNEL_MAX_ROWS = 64  # never more rows through the int8 kernel, whatever is measured
-_ROWS: dict[tuple, int] = {}  # (format, N, K, group, activation dtype) -> the most rows through the kernel here
+TORCH_INT8_K = 16  # torch 2.13's _weight_int8pack_mm crashes (SIGSEGV) on inputs K not a multiple of this
+_ROWS: dict[tuple, int] = {}  # (format, N, K, group, activation dtype[, own int8 kernel]) -> the most rows through it
 _LAYOUTS = (("lanes", 64), ("lanes", 32), ("pairs", 32), ("pairs", 64))
 _LAYOUT: list = []  # [the layout found] once looked for; [None]: none matched
 # Output rows decoded at a time: a [K, 512] slice stays in cache (4096 took twice the time at [8192, 2048]), and a
@@ -47,7 +53,10 @@ def cpu_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
     """The most rows (of ROW_STEPS, up to INT8_KERNEL_MAX_ROWS; 0: none) for which `_weight_int8pack_mm` beat
     torchao's arithmetic (cast, product in `dtype`, scale) on a random int8 weight [n, k] on this CPU, in this
     process's threads: what this machine's routes file holds for it, else measured now (about 1-60 ms) and added."""
-    return _kernel_rows(("int8", n, k, None, dtype), f"{n}x{k}:{_name(dtype)}", lambda: _measure_int8_rows(n, k, dtype))
+    if k % TORCH_INT8_K and not cpu_native.takes(k):
+        return 0
+    return _kernel_rows(("int8", n, k, None, dtype, cpu_native.available()), f"{n}x{k}:{_name(dtype)}",
+                        lambda: _measure_int8_rows(n, k, dtype))
 
 
 def cpu_int4_rows(n: int, k: int, group: int, dtype: torch.dtype) -> int:
@@ -91,7 +100,8 @@ def _routes_record(update: dict | None = None) -> dict:
 
     path = cache_root() / ROUTES_FILE
     cpu = isa()
-    machine = f"{cpu.name or 'cpu'} | {cpu.capability} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    machine = (f"{cpu.name or 'cpu'} | {cpu.capability} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+               f" | int8 {'w8a16' if cpu_native.available() else 'torch'}")
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
@@ -142,9 +152,12 @@ def _measure_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
 
 
 def int8_kernel(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] through `_weight_int8pack_mm`, in x's dtype out. float32 activations (model.compute_dtype) enter
-    the kernel as bf16, as on every machine: its float32 path ran 13x slower than its bf16 one on an AVX2 CPU, and
-    rounding to bf16 is far inside int8's own error."""
+    """x [rows, K] through qgrpo's own int8 kernel where it runs here (rollout/cpu_native.py: every weight byte read
+    once for all rows, integer products), else through torch's `_weight_int8pack_mm`; in x's dtype out. Into torch's,
+    float32 activations (model.compute_dtype) enter as bf16, as on every machine: its float32 path ran 13x slower than
+    its bf16 one on an AVX2 CPU, and rounding to bf16 is far inside int8's own error."""
+    if cpu_native.takes(x.shape[-1]):
+        return cpu_native.w8a16_mm(x, qdata, scale).to(x.dtype)
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), qdata, scale.to(torch.bfloat16)).to(x.dtype)
 
 

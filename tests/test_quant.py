@@ -206,14 +206,17 @@ def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wi
 
     from qgrpo.core.cpu import isa
     from qgrpo.rollout import cpu_kernels as ck
+    from qgrpo.rollout import cpu_native
 
     monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
     monkeypatch.setattr(ck, "_ROWS", {})
     rows = ck.cpu_int8_rows(256, 128, torch.bfloat16)
-    assert rows in (0, *ck.ROW_STEPS) and ck._ROWS == {("int8", 256, 128, None, torch.bfloat16): rows}
+    own = cpu_native.available()
+    assert rows in (0, *ck.ROW_STEPS) and ck._ROWS == {("int8", 256, 128, None, torch.bfloat16, own): rows}
     (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
     assert recorded == {"256x128:bfloat16": rows} and f"{torch.get_num_threads()} threads" in machine
     assert f"| {isa().capability} |" in machine  # other kernels (ATEN_CPU_CAPABILITY), other crossovers
+    assert machine.endswith(f"| int8 {'w8a16' if own else 'torch'}")  # qgrpo's int8 kernel or torch's: other rows
     monkeypatch.setattr(ck, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
     assert ck.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept in this process
     monkeypatch.setattr(ck, "_ROWS", {})  # a later process on this machine reads the file
@@ -243,9 +246,10 @@ def test_an_int8_product_takes_the_measured_route(monkeypatch):
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     kernel, cast = ck.int8_kernel(x, q, scale), torch.nn.functional.linear(x, q.bfloat16()) * scale.bfloat16()
     assert not torch.equal(kernel, cast)  # the two routes round differently: which one ran is visible
-    monkeypatch.setattr(ck, "_ROWS", {("int8", 64, 128, None, torch.bfloat16): 4})
+    key = ("int8", 64, 128, None, torch.bfloat16, ck.cpu_native.available())  # qgrpo's own int8 kernel or torch's
+    monkeypatch.setattr(ck, "_ROWS", {key: 4})
     assert torch.equal(quant.int8_product(x, q, scale), kernel)
-    monkeypatch.setattr(ck, "_ROWS", {("int8", 64, 128, None, torch.bfloat16): 2})
+    monkeypatch.setattr(ck, "_ROWS", {key: 2})
     assert torch.equal(quant.int8_product(x, q, scale), cast)
 
 

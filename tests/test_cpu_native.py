@@ -1,0 +1,165 @@
+"""qgrpo's CPU int8 kernel (rollout/cpu_native.py, rollout/csrc/w8a16_cpu.cpp): its products against a float64
+reference on both instruction-set paths, and what happens where it cannot run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from qgrpo.rollout import cpu_kernels, cpu_native
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"kernel not available: {cpu_native.why_not()}")
+
+# The kernel rounds activations to int16 per block of 256 inputs (at most 1/65534 of the block's largest |x|), then
+# sums exactly: measured 0.7e-4 to 2.7e-4 of the largest |output| at these shapes. torch's kernel, whose inputs are
+# bf16, is at 3e-3 to 7e-3. The bound: 1e-3, and at most a fifth of torch's kernel's error on the same product.
+TOL = 1e-3
+SHAPES = [(8960, 1536), (1536, 8960), (1000, 896), (13, 96), (4099, 576)]  # a partial block, N % 4 != 0
+ROWS = [1, 2, 3, 4, 5, 8, 13, 16, 17, 64]  # each remainder of the 4-row tile
+
+
+def _case(n: int, k: int, rows: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) / 127 + 1e-4
+    x = torch.randn(rows, k, generator=g)
+    x[:, 5] *= 100  # an outlier channel, as LLM activations have
+    ref = x.double() @ (q.double() * scale.double()[:, None]).T
+    return x, q, scale, ref
+
+
+def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(out).all()
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def _check_products() -> dict:
+    """Every shape and rows count: the kernel's error, and torch's kernel's on the same product."""
+    errors = {}
+    for n, k in SHAPES:
+        for rows in ROWS:
+            x, q, scale, ref = _case(n, k, rows)
+            out = cpu_native.w8a16_mm(x, q, scale)
+            assert out.shape == (rows, n) and out.dtype == torch.float32
+            theirs = torch._weight_int8pack_mm(x.bfloat16(), q, scale.bfloat16())
+            errors[f"{n}x{k}x{rows}"] = (_error(out, ref), _error(theirs, ref))
+    return errors
+
+
+def test_products_match_float64_within_tolerance():
+    errors = _check_products()
+    for key, (ours, theirs) in errors.items():
+        assert ours <= TOL, (key, ours)
+        assert ours <= theirs / 5, (key, ours, theirs)
+
+
+def test_avx2_path_in_a_capped_process():
+    """ATEN_CPU_CAPABILITY=avx2 sends the kernel down its AVX2 path (vpmaddwd), as on an AVX2-only CPU; the same
+    bounds hold there."""
+    code = ("import json; from tests.test_cpu_native import _check_products; from qgrpo.rollout import cpu_native;"
+            "print(json.dumps([cpu_native.describe(), cpu_native.isa_code()[0], _check_products()]))")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    words, code_, errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert code_ == cpu_native.ISA_AVX2 and "AVX2" in words
+    for key, (ours, theirs) in errors.items():
+        assert ours <= TOL, (key, ours)
+        assert ours <= theirs / 5, (key, ours, theirs)
+
+
+def test_zero_and_extreme_rows_stay_finite():
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, (64, 256), dtype=torch.int8, generator=g)
+    scale = torch.rand(64, generator=g) / 127
+    x = torch.zeros(3, 256)
+    x[1] = 3e38 * torch.sign(torch.randn(256, generator=g))  # the largest float32 magnitudes: codes saturate, no NaN
+    x[2, 17] = -1e-30  # one tiny value alone in its block
+    out = cpu_native.w8a16_mm(x, q, scale)
+    assert torch.isfinite(out[0]).all() and (out[0] == 0).all()
+    ref = x[2].double() @ (q.double() * scale.double()[:, None]).T
+    assert torch.allclose(out[2].double(), ref, rtol=1e-4, atol=0)
+
+
+def test_int8_kernel_routes_through_ours_and_back_to_torch():
+    x, q, scale, _ = _case(256, 512, 4)
+    ours = cpu_kernels.int8_kernel(x.bfloat16(), q, scale)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, cpu_native.w8a16_mm(x.bfloat16().float(), q, scale).bfloat16())
+    with cpu_native.torch_kernel():
+        assert not cpu_native.available() and "torch" in cpu_native.describe()
+        theirs = cpu_kernels.int8_kernel(x.bfloat16(), q, scale)
+        torch.testing.assert_close(theirs, torch._weight_int8pack_mm(x.bfloat16(), q, scale.bfloat16()))
+    assert cpu_native.available()
+    # K a multiple of 16, not of 32: torch's kernel takes the product
+    x2, q2, s2, _ = _case(16, 48, 2)
+    assert not cpu_native.takes(48)
+    torch.testing.assert_close(cpu_kernels.int8_kernel(x2, q2, s2),
+                               torch._weight_int8pack_mm(x2.bfloat16(), q2, s2.bfloat16()).float())
+
+
+def test_an_odd_width_never_reaches_torch_int8_kernel():
+    """torch 2.13's `_weight_int8pack_mm` crashes the process (SIGSEGV) when K is not a multiple of 16; such a layer
+    takes the cast-and-product route at every row count."""
+    from qgrpo.rollout.quant import int8_product
+
+    assert cpu_kernels.cpu_int8_rows(16, 40, torch.float32) == 0
+    x, q, scale, ref = _case(16, 40, 2)
+    assert _error(int8_product(x, q, scale), ref) <= 1e-5
+
+
+def _fresh(env: dict, code: str, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "QGRPO_CACHE": str(cache), **env})
+
+
+def test_without_a_compiler_torch_kernel_is_used_and_the_reason_given(tmp_path):
+    code = ("from qgrpo.rollout import cpu_native, cpu_kernels; import torch;"
+            "print(cpu_native.available(), '|', cpu_native.describe());"
+            "x = torch.randn(2, 64); q = torch.randint(-128, 128, (8, 64), dtype=torch.int8);"
+            "print(cpu_kernels.int8_kernel(x, q, torch.rand(8)).shape)")
+    done = _fresh({"CXX": "", "PATH": str(tmp_path)}, code, tmp_path)  # no compiler on PATH, an empty cache
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, shape = done.stdout.strip().splitlines()[-2:]
+    assert first.startswith("False |") and "no C++ compiler" in first
+    assert shape == "torch.Size([2, 8])"
+    off = _fresh({"QGRPO_CPU_KERNEL": "torch"}, "from qgrpo.rollout import cpu_native; print(cpu_native.describe())",
+                 tmp_path)
+    assert "QGRPO_CPU_KERNEL=torch" in off.stdout
+
+
+def test_a_broken_build_is_reported_not_raised(tmp_path):
+    cxx = tmp_path / "fakecxx"
+    cxx.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
+                   "echo 'error: no' >&2\nexit 3\n")
+    cxx.chmod(0o755)
+    code = "from qgrpo.rollout import cpu_native; print(cpu_native.available(), '|', cpu_native.why_not())"
+    done = _fresh({"CXX": str(cxx)}, code, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout.strip().splitlines()[-1]
+    assert out.startswith("False |") and "fakecxx exited 3" in out and "error: no" in out
+    assert not list((tmp_path / "kernels").glob("*.so"))  # nothing half-built is left to be loaded later
+
+
+def test_concurrent_processes_build_once(tmp_path):
+    code = ("from qgrpo.rollout import cpu_native; import torch; assert cpu_native.available(), cpu_native.why_not();"
+            "x = torch.randn(3, 64); q = torch.randint(-128, 128, (8, 64), dtype=torch.int8); s = torch.rand(8);"
+            "ref = x.double() @ (q.double() * s.double()[:, None]).T;"
+            "print(float((cpu_native.w8a16_mm(x, q, s).double() - ref).abs().max() / ref.abs().max()))")
+    env = {**os.environ, "QGRPO_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        assert float(out.strip().splitlines()[-1]) <= TOL
+    assert len(list((tmp_path / "kernels").glob("*.so"))) == 1
+    assert not list((tmp_path / "kernels").glob("*.tmp"))
