@@ -289,14 +289,14 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
-    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel"), "int4": ("", "kernel")}
+    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch"), "int4": ("", "kernel")}
     bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
            or p.partition("+")[0].partition("/")[2] not in routes.get(p.partition("/")[0], ("",))
            or p.partition("+")[2] not in ("", "head")]
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
-                 f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int4/kernel "
-                 "on CPU; FORMAT+head: a tied head quantized too)")
+                 f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int8/torch, "
+                 "int4/kernel on CPU; FORMAT+head: a tied head quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)

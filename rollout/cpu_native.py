@@ -32,7 +32,7 @@ import torch
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "w8a16_cpu.cpp"
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17"]
-ENV_SWITCH = "QGRPO_CPU_KERNEL"  # "torch": never this kernel
+ENV_SWITCH, OFF = "QGRPO_CPU_KERNEL", "torch"  # QGRPO_CPU_KERNEL=torch: never this kernel
 ISA_AVX2, ISA_VNNI = 2, 5  # the codes qg_w8a16_mm takes
 _STATE: dict = {}  # "lib", "isa", "why" once loaded or refused
 
@@ -87,7 +87,7 @@ def _load():
     if "lib" in _STATE:
         return _STATE["lib"]
     lib, why = None, ""
-    if os.environ.get(ENV_SWITCH, "").strip().lower() == "torch":
+    if os.environ.get(ENV_SWITCH, "").strip().lower() == OFF:
         why = f"{ENV_SWITCH}=torch"
     else:
         code, words = isa_code()

@@ -199,3 +199,15 @@ def test_export_again_names_the_flag_that_replaces_it(tiny_model_path, tmp_path,
     rc, stdout, err = _run(capsys, "export", tiny_model_path, str(out), "--overwrite")
     assert rc == 0, err
     assert stdout.strip() == str(out.resolve()) and (out / "config.json").is_file() and not (out / "stale.txt").exists()
+
+
+def test_check_names_the_cpu_int8_kernel_for_int8_rollouts(tiny_model_path, tmp_path, capsys):
+    """int8 rollouts on the torch backend: check says which CPU int8 kernel the products take (qgrpo's, or torch's and
+    why not qgrpo's); other precisions say nothing of it."""
+    from qgrpo.rollout import cpu_native
+
+    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'rollout.precision="int8"'))
+    assert rc == 0, out + err
+    assert f"  int8 kernel: {cpu_native.describe()}\n" in out, out
+    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path))
+    assert rc == 0 and "int8 kernel" not in out

@@ -110,3 +110,27 @@ def test_the_former_int4_route_is_its_own_variant_and_the_rule_comes_back(tmp_pa
     assert all("error" not in r and r["prefill_tokens_per_s"] > 0 for r in res["rows"]), res["rows"]
     assert 600 in seen  # the 600-token prompt's forward went through the kernel, past any measured rows
     assert cpu_kernels.cpu_int4_rows is rule
+
+
+def test_int8_torch_variant_takes_torch_kernel_and_int8_takes_ours(tmp_path, monkeypatch):
+    """`int8/torch` sends the int8 products through torch's `_weight_int8pack_mm` (qgrpo's kernel switched off for the
+    variant and back on after), `int8` through qgrpo's where it is built here."""
+    import torch
+
+    from qgrpo.rollout import cpu_native
+
+    calls = {"torch": 0, "ours": 0}
+    real_torch, real_ours = torch._weight_int8pack_mm, cpu_native.w8a16_mm
+    monkeypatch.setattr(torch, "_weight_int8pack_mm",
+                        lambda *a: calls.__setitem__("torch", calls["torch"] + 1) or real_torch(*a))
+    monkeypatch.setattr(cpu_native, "w8a16_mm",
+                        lambda *a: calls.__setitem__("ours", calls["ours"] + 1) or real_ours(*a))
+    args = ["--device", "cpu", "--models", "tiny-qwen2", "--rows", "1", "--contexts", "32", "--new-tokens", "2",
+            "--repeats", "1"]
+    res = model_ladder.main([*args, "--precisions", "int8/torch", "--out", str(tmp_path / "a.json")])
+    assert all("error" not in r for r in res["rows"]) and calls["torch"] > 0 and calls["ours"] == 0
+    assert res["cpu_int8_kernel"] == cpu_native.describe()
+    if cpu_native.available():
+        calls.update(torch=0, ours=0)
+        model_ladder.main([*args, "--precisions", "int8", "--out", str(tmp_path / "b.json")])
+        assert calls["ours"] > 0 and calls["torch"] == 0

@@ -297,6 +297,12 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
 
         for line in machine_report(cfg, model_path, resume=resume).lines(cfg.run.steps):
             progress.told(*line.split(": ", 1))
+        from qgrpo.rollout.backends import REGISTRY
+
+        if REGISTRY[cfg.rollout.backend].cpu_int8_kernel and cfg.rollout.precision in ("int8", "auto"):
+            from qgrpo.rollout import cpu_native
+
+            progress.told("int8 kernel", cpu_native.describe())  # qgrpo's own, or torch's and why
     return model_path
 
 

@@ -20,6 +20,17 @@
 
 static inline int64_t nblocks(int64_t K) { return (K + BLK - 1) / BLK; }
 
+// Where a tile's float sums go: the first chunk of inputs starts them at zero, a middle one keeps them in acc (one
+// vector per output row i and activation row j, at acc + (i * ACC_ROWS + j) * lanes), the last sums each vector and
+// writes out[(m0 + j) * N + n] times the weight row's scale.
+struct Sums {
+    float* acc;
+    float* out;
+    const float* scale;
+    int64_t N, m0;
+    bool first, last;
+};
+
 // One row's activations as int16 codes and per-block scales.
 __attribute__((target("avx2,fma"))) static void quantize_row(const float* x, int64_t K, int16_t* xq, float* xs) {
     for (int64_t b = 0; b < nblocks(K); b++) {
@@ -46,16 +57,17 @@ __attribute__((target("avx2,fma"))) static void quantize_row(const float* x, int
     }
 }
 
-// One tile: output rows [n, n + NB) against activation rows [m, m + MB) over the blocks [b0, b1) of the inputs,
-// added into acc: one float vector per (output row i, activation row j) at acc + (i * ACC_ROWS + m + j) * lanes.
+// One tile: output rows [n, n + NB) against activation rows [m, m + MB) (from the pass's first) over the blocks
+// [b0, b1) of the inputs, its sums where `to` says.
 template <int NB, int MB>
 __attribute__((target("avx2,fma"))) static inline void tile_avx2(const int16_t* xq, const float* xs, int64_t K,
                                                                 const int8_t* q, int64_t n, int64_t m, int64_t b0,
-                                                                int64_t b1, float* acc_out) {
+                                                                int64_t b1, const Sums& to) {
     const int64_t nb = nblocks(K);
     __m256 accf[NB][MB];
     for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) accf[i][j] = _mm256_loadu_ps(acc_out + (i * ACC_ROWS + m + j) * 8);
+        for (int j = 0; j < MB; j++)
+            accf[i][j] = to.first ? _mm256_setzero_ps() : _mm256_loadu_ps(to.acc + (i * ACC_ROWS + m + j) * 8);
     for (int64_t b = b0; b < b1; b++) {
         const int64_t k0 = b * BLK, k1 = k0 + BLK < K ? k0 + BLK : K;
         __m256i acc[NB][MB];
@@ -81,18 +93,28 @@ __attribute__((target("avx2,fma"))) static inline void tile_avx2(const int16_t* 
         }
     }
     for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) _mm256_storeu_ps(acc_out + (i * ACC_ROWS + m + j) * 8, accf[i][j]);
+        for (int j = 0; j < MB; j++) {
+            if (!to.last) {
+                _mm256_storeu_ps(to.acc + (i * ACC_ROWS + m + j) * 8, accf[i][j]);
+                continue;
+            }
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(accf[i][j]), _mm256_extractf128_ps(accf[i][j], 1));
+            v = _mm_hadd_ps(v, v);
+            v = _mm_hadd_ps(v, v);
+            to.out[(to.m0 + m + j) * to.N + n + i] = _mm_cvtss_f32(v) * to.scale[n + i];
+        }
 }
 
 template <int NB, int MB>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_vnni(const int16_t* xq, const float* xs,
                                                                                   int64_t K, const int8_t* q,
                                                                                   int64_t n, int64_t m, int64_t b0,
-                                                                                  int64_t b1, float* acc_out) {
+                                                                                  int64_t b1, const Sums& to) {
     const int64_t nb = nblocks(K);
     __m512 accf[NB][MB];
     for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) accf[i][j] = _mm512_loadu_ps(acc_out + (i * ACC_ROWS + m + j) * 16);
+        for (int j = 0; j < MB; j++)
+            accf[i][j] = to.first ? _mm512_setzero_ps() : _mm512_loadu_ps(to.acc + (i * ACC_ROWS + m + j) * 16);
     for (int64_t b = b0; b < b1; b++) {
         const int64_t k0 = b * BLK, k1 = k0 + BLK < K ? k0 + BLK : K;
         __m512i acc[NB][MB];
@@ -113,46 +135,44 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static inline void tile_v
         }
     }
     for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) _mm512_storeu_ps(acc_out + (i * ACC_ROWS + m + j) * 16, accf[i][j]);
+        for (int j = 0; j < MB; j++) {
+            if (to.last)
+                to.out[(to.m0 + m + j) * to.N + n + i] = _mm512_reduce_add_ps(accf[i][j]) * to.scale[n + i];
+            else
+                _mm512_storeu_ps(to.acc + (i * ACC_ROWS + m + j) * 16, accf[i][j]);
+        }
 }
 
 template <int NB, int MB, bool VNNI>
 static inline void tile(const int16_t* xq, const float* xs, int64_t K, const int8_t* q, int64_t n, int64_t m,
-                        int64_t b0, int64_t b1, float* acc) {
+                        int64_t b0, int64_t b1, const Sums& to) {
     if (VNNI)
-        tile_vnni<NB, MB>(xq, xs, K, q, n, m, b0, b1, acc);
+        tile_vnni<NB, MB>(xq, xs, K, q, n, m, b0, b1, to);
     else
-        tile_avx2<NB, MB>(xq, xs, K, q, n, m, b0, b1, acc);
+        tile_avx2<NB, MB>(xq, xs, K, q, n, m, b0, b1, to);
 }
 
 // Output rows [n, n + NB) against activation rows [m0, m1) (at most ACC_ROWS): the inputs a chunk of KC_BLOCKS
-// blocks at a time, so that the chunk's activations stay in L1 while the tiles of MB rows take their turns; then each
-// row's vector summed and scaled into out.
+// blocks at a time, so that the chunk's activations stay in L1 while the tiles of MB rows take their turns; the last
+// chunk writes the outputs.
 template <int NB, int MB, bool VNNI>
 static inline void rows(const int16_t* xq, const float* xs, int64_t m0, int64_t m1, int64_t K, const int8_t* q,
                         const float* s, int64_t N, float* out, int64_t n) {
-    constexpr int LANES = VNNI ? 16 : 8;
-    alignas(64) float acc[NB * ACC_ROWS * 16];
-    for (int i = 0; i < NB; i++)  // only the rows in use: at one row the whole buffer would cost more than the tile
-        for (int64_t t = 0; t < (m1 - m0) * LANES; t++) acc[i * ACC_ROWS * LANES + t] = 0.f;
+    alignas(64) float acc[NB * ACC_ROWS * 16];  // only touched when the inputs take more than one chunk
     const int64_t nb = nblocks(K);
     for (int64_t b0 = 0; b0 < nb; b0 += KC_BLOCKS) {
         const int64_t b1 = b0 + KC_BLOCKS < nb ? b0 + KC_BLOCKS : nb;
-        int64_t m = m0;
-        for (; m + MB <= m1; m += MB) tile<NB, MB, VNNI>(xq, xs, K, q, n, m - m0, b0, b1, acc);
-        switch (m1 - m) {
-            case 1: tile<NB, 1, VNNI>(xq, xs, K, q, n, m - m0, b0, b1, acc); break;
-            case 2: tile<NB, (2 < MB ? 2 : 1), VNNI>(xq, xs, K, q, n, m - m0, b0, b1, acc); break;
-            case 3: tile<NB, (3 < MB ? 3 : 1), VNNI>(xq, xs, K, q, n, m - m0, b0, b1, acc); break;
+        const Sums to{acc, out, s, N, m0, b0 == 0, b1 == nb};
+        const int64_t rows = m1 - m0;
+        int64_t m = 0;
+        for (; m + MB <= rows; m += MB) tile<NB, MB, VNNI>(xq, xs, K, q, n, m, b0, b1, to);
+        switch (rows - m) {
+            case 1: tile<NB, 1, VNNI>(xq, xs, K, q, n, m, b0, b1, to); break;
+            case 2: tile<NB, (2 < MB ? 2 : 1), VNNI>(xq, xs, K, q, n, m, b0, b1, to); break;
+            case 3: tile<NB, (3 < MB ? 3 : 1), VNNI>(xq, xs, K, q, n, m, b0, b1, to); break;
             default: break;  // MB <= 4: nothing else is left
         }
     }
-    for (int i = 0; i < NB; i++)
-        for (int64_t j = 0; j < m1 - m0; j++) {
-            float v = 0.f;
-            for (int l = 0; l < LANES; l++) v += acc[(i * ACC_ROWS + j) * LANES + l];
-            out[(m0 + j) * N + n + i] = v * s[n + i];
-        }
 }
 
 template <int NB, int MB, bool VNNI>
