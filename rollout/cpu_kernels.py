@@ -41,6 +41,10 @@ ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the int8 routes 
 INT4_ROW_STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the int4 routes
 INT8_KERNEL_MAX_ROWS = 64  # never more rows through the int8 kernel, whatever is measured
 TORCH_INT8_K = 16  # torch 2.13's _weight_int8pack_mm crashes (SIGSEGV) on inputs K not a multiple of this
+# Weights of at most this many values take qgrpo's int8 kernel up to INT8_KERNEL_MAX_ROWS rows, unmeasured: either
+# route costs microseconds there, so a measured crossover is noise, and one route keeps a sequence's numbers from
+# depending on how many rows share its batch (a prefill of one prompt or of many; tests/test_backend_contract.py).
+SMALL_INT8_WEIGHT = 1 << 19
 _ROWS: dict[tuple, int] = {}  # (format, N, K, group, activation dtype[, own int8 kernel]) -> the most rows through it
 _LAYOUTS = (("lanes", 64), ("lanes", 32), ("pairs", 32), ("pairs", 64))
 _LAYOUT: list = []  # [the layout found] once looked for; [None]: none matched
@@ -55,6 +59,8 @@ def cpu_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
     process's threads: what this machine's routes file holds for it, else measured now (about 1-60 ms) and added."""
     if k % TORCH_INT8_K and not cpu_native.takes(k):
         return 0
+    if n * k <= SMALL_INT8_WEIGHT and cpu_native.takes(k):
+        return INT8_KERNEL_MAX_ROWS
     return _kernel_rows(("int8", n, k, None, dtype, cpu_native.available()), f"{n}x{k}:{_name(dtype)}",
                         lambda: _measure_int8_rows(n, k, dtype))
 

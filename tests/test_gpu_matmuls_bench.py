@@ -64,7 +64,8 @@ def test_dry_run_on_a_cpu_measures_what_the_cpu_serves(tmp_path):
     gpu_matmuls.main(["--device", "cpu", "--precisions", "bf16,int8,int4/unpadded", "--shapes", "k/v",
                       "--rows", "8", "--calls", "2", "--repeats", "1", "--out", str(out)])
     res = json.loads(out.read_text())
-    assert res["machine"].startswith("cpu, torch") and res["command"].startswith(".venv/bin/python bench/")
+    assert res["device_name"] == "cpu" and ", cpu, torch" in res["machine"]  # the CPU's model name first
+    assert res["cpu_int8_kernel"] and res["command"].startswith(".venv/bin/python bench/")
     rows = {r["route"]: r for r in res["rows"]}
     assert {r["model"] for r in res["rows"]} == {"1.3b"} and rows["bf16"]["shape"] == "k/v"
     assert (rows["bf16"]["n"], rows["bf16"]["k"]) == gpu_matmuls.SHAPES["k/v"]

@@ -210,18 +210,20 @@ def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wi
 
     monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
     monkeypatch.setattr(ck, "_ROWS", {})
-    rows = ck.cpu_int8_rows(256, 128, torch.bfloat16)
+    rows = ck.cpu_int8_rows(1024, 1024, torch.bfloat16)  # above SMALL_INT8_WEIGHT: measured
     own = cpu_native.available()
-    assert rows in (0, *ck.ROW_STEPS) and ck._ROWS == {("int8", 256, 128, None, torch.bfloat16, own): rows}
+    assert rows in (0, *ck.ROW_STEPS) and ck._ROWS == {("int8", 1024, 1024, None, torch.bfloat16, own): rows}
     (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
-    assert recorded == {"256x128:bfloat16": rows} and f"{torch.get_num_threads()} threads" in machine
+    assert recorded == {"1024x1024:bfloat16": rows} and f"{torch.get_num_threads()} threads" in machine
     assert f"| {isa().capability} |" in machine  # other kernels (ATEN_CPU_CAPABILITY), other crossovers
     assert machine.endswith(f"| int8 {'w8a16' if own else 'torch'}")  # qgrpo's int8 kernel or torch's: other rows
     monkeypatch.setattr(ck, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
-    assert ck.cpu_int8_rows(256, 128, torch.bfloat16) == rows  # kept in this process
+    assert ck.cpu_int8_rows(1024, 1024, torch.bfloat16) == rows  # kept in this process
     monkeypatch.setattr(ck, "_ROWS", {})  # a later process on this machine reads the file
-    (tmp_path / ck.ROUTES_FILE).write_text(json.dumps({machine: {"256x128:bfloat16": 32}}))
-    assert ck.cpu_int8_rows(256, 128, torch.bfloat16) == 32
+    (tmp_path / ck.ROUTES_FILE).write_text(json.dumps({machine: {"1024x1024:bfloat16": 32}}))
+    assert ck.cpu_int8_rows(1024, 1024, torch.bfloat16) == 32
+    if own:  # a small weight takes qgrpo's kernel up to its most rows, unmeasured
+        assert ck.cpu_int8_rows(256, 128, torch.bfloat16) == ck.INT8_KERNEL_MAX_ROWS
     monkeypatch.undo()
     monkeypatch.setattr(ck, "_ROWS", {})
     monkeypatch.setattr(ck, "int8_kernel", lambda x, q, s: x[:, :1] * 0)  # a kernel that costs nothing
@@ -241,12 +243,12 @@ def test_an_int8_product_takes_the_measured_route(monkeypatch):
     import qgrpo.rollout.quant as quant
     from qgrpo.rollout import cpu_kernels as ck
 
-    q = torch.randint(-127, 128, (64, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
-    scale = torch.rand(64) / 127
-    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    q = torch.randint(-127, 128, (1024, 1024), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
+    scale = torch.rand(1024) / 127
+    x = torch.randn(4, 1024, dtype=torch.bfloat16)
     kernel, cast = ck.int8_kernel(x, q, scale), torch.nn.functional.linear(x, q.bfloat16()) * scale.bfloat16()
     assert not torch.equal(kernel, cast)  # the two routes round differently: which one ran is visible
-    key = ("int8", 64, 128, None, torch.bfloat16, ck.cpu_native.available())  # qgrpo's own int8 kernel or torch's
+    key = ("int8", 1024, 1024, None, torch.bfloat16, ck.cpu_native.available())  # qgrpo's own int8 kernel or torch's
     monkeypatch.setattr(ck, "_ROWS", {key: 4})
     assert torch.equal(quant.int8_product(x, q, scale), kernel)
     monkeypatch.setattr(ck, "_ROWS", {key: 2})
