@@ -10,12 +10,13 @@ product on the weight decoded once into the activations' dtype. On a 2-core Xeon
 - int4, Qwen2.5-0.5B's shape: a 2,048-token prefill at 146 tokens/s with every product through the kernel, 612 with
   the weight decoded past the kernel's rows (bf16: 714; bench/model_ladder.py).
 
-qgrpo's own int8 kernel (rollout/cpu_native.py) reads the weight once per call for all rows, which moves the int8
-crossover up without removing it (at many rows a bf16 product on AMX or AVX512-BF16 still wins); where that kernel is
-built, `int8_kernel` is it, else torch's. So the rows up to which each kernel wins are measured, for each weight shape
+qgrpo's own int8 and int4 kernels (rollout/cpu_native.py) read the weight once per call for all rows, which moves
+the crossovers up without removing them (at many rows a bf16 product on AMX or AVX512-BF16 still wins); where they
+are built, `int8_kernel` and `int4_kernel` are they, else torch's. So the rows up to which each kernel wins are
+measured, for each weight shape
 and activation dtype, at the first product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8,
 2-4 s for an int4 [8960, 1536] on 2 cores). The routes round differently, so a measure is kept in a file of the cache
-(``ROUTES_FILE``, under a key of the CPU model, kernel capability, thread count, torch version and int8 kernel) that
+(``ROUTES_FILE``, under a key of the CPU model, kernel capability, thread count, torch version and qgrpo's kernels) that
 every later process on the machine reads: a run resumed, or its actor replaced, samples through the same routes as
 before. The first record of a shape holds.
 
@@ -40,6 +41,11 @@ ROUTES_FILE = "cpu_int8_rows.json"  # under the cache root (core/storage.py: cac
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the int8 routes are compared
 INT4_ROW_STEPS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # and the int4 routes
 INT8_KERNEL_MAX_ROWS = 64  # never more rows through the int8 kernel, whatever is measured
+# nor through qgrpo's int4 kernel: its cost per row stays flat past a few rows (compute-bound) while the decoded
+# route's falls, and the measure's probe weight, hot in cache, favours the kernel at many rows. A 256-token prefill of
+# Qwen2.5-1.5B's shape through it ran at 0.47-0.68x the speed of the decoded route on an AVX2-capped Xeon
+# (bench/published/model_ladder_cpu_w4a16_avx2*.json, prefill columns).
+INT4_KERNEL_MAX_ROWS = 64
 TORCH_INT8_K = 16  # torch 2.13's _weight_int8pack_mm crashes (SIGSEGV) on inputs K not a multiple of this
 # Weights of at most this many values take qgrpo's int8 kernel up to INT8_KERNEL_MAX_ROWS rows, unmeasured: either
 # route costs microseconds there, so a measured crossover is noise, and one route keeps a sequence's numbers from
@@ -66,14 +72,17 @@ def cpu_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
 
 
 def cpu_int4_rows(n: int, k: int, group: int, dtype: torch.dtype) -> int:
-    """The most rows (of INT4_ROW_STEPS) for which `_weight_int4pack_mm_for_cpu` beat decoding the int4 weight [n, k]
-    (group `group`) once into `dtype` and one plain product, on this CPU in this process's threads; the largest step
-    when the kernel won at every step, or when no dequantizer layout matched this torch (the kernel then takes every
-    product: see `int4_product`). Recorded and read as `cpu_int8_rows`'."""
+    """The most rows (of INT4_ROW_STEPS) for which `int4_kernel` (qgrpo's or torch's) beat decoding the int4 weight
+    [n, k] (group `group`) once into `dtype` and one plain product, on this CPU in this process's threads; the largest
+    step when the kernel won at every step, or when no dequantizer layout matched this torch (the kernel then takes
+    every product: see `int4_product`). Recorded and read as `cpu_int8_rows`'."""
     if int4_layout() is None:
         return INT4_ROW_STEPS[-1]
-    return _kernel_rows(("int4", n, k, group, dtype), f"int4:{n}x{k}:g{group}:{_name(dtype)}",
-                        lambda: _measure_int4_rows(n, k, group, dtype))
+    rows = _kernel_rows(("int4", n, k, group, dtype, cpu_native.available()),
+                        f"int4:{n}x{k}:g{group}:{_name(dtype)}", lambda: _measure_int4_rows(n, k, group, dtype))
+    if cpu_native.takes_int4(n, k, group, int4_layout()):
+        return min(rows, INT4_KERNEL_MAX_ROWS)
+    return rows
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -107,7 +116,7 @@ def _routes_record(update: dict | None = None) -> dict:
     path = cache_root() / ROUTES_FILE
     cpu = isa()
     machine = (f"{cpu.name or 'cpu'} | {cpu.capability} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-               f" | int8 {'w8a16' if cpu_native.available() else 'torch'}")
+               f" | kernels {cpu_native.tag()}")
     try:
         data = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
@@ -269,12 +278,20 @@ def _decoded_product(x2: torch.Tensor, qdata: torch.Tensor, sz: torch.Tensor, n:
 def _measure_int4_rows(n: int, k: int, group: int, dtype: torch.dtype) -> int:
     """The climb against the route a product past the kernel's rows takes (`_decoded_product`)."""
     packed, sz = _probe_int4(n, k, group)
-    return _climb(INT4_ROW_STEPS, k, dtype, lambda x: int4_kernel(x, packed, sz, group),
+    steps = INT4_ROW_STEPS
+    if cpu_native.takes_int4(n, k, group, int4_layout()):
+        steps = [r for r in INT4_ROW_STEPS if r <= INT4_KERNEL_MAX_ROWS]
+    return _climb(steps, k, dtype, lambda x: int4_kernel(x, packed, sz, group),
                   lambda x: _decoded_product(x, packed, sz, n, group))
 
 
 def int4_kernel(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
-    """x [rows, K] through `_weight_int4pack_mm_for_cpu`, in x's dtype out. The kernel multiplies in the dtype of its
-    (bf16) scales, so float32 activations (model.compute_dtype) enter it as bf16."""
+    """x [rows, K] through qgrpo's own int4 kernel where it takes this weight (rollout/cpu_native.py: torch's
+    packing decoded once per call for all rows, integer products), else through `_weight_int4pack_mm_for_cpu`; in
+    x's dtype out. torch's kernel multiplies in the dtype of its (bf16) scales, so float32 activations
+    (model.compute_dtype) enter it as bf16."""
+    n, layout = scale_and_zero.shape[1], int4_layout()
+    if cpu_native.takes_int4(n, x.shape[-1], group, layout):
+        return cpu_native.w4a16_mm(x, qdata, scale_and_zero, n, group, layout[1]).to(x.dtype)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(scale_and_zero.dtype).contiguous(), qdata, group,
                                                       scale_and_zero).to(x.dtype)

@@ -1,4 +1,5 @@
-"""qgrpo's own CPU kernel for weight-only int8 products at a decode step's few rows (rollout/csrc/w8a16_cpu.cpp).
+"""qgrpo's own CPU kernels for weight-only int8 and int4 products at a decode step's few rows
+(rollout/csrc/w8a16_cpu.cpp, rollout/csrc/w4a16_cpu.cpp).
 
 torch's `_weight_int8pack_mm` decodes the weight again for every block of 4 rows, so its time grows with the rows: at
 8 rows of a [8960, 1536] weight it was slower than the bf16 product it is meant to beat. This kernel reads each weight
@@ -6,12 +7,17 @@ byte once per call for all of the call's rows, and multiplies in integers: the a
 scale per row and block of 256 inputs (a rounding 100x finer than the bf16 torch's kernel rounds them to), the products
 are summed exactly in int32 (vpmaddwd on AVX2, vpdpwssd on AVX-512 VNNI) and scaled into float32.
 
-The source is compiled at first use with the system's C++ compiler (``$CXX``, else g++, c++ or clang++; about a
-second, no torch headers) into the qgrpo cache (``kernels/``, named by a digest of the source, the compiler and the
-flags), under a file lock so that the rollout actors of one machine build it once. Where it cannot run (no compiler,
-the build fails, not x86-64, no AVX2 and FMA) ``available()`` is False with the reason in ``why_not()``, and the
-int8 products go through torch's kernel as before. ``QGRPO_CPU_KERNEL=torch`` keeps torch's kernel on purpose (to
-compare, or to rule this one out).
+torch's `_weight_int4pack_mm_for_cpu` has the same habit. The int4 kernel works on torch's own packing of the weight
+(so nothing is stored twice and torch's kernel stays the fallback): it decodes a chunk of one block of output rows once
+into int16 pairs that stay in L1, and multiplies every row of the call with them, in the same integer arithmetic
+(activations as int16 with a scale per row and group, the group's zero term from the float sum of its inputs).
+
+The sources are compiled at first use into one library with the system's C++ compiler (``$CXX``, else g++, c++ or
+clang++; a few seconds, no torch headers) in the qgrpo cache (``kernels/``, named by a digest of the sources, the
+compiler and the flags), under a file lock so that the rollout actors of one machine build it once. Where it cannot
+run (no compiler, the build fails, not x86-64, no AVX2 and FMA) ``available()`` is False with the reason in
+``why_not()``, and the int8 and int4 products go through torch's kernels as before. ``QGRPO_CPU_KERNEL=torch`` keeps
+torch's kernels on purpose (to compare, or to rule these out).
 
 The instruction set follows torch's: on a CPU with AVX-512 VNNI, the AVX-512 path unless ATEN_CPU_CAPABILITY caps
 torch below AVX-512 (then the AVX2 path, so that a capped run behaves as an AVX2-only CPU would).
@@ -30,7 +36,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "w8a16_cpu.cpp"
+SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("w8a16_cpu.cpp", "w4a16_cpu.cpp"))
+INT4_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernel takes
+INT4_BLOCKS = (32, 64)  # and the blocks of output rows of torch's "lanes" packing
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17"]
 ENV_SWITCH, OFF = "QGRPO_CPU_KERNEL", "torch"  # QGRPO_CPU_KERNEL=torch: never this kernel
 ISA_AVX2, ISA_VNNI = 2, 5  # the codes qg_w8a16_mm takes
@@ -62,8 +70,18 @@ def why_not() -> str:
     return _STATE.get("why", "")
 
 
-def describe() -> str:
-    """'qgrpo w8a16 (AVX-512 VNNI)' or "torch's _weight_int8pack_mm (why)": the int8 kernel this process uses."""
+def describe(fmt: str = "int8") -> str:
+    """'qgrpo w8a16 (AVX-512 VNNI)', or "torch's _weight_int8pack_mm (why)": the kernel this process's int8 (or, with
+    fmt="int4", int4) products take at a decode step's rows."""
+    if fmt == "int4":
+        from qgrpo.rollout.cpu_kernels import int4_layout
+
+        layout = int4_layout()
+        if available() and layout is not None and layout[0] == "lanes":
+            return f"qgrpo w4a16 ({_STATE['isa_words']})"
+        why = why_not() or ("this torch's int4 packing is one qgrpo cannot read" if layout is None else
+                            f"this torch packs int4 as {layout[0]}, the kernel reads lanes")
+        return f"torch's _weight_int4pack_mm_for_cpu ({why})"
     if available():
         return f"qgrpo w8a16 ({_STATE['isa_words']})"
     return f"torch's _weight_int8pack_mm ({why_not()})"
@@ -71,8 +89,8 @@ def describe() -> str:
 
 @contextmanager
 def torch_kernel():
-    """Within it, int8 products take torch's kernel in this process, as under QGRPO_CPU_KERNEL=torch (a bench's
-    side-by-side variant)."""
+    """Within it, int8 and int4 products take torch's kernels in this process, as under QGRPO_CPU_KERNEL=torch (a
+    bench's side-by-side variant)."""
     _load()
     held = dict(_STATE)
     _STATE.update(lib=None, why=f"{ENV_SWITCH}=torch (cpu_native.torch_kernel)")
@@ -115,9 +133,10 @@ def _build_and_open():
 
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    sources = b"".join(src.read_bytes() for src in SOURCES)
+    digest = hashlib.sha256(sources + version.encode() + " ".join(FLAGS).encode()).hexdigest()[:16]
     folder = cache_root() / "kernels"
-    path = folder / f"w8a16_cpu-{digest}.so"
+    path = folder / f"qgrpo_cpu-{digest}.so"
     if not path.is_file():
         import fcntl
 
@@ -126,7 +145,7 @@ def _build_and_open():
             fcntl.flock(lock, fcntl.LOCK_EX)  # the machine's other processes wait for one build
             if not path.is_file():
                 tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-                done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(tmp)], capture_output=True, text=True,
+                done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], capture_output=True, text=True,
                                       timeout=300)
                 if done.returncode != 0:
                     tmp.unlink(missing_ok=True)
@@ -139,7 +158,19 @@ def _build_and_open():
     lib.qg_w8a16_mm.restype = ctypes.c_int
     lib.qg_w8a16_workspace.argtypes = [i64, i64]
     lib.qg_w8a16_workspace.restype = i64
+    lib.qg_w4a16_mm.argtypes = [p, i64, i64, p, p, i64, i64, i64, p, p, ctypes.c_int, ctypes.c_int]
+    lib.qg_w4a16_mm.restype = ctypes.c_int
+    lib.qg_w4a16_workspace.argtypes = [i64, i64, i64]
+    lib.qg_w4a16_workspace.restype = i64
     return lib
+
+
+def tag() -> str:
+    """'qgrpo-<digest of the kernels' sources>' where they run in this process, else 'torch': the routes file keys its
+    measured crossovers by it, so that other kernels (or a changed one) are measured afresh."""
+    if not available():
+        return "torch"
+    return "qgrpo-" + hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)).hexdigest()[:8]
 
 
 def takes(k: int) -> bool:
@@ -161,4 +192,34 @@ def w8a16_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch
                            _STATE["isa"], torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"qg_w8a16_mm returned {code} for x {tuple(x.shape)}, weight {tuple(q.shape)}")
+    return out
+
+
+def takes_int4(n: int, k: int, group: int, layout: tuple[str, int] | None) -> bool:
+    """Whether an int4 product of the weight [n, k] (groups of `group`), packed by this torch in `layout`
+    (cpu_kernels.int4_layout), can go through the int4 kernel here: torch's "lanes" packing in whole blocks."""
+    return (layout is not None and layout[0] == "lanes" and layout[1] in INT4_BLOCKS and n % layout[1] == 0
+            and group in INT4_GROUPS and k % group == 0 and available())
+
+
+def w4a16_mm(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, n: int, group: int,
+             block: int) -> torch.Tensor:
+    """x [rows, K] times the int4 weight [n, K] as torch packs it for `_weight_int4pack_mm_for_cpu` (uint8 `qdata`
+    in blocks of `block` output rows, bf16 (scale, zero) pairs [K / group, n, 2]): float32 out. Needs
+    `takes_int4`."""
+    lib = _load()
+    x = x.contiguous().float()
+    rows, k = x.shape
+    q = qdata.contiguous()
+    sz = scale_and_zero.contiguous()
+    if sz.dtype != torch.bfloat16 or tuple(sz.shape) != (k // group, n, 2) or q.numel() * 2 != n * k:
+        raise ValueError(f"w4a16_mm: expected bf16 scale/zero pairs [{k // group}, {n}, 2] and {n * k // 2} packed "
+                         f"bytes, got {sz.dtype} {tuple(sz.shape)} and {q.numel()}")
+    out = torch.empty(rows, n, dtype=torch.float32)
+    work = torch.empty(lib.qg_w4a16_workspace(rows, k, group), dtype=torch.uint8)
+    code = lib.qg_w4a16_mm(x.data_ptr(), rows, k, q.data_ptr(), sz.data_ptr(), n, group, block, out.data_ptr(),
+                           work.data_ptr(), _STATE["isa"], torch.get_num_threads())
+    if code != 0:
+        raise RuntimeError(f"qg_w4a16_mm returned {code} for x {tuple(x.shape)}, weight [{n}, {k}], group {group}, "
+                           f"block {block}")
     return out

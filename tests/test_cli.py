@@ -67,13 +67,13 @@ def test_check_of_the_tiny_preset_says_what_it_checked_and_ok(tiny_model_path, t
     assert rc == 0, out + err
     lines = out.strip().splitlines()
     assert lines[-1] == "qgrpo check: OK: train would start"
-    assert len(lines) <= 14, out  # short: no config dump
+    assert len(lines) <= 15, out  # short: no config dump
     assert "qgrpo" not in err
     labels = [line.split(":")[0].strip() for line in lines[1:-1]]
     # how the run gets its rollouts, then what it will compute in here, the machine's rates and the expected time
-    # (cluster/config/machine.py)
+    # (cluster/config/machine.py), and which CPU kernel its int4 rollouts take
     assert labels == ["config", "dataset", "rewards", "held-out", "calls", "model", "preflight", "GPU plan", "rollouts",
-                      "compute", "machine", "expected"], out
+                      "compute", "machine", "expected", "int4 kernel"], out
     assert f"  model:     builtin:tiny-digits -> {tiny_model_path}\n" in out
     assert "held-out 100 prompts" in out and "no role asks for a GPU" in out
     assert not (tmp_path / "runs").exists()  # checked, not created
@@ -201,13 +201,15 @@ def test_export_again_names_the_flag_that_replaces_it(tiny_model_path, tmp_path,
     assert stdout.strip() == str(out.resolve()) and (out / "config.json").is_file() and not (out / "stale.txt").exists()
 
 
-def test_check_names_the_cpu_int8_kernel_for_int8_rollouts(tiny_model_path, tmp_path, capsys):
-    """int8 rollouts on the torch backend: check says which CPU int8 kernel the products take (qgrpo's, or torch's and
-    why not qgrpo's); other precisions say nothing of it."""
+def test_check_names_the_cpu_kernel_for_int8_and_int4_rollouts(tiny_model_path, tmp_path, capsys):
+    """int8 or int4 rollouts on the torch backend: check says which CPU kernel the products take (qgrpo's, or torch's
+    and why not qgrpo's); the other format's kernel is not named, nor any for bf16."""
     from qgrpo.rollout import cpu_native
 
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'rollout.precision="int8"'))
     assert rc == 0, out + err
-    assert f"  int8 kernel: {cpu_native.describe()}\n" in out, out
-    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path))
-    assert rc == 0 and "int8 kernel" not in out
+    assert f"  int8 kernel: {cpu_native.describe()}\n" in out and "int4 kernel" not in out, out
+    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path))  # the tiny preset: int4
+    assert rc == 0 and f"  int4 kernel: {cpu_native.describe('int4')}\n" in out and "int8 kernel" not in out, out
+    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'rollout.precision="bf16"'))
+    assert rc == 0 and "kernel:" not in out, out

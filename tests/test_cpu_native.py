@@ -1,5 +1,5 @@
-"""qgrpo's CPU int8 kernel (rollout/cpu_native.py, rollout/csrc/w8a16_cpu.cpp): its products against a float64
-reference on both instruction-set paths, and what happens where it cannot run."""
+"""qgrpo's CPU int8 and int4 kernels (rollout/cpu_native.py, rollout/csrc/w8a16_cpu.cpp, rollout/csrc/w4a16_cpu.cpp):
+their products against a float64 reference on both instruction-set paths, and what happens where they cannot run."""
 
 from __future__ import annotations
 
@@ -54,7 +54,20 @@ def _check_products() -> dict:
 
 
 def test_products_match_float64_within_tolerance():
-    errors = _check_products()
+    _within_bounds(_check_products())
+
+
+def _capped(code: str) -> list:
+    """What `code` prints last (JSON) when run in a process whose torch is capped at AVX2 (ATEN_CPU_CAPABILITY=avx2),
+    as on an AVX2-only CPU."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _within_bounds(errors: dict) -> None:
     for key, (ours, theirs) in errors.items():
         assert ours <= TOL, (key, ours)
         assert ours <= theirs / 5, (key, ours, theirs)
@@ -63,17 +76,82 @@ def test_products_match_float64_within_tolerance():
 def test_avx2_path_in_a_capped_process():
     """ATEN_CPU_CAPABILITY=avx2 sends the kernel down its AVX2 path (vpmaddwd), as on an AVX2-only CPU; the same
     bounds hold there."""
-    code = ("import json; from tests.test_cpu_native import _check_products; from qgrpo.rollout import cpu_native;"
-            "print(json.dumps([cpu_native.describe(), cpu_native.isa_code()[0], _check_products()]))")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    words, code_, errors = json.loads(done.stdout.strip().splitlines()[-1])
+    words, code_, errors = _capped("import json; from tests.test_cpu_native import _check_products; from qgrpo.rollout"
+                                   " import cpu_native; print(json.dumps([cpu_native.describe(), "
+                                   "cpu_native.isa_code()[0], _check_products()]))")
     assert code_ == cpu_native.ISA_AVX2 and "AVX2" in words
-    for key, (ours, theirs) in errors.items():
-        assert ours <= TOL, (key, ours)
-        assert ours <= theirs / 5, (key, ours, theirs)
+    _within_bounds(errors)
+
+
+# int4: the weight as torch packs it, decoded by cpu_kernels.int4_dequantize (checked against torch's own kernel by
+# int4_layout) is the reference's weight; the activations are rounded as for int8, per group instead of per 256 inputs.
+# Measured 0.3e-4 to 3.8e-4 of the largest |output|; torch's kernel (bf16 inputs) 2.6e-3 to 5.4e-3.
+INT4_SHAPES = [(8960, 1536, 64), (1536, 8960, 64), (256, 1536, 32), (128, 512, 128), (64, 1024, 256)]
+
+
+def _check_int4_products() -> dict:
+    """Every int4 shape and rows count: the kernel's error against float64, and torch's kernel's on the same product
+    (both through cpu_kernels.int4_kernel: it must take ours)."""
+    layout = cpu_kernels.int4_layout()
+    errors = {}
+    for n, k, group in INT4_SHAPES:
+        packed, sz = cpu_kernels._probe_int4(n, k, group)
+        w = cpu_kernels.int4_dequantize(packed, sz, n, k, group, torch.float32).double()  # [k, n]
+        assert cpu_native.takes_int4(n, k, group, layout), (n, k, group, layout)
+        for rows in ROWS + [70]:  # past the 64 rows of one pass too
+            g = torch.Generator().manual_seed(rows)
+            x = torch.randn(rows, k, generator=g)
+            x[:, 5] *= 100
+            ref = x.double() @ w
+            out = cpu_kernels.int4_kernel(x, packed, sz, group)
+            assert out.shape == (rows, n) and out.dtype == torch.float32
+            torch.testing.assert_close(out, cpu_native.w4a16_mm(x, packed, sz, n, group, layout[1]), rtol=0, atol=0)
+            theirs = torch.ops.aten._weight_int4pack_mm_for_cpu(x.bfloat16(), packed, group, sz)
+            errors[f"int4 {n}x{k} g{group} x{rows}"] = (_error(out, ref), _error(theirs, ref))
+    return errors
+
+
+def test_int4_products_match_float64_within_tolerance():
+    _within_bounds(_check_int4_products())
+
+
+def test_int4_avx2_path_in_a_capped_process():
+    """Capped at AVX2, torch packs int4 in blocks of 32 output rows and the kernel takes its AVX2 path: the same
+    bounds hold there."""
+    words, layout, errors = _capped("import json; from tests.test_cpu_native import _check_int4_products; from "
+                                    "qgrpo.rollout import cpu_native, cpu_kernels; print(json.dumps(["
+                                    "cpu_native.describe('int4'), cpu_kernels.int4_layout(), _check_int4_products()]))")
+    assert words.startswith("qgrpo w4a16 (AVX2") and layout == ["lanes", 32], (words, layout)
+    _within_bounds(errors)
+
+
+def test_int4_kernel_routes_through_ours_and_back_to_torch():
+    """cpu_kernels.int4_kernel takes qgrpo's kernel where it can; under cpu_native.torch_kernel(), or for a weight
+    whose rows end in a partial block of torch's packing, torch's; zero and extreme rows stay finite."""
+    n, k, group = 128, 256, 64
+    packed, sz = cpu_kernels._probe_int4(n, k, group)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(2))
+    x[1] = 1e30 * torch.sign(x[1])  # far past bf16's usual range, its outputs still float32's
+    x[2] = 0.0
+    ours = cpu_kernels.int4_kernel(x.bfloat16(), packed, sz, group)
+    ref = x.bfloat16().double() @ cpu_kernels.int4_dequantize(packed, sz, n, k, group, torch.float32).double()
+    full = cpu_native.w4a16_mm(x.bfloat16().float(), packed, sz, n, group, cpu_kernels.int4_layout()[1])
+    assert ours.dtype == torch.bfloat16 and "qgrpo w4a16" in cpu_native.describe("int4")
+    torch.testing.assert_close(ours, full.bfloat16())
+    assert _error(full[:2], ref[:2]) <= TOL and (full[2] == 0).all()
+    with cpu_native.torch_kernel():
+        assert "_weight_int4pack_mm_for_cpu" in cpu_native.describe("int4")
+        theirs = cpu_kernels.int4_kernel(x[:1].bfloat16(), packed, sz, group)
+        torch.testing.assert_close(theirs, torch.ops.aten._weight_int4pack_mm_for_cpu(x[:1].bfloat16(), packed,
+                                                                                       group, sz))
+    n_tail = cpu_kernels.int4_layout()[1] + 16  # a whole block and a tail of 16 rows
+    packed, sz = cpu_kernels._probe_int4(n_tail, k, group)
+    assert not cpu_native.takes_int4(n_tail, k, group, cpu_kernels.int4_layout())
+    torch.testing.assert_close(cpu_kernels.int4_kernel(x[:1], packed, sz, group),
+                               torch.ops.aten._weight_int4pack_mm_for_cpu(x[:1].bfloat16(), packed, group,
+                                                                          sz).float())
+    with pytest.raises(ValueError, match="scale/zero pairs"):
+        cpu_native.w4a16_mm(x, packed, sz.float(), n_tail, group, 64)
 
 
 def test_zero_and_extreme_rows_stay_finite():
@@ -125,12 +203,16 @@ def test_without_a_compiler_torch_kernel_is_used_and_the_reason_given(tmp_path):
     code = ("from qgrpo.rollout import cpu_native, cpu_kernels; import torch;"
             "print(cpu_native.available(), '|', cpu_native.describe());"
             "x = torch.randn(2, 64); q = torch.randint(-128, 128, (8, 64), dtype=torch.int8);"
-            "print(cpu_kernels.int8_kernel(x, q, torch.rand(8)).shape)")
+            "print(cpu_kernels.int8_kernel(x, q, torch.rand(8)).shape);"
+            "p, sz = cpu_kernels._probe_int4(64, 128, 64); print(cpu_native.describe('int4'), '|',"
+            "tuple(cpu_kernels.int4_kernel(torch.randn(2, 128), p, sz, 64).shape))")
     done = _fresh({"CXX": "", "PATH": str(tmp_path)}, code, tmp_path)  # no compiler on PATH, an empty cache
     assert done.returncode == 0, done.stderr[-2000:]
-    first, shape = done.stdout.strip().splitlines()[-2:]
+    first, shape, int4 = done.stdout.strip().splitlines()[-3:]
     assert first.startswith("False |") and "no C++ compiler" in first
     assert shape == "torch.Size([2, 8])"
+    assert int4.startswith("torch's _weight_int4pack_mm_for_cpu (") and "no C++ compiler" in int4, int4
+    assert int4.endswith("| (2, 64)")
     off = _fresh({"QGRPO_CPU_KERNEL": "torch"}, "from qgrpo.rollout import cpu_native; print(cpu_native.describe())",
                  tmp_path)
     assert "QGRPO_CPU_KERNEL=torch" in off.stdout

@@ -216,7 +216,8 @@ def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wi
     (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
     assert recorded == {"1024x1024:bfloat16": rows} and f"{torch.get_num_threads()} threads" in machine
     assert f"| {isa().capability} |" in machine  # other kernels (ATEN_CPU_CAPABILITY), other crossovers
-    assert machine.endswith(f"| int8 {'w8a16' if own else 'torch'}")  # qgrpo's int8 kernel or torch's: other rows
+    assert machine.endswith(f"| kernels {cpu_native.tag()}")  # qgrpo's kernels (which build) or torch's: other rows
+    assert cpu_native.tag() == "torch" if not own else cpu_native.tag().startswith("qgrpo-")
     monkeypatch.setattr(ck, "_measure_int8_rows", lambda *a: pytest.fail("measured again"))
     assert ck.cpu_int8_rows(1024, 1024, torch.bfloat16) == rows  # kept in this process
     monkeypatch.setattr(ck, "_ROWS", {})  # a later process on this machine reads the file
@@ -325,6 +326,13 @@ def test_cpu_int4_rows_climb_while_the_kernel_wins(monkeypatch, tmp_path):
     assert rows in (0, *ck.INT4_ROW_STEPS)
     (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
     assert recorded == {"int4:128x256:g64:bfloat16": rows}
+    from qgrpo.rollout import cpu_native
+
+    if cpu_native.takes_int4(128, 256, 64, ck.int4_layout()):  # qgrpo's int4 kernel: never past its most rows
+        assert rows <= ck.INT4_KERNEL_MAX_ROWS
+        monkeypatch.setattr(ck, "_ROWS", {})
+        (tmp_path / ck.ROUTES_FILE).write_text(json.dumps({machine: {"int4:128x256:g64:bfloat16": 1024}}))
+        assert ck.cpu_int4_rows(128, 256, 64, torch.bfloat16) == ck.INT4_KERNEL_MAX_ROWS  # even when recorded so
 
     def slow_past_eight(x, q, sz, g):  # free to 8 rows, then 2 ms a row
         if x.shape[0] > 8:

@@ -299,10 +299,12 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
             progress.told(*line.split(": ", 1))
         from qgrpo.rollout.backends import REGISTRY
 
-        if REGISTRY[cfg.rollout.backend].cpu_int8_kernel and cfg.rollout.precision in ("int8", "auto"):
+        if REGISTRY[cfg.rollout.backend].cpu_native_kernels:
             from qgrpo.rollout import cpu_native
 
-            progress.told("int8 kernel", cpu_native.describe())  # qgrpo's own, or torch's and why
+            for fmt in ("int8", "int4"):  # qgrpo's own kernel, or torch's and why
+                if cfg.rollout.precision in (fmt, "auto"):
+                    progress.told(f"{fmt} kernel", cpu_native.describe(fmt))
     return model_path
 
 

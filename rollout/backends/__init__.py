@@ -267,8 +267,9 @@ class BackendSpec:
     multi_turn: bool = False
     # its rounding is the fake-quant grid's down to the output head (learner.fake_quant simulates the head too)
     fake_quant_head: bool = False
-    # its CPU int8 layers multiply through rollout/cpu_kernels.py (qgrpo's own kernel, else torch's): check names it
-    cpu_int8_kernel: bool = False
+    # its CPU int8 and int4 layers multiply through rollout/cpu_kernels.py (qgrpo's own kernels, else torch's): check
+    # names the one its precision takes
+    cpu_native_kernels: bool = False
     # its arrays must be used from the thread that made them (MLX: "no Stream(cpu, 0) in current thread" otherwise):
     # its rollout actor builds, loads and runs it on one home thread (actors/update_gate.py)
     one_thread: bool = False
@@ -389,7 +390,7 @@ REGISTRY: dict[str, BackendSpec] = {
             # in rollout/options.py: the quantizer says what it serves, the backend built on it serves that)
             "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator", QUANT_SERVED,
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
-            compute_dtype=True, adapters_only=True, fake_quant_head=True, cpu_int8_kernel=True,
+            compute_dtype=True, adapters_only=True, fake_quant_head=True, cpu_native_kernels=True,
             reference_scorer="qgrpo.rollout.reference:ReferenceScorer",
             multi_turn=True, options=TorchOptions,
             # an H200, Qwen2.5-0.5B to Qwen2.5-14B, 8 and 32 rows (bench/model_ladder.py; docs/quantization.md)
