@@ -14,6 +14,8 @@ and rows. Routes (`--precisions`; the default: every route but GemLite's):
 
 - `bf16`: F.linear (cuBLAS); `int8`: the generator's int8 product (rollout/w8_triton.py's kernel at <= 64 rows);
   `int8/aten`: torch's own weight-only int8 kernel (`torch._weight_int8pack_mm`) on the same per-row int8 weight;
+  `int4/aten` (CPU): torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) on the generator's int4 weight, where
+  `int4` takes qgrpo's kernel up to its measured rows;
   `int4`: torchao's tinygemm layout as the generator quantizes it (K padded to a multiple of 1024);
   `int4/unpadded`: torch's tinygemm kernel (`aten._weight_int4pack_mm`) on weights packed here without that padding
   (`aten._convert_weight_to_int4pack`, inner k tiles 8, the same asymmetric group-wise int4); `nf4`: bitsandbytes;
@@ -82,7 +84,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.gpu_speed import finite, read_bandwidth, sync  # noqa: E402 - the measurements gpu_speed makes, the same way
 from bench.model_shapes import SHAPES as MODEL_SHAPES  # noqa: E402
-from bench.model_shapes import linear_shapes  # noqa: E402
+from bench.model_shapes import caps_prefix, linear_shapes  # noqa: E402
 
 SHAPES = {"q/o": (1536, 1536), "k/v": (256, 1536), "qkv": (2048, 1536), "gate/up": (8960, 1536),
           "gate_up": (17920, 1536), "down": (1536, 8960), "lm_head": (49152, 1536)}  # `1.3b`: name: (out N, in K)
@@ -221,6 +223,18 @@ def build(route: str, w, group_size: int, gemlite_args: tuple[str, str] = ("auto
         q, scale = int8_per_channel(w)
         scale = scale.reshape(-1).to(torch.bfloat16)
         return (lambda x: torch._weight_int8pack_mm(x, q, scale)), q.numel() + scale.numel() * 2, {}
+    if route == "int4/aten":  # torch's CPU int4 kernel on the generator's own int4 weight (the generator's before)
+        if w.device.type != "cpu":
+            raise ValueError("int4/aten is torch's CPU int4 kernel: CPU only")
+        holder = nn.Module()
+        holder.lin = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+        with torch.no_grad():
+            holder.lin.weight.copy_(w)
+        quantize_model(holder, "int4", group_size)
+        qd, sz = holder.lin.weight.qdata, holder.lin.weight.scale_and_zero
+        return ((lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(sz.dtype).contiguous(), qd, group_size,
+                                                                       sz).to(x.dtype)),
+                linear_weight_bytes(holder), {})
     if route == "int4/unpadded":
         packed, sz = int4_unpadded(w, group_size)
         nbytes = packed.numel() * packed.element_size() + sz.numel() * sz.element_size()
@@ -389,7 +403,8 @@ def main(argv=None) -> None:
     device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
     bw = read_bandwidth(device, args.bandwidth_gib or (2.0 if device.type == "cuda" else 1 / 16))["bytes_per_s"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    res = {"command": ".venv/bin/python bench/gpu_matmuls.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+    res = {"command": caps_prefix() + ".venv/bin/python bench/gpu_matmuls.py "
+                      + shlex.join(sys.argv[1:] if argv is None else argv),
            "machine": f"{name}, torch {torch.__version__}" + (f", CUDA {torch.version.cuda}" if torch.version.cuda
                                                                else ""),
            "device_name": name, "torch": torch.__version__, "args": vars(args), "models": models,
@@ -400,6 +415,7 @@ def main(argv=None) -> None:
         from qgrpo.rollout import cpu_native
 
         res["cpu_int8_kernel"], res["cpu_isa"] = cpu_native.describe(), isa().words()
+        res["cpu_int4_kernel"] = cpu_native.describe("int4")
         res["machine"] = f"{isa().name or 'a CPU'}, {res['machine']}"
     order = {"model": {m: i for i, m in enumerate(models)}, "route": {r: i for i, r in enumerate(routes)},
              "rows": {r: i for i, r in enumerate(rows_list)},

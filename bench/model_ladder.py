@@ -19,8 +19,10 @@ the format with `[rollout.torch] quantize_head`: a head tied to the embedding qu
 to beat the cast-and-bf16-product route, per weight shape; `int8/torch` does the same with torch's
 `_weight_int8pack_mm` (the generator's kernel before qgrpo's, and where qgrpo's cannot be built); `int8/kernel` sends
 every product of up to 64 rows through the int8 kernel, the rule before those rows were measured;
-`int4/kernel` (CPU) every product through torch's int4 kernel, the rule before a prefill's rows went through the
-weight decoded once (`int4`; rollout/cpu_kernels.py).
+`int4` (CPU) sends a product through qgrpo's own int4 kernel up to the rows measured there to beat the weight decoded
+once into the compute dtype and one plain product (rollout/cpu_kernels.py), `int4/torch` the same with torch's
+`_weight_int4pack_mm_for_cpu`; `int4/kernel` every product through the int4 kernel, the rule before a prefill's rows
+went through the weight decoded once.
 
 Per (rows, context): prompts of exactly `context` tokens (rows / 8 prompts x 8 completions, or 1 x rows below 8),
 `--new-tokens` new tokens every row (stop ids emptied; `full` checks it), T = 1. One warm-up generate (graph
@@ -71,7 +73,7 @@ from bench.gpu_speed import (  # noqa: E402 - measured as gpu_speed measures the
     sync,
     timed,
 )
-from bench.model_shapes import SHAPES, head_dim, linear_shapes, random_model  # noqa: E402
+from bench.model_shapes import SHAPES, caps_prefix, head_dim, linear_shapes, random_model  # noqa: E402
 
 GROUP_SIZE = 8
 
@@ -155,7 +157,7 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
         fp8.FP8_DECODE = route if served == "fp8" and route else held
         if served == "int8" and route == "kernel":  # the former rule: up to 64 rows through the kernel
             cpu_kernels.cpu_int8_rows = lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS
-        if served == "int8" and route == "torch":  # torch's int8 kernel, not qgrpo's (its rows measured as well)
+        if route == "torch":  # torch's int8 or int4 kernel, not qgrpo's (its rows measured as well)
             stack.enter_context(cpu_native.torch_kernel())
         if served == "int4" and route == "kernel":  # the former rule: every row through the kernel
             cpu_kernels.cpu_int4_rows = lambda n, k, group, dtype: 1 << 62
@@ -289,14 +291,14 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
-    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch"), "int4": ("", "kernel")}
+    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch"), "int4": ("", "kernel", "torch")}
     bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
            or p.partition("+")[0].partition("/")[2] not in routes.get(p.partition("/")[0], ("",))
            or p.partition("+")[2] not in ("", "head")]
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
                  f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int8/torch, "
-                 "int4/kernel on CPU; FORMAT+head: a tied head quantized too)")
+                 "int4/kernel, int4/torch on CPU; FORMAT+head: a tied head quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)
@@ -322,7 +324,8 @@ def main(argv=None) -> dict:
             pass
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    res = {"command": ".venv/bin/python bench/model_ladder.py " + shlex.join(sys.argv[1:] if argv is None else argv),
+    res = {"command": caps_prefix() + ".venv/bin/python bench/model_ladder.py "
+                      + shlex.join(sys.argv[1:] if argv is None else argv),
            "device_name": name, "cpu": cpu_model or None, "cpus": os.cpu_count(), "torch": torch.__version__,
            "cuda": torch.version.cuda, "transformers": transformers.__version__,
            "args": {k: v for k, v in vars(args).items()}, "rows": [], "budget": {"budget_s": args.budget_s,
@@ -341,6 +344,7 @@ def main(argv=None) -> dict:
         from qgrpo.rollout import cpu_native
 
         res["cpu_int8_kernel"] = cpu_native.describe()  # qgrpo's or torch's (`int8/torch` variants: torch's)
+        res["cpu_int4_kernel"] = cpu_native.describe("int4")  # and the same for int4 (`int4/torch`)
         res["cpu_isa"] = isa().words()
     res["machine"] = (f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, driver {res.get('driver')}, "
                       f"transformers {transformers.__version__}" if cuda else

@@ -136,3 +136,15 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     print(json.dumps(save_random(a.shape, a.tokenizer, a.folder, a.device, a.seed)))
+
+
+CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # the variables that cap torch's and oneDNN's CPU kernels
+
+
+def caps_prefix() -> str:
+    """The CPU-kernel caps this process runs under as a command-line prefix ('' when none), so that a capped run's
+    JSON command reproduces the run."""
+    import os
+    import shlex
+
+    return "".join(f"{name}={shlex.quote(os.environ[name])} " for name in CAPS if os.environ.get(name))

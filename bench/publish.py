@@ -303,7 +303,9 @@ def gpu_matmuls_models(d: dict) -> list[str]:
            "\"of bw\": bf16's weight bytes over it as a share of the read bandwidth "
            f"({d['read_bytes_per_s'] / 1e9:.0f} GB/s measured on a buffer that may sit in cache); each route's "
            "column: bf16's time over the route's (above 1: faster). `int8` is the generator's CPU int8 product, "
-           "`int8/aten` torch's int8 kernel at every row count, `int4` torch's CPU int4 kernel on torchao's packing. "
+           "`int8/aten` torch's int8 kernel at every row count, "
+           + ("`int4` the generator's CPU int4 product, `int4/aten` torch's int4 kernel at every row count. "
+              if d.get("cpu_int4_kernel") else "`int4` torch's CPU int4 kernel on torchao's packing. ")
            + _int8_kernel(d) if cpu else
            f"Each product alone, captured in a CUDA graph of {d['args']['calls']} calls (kernel time, launch "
            "gaps left out), random bf16 weights quantized as each route quantizes them. \"bf16 us\": cuBLAS's "
@@ -388,8 +390,12 @@ def _ladder_cells(d: dict, measured: str) -> tuple[list, list, dict]:
 
 
 def _int8_kernel(d: dict) -> str:
-    """The sentence naming the CPU int8 kernel a bench's `int8` took (benches record it since qgrpo has its own)."""
-    return f"`int8` here: {d['cpu_int8_kernel']}; {d.get('cpu_isa', '')}. " if d.get("cpu_int8_kernel") else ""
+    """The sentence naming the CPU int8 (and int4) kernels a bench's `int8` and `int4` took (benches record them since
+    qgrpo has its own)."""
+    if not d.get("cpu_int8_kernel"):
+        return ""
+    int4 = f"; `int4`: {d['cpu_int4_kernel']}" if d.get("cpu_int4_kernel") else ""
+    return f"`int8` here: {d['cpu_int8_kernel']}{int4}; {d.get('cpu_isa', '')}. "
 
 
 def model_ladder(d: dict) -> list[str]:
@@ -913,6 +919,28 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "ONEDNN_MAX_CPU_ISA=AVX2`): the unquantized generator computes and reads fp32 (its column is still named "
          "bf16), qgrpo's kernel takes its AVX2 path (vpmaddwd, no VNNI). 1 and 8 rows. A run of both shapes at 1 to "
          "16 rows shared the cores with another bench for half its time and is not published.", model_ladder),
+        ("gpu_matmuls_cpu_w4a16", "qgrpo's int4 kernel against torch's, each product alone",
+         "Qwen2.5-0.5B's and Qwen2.5-1.5B's gate/up and down products alone at 1 to 32 rows on the same kind of CPU: "
+         "bf16, the generator's int4 product (`int4`: qgrpo's own kernel up to the rows it was measured faster, then "
+         "the weight decoded once) and torch's int4 kernel on the same weight at every row count (`int4/aten`, what "
+         "the generator's int4 took before). One weight a product, called again and again: it stays in the CPU's "
+         "caches, which is why bf16 reads faster here than the memory bound of the tables above.",
+         gpu_matmuls_models),
+        ("model_ladder_cpu_w4a16", "qgrpo's int4 kernel in the generator",
+         "Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes on the same kind of CPU, 256-token prompts, 32 new tokens, 1, 8 "
+         "and 16 rows: bf16, int4 through qgrpo's kernel (the generator's now), `int4/torch` (torch's "
+         "`_weight_int4pack_mm_for_cpu`, the generator's before), each with its rows measured per weight shape, and "
+         "`int4+head` (qgrpo's kernel, the head tied to the embedding quantized too).", model_ladder),
+        ("model_ladder_cpu_w4a16_avx2", "qgrpo's int4 kernel in the generator, capped at AVX2",
+         "Qwen2.5-1.5B's shape with torch's and oneDNN's kernels capped at AVX2 (`ATEN_CPU_CAPABILITY=avx2 "
+         "ONEDNN_MAX_CPU_ISA=AVX2`): the unquantized generator computes and reads fp32 (its column is still named "
+         "bf16), torch packs int4 in blocks of 32 rows and qgrpo's kernel takes its AVX2 path (vpmaddwd). 1 and 8 "
+         "rows.", model_ladder),
+        ("model_ladder_cpu_w4a16_avx2_b", "qgrpo's int4 kernel capped at AVX2, the variants in the other order",
+         "The same run again with `int4/torch` measured before `int4` (the generator's variants run one after "
+         "another, minutes apart). The later variant did better in both runs, so the two together bound the kernel's "
+         "effect here more honestly than either; the prefill columns (in the JSON) show why qgrpo's int4 kernel takes "
+         "at most 64 rows.", model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "

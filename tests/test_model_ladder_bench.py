@@ -134,3 +134,21 @@ def test_int8_torch_variant_takes_torch_kernel_and_int8_takes_ours(tmp_path, mon
         calls.update(torch=0, ours=0)
         model_ladder.main([*args, "--precisions", "int8", "--out", str(tmp_path / "b.json")])
         assert calls["ours"] > 0 and calls["torch"] == 0
+
+
+def test_int4_torch_variant_keeps_qgrpo_kernel_out_and_int4_takes_it(tmp_path, monkeypatch):
+    """`int4/torch` keeps qgrpo's int4 kernel out (torch's `_weight_int4pack_mm_for_cpu` takes the decode step's
+    products), `int4` sends them through qgrpo's where it is built here; the JSON names both int4 kernels' source."""
+    from qgrpo.rollout import cpu_native
+
+    calls = {"ours": 0}
+    real = cpu_native.w4a16_mm
+    monkeypatch.setattr(cpu_native, "w4a16_mm", lambda *a: calls.__setitem__("ours", calls["ours"] + 1) or real(*a))
+    args = ["--device", "cpu", "--models", "tiny-qwen2", "--rows", "1", "--contexts", "32", "--new-tokens", "2",
+            "--repeats", "1"]
+    res = model_ladder.main([*args, "--precisions", "int4/torch", "--out", str(tmp_path / "a.json")])
+    assert all("error" not in r for r in res["rows"]) and calls["ours"] == 0
+    assert res["cpu_int4_kernel"] == cpu_native.describe("int4")
+    if cpu_native.available():
+        res = model_ladder.main([*args, "--precisions", "int4", "--out", str(tmp_path / "b.json")])
+        assert all("error" not in r for r in res["rows"]) and calls["ours"] > 0
