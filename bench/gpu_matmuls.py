@@ -412,10 +412,10 @@ def main(argv=None) -> None:
            "budget": {"budget_s": args.budget_s, "skipped": []}, "rows": []}
     if device.type == "cpu":  # which kernel the generator's `int8` route takes here, and the CPU as torch uses it
         from qgrpo.core.cpu import isa
-        from qgrpo.rollout import cpu_native
+        from qgrpo.rollout import cpu_kernels, cpu_native
 
         res["cpu_int8_kernel"], res["cpu_isa"] = cpu_native.describe(), isa().words()
-        res["cpu_int4_kernel"] = cpu_native.describe("int4")
+        res["cpu_int4_kernel"] = cpu_kernels.describe("int4")
         res["machine"] = f"{isa().name or 'a CPU'}, {res['machine']}"
     order = {"model": {m: i for i, m in enumerate(models)}, "route": {r: i for i, r in enumerate(routes)},
              "rows": {r: i for i, r in enumerate(rows_list)},

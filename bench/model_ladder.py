@@ -341,10 +341,10 @@ def main(argv=None) -> dict:
 
     else:
         from qgrpo.core.cpu import isa
-        from qgrpo.rollout import cpu_native
+        from qgrpo.rollout import cpu_kernels, cpu_native
 
         res["cpu_int8_kernel"] = cpu_native.describe()  # qgrpo's or torch's (`int8/torch` variants: torch's)
-        res["cpu_int4_kernel"] = cpu_native.describe("int4")  # and the same for int4 (`int4/torch`)
+        res["cpu_int4_kernel"] = cpu_kernels.describe("int4")  # and the same for int4 (`int4/torch`)
         res["cpu_isa"] = isa().words()
     res["machine"] = (f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, driver {res.get('driver')}, "
                       f"transformers {transformers.__version__}" if cuda else

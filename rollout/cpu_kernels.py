@@ -176,6 +176,19 @@ def int8_kernel(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> to
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), qdata, scale.to(torch.bfloat16)).to(x.dtype)
 
 
+def describe(fmt: str) -> str:
+    """The kernel this process's CPU `fmt` ("int8" or "int4") products take at a decode step's rows, in words:
+    qgrpo's (and on which instruction set) or torch's and why (what `qgrpo check` and the benches print)."""
+    if fmt == "int8":
+        return cpu_native.describe()
+    layout = int4_layout()
+    if cpu_native.available() and layout is not None and layout[0] == "lanes":
+        return f"qgrpo w4a16 ({cpu_native.isa_words()})"
+    why = cpu_native.why_not() or ("this torch's int4 packing is one qgrpo cannot read" if layout is None else
+                                   f"this torch packs int4 as {layout[0]}, the kernel reads lanes")
+    return f"torch's _weight_int4pack_mm_for_cpu ({why})"
+
+
 # --- int4 -----------------------------------------------------------------------------------------------------------
 
 def _probe_int4(n: int, k: int, group: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

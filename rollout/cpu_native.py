@@ -70,21 +70,17 @@ def why_not() -> str:
     return _STATE.get("why", "")
 
 
-def describe(fmt: str = "int8") -> str:
-    """'qgrpo w8a16 (AVX-512 VNNI)', or "torch's _weight_int8pack_mm (why)": the kernel this process's int8 (or, with
-    fmt="int4", int4) products take at a decode step's rows."""
-    if fmt == "int4":
-        from qgrpo.rollout.cpu_kernels import int4_layout
-
-        layout = int4_layout()
-        if available() and layout is not None and layout[0] == "lanes":
-            return f"qgrpo w4a16 ({_STATE['isa_words']})"
-        why = why_not() or ("this torch's int4 packing is one qgrpo cannot read" if layout is None else
-                            f"this torch packs int4 as {layout[0]}, the kernel reads lanes")
-        return f"torch's _weight_int4pack_mm_for_cpu ({why})"
+def describe() -> str:
+    """'qgrpo w8a16 (AVX-512 VNNI)' or "torch's _weight_int8pack_mm (why)": the int8 kernel this process uses
+    (cpu_kernels.describe("int4") says which int4 kernel)."""
     if available():
-        return f"qgrpo w8a16 ({_STATE['isa_words']})"
+        return f"qgrpo w8a16 ({isa_words()})"
     return f"torch's _weight_int8pack_mm ({why_not()})"
+
+
+def isa_words() -> str:
+    """The instruction set the kernels run on here, in words ("" where they do not run)."""
+    return _STATE.get("isa_words", "") if available() else ""
 
 
 @contextmanager

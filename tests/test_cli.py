@@ -204,12 +204,12 @@ def test_export_again_names_the_flag_that_replaces_it(tiny_model_path, tmp_path,
 def test_check_names_the_cpu_kernel_for_int8_and_int4_rollouts(tiny_model_path, tmp_path, capsys):
     """int8 or int4 rollouts on the torch backend: check says which CPU kernel the products take (qgrpo's, or torch's
     and why not qgrpo's); the other format's kernel is not named, nor any for bf16."""
-    from qgrpo.rollout import cpu_native
+    from qgrpo.rollout import cpu_kernels, cpu_native
 
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'rollout.precision="int8"'))
     assert rc == 0, out + err
     assert f"  int8 kernel: {cpu_native.describe()}\n" in out and "int4 kernel" not in out, out
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path))  # the tiny preset: int4
-    assert rc == 0 and f"  int4 kernel: {cpu_native.describe('int4')}\n" in out and "int8 kernel" not in out, out
+    assert rc == 0 and f"  int4 kernel: {cpu_kernels.describe('int4')}\n" in out and "int8 kernel" not in out, out
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'rollout.precision="bf16"'))
     assert rc == 0 and "kernel:" not in out, out

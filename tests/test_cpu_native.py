@@ -119,8 +119,8 @@ def test_int4_avx2_path_in_a_capped_process():
     """Capped at AVX2, torch packs int4 in blocks of 32 output rows and the kernel takes its AVX2 path: the same
     bounds hold there."""
     words, layout, errors = _capped("import json; from tests.test_cpu_native import _check_int4_products; from "
-                                    "qgrpo.rollout import cpu_native, cpu_kernels; print(json.dumps(["
-                                    "cpu_native.describe('int4'), cpu_kernels.int4_layout(), _check_int4_products()]))")
+                                    "qgrpo.rollout import cpu_kernels; print(json.dumps([cpu_kernels.describe("
+                                    "'int4'), cpu_kernels.int4_layout(), _check_int4_products()]))")
     assert words.startswith("qgrpo w4a16 (AVX2") and layout == ["lanes", 32], (words, layout)
     _within_bounds(errors)
 
@@ -136,11 +136,11 @@ def test_int4_kernel_routes_through_ours_and_back_to_torch():
     ours = cpu_kernels.int4_kernel(x.bfloat16(), packed, sz, group)
     ref = x.bfloat16().double() @ cpu_kernels.int4_dequantize(packed, sz, n, k, group, torch.float32).double()
     full = cpu_native.w4a16_mm(x.bfloat16().float(), packed, sz, n, group, cpu_kernels.int4_layout()[1])
-    assert ours.dtype == torch.bfloat16 and "qgrpo w4a16" in cpu_native.describe("int4")
+    assert ours.dtype == torch.bfloat16 and "qgrpo w4a16" in cpu_kernels.describe("int4")
     torch.testing.assert_close(ours, full.bfloat16())
     assert _error(full[:2], ref[:2]) <= TOL and (full[2] == 0).all()
     with cpu_native.torch_kernel():
-        assert "_weight_int4pack_mm_for_cpu" in cpu_native.describe("int4")
+        assert "_weight_int4pack_mm_for_cpu" in cpu_kernels.describe("int4")
         theirs = cpu_kernels.int4_kernel(x[:1].bfloat16(), packed, sz, group)
         torch.testing.assert_close(theirs, torch.ops.aten._weight_int4pack_mm_for_cpu(x[:1].bfloat16(), packed,
                                                                                        group, sz))
@@ -204,7 +204,7 @@ def test_without_a_compiler_torch_kernel_is_used_and_the_reason_given(tmp_path):
             "print(cpu_native.available(), '|', cpu_native.describe());"
             "x = torch.randn(2, 64); q = torch.randint(-128, 128, (8, 64), dtype=torch.int8);"
             "print(cpu_kernels.int8_kernel(x, q, torch.rand(8)).shape);"
-            "p, sz = cpu_kernels._probe_int4(64, 128, 64); print(cpu_native.describe('int4'), '|',"
+            "p, sz = cpu_kernels._probe_int4(64, 128, 64); print(cpu_kernels.describe('int4'), '|',"
             "tuple(cpu_kernels.int4_kernel(torch.randn(2, 128), p, sz, 64).shape))")
     done = _fresh({"CXX": "", "PATH": str(tmp_path)}, code, tmp_path)  # no compiler on PATH, an empty cache
     assert done.returncode == 0, done.stderr[-2000:]

@@ -139,7 +139,7 @@ def test_int8_torch_variant_takes_torch_kernel_and_int8_takes_ours(tmp_path, mon
 def test_int4_torch_variant_keeps_qgrpo_kernel_out_and_int4_takes_it(tmp_path, monkeypatch):
     """`int4/torch` keeps qgrpo's int4 kernel out (torch's `_weight_int4pack_mm_for_cpu` takes the decode step's
     products), `int4` sends them through qgrpo's where it is built here; the JSON names both int4 kernels' source."""
-    from qgrpo.rollout import cpu_native
+    from qgrpo.rollout import cpu_kernels, cpu_native
 
     calls = {"ours": 0}
     real = cpu_native.w4a16_mm
@@ -148,7 +148,7 @@ def test_int4_torch_variant_keeps_qgrpo_kernel_out_and_int4_takes_it(tmp_path, m
             "--repeats", "1"]
     res = model_ladder.main([*args, "--precisions", "int4/torch", "--out", str(tmp_path / "a.json")])
     assert all("error" not in r for r in res["rows"]) and calls["ours"] == 0
-    assert res["cpu_int4_kernel"] == cpu_native.describe("int4")
+    assert res["cpu_int4_kernel"] == cpu_kernels.describe("int4")
     if cpu_native.available():
         res = model_ladder.main([*args, "--precisions", "int4", "--out", str(tmp_path / "b.json")])
         assert all("error" not in r for r in res["rows"]) and calls["ours"] > 0

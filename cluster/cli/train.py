@@ -300,11 +300,11 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
         from qgrpo.rollout.backends import REGISTRY
 
         if REGISTRY[cfg.rollout.backend].cpu_native_kernels:
-            from qgrpo.rollout import cpu_native
+            from qgrpo.rollout import cpu_kernels
 
             for fmt in ("int8", "int4"):  # qgrpo's own kernel, or torch's and why
                 if cfg.rollout.precision in (fmt, "auto"):
-                    progress.told(f"{fmt} kernel", cpu_native.describe(fmt))
+                    progress.told(f"{fmt} kernel", cpu_kernels.describe(fmt))
     return model_path
 
 
