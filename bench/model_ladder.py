@@ -38,6 +38,12 @@ the model's own gate/up product at `--compute-rows` rows. `binds` names the lowe
 it. `vs bf16` is decode tok/s over bf16's at the same model, rows and context. `GiB` is the generator's weights
 (`memory_bytes()["total"]`), `peak GiB` the device's peak allocation over the variant (CUDA).
 
+`--interleave` compares variants on a machine whose speed drifts (a shared host's memory bandwidth moved a cell by
+20-40% between runs): per model, every precision's generator is built first and all are held at once, then each
+(context, rows) times one generate and one prompt forward of each in turn, the order rotated each repeat (repeat r
+starts at the r-th variant), so that a slow minute falls on every variant alike. It needs the memory of all of a
+model's generators at once, and records no `peak GiB`. Without it, variants run one after another.
+
 `--budget-s` bounds the run: variants are run in order (precisions, then models, then contexts and rows as given)
 and those past the deadline are listed as skipped; the JSON (`--out`) is written after every row, so a run cut short
 keeps what it measured. A variant that fails records its error and the run goes on.
@@ -137,47 +143,104 @@ def kv_bytes(name: str, rows: int, context: float, element: int = 2) -> float:
     return rows * v["num_hidden_layers"] * 2 * v["num_key_value_heads"] * head_dim(v) * element * context
 
 
-def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, emit, over) -> None:
-    """One (model, precision): the generator built once, then every (context, rows); rows appended to res["rows"]."""
-    import torch
-
-    from qgrpo.core.records import SamplingParams
+@contextlib.contextmanager
+def switches(precision: str):
+    """The process-wide switches `precision` names, set while its generator is built and while it runs, then put
+    back: fp8 decode's route, torch's CPU kernels instead of qgrpo's (`/torch`), a former rule of rows (`/kernel`)."""
     from qgrpo.rollout import cpu_kernels, cpu_native, fp8
+
+    served, _, route = precision.partition("+")[0].partition("/")
+    held, rules = fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows)
+    with contextlib.ExitStack() as stack:
+        try:
+            fp8.FP8_DECODE = route if served == "fp8" and route else held
+            if served == "int8" and route == "kernel":  # the former rule: up to 64 rows through the kernel
+                cpu_kernels.cpu_int8_rows = lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS
+            if route == "torch":  # torch's int8 or int4 kernel, not qgrpo's (its rows measured as well)
+                stack.enter_context(cpu_native.torch_kernel())
+            if served == "int4" and route == "kernel":  # the former rule: every row through the kernel
+                cpu_kernels.cpu_int4_rows = lambda n, k, group, dtype: 1 << 62
+            yield
+        finally:
+            fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows) = held, rules
+
+
+def open_variant(args, name: str, precision: str, folder: str, tok):
+    """(model, precision)'s generator, built as a run builds it under the precision's switches, and what each of its
+    rows records of it."""
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
-    cuda = args.device.startswith("cuda")
     format_, _, extra = precision.partition("+")  # int8+head: the tied head quantized too ([rollout.torch])
-    served, _, route = format_.partition("/")  # fp8/weight_only, fp8/scaled_mm: fp8 decode's route
-    held, rules = fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows)
-    base = {"model": name, "precision": precision}
-    gen = model = None
-    made = []
-    stack = contextlib.ExitStack()
-    try:
-        fp8.FP8_DECODE = route if served == "fp8" and route else held
-        if served == "int8" and route == "kernel":  # the former rule: up to 64 rows through the kernel
-            cpu_kernels.cpu_int8_rows = lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS
-        if route == "torch":  # torch's int8 or int4 kernel, not qgrpo's (its rows measured as well)
-            stack.enter_context(cpu_native.torch_kernel())
-        if served == "int4" and route == "kernel":  # the former rule: every row through the kernel
-            cpu_kernels.cpu_int4_rows = lambda n, k, group, dtype: 1 << 62
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
+    with switches(precision):
         t0 = time.perf_counter()
         model = build_model(name, tok, args.device)
         sync(args.device)
         build_s = time.perf_counter() - t0
-        gen, load_s = timed(lambda: TorchGenerator(folder, precision=served, device=args.device, model=model,
-                                                   chat_template=False,
+        gen, load_s = timed(lambda: TorchGenerator(folder, precision=format_.partition("/")[0], device=args.device,
+                                                   model=model, chat_template=False,
                                                    options={"quantize_head": extra == "head"}), args.device)
-        model = None
-        never_stop(gen)
-        mem = gen.memory_bytes()
+    never_stop(gen)
+    mem = gen.memory_bytes()
+    return gen, {"build_s": build_s, "load_s": load_s, "compute": gen.compute_dtype,
+                 "linear_bytes": int(mem["linear"]), "total_bytes": int(mem["total"])}
+
+
+class Cell:
+    """One (context, rows) of one generator: its prompts, and the timed generates and prompt forwards gathered."""
+
+    def __init__(self, args, gen, tok, rows: int, context: int):
+        self.gen, self.device, self.L = gen, args.device, args.new_tokens
+        self.n, self.g = batch_shape(rows)
+        self.items = prompts_of(tok, self.n, context)
+        self.runs, self.prefills = [], []
+
+    def generate(self, seed: int) -> tuple[float, int]:
+        from qgrpo.core.records import SamplingParams
+
+        groups, s = timed(lambda: self.gen.generate(self.items, SamplingParams(self.g, self.L, temperature=1.0,
+                                                                               seed=seed)), self.device)
+        return s, completion_tokens(groups)
+
+    def warm(self, row: dict) -> None:  # the first generate (graph capture), not timed with the rest
+        row["warmup_s"] = self.generate(0)[0]
+
+    def once(self, repeat: int) -> None:  # one timed generate and one timed prompt forward
+        s, tokens = self.generate(100 + repeat)
+        self.runs.append({"seconds": s, "tokens": tokens})
+        self.prefills.append(timed(lambda: self.gen.prefill_seconds(self.items), self.device)[1])
+
+    def finish(self, row: dict, name: str, res: dict, args) -> None:
+        rows, pre = row["rows"], statistics.median(self.prefills)
+        row["runs"] = self.runs
+        row["seconds"] = statistics.median(x["seconds"] for x in self.runs)
+        row["full"] = all(x["tokens"] == rows * self.L for x in self.runs)
+        row["prefill_s"] = pre
+        row["prefill_tokens_per_s"] = self.n * row["context"] / pre
+        row["decode_tokens_per_s"] = rows * self.L / (row["seconds"] - pre) if row["seconds"] > pre else None
+        row.update({f"decode_{k}": v for k, v in decode_info(self.gen, None).items()})
+        bounds(row, name, res, args)
+
+
+def failed(row: dict, e: Exception) -> None:
+    print(traceback.format_exc(), file=sys.stderr)
+    row["error"] = f"{type(e).__name__}: {e}"[:1000]
+
+
+def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, emit, over) -> None:
+    """One (model, precision): the generator built once, then every (context, rows); rows appended to res["rows"]."""
+    import torch
+
+    cuda = args.device.startswith("cuda")
+    base = {"model": name, "precision": precision}
+    gen = None
+    made = []
+    try:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        gen, info = open_variant(args, name, precision, folder, tok)
         for ctx in args.contexts:
             for rows in args.rows:
-                row = {**base, "rows": rows, "context": ctx, "build_s": build_s, "load_s": load_s,
-                       "compute": gen.compute_dtype, "linear_bytes": int(mem["linear"]),
-                       "total_bytes": int(mem["total"])}
+                row = {**base, "rows": rows, "context": ctx, **info}
                 made.append(row)
                 res["rows"].append(row)
                 if over():
@@ -185,40 +248,79 @@ def run_variant(args, name: str, precision: str, folder: str, tok, res: dict, em
                     res["budget"]["skipped"].append(f"{name}/{precision}/{ctx}/{rows}")
                     emit()
                     continue
-                n, g = batch_shape(rows)
-                items = prompts_of(tok, n, ctx)
-                L = args.new_tokens
-                once = lambda seed, items=items, g=g: gen.generate(  # noqa: E731
-                    items, SamplingParams(g, L, temperature=1.0, seed=seed))
-                _, row["warmup_s"] = timed(lambda: once(0), args.device)
-                runs = []
-                for r in range(args.repeats):
-                    groups, s = timed(lambda r=r: once(100 + r), args.device)
-                    runs.append({"seconds": s, "tokens": completion_tokens(groups)})
-                pre = statistics.median(timed(lambda: gen.prefill_seconds(items), args.device)[1]
-                                        for _ in range(args.repeats))
-                row["runs"] = runs
-                row["seconds"] = statistics.median(x["seconds"] for x in runs)
-                row["full"] = all(x["tokens"] == rows * L for x in runs)
-                row["prefill_s"] = pre
-                row["prefill_tokens_per_s"] = n * ctx / pre
-                row["decode_tokens_per_s"] = rows * L / (row["seconds"] - pre) if row["seconds"] > pre else None
-                row.update({f"decode_{k}": v for k, v in decode_info(gen, None).items()})
+                cell = Cell(args, gen, tok, rows, ctx)
+                with switches(precision):
+                    cell.warm(row)
+                    for r in range(args.repeats):
+                        cell.once(r)
+                cell.finish(row, name, res, args)
                 if cuda:
                     row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
-                bounds(row, name, res, args)
                 emit()
     except Exception as e:  # noqa: BLE001 - one variant's failure must not cost the others' results
-        print(traceback.format_exc(), file=sys.stderr)
         if not made or "seconds" in made[-1] or "skipped" in made[-1]:
             made.append({**base, "rows": None, "context": None})
             res["rows"].append(made[-1])
-        made[-1]["error"] = f"{type(e).__name__}: {e}"[:1000]
+        failed(made[-1], e)
         emit()
     finally:
-        gen = model = None
-        stack.close()
-        fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows) = held, rules
+        gen = None
+        release(args.device)
+
+
+def run_interleaved(args, name: str, folder: str, tok, res: dict, emit, over) -> None:
+    """One model under `--interleave`: every precision's generator built and held at once, then each (context, rows)
+    times them in turn, the order rotated each repeat, so that the machine's drift falls on every variant alike."""
+    gens, infos = {}, {}
+    try:
+        for p in args.precisions:
+            if over():
+                res["budget"]["skipped"].append(f"{name}/{p}")
+                res["rows"].append({"model": name, "precision": p, "rows": None, "context": None,
+                                    "skipped": "budget spent"})
+                continue
+            print(f"{name} {p} ...", flush=True)
+            try:
+                gens[p], infos[p] = open_variant(args, name, p, folder, tok)
+            except Exception as e:  # noqa: BLE001 - the other precisions are still measured
+                res["rows"].append(row := {"model": name, "precision": p, "rows": None, "context": None})
+                failed(row, e)
+        emit()
+        for ctx in args.contexts:
+            for rows in args.rows:
+                made = {p: {"model": name, "precision": p, "rows": rows, "context": ctx, **infos[p]} for p in gens}
+                res["rows"].extend(made.values())
+                if over():
+                    for p, row in made.items():
+                        row["skipped"] = "budget spent"
+                        res["budget"]["skipped"].append(f"{name}/{p}/{ctx}/{rows}")
+                    emit()
+                    continue
+                cells = {}
+
+                def attempt(p, fn):  # a variant that fails records its error and leaves the rotation
+                    try:
+                        with switches(p):
+                            fn()
+                    except Exception as e:  # noqa: BLE001
+                        failed(made[p], e)
+                        cells.pop(p, None)
+
+                def start(p):
+                    cells[p] = Cell(args, gens[p], tok, rows, ctx)
+                    cells[p].warm(made[p])
+
+                for p in gens:
+                    attempt(p, lambda p=p: start(p))
+                for r in range(args.repeats):
+                    order = list(cells)
+                    for p in order[r % len(order):] + order[:r % len(order)] if order else []:
+                        attempt(p, lambda p=p, r=r: cells[p].once(r))
+                for p, cell in cells.items():  # in --precisions order: bf16's row is done before the others' vs bf16
+                    cell.finish(made[p], name, res, args)
+                emit()
+    finally:
+        gens.clear()
         release(args.device)
 
 
@@ -275,6 +377,8 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--bandwidth-gib", type=float, default=0.0, help="default: 2 on CUDA, 1/4 on a CPU")
     ap.add_argument("--tokenizer", default="builtin:smollm2-135m-instruct")
     ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--interleave", action="store_true",
+                    help="per model, hold every precision's generator at once and time them in turn (docstring)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "model_ladder.json"))
     args = ap.parse_args(argv)
     import torch
@@ -370,7 +474,9 @@ def main(argv=None) -> dict:
     emit()
     with tempfile.TemporaryDirectory(prefix="model_ladder_") as folder:
         tok.save_pretrained(folder)  # the generator reads the tokenizer here; the model comes built
-        for p in args.precisions:  # precision-major: every model's bf16 (the baseline) first, then each format
+        for m in args.models if args.interleave else ():
+            run_interleaved(args, m, folder, tok, res, emit, over)
+        for p in args.precisions if not args.interleave else ():  # precision-major: every model's bf16 first
             for m in args.models:
                 if over():
                     res["budget"]["skipped"].append(f"{m}/{p}")
