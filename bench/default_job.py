@@ -144,7 +144,8 @@ def table(result: dict) -> str:
     runs = result["runs"]
     f = lambda x, p=1: "-" if x is None or x != x else f"{x:.{p}f}"  # noqa: E731
     commits = sorted({r.get("versions", {}).get("qgrpo_commit", "?")[:12] for r in runs})
-    out = [f"default job ({result['config']}), {result['steps']} steps; runs at commit {', '.join(commits)}", ""]
+    sets = "".join(f" --set {x}" for x in result.get("sets", []))
+    out = [f"default job ({result['config']}{sets}), {result['steps']} steps; runs at commit {', '.join(commits)}", ""]
     if any(r["eval"] for r in runs):
         out += ["held-out accuracy (greedy, 100 prompts): step 0 -> last step on the run's own generators; the final "
                 "checkpoint again on bf16",
@@ -269,6 +270,9 @@ def main() -> None:
     ap.add_argument("--precisions", nargs="+", default=["int8", "bf16"], help="rollout.precision values")
     ap.add_argument("--steps", type=int, default=0, help="run.steps (default: the config's 30)")
     ap.add_argument("--no-eval", action="store_true", help="run.eval = false (a stage/memory profile only)")
+    ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more `qgrpo train --set` for every run, after the bench's own (e.g. "
+                         "algo.max_staleness=0: the config with one setting changed)")
     session_options(ap, "default_job")
     args = ap.parse_args()
     stem = results_folder(args, "default_job")
@@ -280,7 +284,7 @@ def main() -> None:
     for seed in args.seeds:
         for precision in args.precisions:
             path = args.out_dir / f"s{seed}_{precision}.json"
-            run = kept_or_run(args, path, lambda: one_run(args, seed, precision))
+            run = kept_or_run(args, path, lambda: one_run(args, seed, precision, extra=tuple(args.sets)))
             if run is None:
                 missing.append(path.stem)
             else:
@@ -293,8 +297,8 @@ def main() -> None:
                                "end": mean([list(r["eval"].values())[-1]["accuracy"] for r in done]),
                                "end_bf16": mean([r["eval_final_bf16"]["accuracy"] for r in done])}
     result = {"config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "started": started,
-              "argv": sys.argv[1:], "versions": versions(), "by_precision": by_precision, "runs": runs,
-              "missing": missing}
+              "argv": sys.argv[1:], "sets": args.sets, "versions": versions(), "by_precision": by_precision,
+              "runs": runs, "missing": missing}
     save(stem, result, table(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else ""), args.publish)
 
 
