@@ -826,6 +826,17 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The default job as `make train` runs it (int8 rollouts, gradient checkpointing), seed 0, on a CPU without "
          "AVX-512 or native bf16 (every stage computes in fp32), with the learner's SDPA attention and the head's own "
          "backward.", default_job),
+        ("default_job_avx2_sync", "The default job on an AVX2-only CPU without gradient checkpointing",
+         "The same job and kind of CPU with the learner's layers not checkpointed "
+         "(`learner.gradient_checkpointing = false`), synchronous as the preset, seed 0. Against the run above, made "
+         "on another day on the same kind of machine: 29.3 s a step against 31.7 (the backward 9.8 s against 12.0), "
+         "17.7 minutes against 18.5, the learner's peak 1.4 GB higher.", default_job),
+        ("default_job_avx2_stream", "The default job on an AVX2-only CPU as a stream",
+         "The same again as a stream (`algo.max_staleness = 1`, one rollout actor of two threads beside the learner, "
+         "no checkpointing), two seeds. Generation leaves the step (0 s) but the reference and the learner slow down "
+         "beside it on the two cores (reference 8.1-8.4 s against 4.9 synchronous): 25.7-27.6 s a step against the "
+         "synchronous 29.3, for the same whole-job time (16.3-18.0 minutes against 17.7), since the held-out "
+         "evaluations and checkpoints take the rest. The preset stays synchronous.", default_job),
         ("default_job_avx2_emulated", "The default job without native bf16",
          "The default job on a CPU emulating an AVX2-only one, where `model.compute_dtype = \"auto\"` chooses fp32.",
          from_run),
@@ -941,6 +952,12 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "another, minutes apart). The later variant did better in both runs, so the two together bound the kernel's "
          "effect here more honestly than either; the prefill columns (in the JSON) show why qgrpo's int4 kernel takes "
          "at most 64 rows.", model_ladder),
+        ("model_ladder_cpu_epyc_avx2", "int8 and int4 on an AVX2-only CPU, the variants interleaved",
+         "Qwen2.5-1.5B's shape on a 2-core AMD EPYC with AVX2 only, not capped but built so (the tables capped at "
+         "AVX2 above ran on a Xeon): the unquantized generator computes and reads fp32 (its column is still named "
+         "bf16), qgrpo's int8 and int4 kernels and torch's int4 kernel take their AVX2 paths. `--interleave`: the four "
+         "generators held at once and timed in turn, the order rotated each of the 3 repeats, so that the machine's "
+         "drift falls on all of them alike. 256-token prompts, 32 new tokens, 1 and 8 rows.", model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
