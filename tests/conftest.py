@@ -1,9 +1,17 @@
 import os
+import signal
 import socket
 import sys
 from pathlib import Path
 
 import pytest
+
+# A suite started in the background by a non-interactive shell (`bash .ci/run &`, nohup) inherits SIGINT ignored, and so
+# would every qgrpo process a test starts: Python keeps an ignored SIGINT ignored, as it should for a user's `nohup
+# qgrpo train &`. The tests that stop a qgrpo process with SIGINT (test_serve, test_stop_signals) need it delivered, so
+# the suite's own handler is Python's default one, which a child's exec resets to the default action.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -345,7 +345,8 @@ def test_check_says_why_a_tool_agent_scored_zero(tmp_path, capsys):
     default = tmp_path / "default.toml"
     default.write_text(config)
     rc, out = _check(default, capsys)
-    assert "cut by the run's cap" not in out and "granted 4" not in out
+    # (the model may still run to the agent's own 48 and be told so: "granted 48", a hint, not the cap)
+    assert "cut by the run's cap" not in out and "granted 4:" not in out
     assert rc == 0, out
     assert f"rewards:   {OWN}" in out
 
