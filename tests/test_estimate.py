@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from qgrpo.cluster.config import machine
-from qgrpo.cluster.config.machine import MachineReport, ModelSize, StepEstimate, step_estimate, steps_done
+from qgrpo.cluster.config.machine import (
+    MachineReport,
+    ModelSize,
+    StepEstimate,
+    eval_estimate,
+    evaluations,
+    step_estimate,
+    steps_done,
+)
 from qgrpo.cluster.config.schema import load_config
 
 SIZE = ModelSize(params=10**8, matrix=10**8, layers=10)
@@ -70,6 +78,38 @@ def test_the_printed_lines():
     assert "about 60 s per step, 6 min for the 6 steps left with the start" in resumed.lines(30)[2]  # 360 s + 30 s
     unknown = MachineReport("cpu", "fp32", "", {"bf16": 1.0, "fp32": 1.0}, float("nan"), unknown="no config.json")
     assert unknown.lines(30)[2].startswith("expected: no estimate (no config.json)")
+
+
+def test_held_out_evaluations_are_counted_and_timed():
+    """The default job (30 steps, eval_every 10): before step 1 and at 10, 20, 30; each 100 greedy rows decoded to the
+    token budget. A resumed run counts those still due; run.eval off or no held-out prompts: none."""
+    cfg = _cfg("configs/smollm2_arith.toml")
+    assert (cfg.run.steps, cfg.run.eval_every, cfg.task.eval_size) == (30, 10, 100)
+    assert evaluations(cfg) == 4 and evaluations(cfg, done=10) == 2 and evaluations(cfg, done=25) == 1
+    assert evaluations(cfg, done=30) == 0
+    cfg.run.eval_every = 0
+    assert evaluations(cfg) == 2 and evaluations(cfg, done=5) == 1  # before and after only
+    cfg.run.eval_every = 7
+    assert evaluations(cfg) == 1 + 4 + 1  # 7, 14, 21, 28 and the last
+    tokens = cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens
+    decode_step = 2 * 1e8 * 100 / 1e11 + machine.DECODE_S_PER_LAYER * 10
+    prefill = 2 * 1e8 * 100 * PROMPT / 1e11
+    assert eval_estimate(cfg, SIZE, PROMPT, RATE) == pytest.approx(prefill + tokens * decode_step)
+    cfg.run.eval_max_new_tokens = 2 * tokens
+    assert eval_estimate(cfg, SIZE, PROMPT, RATE) == pytest.approx(prefill + 2 * tokens * decode_step)
+    cfg.run.eval = False
+    assert evaluations(cfg) == 0
+    cfg.run.eval, cfg.task.eval_size = True, 0
+    assert evaluations(cfg) == 0 and eval_estimate(cfg, SIZE, PROMPT, RATE) == 0.0
+
+
+def test_the_total_adds_the_evaluations():
+    e = StepEstimate(learn=20.0, reference=5.0, generate=10.0, environment=0.0, sync=3.0, fixed=2.0)
+    r = MachineReport("cpu", "fp32", "auto: cpu", {"bf16": 1.0, "fp32": 40.0}, e.total, e, eval_s=45.0, evals=4)
+    line = r.lines(30)[2]  # 1200 s of steps + STARTUP_S + 180 s
+    assert "about 40 s per step, 24 min for 30 steps with the start and 4 held-out evaluations of 45 s each" in line
+    one = MachineReport("cpu", "fp32", "", {"bf16": 1.0, "fp32": 40.0}, e.total, e, done=29, eval_s=45.0, evals=1)
+    assert "for the 1 steps left with the start and 1 held-out evaluation of 45 s (rough" in one.lines(30)[2]
 
 
 def test_steps_done_reads_the_checkpoint_folder():

@@ -20,7 +20,10 @@ The estimate (`StepEstimate`) adds up a synchronous step's stages, each from the
 - a fixed cost per step (Ray's round trips, rewards, packing), the episode loop's work per trajectory and turn, and
   the weight sync, in proportion to N.
 Completions and turns are taken at COMPLETION_FILL of their budget; a resumed run counts the steps it has left, and the
-total adds the start (Ray, the actors, their models). A stream (algo.max_staleness > 0) may overlap generation with
+total adds the start (Ray, the actors, their models) and the held-out evaluations (`eval_estimate`: before the first
+step, every run.eval_every steps and after the last; each greedy, one completion for each of task.eval_size prompts,
+decoded to its token budget like a step's batch: on the AVX2 EPYC the default job's four took 40-55 s each, 3 of its
+18 minutes). A stream (algo.max_staleness > 0) may overlap generation with
 learning where they do not share the cores; its estimate stays that of a synchronous step. The constants were measured
 on a 2-core AMD EPYC (AVX2, no native bf16) from the stages in metrics.jsonl of 3-step runs of the default job,
 examples/calculator and examples/openenv_guess (`qgrpo train CONFIG --set run.steps=3 --set run.eval=false`); there the
@@ -85,6 +88,8 @@ class MachineReport:
     estimate: StepEstimate | None = None
     done: int = 0  # steps already done (a resumed run's)
     unknown: str = field(default="")  # why there is no estimate
+    eval_s: float = 0.0  # one held-out evaluation, seconds (eval_estimate)
+    evals: int = 0  # the held-out evaluations in the steps left (evaluations)
 
     def lines(self, steps: int) -> list[str]:
         rate = f"bf16 {self.rates['bf16']:.0f} and fp32 {self.rates['fp32']:.0f} GFLOP/s measured"
@@ -94,11 +99,14 @@ class MachineReport:
         of = f"the {left} steps left" if self.done else f"{left} steps"
         if self.step_s == self.step_s:
             parts = self.estimate.parts() if self.estimate is not None else ""
-            total = _span(self.step_s * left + STARTUP_S)
+            evals = self.evals if self.eval_s == self.eval_s else 0
+            total = _span(self.step_s * left + STARTUP_S + evals * self.eval_s)
             rough = f"rough: {parts}" if parts else "rough"
             about = "" if self.step_s < 1 else "about "
-            out.append(f"expected: {about}{_span(self.step_s)} per step, {total} for {of} with the start ({rough}; "
-                       "the progress bar then shows measured times)")
+            also = (f" and {evals} held-out evaluation{'s' * (evals != 1)} of {_span(self.eval_s)}" +
+                    " each" * (evals != 1)) if evals else ""
+            out.append(f"expected: {about}{_span(self.step_s)} per step, {total} for {of} with the start{also} "
+                       f"({rough}; the progress bar then shows measured times)")
         else:
             out.append(f"expected: no estimate ({self.unknown or 'the model could not be sized'}); the progress "
                        "bar shows measured times")
@@ -169,6 +177,31 @@ def step_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops:
         environment = calls * env_call_s / max(cfg.environment.num_workers, 1)
     return StepEstimate(learn=learner * per_forward, reference=reference, generate=generate,
                         environment=environment, sync=SYNC_S_PER_GPARAM * size.params / 1e9, fixed=FIXED_S)
+
+
+def eval_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops: float) -> float:
+    """One held-out evaluation's seconds (module docstring): task.eval_size prompts, one greedy completion each, decoded
+    to run.eval_max_new_tokens (else rollout.max_new_tokens; a multi-turn run: its turns' budget, as a step's), the
+    batch until its longest row ends."""
+    rows = cfg.task.eval_size
+    if not rows:
+        return 0.0
+    rate = rate_gflops * 1e9
+    turns, per_turn, _ = _shape(cfg)
+    tokens = turns * per_turn if turns > 1 else (cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)
+    prefill = 2.0 * size.matrix * rows * prompt_tokens / rate
+    decode_step = 2.0 * size.matrix * rows / rate + DECODE_S_PER_LAYER * size.layers
+    return prefill + tokens * decode_step
+
+
+def evaluations(cfg: Config, done: int = 0) -> int:
+    """How many held-out evaluations the run makes after `done` steps (cluster/run/driver.py): one before the first
+    step of a new run, one every run.eval_every steps, one after the last; none with run.eval off."""
+    if not cfg.run.eval or not cfg.task.eval_size:
+        return 0
+    every, steps = cfg.run.eval_every, cfg.run.steps
+    due = sum(1 for s in range(done + 1, steps + 1) if s == steps or (every and s % every == 0))
+    return due + (done == 0)
 
 
 def environment_probe(cfg: Config, tokenizer) -> tuple[int, float]:
@@ -248,4 +281,5 @@ def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=No
         except Exception:  # noqa: BLE001 - check's environment probe names what is wrong with it
             pass
     estimate = step_estimate(cfg, size, prompt, rates[dtype], env_s)
-    return MachineReport(isa().words(), dtype, why, rates, estimate.total, estimate, done)
+    return MachineReport(isa().words(), dtype, why, rates, estimate.total, estimate, done,
+                         eval_s=eval_estimate(cfg, size, prompt, rates[dtype]), evals=evaluations(cfg, done))
