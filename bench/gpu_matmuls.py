@@ -17,6 +17,9 @@ and rows. Routes (`--precisions`; the default: every route but GemLite's):
   `int4/aten` (CPU): torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) on the generator's int4 weight, where
   `int4` takes qgrpo's kernel up to its measured rows;
   `int4`: torchao's tinygemm layout as the generator quantizes it (K padded to a multiple of 1024);
+  `fp32` (CPU): F.linear on the weight in float32, as the generator computes where bf16 is not native; `fp32/onednn`
+  (CPU): oneDNN's linear (`torch.ops.mkldnn._linear_pointwise`) on that weight reordered once into oneDNN's blocked
+  layout (`_reorder_linear_weight`), as torch.compile's CPU freezing does;
   `int4/unpadded`: torch's tinygemm kernel (`aten._weight_int4pack_mm`) on weights packed here without that padding
   (`aten._convert_weight_to_int4pack`, inner k tiles 8, the same asymmetric group-wise int4); `nf4`: bitsandbytes;
   `fp8`: W8A8 `torch._scaled_mm`; `fp8/weight_only`: rollout/fp8.py's weight-only kernel (`FP8_DECODE`).
@@ -44,9 +47,10 @@ left out: `us` is the kernel time of one call, `GB/s` the weight's storage bytes
 over it, `of bw` that over the card's read bandwidth (a bf16 `torch.sum` over 2 GiB), `vs bf16` bf16's time over the
 route's, `err` max |y - y_ref| / max |y_ref| against float32 `x @ w.T` of the unquantized weight (quantization error
 included; on an H200: bf16 <= 0.003, int8 <= 0.011, fp8 0.024-0.043, int4 / nf4 0.077-0.106). A row whose err passes
-its precision's `TOLERANCE` (bf16 0.02, int8 0.03, fp8 0.08, int4 / nf4 0.2: 2-6x the most an H200 showed) or whose
-output is not finite is flagged (`bad`, `BAD` in its note) and gets no `vs bf16`. Where a route cannot be captured it
-is timed eagerly (the `note`); `build s` is the route's quantization and packing, `first s` its first call at those
+its precision's `TOLERANCE` (bf16 0.02, int8 0.03, fp8 0.08, int4 / nf4 0.2: 2-6x the most an H200 showed; fp32 1e-4,
+float32 rounding) or whose output is not finite is flagged (`bad`, `BAD` in its note) and gets no `vs bf16`. Where
+a route cannot be captured it is timed eagerly (the `note`); `build s` is the route's quantization and packing,
+`first s` its first call at those
 rows (compilation, autotuning). A route that fails records its error on its rows and the run goes on.
 
 `best` (JSON, and the second table): per model, rows and product, the fastest route that is not bad among the int4
@@ -94,7 +98,7 @@ GEMLITE_ROUTES = {"int4/gemlite": "A16W4_HQQ_INT", "int8/gemlite": "A16W8_INT8",
 PLAIN_PRECISIONS = ("bf16", "int8", "int4", "nf4", "fp8")  # through quantize_model; fp8 also as fp8/<FP8_DECODE>
 # The most err (max |y - y_ref| / max |y_ref|) a right kernel of each precision may show: 2-6x the most the H200 showed
 # (module docstring), far below a wrong layout's ~1. Past it, or with a non-finite output, a row is `bad`.
-TOLERANCE = {"bf16": 0.02, "int8": 0.03, "fp8": 0.08, "int4": 0.2, "nf4": 0.2}
+TOLERANCE = {"bf16": 0.02, "fp32": 1e-4, "int8": 0.03, "fp8": 0.08, "int4": 0.2, "nf4": 0.2}
 FAMILIES = ("int4", "int8", "fp8")  # `best` picks the fastest route of each, by the route's name before "/"
 GEMLITE = {}  # the lazily imported gemlite module ("module"), or why it is not there ("error"); see gemlite_module
 
@@ -235,6 +239,15 @@ def build(route: str, w, group_size: int, gemlite_args: tuple[str, str] = ("auto
         return ((lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(sz.dtype).contiguous(), qd, group_size,
                                                                        sz).to(x.dtype)),
                 linear_weight_bytes(holder), {})
+    if route in ("fp32", "fp32/onednn"):  # CPU: what the generator computes in where bf16 is not native
+        if w.device.type != "cpu":
+            raise ValueError(f"{route} is a CPU route")
+        w32 = w.float()
+        if route == "fp32":
+            return (lambda x: torch.nn.functional.linear(x.float(), w32)), w32.numel() * 4, {}
+        packed = torch.ops.mkldnn._reorder_linear_weight(w32, None)  # oneDNN's blocked layout, reordered once
+        return ((lambda x: torch.ops.mkldnn._linear_pointwise(x.float(), packed, None, "none", [], "")),
+                w32.numel() * 4, {})
     if route == "int4/unpadded":
         packed, sz = int4_unpadded(w, group_size)
         nbytes = packed.numel() * packed.element_size() + sz.numel() * sz.element_size()

@@ -125,6 +125,50 @@ def test_int4_avx2_path_in_a_capped_process():
     _within_bounds(errors)
 
 
+def _lanes(q: torch.Tensor, block: int) -> torch.Tensor:
+    """int4 codes q [n, k] (0..15) packed as torch's AVX2 / AVX-512 kernels pack them: each block of `block` output
+    rows as [k, block / 2] bytes, byte j's low nibble row j, its high nibble row j + block / 2."""
+    n, k = q.shape
+    b = q.view(n // block, 2, block // 2, k).to(torch.uint8)  # [blocks, halves, rows of a half, k]
+    return (b[:, 0] | (b[:, 1] << 4)).transpose(1, 2).contiguous().view(-1)
+
+
+def _check_int4_rows_alone() -> dict:
+    """For both block widths: the largest difference between a row's outputs computed alone, in a pair and in a call
+    of 5 rows (1 and 2 rows take the kernel's direct path, 5 its panel), and each call's error against float64."""
+    found = {}
+    for block in (32, 64):
+        n, k, group = 2 * block, 512, 64
+        g = torch.Generator().manual_seed(block)
+        q = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+        sz = torch.stack([torch.rand(k // group, n, generator=g) / 8 + 1e-3,
+                          torch.randn(k // group, n, generator=g) / 8], -1).bfloat16()
+        s, z = sz.float().unbind(-1)
+        w = (q.double() - 8) * s.double().repeat_interleave(group, 0).T + z.double().repeat_interleave(group, 0).T
+        x = torch.randn(5, k, generator=g)
+        x[:, 5] *= 100
+        packed = _lanes(q, block)
+        outs = [cpu_native.w4a16_mm(x[:rows], packed, sz, n, group, block) for rows in (1, 2, 5)]
+        found[block] = {"diff": max((o - outs[-1][: len(o)]).abs().max().item() for o in outs[:2]),
+                        "error": max(_error(o, x[: len(o)].double() @ w.T) for o in outs)}
+    return found
+
+
+def _rows_alone_hold(found: dict) -> None:
+    for block, r in found.items():
+        assert r["diff"] == 0.0, (block, r)  # a sequence's numbers do not depend on the rows beside it
+        assert r["error"] <= TOL, (block, r)
+
+
+def test_int4_rows_alone_equal_rows_in_a_batch():
+    """The direct path of few rows (decoded into registers) and the panel of more rows give bit-equal outputs, both
+    within the tolerance of float64, in blocks of 32 and 64 output rows, on this CPU's path and capped at AVX2."""
+    _rows_alone_hold(_check_int4_rows_alone())
+    _rows_alone_hold({int(b): r for b, r in _capped("import json; from tests.test_cpu_native import "
+                                                    "_check_int4_rows_alone; print(json.dumps("
+                                                    "_check_int4_rows_alone()))").items()})
+
+
 def test_int4_kernel_routes_through_ours_and_back_to_torch():
     """cpu_kernels.int4_kernel takes qgrpo's kernel where it can; under cpu_native.torch_kernel(), or for a weight
     whose rows end in a partial block of torch's packing, torch's; zero and extreme rows stay finite."""

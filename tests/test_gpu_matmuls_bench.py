@@ -77,6 +77,20 @@ def test_dry_run_on_a_cpu_measures_what_the_cpu_serves(tmp_path):
     assert "error" in rows["int4/unpadded"]  # torch packs for tinygemm on CUDA only
 
 
+def test_fp32_routes_on_a_cpu_read_four_bytes_a_weight_within_float32_rounding(tmp_path):
+    """`fp32` (F.linear) and `fp32/onednn` (oneDNN's linear on a weight reordered once): what the generator computes
+    where bf16 is not native, and the candidate that reads the weight in oneDNN's blocked layout."""
+    out = tmp_path / "m.json"
+    gpu_matmuls.main(["--device", "cpu", "--precisions", "bf16,fp32,fp32/onednn", "--shapes", "k/v", "--rows", "1,8",
+                      "--calls", "2", "--repeats", "1", "--out", str(out)])
+    rows = {(r["route"], r["rows"]): r for r in json.loads(out.read_text())["rows"]}
+    for route in ("fp32", "fp32/onednn"):
+        for n in (1, 8):
+            r = rows[(route, n)]
+            assert r["finite"] and not r.get("bad") and r["err"] < 1e-5, r  # the same product as the reference
+            assert r["weight_bytes"] == 2 * rows[("bf16", n)]["weight_bytes"]
+
+
 def test_a_model_shape_with_gemlite_and_an_unknown_route_records_their_errors(tmp_path):
     out = tmp_path / "m.json"
     gpu_matmuls.main(["--device", "cpu", "--models", "tiny-qwen3", "--rows", "8,32", "--calls", "2",

@@ -211,6 +211,58 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static void w4_direct_vnn
     }
 }
 
+// The same on AVX2 for 1 row (and 2 in blocks of 32 output rows): the block's BW / 8 int32 accumulators a row stay in
+// the 16 vector registers beside the decoded weights, which 3 or more rows would spill.
+template <int BW, int MB>
+__attribute__((target("avx2,fma"))) static void w4_direct_avx2(const uint8_t* qb, const float* sc, const float* zc,
+                                                                const int16_t* xq, const float* xs, const float* xsum,
+                                                                float* acc, int64_t K, int64_t G, int64_t k0,
+                                                                int64_t kc) {
+    constexpr int V = BW / 8;
+    static_assert(MB * V <= 8, "the accumulators would not fit in registers");
+    const int64_t ng = K / G;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int64_t g0 = k0; g0 < k0 + kc; g0 += G) {
+        __m256i a[MB][V];
+        for (int j = 0; j < MB; j++)
+            for (int v = 0; v < V; v++) a[j][v] = _mm256_setzero_si256();
+        for (int64_t k = g0; k < g0 + G; k += 2) {
+            const uint8_t* row = qb + k * (BW / 2);
+            _mm_prefetch((const char*)(row + W4_PREFETCH), _MM_HINT_T0);
+            __m256i xv[MB];
+            for (int j = 0; j < MB; j++) {
+                int32_t pair;
+                memcpy(&pair, xq + j * K + k, 4);
+                xv[j] = _mm256_set1_epi32(pair);
+            }
+            for (int s = 0; s < BW / 32; s++) {  // rows 16 s .. 16 s + 15 (low nibbles) and BW / 2 above them (high)
+                const __m128i va = _mm_loadu_si128((const __m128i*)(row + 16 * s));
+                const __m128i vb = _mm_loadu_si128((const __m128i*)(row + BW / 2 + 16 * s));
+                const __m256i pairs = _mm256_set_m128i(_mm_unpackhi_epi8(va, vb), _mm_unpacklo_epi8(va, vb));
+                const __m256i lo = _mm256_and_si256(pairs, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(pairs, 4), low);
+                const __m256i w[4] = {_mm256_cvtepu8_epi16(_mm256_castsi256_si128(lo)),
+                                      _mm256_cvtepu8_epi16(_mm256_extracti128_si256(lo, 1)),
+                                      _mm256_cvtepu8_epi16(_mm256_castsi256_si128(hi)),
+                                      _mm256_cvtepu8_epi16(_mm256_extracti128_si256(hi, 1))};
+                const int at[4] = {2 * s, 2 * s + 1, BW / 16 + 2 * s, BW / 16 + 2 * s + 1};  // in vectors of 8 rows
+                for (int j = 0; j < MB; j++)
+                    for (int i = 0; i < 4; i++) a[j][at[i]] = _mm256_add_epi32(a[j][at[i]], _mm256_madd_epi16(w[i], xv[j]));
+            }
+        }
+        const int64_t g = g0 / G, gi = (g0 - k0) / G;
+        for (int j = 0; j < MB; j++) {
+            const __m256 s = _mm256_set1_ps(xs[j * ng + g]), t = _mm256_set1_ps(xsum[j * ng + g]);
+            for (int v = 0; v < V; v++) {
+                float* out = acc + j * BW + 8 * v;
+                const __m256 y = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[j][v]), _mm256_loadu_ps(sc + gi * BW + 8 * v),
+                                                 _mm256_mul_ps(_mm256_loadu_ps(zc + gi * BW + 8 * v), t));
+                _mm256_storeu_ps(out, _mm256_fmadd_ps(y, s, _mm256_loadu_ps(out)));
+            }
+        }
+    }
+}
+
 // Rows [m, m + MB) against all BW columns of the panel.
 template <int BW, int MB, bool VNNI>
 static inline void w4_rows(const W4Tile& t, int64_t m) {
@@ -233,16 +285,23 @@ static void w4_block(const uint8_t* qb, const uint16_t* sz, int64_t N, int64_t n
     memset(acc, 0, sizeof(float) * rows * BW);
     for (int64_t k0 = 0; k0 < K; k0 += kc_max) {
         const int64_t kc = k0 + kc_max < K ? kc_max : K - k0;
-        const bool direct = VNNI && rows <= W4_MB;  // few rows: no panel
+        const bool direct = rows <= (VNNI ? W4_MB : BW == 32 ? 2 : 1);  // few rows: no panel
         if (!direct) w4_decode<BW>(qb, k0, kc, panel);
         for (int64_t gi = 0; gi < kc / G; gi++) w4_scales<BW>(sz + ((k0 / G + gi) * N + n0) * 2, sc + gi * BW, zc + gi * BW);
-        if (direct) {
+        if (direct && VNNI) {
             switch (rows) {
                 case 1: w4_direct_vnni<BW, 1>(qb, sc, zc, xq, xs, xsum, acc, K, G, k0, kc); break;
                 case 2: w4_direct_vnni<BW, 2>(qb, sc, zc, xq, xs, xsum, acc, K, G, k0, kc); break;
                 case 3: w4_direct_vnni<BW, 3>(qb, sc, zc, xq, xs, xsum, acc, K, G, k0, kc); break;
                 default: w4_direct_vnni<BW, 4>(qb, sc, zc, xq, xs, xsum, acc, K, G, k0, kc); break;
             }
+            continue;
+        }
+        if (direct) {
+            if (rows == 1)
+                w4_direct_avx2<BW, 1>(qb, sc, zc, xq, xs, xsum, acc, K, G, k0, kc);
+            else
+                w4_direct_avx2<32, 2>(qb, sc, zc, xq, xs, xsum, acc, K, G, k0, kc);  // BW == 32 here
             continue;
         }
         const W4Tile t{panel, sc, zc, xq, xs, xsum, acc, K, G, k0, kc};
