@@ -854,6 +854,14 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "autocast its first step took 667 s here). `bench/vs_trl.toml` now turns gradient checkpointing off on our "
          "side, as TRL's side has it: runs between the schema's default turning it on (commit e1b162c) and this one "
          "recomputed the layers on our side alone (the Zen 4 run above predates that).", vs_trl),
+        ("vs_trl_fp32_avx2_repeat", "Both sides in fp32 on an AVX2-only CPU, again",
+         "The same command in a second run on the same CPU kind (this comparison's settings are its own, "
+         "`bench/vs_trl.toml`, so the default job's decisions do not change it). Every stage of both sides ran "
+         "about 1.3x slower than in the run above (qgrpo's generation 16.7 against 12.7 s, its learner 24.8 against "
+         "17.9; TRL's 31.7 against 23.3 and 60.1 against 47.4): a slowdown this even points to the machine. The "
+         "synchronous qgrpo side also shared the cores with a 36-second test run (0.2 cores on average over its "
+         "run, as the bench counts them). The ratios moved by less than a tenth: synchronous 2.09x against 2.18x, "
+         "overlap 2.72x against 2.68x, the stream 2.54x against 2.77x.", vs_trl),
     ]),
     ("Generators", [
         ("rollout_backends", "Torch and vLLM generators",
@@ -958,6 +966,34 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "bf16), qgrpo's int8 and int4 kernels and torch's int4 kernel take their AVX2 paths. `--interleave`: the four "
          "generators held at once and timed in turn, the order rotated each of the 3 repeats, so that the machine's "
          "drift falls on all of them alike. 256-token prompts, 32 new tokens, 1 and 8 rows.", model_ladder),
+        ("gpu_matmuls_cpu_epyc_w4a16_panel", "qgrpo's int4 kernel at 1 and 2 rows on an AVX2-only CPU: before",
+         "Qwen2.5-1.5B's products alone on the 2-core AMD EPYC with AVX2 only, 1 to 8 rows, with the kernel as it "
+         "was: every call decodes each chunk of a block's inputs into a panel of int16 pairs in L1, then multiplies "
+         "every row with it (on AVX-512 VNNI calls of up to 4 rows already skipped the panel). `bf16`: the bench's "
+         "bf16 product, which oneDNN emulates here (the generator itself computes in fp32 on this CPU); "
+         "`int4/aten`: torch's kernel, the control.", gpu_matmuls_models),
+        ("gpu_matmuls_cpu_epyc_w4a16_direct", "After: 1 and 2 rows decoded into registers",
+         "The same products right after, with the AVX2 path's direct route: a call of 1 row (or 2, in torch's AVX2 "
+         "blocks of 32 output rows) decodes each pair of inputs into registers and multiplies at once, without the "
+         "panel's stores and loads; 3 rows and more would spill the accumulators and keep the panel. int4 at 1 row "
+         "1.15-1.37x faster on q, gate/up and down, at 2 rows 1.57-1.81x; 4 and 8 rows 0.92-1.14x (unchanged "
+         "code). The control moved 1.00-1.18x on gate/up and down, but 0.61-1.33x on the small k/v product, and "
+         "bf16's gate/up at 1 row 1.44x: products this short are noisy on this machine, so the generator's "
+         "interleaved run below is the measure that counts.", gpu_matmuls_models),
+        ("model_ladder_cpu_epyc_avx2_int4_direct", "int4 at 1 and 2 rows in the generator, after",
+         "Qwen2.5-1.5B's shape on the same AVX2-only EPYC, interleaved, after the AVX2 path's direct route: qgrpo's "
+         "int4 kernel 1.24x torch's decode tokens/s at 1 row (1.12x in the interleaved run above, before it) and "
+         "1.77x at 2 rows. Every cell of this run was slower than the run above's (fp32 at 1 row 64% of its bound "
+         "against 76%), so the shares of the bound are not comparable across the two runs: int4 at 1 row still "
+         "reads 34% of its bound.", model_ladder),
+        ("gpu_matmuls_cpu_epyc_fp32", "The fp32 products alone on an AVX2-only CPU: F.linear against oneDNN's",
+         "What the unquantized generator computes on this CPU (`fp32`: F.linear, which torch hands to MKL's sgemm) "
+         "against oneDNN's linear on the weight reordered once into oneDNN's blocked layout (`fp32/onednn`), "
+         "Qwen2.5-1.5B's q, gate/up and down at 1, 2 and 8 rows. At 1 row they are close (1.02-1.23x); from 2 rows "
+         "F.linear falls to a third to a half of the bandwidth it reads at one row while oneDNN's keeps 57% or more: "
+         "1.38-2.87x faster at 2 and 8 rows. The fp32 generator does not use oneDNN's route yet, so every 'vs bf16' "
+         "at 2 and more rows on this CPU is measured against a baseline this much slower than it need be.",
+         gpu_matmuls_models),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
@@ -965,6 +1001,10 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "(`algo.max_staleness = 1`), a LoRA learner with int8 rollouts, and `rollout.precision = \"auto\"` (its "
          "trials run before the run starts, outside the timed steps). Speed only: the completions of a random model "
          "run to the length bound.", gpu_step),
+        ("step_05b_cpu_avx2", "The whole GRPO step at 0.5B on an AVX2-only CPU",
+         "The same command on a 2-core AMD EPYC with AVX2 only, where every role computes in fp32 (`bf16`: the "
+         "unquantized generator). The sides run one after another under one time budget; those it left out are "
+         "named below the table.", gpu_step),
         ("generator_memory", "Rollout actor memory",
          "The torch generator holding one copy, re-quantized in place at each sync, against a bf16 master beside a "
          "quantized copy rebuilt at each sync; each in a fresh process, three full updates.", generator_memory),
