@@ -22,7 +22,9 @@ every product of up to 64 rows through the int8 kernel, the rule before those ro
 `int4` (CPU) sends a product through qgrpo's own int4 kernel up to the rows measured there to beat the weight decoded
 once into the compute dtype and one plain product (rollout/cpu_kernels.py), `int4/torch` the same with torch's
 `_weight_int4pack_mm_for_cpu`; `int4/kernel` every product through the int4 kernel, the rule before a prefill's rows
-went through the weight decoded once.
+went through the weight decoded once. On a CPU that computes in float32, the unquantized products (all of `bf16`'s,
+the head of the others) multiply by weights reordered for oneDNN (`[rollout.torch] onednn`); `bf16/torch` is `bf16`
+through F.linear, the generator's route before.
 
 Per (rows, context): prompts of exactly `context` tokens (rows / 8 prompts x 8 completions, or 1 x rows below 8),
 `--new-tokens` new tokens every row (stop ids emptied; `full` checks it), T = 1. One warm-up generate (graph
@@ -178,7 +180,8 @@ def open_variant(args, name: str, precision: str, folder: str, tok):
         build_s = time.perf_counter() - t0
         gen, load_s = timed(lambda: TorchGenerator(folder, precision=format_.partition("/")[0], device=args.device,
                                                    model=model, chat_template=False,
-                                                   options={"quantize_head": extra == "head"}), args.device)
+                                                   options={"quantize_head": extra == "head",
+                                                            "onednn": precision != "bf16/torch"}), args.device)
     never_stop(gen)
     mem = gen.memory_bytes()
     return gen, {"build_s": build_s, "load_s": load_s, "compute": gen.compute_dtype,
@@ -395,14 +398,15 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
-    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch"), "int4": ("", "kernel", "torch")}
+    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch"), "int4": ("", "kernel", "torch"),
+              "bf16": ("", "torch")}
     bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
            or p.partition("+")[0].partition("/")[2] not in routes.get(p.partition("/")[0], ("",))
            or p.partition("+")[2] not in ("", "head")]
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
                  f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int8/torch, "
-                 "int4/kernel, int4/torch on CPU; FORMAT+head: a tied head quantized too)")
+                 "int4/kernel, int4/torch, bf16/torch on CPU; FORMAT+head: a tied head quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)

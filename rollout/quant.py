@@ -183,7 +183,8 @@ def quantized_weight_names(model: nn.Module, precision: str, group_size: int, de
 
 def _model_device(model: nn.Module) -> torch.device:
     """The one device the model's weights are on (CPU for a model without parameters)."""
-    devices = {p.device for p in model.parameters()}
+    devices = {p.device for m in model.modules() if not hasattr(m, "_onednn")  # a layer packed for oneDNN
+               for p in m.parameters(recurse=False)}  # (rollout/backends/onednn.py) holds its weight on meta
     if len(devices) > 1:  # e.g. a device_map split: each layer's kernel would have to be chosen apart
         raise ValueError(f"quantize_model: the model's weights are spread over {sorted(map(str, devices))}; "
                          "move the whole model to one device first")
@@ -505,9 +506,13 @@ def _linears(model: nn.Module):
 def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes held by the weights of the linear layers (packed data + scales + zero points), measured as the sizes of
     the storages of the tensors that hold them, each storage counted once (biases not included).
-    A tied lm_head counts: it stays bf16 and its storage is the embedding's."""
+    A tied lm_head counts: it stays bf16 and its storage is the embedding's; packed on oneDNN (a float32 CPU
+    generator), it holds a copy of its own."""
     seen, total = set(), 0
     for m in _linears(model):
+        if hasattr(m, "_onednn"):  # float32 in oneDNN's layout (rollout/backends/onednn.py), its own
+            total += m.out_features * m.in_features * 4
+            continue
         for t in _storage_tensors(m):
             s = t.untyped_storage()
             if s.data_ptr() not in seen:

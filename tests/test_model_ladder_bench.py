@@ -6,6 +6,7 @@ import pytest
 
 from bench import model_ladder
 from bench.model_shapes import SHAPES, build_config, parameter_count
+from qgrpo.rollout.backends import onednn
 
 # The parameter counts the models' cards and safetensors indexes publish (norms and biases included).
 PUBLISHED = {"SmolLM2-135M": 134_515_008, "Qwen2.5-0.5B": 494_032_768, "Llama-3.2-1B": 1_235_814_400,
@@ -95,8 +96,24 @@ def test_a_tied_head_quantized_is_its_own_variant(tmp_path):
     element = {"bf16": 2, "fp32": 4}[rows["int8"]["compute"]]
     saved = rows["int8"]["linear_bytes"] - rows["int8+head"]["linear_bytes"]
     assert 512 * 64 * (element - 1) - 512 * 8 <= saved <= 512 * 64 * (element - 1)
-    assert rows["int8+head"]["total_bytes"] > rows["int8"]["total_bytes"]  # the embedding stays bf16 beside it
+    if element == 4 and onednn.available():  # int8's tied fp32 head is a oneDNN copy beside the embedding: its bytes
+        assert rows["int8"]["total_bytes"] - rows["int8+head"]["total_bytes"] == saved
+    else:  # int8's head is the embedding itself; int8+head's quantized copy sits beside it
+        assert rows["int8+head"]["total_bytes"] > rows["int8"]["total_bytes"]
     assert "vs_bf16" in rows["int8+head"]
+
+
+def test_bf16_through_f_linear_is_its_own_variant(tmp_path):
+    res = model_ladder.main(["--device", "cpu", "--models", "tiny-qwen2", "--precisions", "bf16,bf16/torch",
+                             "--rows", "1", "--contexts", "16", "--new-tokens", "2", "--repeats", "1",
+                             "--out", str(tmp_path / "ladder.json")])
+    rows = {r["precision"]: r for r in res["rows"]}
+    assert all("error" not in r and r["decode_tokens_per_s"] > 0 for r in rows.values()), rows
+    assert rows["bf16"]["linear_bytes"] == rows["bf16/torch"]["linear_bytes"]
+    # on a float32 CPU, bf16 packs its tied head for oneDNN as a copy (512 x 64 fp32); bf16/torch does not
+    packed = rows["bf16"]["compute"] == "fp32" and onednn.available()
+    assert rows["bf16"]["total_bytes"] - rows["bf16/torch"]["total_bytes"] == (512 * 64 * 4 if packed else 0)
+    assert "vs_bf16" in rows["bf16/torch"]
 
 
 def test_the_former_int4_route_is_its_own_variant_and_the_rule_comes_back(tmp_path, monkeypatch):

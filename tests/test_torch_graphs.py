@@ -43,10 +43,12 @@ def tiny_qwen3_path(tiny_model_path, tmp_path_factory) -> str:
 
 def _eager_graphs(tiny_model_path, precision="bf16", fused=True, compute_dtype="auto"):
     """A CPU generator whose decode goes through the graph loop's steps, run eagerly: torch_fused's step, or the
-    static decoder's (`fused=False`, what `[rollout.torch] fused_step = false` records)."""
+    static decoder's (`fused=False`, what `[rollout.torch] fused_step = false` records). Its float linears stay plain
+    nn.Linears as on a GPU (`onednn` off: a CPU computing in float32 would pack them, and they would not be fused)."""
     from qgrpo.rollout.backends.torch_backend import TorchGenerator
 
-    gen = TorchGenerator(tiny_model_path, precision=precision, compute_dtype=compute_dtype)
+    gen = TorchGenerator(tiny_model_path, precision=precision, compute_dtype=compute_dtype,
+                         options={"onednn": False})
     gen.graphs = GraphDecoder(gen.model, gen.pad_id, gen.stop_ids, graphs=False, fused=fused)
     return gen
 

@@ -4,7 +4,9 @@ Holds one copy of the policy, in the served format: the model is quantized in pl
 each received bf16 weight of a quantized layer is quantized again in place (rollout/quant.py: requantize_in_place)
 while the other weights are copied in, so the sender never needs to know the receiver's format and no second copy of
 the model is ever built. With sync.adapters_only only LoRA adapters arrive (`load_adapters`): they sit beside the
-quantized base in bf16 (rollout/backends/torch_adapters.py) and the base is not touched.
+quantized base in bf16 (rollout/backends/torch_adapters.py) and the base is not touched. On a CPU computing in
+float32, the unquantized linears multiply by weights in oneDNN's layout (rollout/backends/onednn.py): a full update
+re-packs them from what it receives.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import torch
 
 from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.rollout.backends import Generator, TorchOptions, served_grid, torch_adapters
+from qgrpo.rollout.backends import Generator, TorchOptions, onednn, served_grid, torch_adapters
 from qgrpo.rollout.backends.common import (
     build_completion,
     build_group,
@@ -94,6 +96,10 @@ class TorchGenerator(Generator):
         self.compute_dtype, self.compute_why = choose(compute_dtype, self.device)
         self._dtype = torch_dtype(self.compute_dtype)
         self.model = compute_in(quantize_model(model, precision, group_size_quant, head), self._dtype).eval()
+        # On a float32 CPU the unquantized linears multiply by weights in oneDNN's layout: {received name: layers}.
+        self._packed = onednn.pack_linears(self.model) if (
+            self.options.onednn and self._dtype == torch.float32 and self.device.type == "cpu"
+            and onednn.available()) else {}
         # Llama-family models decode on a preallocated cache (torch_decode.py); others through their own forward.
         self.decoder = StaticDecoder(self.model) if StaticDecoder.supports(self.model) else None
         # On CUDA the same steps replayed as CUDA graphs (torch_graphs.py), where the options ask for them.
@@ -245,7 +251,9 @@ class TorchGenerator(Generator):
         self.adapters = torch_adapters.unwrap(self.model, self.adapters)
         params, quantized = dict(self.model.named_parameters()), set(self._quantized)
         for name, t in received:
-            if name not in quantized:
+            for layer in self._packed.get(name, ()):  # oneDNN's copy; a tied embedding's own tensor copied below
+                onednn.repack(layer, t)
+            if name not in quantized and params[name].device.type != "meta":
                 params[name].copy_(t)
         if self._quantized:
             new = {n.removesuffix(".weight"): t for n, t in received if n in quantized}

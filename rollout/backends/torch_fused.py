@@ -35,9 +35,10 @@ from torch.nn import functional as F
 
 def _plain(lin) -> bool:
     """An `nn.Linear` whose weight is a plain floating tensor (not quantized, not wrapped with adapters): bf16, or
-    float32 where the model computes in it (model.compute_dtype on a CPU without native bf16)."""
+    float32 where the model computes in it (model.compute_dtype on a CPU without native bf16). A layer packed for
+    oneDNN (rollout/backends/onednn.py: its weight on the meta device) is not: it multiplies in its own forward."""
     return (type(lin) is nn.Linear and type(lin.weight) in (torch.Tensor, nn.Parameter)  # torchao's are subclasses
-            and lin.weight.dtype.is_floating_point)
+            and lin.weight.dtype.is_floating_point and lin.weight.device.type != "meta")
 
 
 def _kind(lin) -> str | None:
