@@ -168,9 +168,8 @@ def step_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops:
     reference = per_forward if cfg.reference_actor else 0.0
     # the first turn's prompts are prefilled once per group; each later turn prefills its trajectory's context again
     later = (COMPLETION_FILL * turns - 1) * (prompt_tokens + per_turn) if turns > 1 else 0.0
-    prefill = 2.0 * size.matrix * (ro.prompts_per_step * prompt_tokens + seqs * later) / rate
-    decode_step = 2.0 * size.matrix * seqs / rate + DECODE_S_PER_LAYER * size.layers
-    generate = prefill + turns * per_turn * decode_step + (seqs * COMPLETION_FILL * turns * TURN_S if turns > 1 else 0)
+    generate = _decoded(size, rate, ro.prompts_per_step * prompt_tokens + seqs * later, seqs, turns * per_turn) + (
+        seqs * COMPLETION_FILL * turns * TURN_S if turns > 1 else 0)
     environment = 0.0
     if cfg.environment.name:
         calls = seqs * (2 + COMPLETION_FILL * turns)  # a reset and a score, and a step per turn
@@ -189,9 +188,14 @@ def eval_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops:
     rate = rate_gflops * 1e9
     turns, per_turn, _ = _shape(cfg)
     tokens = turns * per_turn if turns > 1 else (cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)
-    prefill = 2.0 * size.matrix * rows * prompt_tokens / rate
+    return _decoded(size, rate, rows * prompt_tokens, rows, tokens)
+
+
+def _decoded(size: ModelSize, rate: float, prefill_tokens: float, rows: int, steps: float) -> float:
+    """Seconds to prefill `prefill_tokens` and decode `steps` steps of a batch of `rows` rows, at `rate` FLOP/s; a
+    decode step also pays DECODE_S_PER_LAYER per layer."""
     decode_step = 2.0 * size.matrix * rows / rate + DECODE_S_PER_LAYER * size.layers
-    return prefill + tokens * decode_step
+    return 2.0 * size.matrix * prefill_tokens / rate + steps * decode_step
 
 
 def evaluations(cfg: Config, done: int = 0) -> int:
