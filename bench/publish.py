@@ -991,9 +991,19 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "against oneDNN's linear on the weight reordered once into oneDNN's blocked layout (`fp32/onednn`), "
          "Qwen2.5-1.5B's q, gate/up and down at 1, 2 and 8 rows. At 1 row they are close (1.02-1.23x); from 2 rows "
          "F.linear falls to a third to a half of the bandwidth it reads at one row while oneDNN's keeps 57% or more: "
-         "1.38-2.87x faster at 2 and 8 rows. The fp32 generator does not use oneDNN's route yet, so every 'vs bf16' "
-         "at 2 and more rows on this CPU is measured against a baseline this much slower than it need be.",
+         "1.38-2.87x faster at 2 and 8 rows. Every 'vs bf16' above at 2 and more rows on this CPU was measured against "
+         "the F.linear generator; the generator now takes oneDNN's route (next table).",
          gpu_matmuls_models),
+        ("model_ladder_cpu_epyc_avx2_onednn", "The fp32 generator on oneDNN's weights",
+         "Qwen2.5-1.5B's shape on the same AVX2-only EPYC, interleaved: the unquantized generator as it serves now "
+         "(`bf16`: float32 products on weights reordered once for oneDNN, `[rollout.torch] onednn`) against the same "
+         "generator through F.linear (`bf16/torch`, the route before), with int8 and int4 beside them (their tied "
+         "float32 head on oneDNN too). oneDNN decoded 1.16x F.linear's tokens/s at 1 row, 2.03x at 2 and 1.96x at 8, "
+         "and reads 80-82% of the memory bound at 1 and 2 rows where F.linear read 40% at 2. Against that baseline "
+         "int8 is 1.97x at 1 row, 1.51x at 2, 1.63x at 8, and int4 1.86x, 1.74x, 1.43x: the ratios of the tables "
+         "above were flattered by F.linear from 2 rows up. The packed tied head costs its bytes once more (6.62 GiB "
+         "against 5.75). At 8 rows the compute bound (F.linear's fp32 rate at 4096 rows, 60 GFLOP/s) is too low: "
+         "the shares above 100% say so.", model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
