@@ -269,7 +269,7 @@ def test_adapters_only_loads_with_an_adapter_learner():
     vllm = REGISTRY["vllm"].generator_options(cfg.rollout, adapter_rank=rank)
     assert vllm["lora_rank"] == rank and vllm["options"]["max_model_len"] == cfg.rollout.vllm.max_model_len
     assert "lora_rank" not in REGISTRY["vllm"].generator_options(cfg.rollout)
-    options = {"cuda_graphs": True, "fused_step": True, "quantize_head": False}
+    options = {"cuda_graphs": True, "fused_step": True, "quantize_head": False, "onednn": True}
     assert REGISTRY["torch"].generator_options(cfg.rollout, "fp32", adapter_rank=16) == {"compute_dtype": "fp32",
                                                                                  "options": options}
 
