@@ -78,6 +78,9 @@ def test_an_update_repacks_as_a_fresh_generator_packs(tiny_model_path, tie):
     assert gen.score(IDS) == _gen(tiny_model_path, moved).score(IDS) != before
     if tie:
         assert torch.equal(gen.model.model.embed_tokens.weight, moved.model.embed_tokens.weight.float())
+    served = onednn.served_state_dict(gen.model)  # the packed weights read back: exactly the received values
+    for n, p in moved.state_dict().items():
+        assert torch.equal(served[n], p.float()), n
 
 
 def test_quantized_layers_stay_quantized_and_the_tied_head_is_packed(tiny_model_path):

@@ -59,9 +59,12 @@ def _train_step(learner, rollout) -> int:
 
 
 def _master_weights(actor) -> dict[str, torch.Tensor]:
-    """The weights a bf16 torch generator serves, read inside the actor (a test-only look, not an actor method)."""
+    """The weights a bf16 torch generator serves, read inside the actor (a test-only look, not an actor method); a
+    layer packed for oneDNN (a float32 CPU) read back from its packed weight."""
+    from qgrpo.rollout.backends.onednn import served_state_dict
+
     return ray.get(actor.__ray_call__.remote(
-        lambda self: {n: t.clone() for n, t in self.gen.model.state_dict().items()}))
+        lambda self: {n: t.clone() for n, t in served_state_dict(self.gen.model).items()}))
 
 
 @pytest.fixture(scope="module")

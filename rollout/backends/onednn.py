@@ -72,6 +72,16 @@ def pack_linears(model: nn.Module) -> dict[str, list[nn.Module]]:
     return packed
 
 
+def served_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with each packed layer's weight read back from oneDNN's layout (exactly the float32 values
+    it multiplies by) in place of its meta tensor: what the model serves, for checks."""
+    state = model.state_dict()
+    for name, m in model.named_modules():
+        if hasattr(m, "_onednn"):
+            state[f"{name}.weight" if name else "weight"] = m._onednn.to_dense()
+    return state
+
+
 def packed_bytes(module: nn.Module) -> int:
     """The bytes of a packed layer's weight (float32, out x in); 0 for another module."""
     return module.out_features * module.in_features * 4 if hasattr(module, "_onednn") else 0
