@@ -12,6 +12,7 @@ from torch import nn
 
 from qgrpo.rollout.backends import onednn
 from qgrpo.rollout.backends.torch_backend import TorchGenerator
+from qgrpo.rollout.quant import linear_weight_bytes
 from tests.helpers import tiny_llama
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear")
@@ -27,7 +28,7 @@ def test_a_packed_product_matches_float64(shape, bias):
     w64, b64 = lin.weight.detach().double(), None if lin.bias is None else lin.bias.detach().double()
     assert onednn.packable(lin)
     packed = onednn.pack_linears(lin)
-    assert list(packed) == ["weight"] and lin.weight.device.type == "meta" and onednn.packed_bytes(lin) == 160 * 96 * 4
+    assert list(packed) == ["weight"] and lin.weight.device.type == "meta" and linear_weight_bytes(lin) == 160 * 96 * 4
     x = torch.randn(*shape, 96)
     with torch.inference_mode():
         y = lin(x)

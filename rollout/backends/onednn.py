@@ -80,8 +80,3 @@ def served_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if hasattr(m, "_onednn"):
             state[f"{name}.weight" if name else "weight"] = m._onednn.to_dense()
     return state
-
-
-def packed_bytes(module: nn.Module) -> int:
-    """The bytes of a packed layer's weight (float32, out x in); 0 for another module."""
-    return module.out_features * module.in_features * 4 if hasattr(module, "_onednn") else 0
