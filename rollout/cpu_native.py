@@ -31,6 +31,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -42,7 +43,11 @@ INT4_BLOCKS = (32, 64)  # and the blocks of output rows of torch's "lanes" packi
 FLAGS = ["-O3", "-shared", "-fPIC", "-fopenmp", "-std=c++17"]
 ENV_SWITCH, OFF = "QGRPO_CPU_KERNEL", "torch"  # QGRPO_CPU_KERNEL=torch: never this kernel
 ISA_AVX2, ISA_VNNI = 2, 5  # the codes qg_w8a16_mm takes
+# Bytes ahead of each int8 weight row being read that the int8 kernel asks the memory for (0: none; see the comment at
+# the top of w8a16_cpu.cpp). Read at every call: bench/model_ladder.py's int8/noprefetch variant sets it to 0.
+INT8_PREFETCH = 1024
 _STATE: dict = {}  # "lib", "isa", "why" once loaded or refused
+_WORK = threading.local()  # each thread's work space for the kernels (`_work`), grown as calls need
 
 
 def isa_code() -> tuple[int | None, str]:
@@ -150,7 +155,7 @@ def _build_and_open():
                 tmp.replace(path)
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.qg_w8a16_mm.argtypes = [p, i64, i64, p, p, i64, p, p, ctypes.c_int, ctypes.c_int]
+    lib.qg_w8a16_mm.argtypes = [p, i64, i64, p, p, i64, p, p, ctypes.c_int, ctypes.c_int, i64]
     lib.qg_w8a16_mm.restype = ctypes.c_int
     lib.qg_w8a16_workspace.argtypes = [i64, i64]
     lib.qg_w8a16_workspace.restype = i64
@@ -174,18 +179,31 @@ def takes(k: int) -> bool:
     return k % 32 == 0 and available()
 
 
+def _work(nbytes: int) -> int:
+    """The address of at least `nbytes` of this thread's work space: kept between calls (a decode step makes hundreds
+    of small products, whose time an allocation each would add to), grown when a call needs more."""
+    held = getattr(_WORK, "buffer", None)
+    if held is None or held.numel() < nbytes:
+        held = _WORK.buffer = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
+    return held.data_ptr()
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.contiguous().float()
+
+
 def w8a16_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [rows, K] times the int8 weight `qdata` [N, K] with per-row `scale` [N]: float32 out. Needs `takes(K)`."""
     lib = _load()
-    x = x.contiguous().float()
+    x = _float32(x)
     rows, k = x.shape
     n = qdata.shape[0]
-    q = qdata.contiguous()
-    s = scale.contiguous().float()
+    q = qdata if qdata.is_contiguous() else qdata.contiguous()
+    s = _float32(scale)
     out = torch.empty(rows, n, dtype=torch.float32)
-    work = torch.empty(lib.qg_w8a16_workspace(rows, k), dtype=torch.uint8)
-    code = lib.qg_w8a16_mm(x.data_ptr(), rows, k, q.data_ptr(), s.data_ptr(), n, out.data_ptr(), work.data_ptr(),
-                           _STATE["isa"], torch.get_num_threads())
+    code = lib.qg_w8a16_mm(x.data_ptr(), rows, k, q.data_ptr(), s.data_ptr(), n, out.data_ptr(),
+                           _work(lib.qg_w8a16_workspace(rows, k)), _STATE["isa"], torch.get_num_threads(),
+                           INT8_PREFETCH)
     if code != 0:
         raise RuntimeError(f"qg_w8a16_mm returned {code} for x {tuple(x.shape)}, weight {tuple(q.shape)}")
     return out
@@ -204,17 +222,16 @@ def w4a16_mm(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor,
     in blocks of `block` output rows, bf16 (scale, zero) pairs [K / group, n, 2]): float32 out. Needs
     `takes_int4`."""
     lib = _load()
-    x = x.contiguous().float()
+    x = _float32(x)
     rows, k = x.shape
-    q = qdata.contiguous()
-    sz = scale_and_zero.contiguous()
+    q = qdata if qdata.is_contiguous() else qdata.contiguous()
+    sz = scale_and_zero if scale_and_zero.is_contiguous() else scale_and_zero.contiguous()
     if sz.dtype != torch.bfloat16 or tuple(sz.shape) != (k // group, n, 2) or q.numel() * 2 != n * k:
         raise ValueError(f"w4a16_mm: expected bf16 scale/zero pairs [{k // group}, {n}, 2] and {n * k // 2} packed "
                          f"bytes, got {sz.dtype} {tuple(sz.shape)} and {q.numel()}")
     out = torch.empty(rows, n, dtype=torch.float32)
-    work = torch.empty(lib.qg_w4a16_workspace(rows, k, group), dtype=torch.uint8)
     code = lib.qg_w4a16_mm(x.data_ptr(), rows, k, q.data_ptr(), sz.data_ptr(), n, group, block, out.data_ptr(),
-                           work.data_ptr(), _STATE["isa"], torch.get_num_threads())
+                           _work(lib.qg_w4a16_workspace(rows, k, group)), _STATE["isa"], torch.get_num_threads())
     if code != 0:
         raise RuntimeError(f"qg_w4a16_mm returned {code} for x {tuple(x.shape)}, weight [{n}, {k}], group {group}, "
                            f"block {block}")

@@ -211,6 +211,22 @@ def test_zero_and_extreme_rows_stay_finite():
     assert torch.allclose(out[2].double(), ref, rtol=1e-4, atol=0)
 
 
+def test_int8_prefetch_changes_no_product(monkeypatch):
+    """Asking for weight rows ahead (cpu_native.INT8_PREFETCH) only moves memory: every distance, none included, gives
+    the same bits, at every tile remainder and with a distance past the next tile's row."""
+    for n, k in [(8960, 1536), (1000, 896), (13, 96)]:
+        for rows in (1, 2, 5, 8):
+            x, q, scale, _ = _case(n, k, rows)
+            monkeypatch.setattr(cpu_native, "INT8_PREFETCH", 0)
+            want = cpu_native.w8a16_mm(x, q, scale)
+            for ahead in (64, 1024, k - 32, 3 * k):
+                monkeypatch.setattr(cpu_native, "INT8_PREFETCH", ahead)
+                assert torch.equal(cpu_native.w8a16_mm(x, q, scale), want), (n, k, rows, ahead)
+    monkeypatch.setattr(cpu_native, "INT8_PREFETCH", -1)
+    with pytest.raises(RuntimeError, match="returned -3"):
+        cpu_native.w8a16_mm(x, q, scale)
+
+
 def test_int8_kernel_routes_through_ours_and_back_to_torch():
     x, q, scale, _ = _case(256, 512, 4)
     ours = cpu_kernels.int8_kernel(x.bfloat16(), q, scale)
