@@ -18,7 +18,8 @@ the format with `[rollout.torch] quantize_head`: a head tied to the embedding qu
 `int8` (CPU) sends a product through qgrpo's own int8 kernel (rollout/cpu_native.py) up to the rows measured there
 to beat the cast-and-bf16-product route, per weight shape; `int8/torch` does the same with torch's
 `_weight_int8pack_mm` (the generator's kernel before qgrpo's, and where qgrpo's cannot be built); `int8/kernel` sends
-every product of up to 64 rows through the int8 kernel, the rule before those rows were measured;
+every product of up to 64 rows through the int8 kernel, the rule before those rows were measured; `int8/noprefetch`
+qgrpo's int8 kernel without asking for its weight rows ahead (`cpu_native.INT8_PREFETCH = 0`, the kernel before);
 `int4` (CPU) sends a product through qgrpo's own int4 kernel up to the rows measured there to beat the weight decoded
 once into the compute dtype and one plain product (rollout/cpu_kernels.py), `int4/torch` the same with torch's
 `_weight_int4pack_mm_for_cpu`; `int4/kernel` every product through the int4 kernel, the rule before a prefill's rows
@@ -36,7 +37,8 @@ weights, lm_head included, in their storage format; one embedding row per row; t
 prompt + half the new tokens) at the read bandwidth measured here (bench/gpu_speed.py: `read_bandwidth`);
 `compute bound` is rows over a step's FLOPs (2 x the matrix-product parameters, lm_head included, plus attention's
 4 x layers x query heads x head dim x context per row) at the bf16 (CPU: compute-dtype) matmul rate measured here on
-the model's own gate/up product at `--compute-rows` rows. `binds` names the lower one; `of bound` is decode tok/s over
+the model's own gate/up product at `--compute-rows` rows (CPU: 64 rows; in float32 the faster of F.linear and oneDNN's
+linear on the reordered weight, each in `matmul_routes`). `binds` names the lower one; `of bound` is decode tok/s over
 it. `vs bf16` is decode tok/s over bf16's at the same model, rows and context. `GiB` is the generator's weights
 (`memory_bytes()["total"]`), `peak GiB` the device's peak allocation over the variant (CUDA).
 
@@ -116,17 +118,28 @@ def prompts_of(tok, n: int, length: int) -> list:
     return out
 
 
-def matmul_rate(device: str, dtype, k: int, n: int, rows: int, repeats: int = 5) -> float:
-    """FLOP/s of a [rows, k] x [k, n] product in `dtype` (median of `repeats` after two warm-ups)."""
+def matmul_rate(device: str, dtype, k: int, n: int, rows: int, repeats: int = 5, routes: dict | None = None) -> float:
+    """FLOP/s of a [rows, k] x [k, n] product in `dtype` (median of `repeats` after two warm-ups): F.linear's, or on a
+    CPU computing in float32 the faster of F.linear's and oneDNN's linear on the weight reordered once, the route the
+    generator's unquantized products take there (rollout/backends/onednn.py). `routes` gets each route's rate."""
     import torch
+
+    from qgrpo.rollout.backends import onednn
 
     a = torch.randn(rows, k, dtype=dtype, device=device)
     b = torch.randn(n, k, dtype=dtype, device=device)
-    f = lambda: torch.nn.functional.linear(a, b)  # noqa: E731
-    for _ in range(2):
-        f()
-    s = statistics.median(timed(f, device)[1] for _ in range(repeats))
-    return 2 * rows * k * n / s
+    fns = {"F.linear": lambda: torch.nn.functional.linear(a, b)}
+    if torch.device(device).type == "cpu" and dtype == torch.float32 and onednn.available():
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, None)
+        fns["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    rates = {}
+    for route, f in fns.items():
+        for _ in range(2):
+            f()
+        rates[route] = 2 * rows * k * n / statistics.median(timed(f, device)[1] for _ in range(repeats))
+    if routes is not None:
+        routes.update(rates)
+    return max(rates.values())
 
 
 def step_flops(name: str, context: float) -> float:
@@ -148,11 +161,13 @@ def kv_bytes(name: str, rows: int, context: float, element: int = 2) -> float:
 @contextlib.contextmanager
 def switches(precision: str):
     """The process-wide switches `precision` names, set while its generator is built and while it runs, then put
-    back: fp8 decode's route, torch's CPU kernels instead of qgrpo's (`/torch`), a former rule of rows (`/kernel`)."""
+    back: fp8 decode's route, torch's CPU kernels instead of qgrpo's (`/torch`), a former rule of rows (`/kernel`),
+    qgrpo's int8 kernel without its prefetch (`int8/noprefetch`)."""
     from qgrpo.rollout import cpu_kernels, cpu_native, fp8
 
     served, _, route = precision.partition("+")[0].partition("/")
     held, rules = fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows)
+    ahead = cpu_native.INT8_PREFETCH
     with contextlib.ExitStack() as stack:
         try:
             fp8.FP8_DECODE = route if served == "fp8" and route else held
@@ -160,11 +175,14 @@ def switches(precision: str):
                 cpu_kernels.cpu_int8_rows = lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS
             if route == "torch":  # torch's int8 or int4 kernel, not qgrpo's (its rows measured as well)
                 stack.enter_context(cpu_native.torch_kernel())
+            if served == "int8" and route == "noprefetch":
+                cpu_native.INT8_PREFETCH = 0
             if served == "int4" and route == "kernel":  # the former rule: every row through the kernel
                 cpu_kernels.cpu_int4_rows = lambda n, k, group, dtype: 1 << 62
             yield
         finally:
             fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows) = held, rules
+            cpu_native.INT8_PREFETCH = ahead
 
 
 def open_variant(args, name: str, precision: str, folder: str, tok):
@@ -398,15 +416,15 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
-    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch"), "int4": ("", "kernel", "torch"),
-              "bf16": ("", "torch")}
+    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch", "noprefetch"),
+              "int4": ("", "kernel", "torch"), "bf16": ("", "torch")}
     bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
            or p.partition("+")[0].partition("/")[2] not in routes.get(p.partition("/")[0], ("",))
            or p.partition("+")[2] not in ("", "head")]
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
                  f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int8/torch, "
-                 "int4/kernel, int4/torch, bf16/torch on CPU; FORMAT+head: a tied head quantized too)")
+                 "int8/noprefetch, int4/kernel, int4/torch, bf16/torch on CPU; FORMAT+head: a tied head quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)
@@ -468,10 +486,12 @@ def main(argv=None) -> dict:
     res["bandwidth"] = read_bandwidth(args.device, args.bandwidth_gib)
     dtype = torch_dtype(compute_dtype("auto", torch.device(args.device))[0])
     res["compute_dtype"] = str(dtype).removeprefix("torch.")
-    res["matmul"] = {}
+    res["matmul"], res["matmul_routes"] = {}, {}
     for m in args.models:  # each model's gate/up product at many rows: the rate its decode step can compute at
         n, k = linear_shapes(m)["gate_up"]
-        res["matmul"][m] = matmul_rate(args.device, dtype, k, n, args.compute_rows if cuda else 64)
+        res["matmul_routes"][m] = {}
+        res["matmul"][m] = matmul_rate(args.device, dtype, k, n, args.compute_rows if cuda else 64,
+                                       routes=res["matmul_routes"][m])
     release(args.device)
     print(f"{name}: read {res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s; "
           + ", ".join(f"{m} {r / 1e12:.2f} TFLOP/s" for m, r in res["matmul"].items()), flush=True)

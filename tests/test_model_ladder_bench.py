@@ -6,6 +6,7 @@ import pytest
 
 from bench import model_ladder
 from bench.model_shapes import SHAPES, build_config, parameter_count
+from qgrpo.rollout import cpu_native
 from qgrpo.rollout.backends import onednn
 
 # The parameter counts the models' cards and safetensors indexes publish (norms and biases included).
@@ -156,6 +157,26 @@ def test_int8_torch_variant_takes_torch_kernel_and_int8_takes_ours(tmp_path, mon
         calls.update(torch=0, ours=0)
         model_ladder.main([*args, "--precisions", "int8", "--out", str(tmp_path / "b.json")])
         assert calls["ours"] > 0 and calls["torch"] == 0
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="qgrpo's int8 kernel is not built here")
+def test_int8_noprefetch_variant_runs_the_kernel_without_its_prefetch(tmp_path, monkeypatch):
+    """`int8/noprefetch` sends the int8 products through qgrpo's kernel with INT8_PREFETCH at 0, `int8` with the
+    kernel's own distance; the switch is put back after the variant."""
+    from qgrpo.rollout import cpu_kernels
+
+    monkeypatch.setattr(cpu_kernels, "cpu_int8_rows", lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS)
+    seen = []
+    real = cpu_native.w8a16_mm
+    monkeypatch.setattr(cpu_native, "w8a16_mm", lambda *a: seen.append(cpu_native.INT8_PREFETCH) or real(*a))
+    held = cpu_native.INT8_PREFETCH
+    assert held > 0
+    args = ["--device", "cpu", "--models", "tiny-qwen2", "--rows", "1", "--contexts", "32", "--new-tokens", "2",
+            "--repeats", "1", "--interleave", "--precisions", "int8/noprefetch,int8"]
+    res = model_ladder.main([*args, "--out", str(tmp_path / "a.json")])
+    assert all("error" not in r for r in res["rows"]) and {r["precision"] for r in res["rows"]} == {
+        "int8/noprefetch", "int8"}
+    assert set(seen) == {0, held} and cpu_native.INT8_PREFETCH == held
 
 
 def test_int4_torch_variant_keeps_qgrpo_kernel_out_and_int4_takes_it(tmp_path, monkeypatch):
