@@ -404,7 +404,9 @@ def model_ladder(d: dict) -> list[str]:
     rows = []
     for (model, ctx, nrows), by in keyed.items():
         b = by.get("bf16")
-        rows.append([model, ctx, nrows, gb(b and b["total_bytes"], 1), f(b and b["decode_tokens_per_s"], 0),
+        speed = b and b["decode_tokens_per_s"]  # a CPU's few tokens/s keep a decimal or two
+        rows.append([model, ctx, nrows, gb(b and b["total_bytes"], 1),
+                     f(speed, 0 if speed and speed >= 100 else 1 if speed and speed >= 10 else 2),
                      pct(b and b.get("share_of_bound"), 0),
                      *[f"{f(by[p].get('vs_bf16'))} ({pct(by[p].get('share_of_bound'), 0)})" if p in by else None
                        for p in precisions]])
@@ -1004,6 +1006,20 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "above were flattered by F.linear from 2 rows up. The packed tied head costs its bytes once more (6.62 GiB "
          "against 5.75). At 8 rows the compute bound (F.linear's fp32 rate at 4096 rows, 60 GFLOP/s) is too low: "
          "the shares above 100% say so.", model_ladder),
+        ("model_ladder_cpu_epyc_avx2_prefetch", "qgrpo's int8 kernel asking for its weight rows ahead",
+         "Qwen2.5-1.5B's shape on the same AVX2-only EPYC, interleaved (five generators held at once: 23.7 GB peak "
+         "RSS of 24): the unquantized generator (`bf16`: float32 on oneDNN's weights), qgrpo's int8 kernel as it was "
+         "(`int8/noprefetch`) and as it is (`int8`: each step asks for the bytes 1,024 ahead of every weight row it "
+         "reads, running into the thread's next tile past a row's end), and int8 and int4 with the tied head "
+         "quantized too (`+head`, `[rollout.torch] quantize_head`). The prefetch gave int8 1.28x its decode tokens/s "
+         "at 1 row, 1.19x at 2 and 1.06x at 8, and 59% and 55% of its memory bound at 1 and 2 rows against 46%. "
+         "Over the fp32 generator: int8 1.97x, 2.14x and 1.64x at 1, 2 and 8 rows; int8+head 2.18x, 2.19x, 1.73x; "
+         "int4+head 1.90x, 2.77x, 1.33x. The head quantized reads 0.65 GiB less a step but gained int8 only "
+         "1.02-1.10x: the step's time outside the products (norms, rotary, attention, sampling, Python) weighs more "
+         "as its bytes shrink. The compute bound here is F.linear's fp32 rate at 64 rows (60 GFLOP/s); oneDNN's is "
+         "about twice that at the same shape, and the bench now takes the faster of the two, so the 'compute' binds "
+         "and the shares over 100% of this run read against too low a bound: take the memory-bound shares.",
+         model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
