@@ -78,9 +78,10 @@ install-cuda:
 train: $(STAMP)
 	$(VENV)/bin/qgrpo train $(CONFIG) $(ARGS)
 
+# --durations: the slowest tests named at the end of every run (CI's log included), to keep the suite's time in view.
 test: $(STAMP) $(VF_STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" --durations=60
 
 # The inner loop: pure functions, the in-process learner, the torch generator and scoring on the tiny model; no Ray,
 # no vLLM or MLX engine, no qgrpo process of its own (tests/conftest.py marks those). `make test` is what CI runs.
