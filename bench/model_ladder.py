@@ -20,6 +20,8 @@ to beat the cast-and-bf16-product route, per weight shape; `int8/torch` does the
 `_weight_int8pack_mm` (the generator's kernel before qgrpo's, and where qgrpo's cannot be built); `int8/kernel` sends
 every product of up to 64 rows through the int8 kernel, the rule before those rows were measured; `int8/noprefetch`
 qgrpo's int8 kernel without asking for its weight rows ahead (`cpu_native.INT8_PREFETCH = 0`, the kernel before);
+`int8/fused` (CPU) has the static decoder step through the step CUDA graphs record (rollout/backends/torch_fused.py:
+q/k/v and gate/up one int8 product each, the rotary as one product), eagerly, instead of its own;
 `int4` (CPU) sends a product through qgrpo's own int4 kernel up to the rows measured there to beat the weight decoded
 once into the compute dtype and one plain product (rollout/cpu_kernels.py), `int4/torch` the same with torch's
 `_weight_int4pack_mm_for_cpu`; `int4/kernel` every product through the int4 kernel, the rule before a prefill's rows
@@ -200,6 +202,11 @@ def open_variant(args, name: str, precision: str, folder: str, tok):
                                                    model=model, chat_template=False,
                                                    options={"quantize_head": extra == "head",
                                                             "onednn": precision != "bf16/torch"}), args.device)
+        if format_ == "int8/fused" and gen.graphs is None and gen.decoder is not None:
+            from qgrpo.rollout.backends.torch_fused import FusedLayers
+
+            d = gen.decoder  # its steps through the fused step, eagerly (q/k/v and gate/up one product each)
+            d.fused = FusedLayers(gen.model, d.q_heads, d.kv_heads, d.head_dim)
     never_stop(gen)
     mem = gen.memory_bytes()
     return gen, {"build_s": build_s, "load_s": load_s, "compute": gen.compute_dtype,
@@ -416,7 +423,7 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
-    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch", "noprefetch"),
+    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch", "noprefetch", "fused"),
               "int4": ("", "kernel", "torch"), "bf16": ("", "torch")}
     bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
            or p.partition("+")[0].partition("/")[2] not in routes.get(p.partition("/")[0], ("",))
@@ -424,7 +431,8 @@ def _parse(argv=None) -> argparse.Namespace:
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
                  f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int8/torch, "
-                 "int8/noprefetch, int4/kernel, int4/torch, bf16/torch on CPU; FORMAT+head: a tied head quantized too)")
+                 "int8/noprefetch, int8/fused, int4/kernel, int4/torch, bf16/torch on CPU; FORMAT+head: a tied head "
+                 "quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)

@@ -179,6 +179,19 @@ def test_int8_noprefetch_variant_runs_the_kernel_without_its_prefetch(tmp_path, 
     assert set(seen) == {0, held} and cpu_native.INT8_PREFETCH == held
 
 
+def test_int8_fused_variant_decodes_through_the_fused_step_eagerly(tmp_path):
+    """`int8/fused` decodes a CPU generator through torch_fused's step run eagerly (its q/k/v and gate/up joined),
+    `int8` through the static decoder's; both every token of every row."""
+    args = ["--device", "cpu", "--models", "tiny-qwen2", "--rows", "1,8", "--contexts", "24", "--new-tokens", "4",
+            "--repeats", "1", "--precisions", "int8,int8/fused"]
+    res = model_ladder.main([*args, "--out", str(tmp_path / "a.json")])
+    rows = {(r["precision"], r["rows"]): r for r in res["rows"]}
+    assert set(rows) == {(p, n) for p in ("int8", "int8/fused") for n in (1, 8)}
+    for (precision, _), r in rows.items():
+        assert "error" not in r and r["full"] and r["decode_loop"] == "static"
+        assert r["decode_fused"] is (precision == "int8/fused")
+
+
 def test_int4_torch_variant_keeps_qgrpo_kernel_out_and_int4_takes_it(tmp_path, monkeypatch):
     """`int4/torch` keeps qgrpo's int4 kernel out (torch's `_weight_int4pack_mm_for_cpu` takes the decode step's
     products), `int4` sends them through qgrpo's where it is built here; the JSON names both int4 kernels' source."""

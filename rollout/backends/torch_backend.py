@@ -287,7 +287,8 @@ class TorchGenerator(Generator):
             return self.graphs.info()
         why = None if not self.options.cuda_graphs else (
             "CUDA graphs need a CUDA device" if self.device.type != "cuda" else "the model's layers are not Llama's")
-        return {"loop": "static" if self.decoder is not None else "forward", "fused": False, "kernels": None,
+        return {"loop": "static" if self.decoder is not None else "forward",
+                "fused": self.decoder is not None and self.decoder.fused is not None, "kernels": None,
                 "capture_s": 0.0, "captures": 0, "fallback": why}
 
     def quant_grids(self) -> dict:

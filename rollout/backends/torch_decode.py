@@ -50,6 +50,10 @@ class StaticDecoder:
         self.window = getattr(cfg, "sliding_window", None)  # Mistral's; Qwen2 sets it only when layers use it
         self.compiled = torch.compile(_fixed_step, fullgraph=True, dynamic=True) if compiled else None
         self.compile_error: str | None = None  # why a compiled decoder fell back to eager steps
+        # torch_fused.FusedLayers of the model, or None: steps through torch_fused's step (q/k/v and gate/up one
+        # product each) instead of `_fixed_step`. Set by bench/model_ladder.py's int8/fused variant; it reads the
+        # projections as they were when it was made, so a generator whose modules change must not keep it.
+        self.fused = None
 
     def fits(self, width: int) -> bool:
         """Whether a prompt + completion of `width` tokens stays inside the attention window (if any), where full
@@ -114,6 +118,10 @@ class StaticDecoder:
             except Exception as e:  # noqa: BLE001 - no compiler, an unsupported op: the eager step computes the same
                 self.compile_error = f"{type(e).__name__}: {e}"
                 self.compiled = None
+        if logits is None and self.fused is not None:
+            from qgrpo.rollout.backends import torch_fused
+
+            logits = torch_fused.step(self.model, self.fused, *args[2:])
         if logits is None:
             logits = _fixed_step(*args)
         self.col += 1
