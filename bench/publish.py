@@ -1020,6 +1020,14 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "about twice that at the same shape, and the bench now takes the faster of the two, so the 'compute' binds "
          "and the shares over 100% of this run read against too low a bound: take the memory-bound shares.",
          model_ladder),
+        ("model_ladder_cpu_epyc_avx2_fused", "The fused decode step on a CPU",
+         "The same shape and EPYC, interleaved: int8 with the static decoder's step (`int8`, what a CPU runs) against "
+         "the step CUDA graphs record, run eagerly (`int8/fused`: q/k/v and gate/up one int8 product each, 4 "
+         "products a layer instead of 7, the rotary as one product), with and without the tied head quantized. No "
+         "consistent gain: 0.98-1.03x at 1 row, 1.09x and 1.55x at 2 (the 1.55x against an `int8` cell slower than "
+         "in the run above), 1.04x and 0.70x at 8. This machine drifted during the run (`int8+head` at 8 rows: 37 "
+         "tokens/s here, 25 in the run above), so the cells move by more than the step's difference; the static step "
+         "stays the CPU's.", model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
