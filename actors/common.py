@@ -5,14 +5,21 @@ from __future__ import annotations
 import os
 
 
-def thread_env(threads: int) -> dict[str, str]:
-    """Environment for an actor process. PASSIVE: idle OpenMP threads sleep instead of spinning, which otherwise
-    slows the other actors on a shared machine by up to 10x. Fault-injection drills (core/faults.py) pass through.
+def thread_env(threads: int, wait: str = "passive") -> dict[str, str]:
+    """Environment for an actor process. `wait` (CPU_WAITS): "passive", idle OpenMP threads sleep instead of spinning,
+    which otherwise slows the other actors on a shared machine by up to 10x; "spin" (rollout.cpu_wait) for a process
+    that has its cores to itself. Fault-injection drills (core/faults.py) pass through.
     `threads` 0: decided inside the actor from the CPUs Ray gives it (`resolve_threads`)."""
     from qgrpo.core import faults
+    from qgrpo.core.cpu import wait_env
 
     counts = {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)} if threads else {}
-    return {**counts, "OMP_WAIT_POLICY": "PASSIVE", "TOKENIZERS_PARALLELISM": "false", **faults.env()}
+    return {**counts, **wait_env(wait), "TOKENIZERS_PARALLELISM": "false", **faults.env()}
+
+
+def current_wait() -> str:
+    """The core.cpu.CPU_WAITS value this process started with (its environment's; libgomp read it at load)."""
+    return "spin" if os.environ.get("GOMP_SPINCOUNT", "0").strip() not in ("", "0") else "passive"
 
 
 def local_model(path: str, skip: tuple[str, ...] = ()) -> str:
@@ -37,7 +44,8 @@ def resolve_threads(threads: int) -> int:
 def apply_threads(threads: int) -> None:
     import torch
 
-    os.environ.update(thread_env(threads))
+    # The wait this process started with stays: libgomp has read it, and child processes must inherit the same.
+    os.environ.update(thread_env(threads, current_wait()))
     torch.set_num_threads(threads)
     quiet_libraries()
 

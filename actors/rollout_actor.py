@@ -15,7 +15,7 @@ import time
 import ray
 
 from qgrpo.actors.collective import CollectiveMember
-from qgrpo.actors.common import apply_threads, local_model, resolve_threads
+from qgrpo.actors.common import apply_threads, current_wait, local_model, resolve_threads
 from qgrpo.actors.update_gate import UpdateGate
 from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
 from qgrpo.core import faults
@@ -199,7 +199,8 @@ class _RolloutActor(CollectiveMember):
         return {"generator_id": self.gen.generator_id, "version": self.gen.policy_version,
                 "precision": self.gen.precision, "memory_bytes": self.gate.run(self.gen.memory_bytes),
                 "device": self._tensor_device(),
-                "node_id": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads()}
+                "node_id": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads(),
+                "cpu_wait": current_wait()}
 
     def set_threads(self, threads: int) -> None:
         """Local mode: more actors now share this machine's cores (or fewer do)."""

@@ -138,12 +138,14 @@ if __name__ == "__main__":
     print(json.dumps(save_random(a.shape, a.tokenizer, a.folder, a.device, a.seed)))
 
 
-CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA")  # the variables that cap torch's and oneDNN's CPU kernels
+# The variables that cap torch's and oneDNN's CPU kernels, and libgomp's spin count (GOMP_SPINCOUNT=2000 is
+# rollout.cpu_wait = "spin"; the benches default to the actors' PASSIVE).
+CAPS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "GOMP_SPINCOUNT")
 
 
 def caps_prefix() -> str:
-    """The CPU-kernel caps this process runs under as a command-line prefix ('' when none), so that a capped run's
-    JSON command reproduces the run."""
+    """The CPU-kernel caps (and spin count) this process runs under as a command-line prefix ('' when none), so that
+    a capped run's JSON command reproduces the run."""
     import os
     import shlex
 

@@ -11,6 +11,7 @@ policy in torch (the learner, the reference, the torch generator) choose their c
 - `isa()`: what the processor offers, as torch and oneDNN will use it: the cpuid flags, less what the environment
   caps (`ATEN_CPU_CAPABILITY` for torch's own kernels, `ONEDNN_MAX_CPU_ISA` for oneDNN's products). Setting both to
   AVX2 on an AVX-512 machine makes it behave, and be judged, as an AVX2-only one.
+- `wait_env(wait)`: the environment of an OpenMP wait policy for a process (`rollout.cpu_wait`).
 - `matmul_rates()`: bf16 and fp32 product rates measured in about a second, for the preflight line that tells a user
   whether a run takes minutes or hours (cluster/config/preflight.py: step_estimate).
 """
@@ -24,6 +25,23 @@ from functools import lru_cache
 
 # torch is imported inside the functions: the config schema takes COMPUTE_DTYPES from here without loading torch.
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
+
+# rollout.cpu_wait: what libgomp's idle threads do between two parallel regions. "passive": they sleep, and each
+# next region waits for them to wake (on a VM tens of microseconds; a decode step at few rows is hundreds of regions).
+# "spin": they spin GOMP_SPINCOUNT times first, then sleep. Spinning threads take the cores from any other busy process
+# on them (bench/omp_wait.py; docs/performance.md, "OpenMP's wait between parallel regions"): at 2,000 spins a 0.5B
+# int8 decode step at 1 row ran 1.37x faster alone and 1.54x slower beside a learner on the same 2 cores; 20,000 and
+# 200,000 spins gained no more alone and cost 4.9x and 16x beside the learner.
+CPU_WAITS = ("passive", "spin")
+SPIN_COUNT = 2000  # ~20 us at libgomp's reckoning of 100,000 spins a millisecond (within 5x by CPU)
+
+
+def wait_env(wait: str = "passive") -> dict[str, str]:
+    """The environment of `wait` (CPU_WAITS). GOMP_SPINCOUNT, when set, is libgomp's spin count whatever
+    OMP_WAIT_POLICY says, so both waits set it: neither is undone by what the driver's environment passes on."""
+    if wait not in CPU_WAITS:
+        raise ValueError(f"cpu_wait {wait!r}: one of {CPU_WAITS}")
+    return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0" if wait == "passive" else str(SPIN_COUNT)}
 
 
 def torch_dtype(name: str):

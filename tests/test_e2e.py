@@ -23,7 +23,8 @@ def two_step_run(ray_session, tiny_model_path, tmp_path_factory):
                "--set", f"run.output_dir='{out}'", "--set", "run.steps=2", "--set", "run.progress=false",
                "--set", "learner.lr=1e-2", "--set", "algo.kl_coeff=0.01", "--set", "rollout.num_actors=2",
                "--set", "run.eval=true", "--set", "run.rollouts_flush_every=1",
-               "--set", "sync.requantize='error_feedback'", "--set", "rollout.norm_noise=0.01"])
+               "--set", "sync.requantize='error_feedback'", "--set", "rollout.norm_noise=0.01",
+               "--set", "rollout.cpu_wait='spin'"])
     assert rc == 0
     (run_dir,) = out.iterdir()
     return run_dir
@@ -58,6 +59,7 @@ def test_run_directory_contents(two_step_run):
     assert rows[0]["sync/norm_noise"] == pytest.approx(1e-2 * 0.05 ** (5 / 9), rel=1e-9)
     start = next(m for m in read_metrics(two_step_run) if m.get("event") == "start")
     assert {g["precision"] for g in start["generators"]} == {"int4"} and len(start["generators"]) == 2
+    assert {g["cpu_wait"] for g in start["generators"]} == {"spin"}  # the actors started with the run's wait
     state = json.loads((two_step_run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2 and state["cursor"] == 2 * cfg.rollout.prompts_per_step
 

@@ -92,7 +92,8 @@ def remote_trials(cfg, model_path: str, threads: int) -> list[dict]:
 
     request = next(r for r in role_requests(cfg) if r.role == "rollout")
     task = ray.remote(max_calls=1)(_trials_in_task).options(
-        **request.actor_options(), runtime_env={"env_vars": {**thread_env(threads), **role_env(request.gpus)}})
+        **request.actor_options(),
+        runtime_env={"env_vars": {**thread_env(threads, cfg.rollout.cpu_wait), **role_env(request.gpus)}})
     return ray.get(task.remote(cfg, model_path, threads))
 
 

@@ -135,7 +135,7 @@ class RolloutPool:
             self.last_update = self.group.last_published(self.cfg.sync.timeout_s)
         self.spawned[slot] += 1
         return RolloutActor.options(**self.request.actor_options(),
-                                    runtime_env={"env_vars": {**thread_env(self.threads),
+                                    runtime_env={"env_vars": {**thread_env(self.threads, ro.cpu_wait),
                                                               **role_env(self.request.gpus)}}).remote(
             ro.backend, generator_kwargs(self.cfg, self.policy_path, self.precision, self.name(slot),
                                          self.policy_version),
