@@ -27,7 +27,9 @@ once into the compute dtype and one plain product (rollout/cpu_kernels.py), `int
 `_weight_int4pack_mm_for_cpu`; `int4/kernel` every product through the int4 kernel, the rule before a prefill's rows
 went through the weight decoded once. On a CPU that computes in float32, the unquantized products (all of `bf16`'s,
 the head of the others) multiply by weights reordered for oneDNN (`[rollout.torch] onednn`); `bf16/torch` is `bf16`
-through F.linear, the generator's route before.
+through F.linear, the generator's route before. `FORMAT/wide` (CPU) runs every operation of a decode step on all
+threads, the step before its norms, attention and small int8 products ran on one at up to 16 rows
+(`torch_decode.LEAN_ROWS`, `cpu_native.SMALL_BYTES`).
 
 Per (rows, context): prompts of exactly `context` tokens (rows / 8 prompts x 8 completions, or 1 x rows below 8),
 `--new-tokens` new tokens every row (stop ids emptied; `full` checks it), T = 1. One warm-up generate (graph
@@ -164,12 +166,14 @@ def kv_bytes(name: str, rows: int, context: float, element: int = 2) -> float:
 def switches(precision: str):
     """The process-wide switches `precision` names, set while its generator is built and while it runs, then put
     back: fp8 decode's route, torch's CPU kernels instead of qgrpo's (`/torch`), a former rule of rows (`/kernel`),
-    qgrpo's int8 kernel without its prefetch (`int8/noprefetch`)."""
+    qgrpo's int8 kernel without its prefetch (`int8/noprefetch`), every operation of a decode step on all threads
+    (`/wide`)."""
     from qgrpo.rollout import cpu_kernels, cpu_native, fp8
+    from qgrpo.rollout.backends import torch_decode
 
     served, _, route = precision.partition("+")[0].partition("/")
     held, rules = fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows)
-    ahead = cpu_native.INT8_PREFETCH
+    ahead, lean = cpu_native.INT8_PREFETCH, (torch_decode.LEAN_ROWS, cpu_native.SMALL_BYTES)
     with contextlib.ExitStack() as stack:
         try:
             fp8.FP8_DECODE = route if served == "fp8" and route else held
@@ -181,10 +185,13 @@ def switches(precision: str):
                 cpu_native.INT8_PREFETCH = 0
             if served == "int4" and route == "kernel":  # the former rule: every row through the kernel
                 cpu_kernels.cpu_int4_rows = lambda n, k, group, dtype: 1 << 62
+            if route == "wide":  # the step before: norms, attention and small int8 products on every thread
+                torch_decode.LEAN_ROWS, cpu_native.SMALL_BYTES = 0, 0
             yield
         finally:
             fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows) = held, rules
             cpu_native.INT8_PREFETCH = ahead
+            torch_decode.LEAN_ROWS, cpu_native.SMALL_BYTES = lean
 
 
 def open_variant(args, name: str, precision: str, folder: str, tok):
@@ -234,7 +241,7 @@ class Cell:
 
     def once(self, repeat: int) -> None:  # one timed generate and one timed prompt forward
         s, tokens = self.generate(100 + repeat)
-        self.runs.append({"seconds": s, "tokens": tokens})
+        self.runs.append({"seconds": s, "tokens": tokens, "decode_s": getattr(self.gen, "last_decode_s", None)})
         self.prefills.append(timed(lambda: self.gen.prefill_seconds(self.items), self.device)[1])
 
     def finish(self, row: dict, name: str, res: dict, args) -> None:
@@ -244,7 +251,14 @@ class Cell:
         row["full"] = all(x["tokens"] == rows * self.L for x in self.runs)
         row["prefill_s"] = pre
         row["prefill_tokens_per_s"] = self.n * row["context"] / pre
-        row["decode_tokens_per_s"] = rows * self.L / (row["seconds"] - pre) if row["seconds"] > pre else None
+        by_difference = rows * self.L / (row["seconds"] - pre) if row["seconds"] > pre else None
+        own = [x["decode_s"] for x in self.runs if x["decode_s"]]
+        # The generator's own clock on its decoding where it has one; the whole call less the separately timed
+        # prompt forward (two noisy times, ~±15% at few rows on a CPU) otherwise.
+        row["decode_timing"] = "generator" if len(own) == len(self.runs) else "difference"
+        row["decode_tokens_per_s"] = (rows * self.L / statistics.median(own) if row["decode_timing"] == "generator"
+                                      else by_difference)
+        row["decode_tokens_per_s_by_difference"] = by_difference
         row.update({f"decode_{k}": v for k, v in decode_info(self.gen, None).items()})
         bounds(row, name, res, args)
 
@@ -423,16 +437,17 @@ def _parse(argv=None) -> argparse.Namespace:
                        ["bf16", "int8", "int4", "fp8/weight_only", "fp8/scaled_mm", "nf4"] if cuda
                        else list(QUANT_SERVED["cpu"]))
     served = QUANT_SERVED["cuda" if cuda else "cpu"]
-    routes = {"fp8": ("", "weight_only", "scaled_mm"), "int8": ("", "kernel", "torch", "noprefetch", "fused"),
-              "int4": ("", "kernel", "torch"), "bf16": ("", "torch")}
+    routes = {"fp8": ("", "weight_only", "scaled_mm"),
+              "int8": ("", "kernel", "torch", "noprefetch", "fused", "wide"), "int4": ("", "kernel", "torch", "wide"),
+              "bf16": ("", "torch", "wide")}
     bad = [p for p in args.precisions if p.partition("+")[0].partition("/")[0] not in served
            or p.partition("+")[0].partition("/")[2] not in routes.get(p.partition("/")[0], ("",))
            or p.partition("+")[2] not in ("", "head")]
     if bad:
         ap.error(f"--precisions: {', '.join(bad)} not served by the torch backend on this device; "
                  f"choose from {', '.join(served)} (fp8/weight_only, fp8/scaled_mm on CUDA; int8/kernel, int8/torch, "
-                 "int8/noprefetch, int8/fused, int4/kernel, int4/torch, bf16/torch on CPU; FORMAT+head: a tied head "
-                 "quantized too)")
+                 "int8/noprefetch, int8/fused, int4/kernel, int4/torch, bf16/torch, FORMAT/wide on CPU; FORMAT+head: a "
+                 "tied head quantized too)")
     args.rows = [int(x) for x in args.rows.split(",")]
     args.contexts = [int(x) for x in args.contexts.split(",")]
     args.bandwidth_gib = args.bandwidth_gib or (2.0 if cuda else 0.25)
@@ -462,8 +477,9 @@ def main(argv=None) -> dict:
                       + shlex.join(sys.argv[1:] if argv is None else argv),
            "device_name": name, "cpu": cpu_model or None, "cpus": os.cpu_count(), "torch": torch.__version__,
            "cuda": torch.version.cuda, "transformers": transformers.__version__,
-           "args": {k: v for k, v in vars(args).items()}, "rows": [], "budget": {"budget_s": args.budget_s,
-                                                                                 "skipped": []}}
+           "args": {k: v for k, v in vars(args).items()}, "rows": [],
+           "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")},
+           "budget": {"budget_s": args.budget_s, "skipped": []}}
     if cuda:
         try:
             import subprocess

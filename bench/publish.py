@@ -421,8 +421,12 @@ def model_ladder(d: dict) -> list[str]:
     return [*wrap(f"Each model built from its published config with random bf16 weights, served by the torch "
                   f"generator as a run serves it (quantized at start, {loop}); prompts "
                   f"of exactly `ctx` tokens, {d['args']['new_tokens']} new tokens every row at T = 1, median of "
-                  f"{d['args']['repeats']}. \"GiB\": bf16's weights as served; \"decode tok/s\": rows x new tokens "
-                  "over (generate - the prompts' forward timed alone); \"of bound\": that over the lower of the "
+                  f"{d['args']['repeats']}. \"GiB\": bf16's weights as served; \"bf16 tok/s\": its decode, rows x "
+                  "new tokens "
+                  + ("over the generator's own clock on its decoding (from the prompts' forward done to the samples "
+                     "on the CPU)" if done and all(r.get("decode_timing") == "generator" for r in done) else
+                     "over (generate - the prompts' forward timed alone)")
+                  + "; \"bound\": that over the lower of the "
                   "memory bound (the served weights, one embedding row per row and the KV cache at the mean context "
                   f"read once per step at {rate}, measured here) and the compute bound (the step's "
                   f"FLOPs at the bf16 matmul rate measured on the model's own gate/up product); {bound}. Each "
@@ -430,7 +434,30 @@ def model_ladder(d: dict) -> list[str]:
                   "context and rows, and (in brackets) its share of its own bound. " + _int8_kernel(d)
                   + d.get("note", "")
                   + (f" {len(skipped)} variants or rows did not fit the run's budget." if skipped else "")), "",
-            *table(["model", "ctx", "rows", "GiB", "bf16 decode tok/s", "bf16 of bound", *precisions], rows)]
+            *table(["model", "ctx", "rows", "GiB", "bf16 tok/s", "bound", *precisions], rows)]
+
+
+def omp_wait(d: dict) -> list[str]:
+    """bench/omp_wait.py: the decode step and a learner's steps under each OpenMP wait, alone and side by side."""
+    a = d["args"]
+    rows_ = [str(n) for n in a["rows"]]
+    base = next(s for s in d["summary"] if s["wait"] == "passive")
+    out = []
+    for s in d["summary"]:
+        out.append([s["wait"], *[f"{f(s[f'alone_ms_{n}'], 0)} ({f(base[f'alone_ms_{n}'] / s[f'alone_ms_{n}'])}x)"
+                                 for n in rows_],
+                    *([f"{f(s[f'shared_ms_{n}'], 0)} ({f(base[f'shared_ms_{n}'] / s[f'shared_ms_{n}'])}x)"
+                       for n in rows_] + [f(s["learner_alone_per_s"]), f(s["learner_shared_per_s"])]
+                      if a["shared"] else [])])
+    head = ["wait", *[f"{n} rows alone" for n in rows_],
+            *([f"{n} rows shared" for n in rows_] + ["learner alone", "learner shared"] if a["shared"] else [])]
+    return [*wrap(f"{a['model']}-shaped, random weights, `{a['precision']}`, {a['threads']} threads a process, "
+                  f"a {a['context']}-token prompt; the median of {a['steps']} decode steps per process, and of "
+                  f"{a['rounds']} rounds (each round runs every wait in turn). \"N rows\": the decode step's ms at N "
+                  "rows, alone or shared with the learner; in brackets passive's step time over this wait's (above 1: "
+                  "faster). \"learner\": steps/s of a SmolLM2-135M-shaped model's forward, backward and SGD step in "
+                  "float32 on 2 x 64 tokens, the same threads and wait, alone or shared with the decode."), "",
+            *table(head, out)]
 
 
 def model_ladder_backends(d: dict) -> list[str]:
@@ -1028,6 +1055,28 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "in the run above), 1.04x and 0.70x at 8. This machine drifted during the run (`int8+head` at 8 rows: 37 "
          "tokens/s here, 25 in the run above), so the cells move by more than the step's difference; the static step "
          "stays the CPU's.", model_ladder),
+        ("omp_wait_cpu_epyc_avx2", "OpenMP's wait between parallel regions",
+         "A decode step at few rows is hundreds of short parallel regions (each product, each attention product), "
+         "with Python between them. Under `OMP_WAIT_POLICY=PASSIVE`, what every actor had, the worker thread sleeps "
+         "at the end of each region and the next one waits for it to wake, which on a cloud VM is slow. A bounded spin "
+         "(`GOMP_SPINCOUNT`) keeps it awake across the gaps. On the 2-core AVX2-only EPYC, each wait in fresh "
+         "processes, in turns: alone, 2,000 spins (`rollout.cpu_wait = \"spin\"`) made the 0.5B int8 step 1.37x "
+         "faster at 1 row and 1.25x at 8, and the learner-like process 1.19x; 100 times more spins gained little "
+         "more (1.45x). "
+         "Beside a busy learner on the same cores every spin loses: 2,000 spins made the step 1.54x slower at 1 "
+         "row and cost the learner 15%; 20,000 and 200,000 spins cost 4.9x and 16x. Hence the setting: \"spin\" "
+         "for a rollout actor with cores of its own while it generates, \"passive\" (the default) wherever "
+         "processes share cores.", omp_wait),
+        ("model_ladder_cpu_epyc_avx2_lean", "The decode step's small operations on one thread",
+         "Under the actors' PASSIVE wait (above), each parallel region of a decode step pays for waking the other "
+         "thread. At up to 16 rows on a CPU the static decoder now runs its norms, rotary and attention on one thread "
+         "and the layers' products on all (`torch_decode.LEAN_ROWS`), and qgrpo's int8 kernel takes one thread for "
+         "a weight under 2 MB at those rows (`cpu_native.SMALL_BYTES`; none while the threads spin). Qwen2.5-0.5B's "
+         "shape on the 2-core AVX2-only EPYC, interleaved, each generator as it serves now and as before "
+         "(`/wide`: every operation on both threads). At 1 row int8+head decoded 1.29x its tokens/s before, "
+         "int4+head 1.16x, fp32 the same; at 8 rows fp32 1.17x, int8+head the same, int4+head 0.94x. Over the fp32 "
+         "generator: int8+head 2.29x at 1 row and 1.59x at 8, int4+head 1.82x and 1.26x. Decode is timed by the "
+         "generator's own clock (`decode_timing`).", model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "

@@ -46,6 +46,13 @@ ISA_AVX2, ISA_VNNI = 2, 5  # the codes qg_w8a16_mm takes
 # Bytes ahead of each int8 weight row being read that the int8 kernel asks the memory for (0: none; see the comment at
 # the top of w8a16_cpu.cpp). Read at every call: bench/model_ladder.py's int8/noprefetch variant sets it to 0.
 INT8_PREFETCH = 1024
+# int8 products of at most SMALL_ROWS rows and a weight under SMALL_BYTES bytes run on one thread while the process's
+# idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, no GOMP_SPINCOUNT: rollout.cpu_wait = "passive"): waking the
+# other thread costs more than it saves on a small weight (docs/performance.md, "The decode step's small operations on
+# one thread"). 0: never. int4's products keep every thread: decoding the nibbles is compute, and one thread lost at 8
+# rows.
+SMALL_BYTES = 0 if os.environ.get("GOMP_SPINCOUNT", "0").strip() not in ("", "0") else 2_000_000
+SMALL_ROWS = 16
 _STATE: dict = {}  # "lib", "isa", "why" once loaded or refused
 _WORK = threading.local()  # each thread's work space for the kernels (`_work`), grown as calls need
 
@@ -188,6 +195,11 @@ def _work(nbytes: int) -> int:
     return held.data_ptr()
 
 
+def _threads(rows: int, weight_bytes: int) -> int:
+    """The threads of a product of `rows` rows by a weight of `weight_bytes` bytes: torch's count, or one (SMALL_*)."""
+    return 1 if weight_bytes < SMALL_BYTES and rows <= SMALL_ROWS else torch.get_num_threads()
+
+
 def _float32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.float32 and t.is_contiguous() else t.contiguous().float()
 
@@ -202,7 +214,7 @@ def w8a16_mm(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch
     s = _float32(scale)
     out = torch.empty(rows, n, dtype=torch.float32)
     code = lib.qg_w8a16_mm(x.data_ptr(), rows, k, q.data_ptr(), s.data_ptr(), n, out.data_ptr(),
-                           _work(lib.qg_w8a16_workspace(rows, k)), _STATE["isa"], torch.get_num_threads(),
+                           _work(lib.qg_w8a16_workspace(rows, k)), _STATE["isa"], _threads(rows, q.numel()),
                            INT8_PREFETCH)
     if code != 0:
         raise RuntimeError(f"qg_w8a16_mm returned {code} for x {tuple(x.shape)}, weight {tuple(q.shape)}")

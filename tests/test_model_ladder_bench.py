@@ -1,6 +1,7 @@
 """bench/model_ladder.py and bench/model_shapes.py on a CPU: the published shapes build to the published parameter
 counts, the ladder's dry run measures every variant at tiny shapes with finite bounds, and a spent budget skips."""
 import json
+import statistics
 
 import pytest
 
@@ -47,6 +48,12 @@ def test_dry_run_measures_every_variant_with_finite_bounds(tmp_path):
         assert "error" not in r and "skipped" not in r, (key, r)
         assert r["full"] and r["context"] == 24, key
         assert r["decode_tokens_per_s"] > 0 and r["prefill_tokens_per_s"] > 0, key
+        # Decode timed by the generator's own clock, which starts after the prompts' forward and ends before the call
+        # returns: within each timed call, and the figure is the tokens over its median.
+        assert r["decode_timing"] == "generator", key
+        assert all(0 < x["decode_s"] < x["seconds"] for x in r["runs"]), key
+        median = statistics.median(x["decode_s"] for x in r["runs"])
+        assert r["decode_tokens_per_s"] == pytest.approx(key[2] * 4 / median), key
         assert r["mem_bound_tokens_per_s"] > 0 and r["compute_bound_tokens_per_s"] > 0, key
         assert r["binds"] in ("memory", "compute") and 0 < r["share_of_bound"], key
         # Every architecture of the ladder decodes on the generator's static decoder, not transformers' forward.

@@ -187,3 +187,38 @@ def test_sampled_logprobs_are_those_of_the_models_forward(tiny_model_path, preci
         ref = token_logprobs(gen.model, ids)[0, len(g.prompt_ids):].float()
         diffs += (ref - torch.tensor(c.logprobs)).abs().tolist()
     assert max(diffs) < 0.05, max(diffs)  # nats: bf16 rounding, cached decode vs full forward
+
+
+def test_a_lean_step_runs_the_small_operations_on_one_thread_and_computes_the_same(monkeypatch):
+    # At few rows on a CPU the step runs norms and attention on one thread and the products on all of them
+    # (torch_decode.LEAN_ROWS); the logits are the full-threaded step's, and the thread count comes back, also when
+    # a layer raises.
+    held = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        model = _model("qwen2").float()
+        ids, attn = _prompts()
+        G, S = 2, 4
+        new = torch.randint(1, 96, (ids.shape[0] * G, S), generator=torch.Generator().manual_seed(2))
+        monkeypatch.setattr(torch_decode, "LEAN_ROWS", 0)
+        full = _decode(model, ids, attn, new, G)
+        monkeypatch.setattr(torch_decode, "LEAN_ROWS", 16)
+        dec = _started(model, ids, attn, G, S)  # the prompts' forward: all threads
+        seen = {"norm": set(), "proj": set()}
+        layer = model.model.layers[0]
+        layer.input_layernorm.register_forward_hook(lambda *a: seen["norm"].add(torch.get_num_threads()))
+        layer.self_attn.q_proj.register_forward_hook(lambda *a: seen["proj"].add(torch.get_num_threads()))
+        lean = torch.stack([dec.step(new[:, s]) for s in range(S)], 1)
+        assert seen == {"norm": {1}, "proj": {2}} and torch.get_num_threads() == 2
+        assert torch.isfinite(lean).all() and _off(lean, full) < 1e-5, _off(lean, full)
+        dec = _started(model, ids, attn, G, S)
+
+        def boom(*a):
+            raise RuntimeError("boom")
+
+        monkeypatch.setattr(torch_decode, "apply_rotary_pos_emb", boom)
+        with pytest.raises(RuntimeError, match="boom"):
+            dec.step(new[:, 0])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(held)

@@ -72,6 +72,9 @@ class TorchGenerator(Generator):
         self.group_size_quant = group_size_quant
         self.policy_version = initial_version
         self.chat_template = chat_template
+        # Wall seconds of the last generate's decoding: from the prompts' forward done to the samples on the CPU
+        # (benchmarks read it instead of subtracting a separately timed prefill from the whole call).
+        self.last_decode_s: float | None = None
         from qgrpo.core.devices import bind, current_device
 
         # The GPU Ray assigned this actor, else the CPU (core/devices.py); never "any GPU the node has".
@@ -187,10 +190,21 @@ class TorchGenerator(Generator):
         out = self._prefill(ids, attn)
         B, L = ids.shape[0] * G, sp.max_new_tokens
         logits = out.logits[:, -1].float().repeat_interleave(G, dim=0)  # [B, V]
-        if self.graphs is not None and self.decoder.fits(ids.shape[1] + L):
+        if self.device.type == "cuda":  # the prompts' kernels done: what follows is the decode's own time
+            torch.cuda.synchronize(self.device)
+        t0 = time.perf_counter()
+        toks, lps = self._sample_after_prefill(out, attn, logits, ids.shape[1], G, B, L, sp, rng)
+        self.last_decode_s = time.perf_counter() - t0  # the samples are on the CPU: every kernel has run
+        return toks, lps
+
+    def _sample_after_prefill(self, out, attn: torch.Tensor, logits: torch.Tensor, P: int, G: int, B: int, L: int,
+                              sp: SamplingParams, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_sample` after the prompts' forward `out` (P columns): CUDA graphs, the static decoder, or the model's
+        forward on its dynamic cache, whichever fits."""
+        if self.graphs is not None and self.decoder.fits(P + L):
             return self.graphs.run(out.past_key_values, attn, logits, G, L, sp, rng, self.stop_ids,
                                    boundary=self._boundary if self.step_boundary is not None else None)
-        if self.decoder is not None and self.decoder.fits(ids.shape[1] + L):
+        if self.decoder is not None and self.decoder.fits(P + L):
             self.decoder.start(out.past_key_values, attn, G, L)
             return self._decode(logits, self.decoder.step, self.decoder.compact, B, L, sp, rng)
         cache = out.past_key_values

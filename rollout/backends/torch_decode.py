@@ -26,6 +26,8 @@ The logits agree with that forward's to bf16 rounding (tests/test_torch_decode.p
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwen2's and Mistral's are the same
 
@@ -35,6 +37,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb  # Qwe
 # head_dim of its own (q_proj's width need not be the hidden size).
 SUPPORTED = ("llama", "qwen2", "mistral", "qwen3")
 COMPACT_AT = 0.75  # compact the cache when live rows fall to this share of its rows
+LEAN_ROWS = 16  # on a CPU, steps of at most this many rows run their small operations on one thread (_fixed_step)
 
 
 class StaticDecoder:
@@ -123,16 +126,38 @@ class StaticDecoder:
 
             logits = torch_fused.step(self.model, self.fused, *args[2:])
         if logits is None:
-            logits = _fixed_step(*args)
+            threads = torch.get_num_threads()
+            lean = threads if (tokens.device.type == "cpu" and threads > 1 and len(tokens) <= LEAN_ROWS) else None
+            logits = _fixed_step(*args, lean=lean)
         self.col += 1
         self.pos = self.pos + 1
         return logits
 
 
-def _fixed_step(model, layers, tokens, col, pos, keys, values, bias, q_heads, kv_heads, head_dim, scale):
+class _OneThread:
+    """Runs its block on one thread and gives the products back `threads` (StaticDecoder.step's `lean`)."""
+
+    def __init__(self, threads: int):
+        self.threads = threads
+
+    def __enter__(self):
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.threads)
+
+
+def _fixed_step(model, layers, tokens, col, pos, keys, values, bias, q_heads, kv_heads, head_dim, scale,
+                lean: int | None = None):
     """One decode step (StaticDecoder.step), written as a graph of fixed shapes that torch.compile takes whole: the
     step's keys, values and mask column are written at `col` (a 1-element tensor, not a Python int: no recompile per
-    column) and attention runs over every column of the buffers, those not yet written masked by `bias`."""
+    column) and attention runs over every column of the buffers, those not yet written masked by `bias`.
+
+    `lean` (a CPU's thread count, at few rows): everything but the layers' products (norms, rotary, attention) runs
+    on one thread, the products on `lean`. At few rows those small operations cost less than waking the other
+    threads for each of them, which on a VM under OMP_WAIT_POLICY=PASSIVE takes longer than the work
+    (docs/performance.md, "The decode step's small operations on one thread")."""
+    few = _OneThread(lean) if lean else contextlib.nullcontext()
     m = model.model
     x = m.embed_tokens(tokens[:, None])
     cos, sin = m.rotary_emb(x, pos[:, None])
@@ -140,21 +165,27 @@ def _fixed_step(model, layers, tokens, col, pos, keys, values, bias, q_heads, kv
     b, g = x.shape[0], q_heads // kv_heads
     for i, layer in enumerate(layers):
         att = layer.self_attn
-        h = layer.input_layernorm(x)
+        with few:
+            h = layer.input_layernorm(x)
         q = att.q_proj(h).view(b, q_heads, 1, head_dim)
         k = att.k_proj(h).view(b, kv_heads, 1, head_dim)
         v = att.v_proj(h).view(b, kv_heads, 1, head_dim)
-        if getattr(att, "q_norm", None) is not None:  # Qwen3: each head RMS-normed over head_dim, then rotated
-            q, k = att.q_norm(q), att.k_norm(k)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        keys[i].index_copy_(2, col, k)
-        values[i].index_copy_(2, col, v)
-        q = q.view(b, kv_heads, g, head_dim)
-        scores = torch.matmul(q, keys[i].transpose(-1, -2)).float() * scale + bias
-        o = torch.matmul(scores.softmax(-1).to(values[i].dtype), values[i])
+        with few:
+            if getattr(att, "q_norm", None) is not None:  # Qwen3: each head RMS-normed over head_dim, then rotated
+                q, k = att.q_norm(q), att.k_norm(k)
+            q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            keys[i].index_copy_(2, col, k)
+            values[i].index_copy_(2, col, v)
+            q = q.view(b, kv_heads, g, head_dim)
+            scores = torch.matmul(q, keys[i].transpose(-1, -2)).float() * scale + bias
+            o = torch.matmul(scores.softmax(-1).to(values[i].dtype), values[i])
         x = x + att.o_proj(o.reshape(b, 1, q_heads * head_dim))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(m.norm(x))[:, 0].float()
+        with few:
+            h = layer.post_attention_layernorm(x)
+        x = x + layer.mlp(h)
+    with few:
+        x = m.norm(x)
+    return model.lm_head(x)[:, 0].float()
 
 
 def pick(logits: torch.Tensor, sp, u: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
