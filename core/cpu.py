@@ -27,11 +27,11 @@ from functools import lru_cache
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 
 # rollout.cpu_wait: what libgomp's idle threads do between two parallel regions. "passive": they sleep, and each
-# next region waits for them to wake (on a VM tens of microseconds; a decode step at few rows is hundreds of regions).
+# next region waits for them to wake (about 0.1 ms on a cloud VM; a decode step at few rows is hundreds of regions).
 # "spin": they spin GOMP_SPINCOUNT times first, then sleep. Spinning threads take the cores from any other busy process
 # on them (bench/omp_wait.py; docs/performance.md, "OpenMP's wait between parallel regions"): at 2,000 spins a 0.5B
 # int8 decode step at 1 row ran 1.37x faster alone and 1.54x slower beside a learner on the same 2 cores; 20,000 and
-# 200,000 spins gained no more alone and cost 4.9x and 16x beside the learner.
+# 200,000 spins gained little more alone (1.39x, 1.45x) and cost 4.9x and 16x beside the learner.
 CPU_WAITS = ("passive", "spin")
 SPIN_COUNT = 2000  # ~20 us at libgomp's reckoning of 100,000 spins a millisecond (within 5x by CPU)
 
