@@ -17,11 +17,6 @@ def thread_env(threads: int, wait: str = "passive") -> dict[str, str]:
     return {**counts, **wait_env(wait), "TOKENIZERS_PARALLELISM": "false", **faults.env()}
 
 
-def current_wait() -> str:
-    """The core.cpu.CPU_WAITS value this process started with (its environment's; libgomp read it at load)."""
-    return "spin" if os.environ.get("GOMP_SPINCOUNT", "0").strip() not in ("", "0") else "passive"
-
-
 def local_model(path: str, skip: tuple[str, ...] = ()) -> str:
     """The model folder `path` on this actor's node: a builtin model built here (cached; the driver's cache is not on
     other nodes), a checkpoint given as a URI downloaded here (cached, without the top-level entries in `skip`), a
@@ -43,6 +38,8 @@ def resolve_threads(threads: int) -> int:
 
 def apply_threads(threads: int) -> None:
     import torch
+
+    from qgrpo.core.cpu import current_wait
 
     # The wait this process started with stays: libgomp has read it, and child processes must inherit the same.
     os.environ.update(thread_env(threads, current_wait()))

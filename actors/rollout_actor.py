@@ -15,10 +15,11 @@ import time
 import ray
 
 from qgrpo.actors.collective import CollectiveMember
-from qgrpo.actors.common import apply_threads, current_wait, local_model, resolve_threads
+from qgrpo.actors.common import apply_threads, local_model, resolve_threads
 from qgrpo.actors.update_gate import UpdateGate
 from qgrpo.actors.weights import Bucket, ObjectStoreTransport, WeightUpdate, unpack_buckets
 from qgrpo.core import faults
+from qgrpo.core.cpu import current_wait
 from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams, SyncAck
 from qgrpo.rollout.backends import REGISTRY, make_generator
 from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, hf_tensors

@@ -44,6 +44,11 @@ def wait_env(wait: str = "passive") -> dict[str, str]:
     return {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0" if wait == "passive" else str(SPIN_COUNT)}
 
 
+def current_wait() -> str:
+    """The CPU_WAITS value this process started with (its environment's; libgomp read it at load)."""
+    return "spin" if os.environ.get("GOMP_SPINCOUNT", "0").strip() not in ("", "0") else "passive"
+
+
 def torch_dtype(name: str):
     """torch.bfloat16 for "bf16", torch.float32 for "fp32"."""
     import torch

@@ -37,6 +37,8 @@ from pathlib import Path
 
 import torch
 
+from qgrpo.core.cpu import current_wait
+
 SOURCES = tuple(Path(__file__).resolve().parent / "csrc" / name for name in ("w8a16_cpu.cpp", "w4a16_cpu.cpp"))
 INT4_GROUPS = (32, 64, 128, 256)  # the group sizes the int4 kernel takes
 INT4_BLOCKS = (32, 64)  # and the blocks of output rows of torch's "lanes" packing
@@ -51,7 +53,7 @@ INT8_PREFETCH = 1024
 # other thread costs more than it saves on a small weight (docs/performance.md, "The decode step's small operations on
 # one thread"). 0: never. int4's products keep every thread: decoding the nibbles is compute, and one thread lost at 8
 # rows.
-SMALL_BYTES = 0 if os.environ.get("GOMP_SPINCOUNT", "0").strip() not in ("", "0") else 2_000_000
+SMALL_BYTES = 0 if current_wait() == "spin" else 2_000_000
 SMALL_ROWS = 16
 _STATE: dict = {}  # "lib", "isa", "why" once loaded or refused
 _WORK = threading.local()  # each thread's work space for the kernels (`_work`), grown as calls need

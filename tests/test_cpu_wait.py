@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from qgrpo.actors.common import current_wait, thread_env
+from qgrpo.actors.common import thread_env
 from qgrpo.cluster.config.schema import ConfigError, load_config
-from qgrpo.core.cpu import CPU_WAITS, SPIN_COUNT, wait_env
+from qgrpo.core.cpu import CPU_WAITS, SPIN_COUNT, current_wait, wait_env
 from tests.helpers import TINY
 
 

@@ -334,12 +334,8 @@ class RolloutConfig(role_resources("per rollout actor", "rollout_node", cpus=1.0
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """Torch threads per rollout actor (0 = cores / num_actors locally; num_cpus on a cluster)."""
     cpu_wait: choice(CPU_WAITS, "must be {quoted}") = "passive"
-    """What a rollout actor's idle OpenMP threads do between two parallel regions on a CPU: "passive", sleep (each
-    next region waits for them to wake, ~0.1 ms on a cloud VM); "spin", spin about 20 us first. On a 2-core EPYC a 0.5B
-    int8 decode step at 1 row ran 1.37x faster with "spin" and the actor alone on its cores, and 1.54x slower beside
-    a busy learner on the same cores, which lost 15% of its speed (docs/performance.md, "OpenMP's wait between
-    parallel regions"). "spin" is for rollout actors with cores of their own while they generate (a rollout node),
-    not for a stream sharing its cores with the learner."""
+    """A rollout actor's idle OpenMP threads on a CPU: "passive" sleep at once; "spin" spin ~20 us first, faster for
+    an actor with cores of its own, far slower beside a busy learner on the same cores (docs/quantization.md)."""
     prompts_per_step: Int = setting(8, ge=1)
     """Prompts sampled per learner step (global)."""
     group_size: Int = setting(8, ge=2, why="advantages compare completions within a group")
