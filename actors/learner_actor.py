@@ -17,6 +17,7 @@ from qgrpo.actors.collective import CollectiveMember
 from qgrpo.actors.common import apply_threads, local_model, resolve_threads
 from qgrpo.actors.weights import ObjectStoreTransport, WeightUpdate
 from qgrpo.core import faults
+from qgrpo.core.cpu import current_wait
 from qgrpo.core.records import TrainStepResult
 from qgrpo.core.storage import localize, staged
 from qgrpo.learner.batch import TrainBatch
@@ -58,7 +59,8 @@ class LearnerActor(CollectiveMember):
         self.learner = Learner(local_model(self.model_path), self.settings)
         return {"rank": self.rank, "node_id": ray.get_runtime_context().get_node_id(),
                 "address": ray.util.get_node_ip_address(), "threads": torch_threads(),
-                "device": str(self.learner.device), "compute_dtype": self.learner.compute_dtype}
+                "device": str(self.learner.device), "compute_dtype": self.learner.compute_dtype,
+                "cpu_wait": current_wait()}
 
     def train_step(self, shard: TrainBatch, step: int = 0) -> TrainStepResult:
         if self.rank == 0 and faults.fires("learner.kill", step):

@@ -15,15 +15,18 @@ Per run, from the run's own metrics.jsonl and run log:
   driver, and of their sum (bench/sides.py's sampler, as in bench/vs_trl.py: the process tree of the run, RSS every
   0.5 s, PSS every 3 s).
 
-Runs go one at a time (seed-major: s0 int8, s0 bf16, s1 int8, ...), so a slow spell of the machine falls on both
-precisions of a seed. Each finished run is kept in bench/results/default_job/<name>.json and `--resume` skips it, so a
-long session can be split (a full 30-step run takes 30-60 min on a 2-core CPU without AMX).
+Runs go one at a time (seed-major: s0 int8, s0 bf16, s1 int8, ...; each `--variant` of a precision after it, its
+name appended), so a slow spell of the machine falls on both precisions, and every variant, of a seed. Each
+finished run is kept in bench/results/default_job/<name>.json and `--resume` skips it, so a long session can be split
+(a full 30-step run takes 30-60 min on a 2-core CPU without AMX).
 
     .venv/bin/python bench/default_job.py                                   # seeds 0 1 x int8 bf16, 30 steps each
     .venv/bin/python bench/default_job.py --seeds 0 --precisions bf16 int8 int4 --steps 6 --no-eval --tag profile
     .venv/bin/python bench/default_job.py --resume --publish                # add the runs not done yet, then publish
     .venv/bin/python bench/default_job.py --report --publish                # tabulate the runs done so far
     .venv/bin/python bench/default_job.py --from-run RUN_DIR --tag NAME --note "how it was run" --publish
+    .venv/bin/python bench/default_job.py --seeds 0 1 --precisions int8 --variant passive:learner.cpu_wait='"passive"' \
+        --variant auto:learner.cpu_wait='"auto"' --tag waits     # variants side by side, in turns within each seed
 
 `--from-run` tabulates one run made by hand (`make train`, e.g. on a CPU or under an emulation the runs here do not
 cover): held-out accuracy at each evaluation, mean step time by stage (steps 2..N), what the learner computed in and
@@ -140,23 +143,38 @@ def one_run(args, seed: int, precision: str, name: str = "", config: Path = CONF
     return res
 
 
+def parse_variants(specs: list[str]) -> dict[str, tuple[str, ...]]:
+    """{name: its --set overrides} from NAME:KEY=VALUE specs, in their order; {"": ()} (the runs as they are) when
+    there are none. A spec without a name or a KEY=VALUE is refused."""
+    out: dict[str, tuple[str, ...]] = {}
+    for spec in specs:
+        name, _, kv = spec.partition(":")
+        if not name.isidentifier() or "=" not in kv:
+            raise SystemExit(f"--variant {spec!r}: expected NAME:KEY=VALUE, NAME a word (e.g. spin:rollout.cpu_wait="
+                             "'\"spin\"')")
+        out[name] = (*out.get(name, ()), kv)
+    return out or {"": ()}
+
+
 def table(result: dict) -> str:
     runs = result["runs"]
     f = lambda x, p=1: "-" if x is None or x != x else f"{x:.{p}f}"  # noqa: E731
     commits = sorted({r.get("versions", {}).get("qgrpo_commit", "?")[:12] for r in runs})
     sets = "".join(f" --set {x}" for x in result.get("sets", []))
-    out = [f"default job ({result['config']}{sets}), {result['steps']} steps; runs at commit {', '.join(commits)}", ""]
+    w = max([10] + [len(r["name"]) for r in runs])  # the run column
+    out = [f"default job ({result['config']}{sets}), {result['steps']} steps; runs at commit {', '.join(commits)}",
+           *(f"  variant {k}:" + "".join(f" --set {x}" for x in v) for k, v in result.get("variants", {}).items()), ""]
     if any(r["eval"] for r in runs):
         out += ["held-out accuracy (greedy, 100 prompts): step 0 -> last step on the run's own generators; the final "
                 "checkpoint again on bf16",
-                f"{'run':<10} {'acc 0':>6} {'acc end':>8} {'end bf16':>9} {'gain pts':>9} {'wall min':>9} "
+                f"{'run':<{w}} {'acc 0':>6} {'acc end':>8} {'end bf16':>9} {'gain pts':>9} {'wall min':>9} "
                 f"{'pts/min':>8} {'majority':>9} {'distinct':>9} {'reward 1-5':>11} {'reward -5':>10}"]
         for r in runs:
             if not r["eval"]:
                 continue
             ev = list(r["eval"].values())
             maj = (r["baseline"] or {}).get("majority_accuracy")
-            out.append(f"{r['name']:<10} {f(100 * ev[0]['accuracy'])+'%':>6} {f(100 * ev[-1]['accuracy'])+'%':>8} "
+            out.append(f"{r['name']:<{w}} {f(100 * ev[0]['accuracy'])+'%':>6} {f(100 * ev[-1]['accuracy'])+'%':>8} "
                        f"{f(100 * r['eval_final_bf16']['accuracy'])+'%':>9} {f(r['acc_gain_points']):>9} "
                        f"{f(r['process_s'] / 60):>9} {f(r['acc_gain_points_per_min'], 2):>8} "
                        f"{(f(100 * maj) + '%') if maj is not None else '-':>9} "
@@ -167,24 +185,24 @@ def table(result: dict) -> str:
                        f"over seeds {acc['seeds']}")
         out.append("")
     out += ["seconds per step by stage (mean over steps 2..N)",
-            f"{'run':<10} {'step':>6} {'generate':>9} {'ref':>6} {'learn':>6} {'fwd':>6} {'bwd':>6} {'optim':>6} "
+            f"{'run':<{w}} {'step':>6} {'generate':>9} {'ref':>6} {'learn':>6} {'fwd':>6} {'bwd':>6} {'optim':>6} "
             f"{'sync':>6} {'export':>7} {'receive':>8} {'requant':>8} {'verify':>7} {'sync %':>7} "
             f"{'gen tok/s':>9}"]
     for r in runs:
         st, ls, ss = r["stage_s"], r["learn_split_s"], r["sync_split_s"]
         ref = st.get("rewards", 0.0) + st.get("pack", 0.0) + st["reference"]  # one "ref" column, as before the split
-        out.append(f"{r['name']:<10} {f(r['s_per_step']):>6} {f(st['generate']):>9} {f(ref):>6} "
+        out.append(f"{r['name']:<{w}} {f(r['s_per_step']):>6} {f(st['generate']):>9} {f(ref):>6} "
                    f"{f(st['learn']):>6} {f(ls['forward']):>6} {f(ls['backward']):>6} {f(ls['optimizer'], 2):>6} "
                    f"{f(st['sync'], 2):>6} {f(ss['export_seconds'], 2):>7} {f(ss['receive_seconds_max'], 2):>8} "
                    f"{f(ss['requantize_seconds_max'], 2):>8} {f(ss['verify_seconds_max'], 2):>7} "
                    f"{f(100 * st['sync'] / r['s_per_step']):>7} {f(r['gen_tokens_per_s'], 0):>9}")
     out += ["", "peak memory per actor, GB RSS / PSS (whole run, start-up and checkpoints in)",
-            f"{'run':<10} " + " ".join(f"{x:>15}" for x in (*ROLES, "sum")) + f" {'others cores':>13}"]
+            f"{'run':<{w}} " + " ".join(f"{x:>15}" for x in (*ROLES, "sum")) + f" {'others cores':>13}"]
     for r in runs:
         mem, roles = r["memory"], r["memory"]["per_role_peak"]
         cells = [f"{roles[x]['rss'] / GB:.2f} / {roles[x]['pss'] / GB:.2f}" if x in roles else "-" for x in ROLES]
         cells.append(f"{mem['peak_rss'] / GB:.2f} / {mem['peak_pss'] / GB:.2f}")
-        out.append(f"{r['name']:<10} " + " ".join(f"{c:>15}" for c in cells) + f" {mem['others_cores']:>13.2f}")
+        out.append(f"{r['name']:<{w}} " + " ".join(f"{c:>15}" for c in cells) + f" {mem['others_cores']:>13.2f}")
     return "\n".join(out)
 
 
@@ -273,8 +291,12 @@ def main() -> None:
     ap.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                     help="one more `qgrpo train --set` for every run, after the bench's own (e.g. "
                          "algo.max_staleness=0: the config with one setting changed)")
+    ap.add_argument("--variant", dest="variants", action="append", default=[], metavar="NAME:KEY=VALUE",
+                    help="run every (seed, precision) once more per NAME with these --set overrides (repeat NAME for "
+                         "more than one), named s0_int8_NAME: settings compared side by side")
     session_options(ap, "default_job")
     args = ap.parse_args()
+    variants = parse_variants(args.variants)
     stem = results_folder(args, "default_job")
     if args.from_run:
         save(stem, *from_run(args.from_run, args.note, args.wall_min, args.command, args.machine), args.publish)
@@ -283,21 +305,26 @@ def main() -> None:
     runs, missing = [], []
     for seed in args.seeds:
         for precision in args.precisions:
-            path = args.out_dir / f"s{seed}_{precision}.json"
-            run = kept_or_run(args, path, lambda: one_run(args, seed, precision, extra=tuple(args.sets)))
-            if run is None:
-                missing.append(path.stem)
-            else:
-                runs.append(run)
+            for variant, sets in variants.items():
+                name = f"s{seed}_{precision}" + (f"_{variant}" if variant else "")
+                path = args.out_dir / f"{name}.json"
+                extra = (*args.sets, *sets)
+                run = kept_or_run(args, path, lambda: {**one_run(args, seed, precision, name, extra=extra),
+                                                       "variant": variant, "variant_sets": sets})
+                if run is None:
+                    missing.append(path.stem)
+                else:
+                    runs.append(run)
     by_precision = {}
-    for p in args.precisions:
-        done = [r for r in runs if r["precision"] == p and r["eval"]]
+    for p, v in [(p, v) for p in args.precisions for v in variants]:
+        done = [r for r in runs if r["precision"] == p and r.get("variant", "") == v and r["eval"]]
         if done:
-            by_precision[p] = {"seeds": [r["seed"] for r in done],
+            by_precision[p + (f"_{v}" if v else "")] = {"seeds": [r["seed"] for r in done],
                                "end": mean([list(r["eval"].values())[-1]["accuracy"] for r in done]),
                                "end_bf16": mean([r["eval_final_bf16"]["accuracy"] for r in done])}
     result = {"config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "started": started,
-              "argv": sys.argv[1:], "sets": args.sets, "versions": versions(), "by_precision": by_precision,
+              "argv": sys.argv[1:], "sets": args.sets, "variants": {k: v for k, v in variants.items() if k},
+              "versions": versions(), "by_precision": by_precision,
               "runs": runs, "missing": missing}
     save(stem, result, table(result) + (f"\nnot run yet: {', '.join(missing)}" if missing else ""), args.publish)
 

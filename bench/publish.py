@@ -102,7 +102,7 @@ def default_job(d: dict) -> list[str]:
                    "points/min", "others' cores"],
                   [[r["name"], _evals(r["eval"]), pct(r.get("eval_final_bf16", {}).get("accuracy")),
                     f(r["acc_gain_points"], 0), f(r["process_s"] / 60, 1), f(r["acc_gain_points_per_min"]),
-                    f(r["memory"].get("others_cores"))] for r in runs])
+                    f(r["memory"].get("others_cores"))] for r in runs if r.get("eval")])
     stage = lambda r, k: r["stage_s"].get(k)  # noqa: E731
     SPLIT = ("forward", "backward", "optimizer")
     time = table(["run", "s/step", "generate", "reference", "learn (fwd / bwd / opt)", "sync", "sync %",
@@ -116,11 +116,12 @@ def default_job(d: dict) -> list[str]:
                    [[r["name"], *(f"{gb(p['rss'])} / {gb(p['pss'])}" if (p := r["memory"]["per_role_peak"].get(x))
                                   else None for x in roles),
                      f"{gb(r['memory']['peak_rss'])} / {gb(r['memory']['peak_pss'])}"] for r in runs])
+    evaluated = all(r.get("eval") for r in runs)  # runs with run.eval = false profile the stages only
     out = [*wrap("Held-out accuracy (greedy, 100 prompts) on the run's own generators, and for the final checkpoint "
                  "on a bf16 generator; wall time is the whole `qgrpo train` process; others' cores: what other jobs "
-                 "used meanwhile."), "", *learn, "",
-           f"Seconds per step by stage (mean over steps 2-{runs[0]['steps']}):", "", *time, "",
-           "Peak memory by process, GB RSS / PSS:", "", *memory]
+                 "used meanwhile."), "", *learn, ""] if evaluated else []
+    out += [f"Seconds per step by stage (mean over steps 2-{runs[0]['steps']}):", "", *time, "",
+            "Peak memory by process, GB RSS / PSS:", "", *memory]
     if len({r["precision"] for r in runs}) > 1:
         out += ["", *wrap("Mean over seeds, final accuracy on the run's generators (on bf16): " + "; ".join(
             f"{p} {pct(v['end'], 1)} ({pct(v['end_bf16'], 1)})" for p, v in d["by_precision"].items()) + ".")]
@@ -866,6 +867,15 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "beside it on the two cores (reference 8.1-8.4 s against 4.9 synchronous): 25.7-27.6 s a step against the "
          "synchronous 29.3, for the same whole-job time (16.3-18.0 minutes against 17.7), since the held-out "
          "evaluations and checkpoints take the rest. The preset stays synchronous.", default_job),
+        ("default_job_avx2_cpu_wait", "The default job with its CPU roles' threads spinning",
+         "The default job's first 10 steps (no held-out evaluations) with every role's OpenMP threads passive, as the "
+         "preset runs them (`passive`), and with `cpu_wait = \"auto\"` for the rollout actor, the learner and the "
+         "reference (`auto`), which in this synchronous run on one machine made all three spin about 20 us after each "
+         "parallel region; seeds 0 and 1, each seed's two runs one after the other. No gain worth a default: 42.7 s a "
+         "step against 42.7 at seed 0, 40.6 against 43.0 at seed 1 (the learner 22.1 s against 24.4), generation "
+         "9.3-9.8 s either way. The step's 64 rows make each product long enough that waking a thread costs little; "
+         "spinning pays at the few-row decode of `bench/omp_wait.py`. The default stays \"passive\". The runs above "
+         "took 29-32 s a step on a machine of the same kind: compare within this table only.", default_job),
         ("default_job_avx2_emulated", "The default job without native bf16",
          "The default job on a CPU emulating an AVX2-only one, where `model.compute_dtype = \"auto\"` chooses fp32.",
          from_run),

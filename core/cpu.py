@@ -11,7 +11,8 @@ policy in torch (the learner, the reference, the torch generator) choose their c
 - `isa()`: what the processor offers, as torch and oneDNN will use it: the cpuid flags, less what the environment
   caps (`ATEN_CPU_CAPABILITY` for torch's own kernels, `ONEDNN_MAX_CPU_ISA` for oneDNN's products). Setting both to
   AVX2 on an AVX-512 machine makes it behave, and be judged, as an AVX2-only one.
-- `wait_env(wait)`: the environment of an OpenMP wait policy for a process (`rollout.cpu_wait`).
+- `wait_env(wait)`: the environment of an OpenMP wait policy for a process (`rollout.cpu_wait` and the learner's and
+  the reference's).
 - `matmul_rates()`: bf16 and fp32 product rates measured in about a second, for the preflight line that tells a user
   whether a run takes minutes or hours (cluster/config/preflight.py: step_estimate).
 """
@@ -33,6 +34,7 @@ COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 # int8 decode step at 1 row ran 1.37x faster alone and 1.54x slower beside a learner on the same 2 cores; 20,000 and
 # 200,000 spins gained little more alone (1.39x, 1.45x) and cost 4.9x and 16x beside the learner.
 CPU_WAITS = ("passive", "spin")
+CPU_WAIT_SETTINGS = ("auto",) + CPU_WAITS  # [rollout|learner|reference].cpu_wait; "auto": cluster/run/cpu_waits.py
 SPIN_COUNT = 2000  # ~20 us at libgomp's reckoning of 100,000 spins a millisecond (within 5x by CPU)
 
 

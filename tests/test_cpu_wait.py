@@ -1,6 +1,8 @@
-"""rollout.cpu_wait: the OpenMP wait policy of the rollout actors (core/cpu.py wait_env, actors/common.py)."""
+"""cpu_wait: the OpenMP wait policy of the rollout actors, the learner and the reference (core/cpu.py wait_env,
+actors/common.py; "auto": cluster/run/cpu_waits.py)."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,6 +12,7 @@ import pytest
 
 from qgrpo.actors.common import thread_env
 from qgrpo.cluster.config.schema import ConfigError, load_config
+from qgrpo.cluster.run.cpu_waits import ROLES, role_waits
 from qgrpo.core.cpu import CPU_WAITS, SPIN_COUNT, current_wait, wait_env
 from tests.helpers import TINY
 
@@ -31,12 +34,72 @@ def test_a_process_reads_back_the_wait_it_started_with(wait, monkeypatch):
     assert current_wait() == wait
 
 
-def test_the_config_field_names_its_values():
-    assert load_config(TINY).rollout.cpu_wait == "passive"
-    assert load_config(TINY, ["rollout.cpu_wait='spin'"]).rollout.cpu_wait == "spin"
-    with pytest.raises(ConfigError, match="rollout.cpu_wait") as e:
-        load_config(TINY, ["rollout.cpu_wait='busy'"])
-    assert "passive" in str(e.value) and "spin" in str(e.value)
+@pytest.mark.parametrize("role", ROLES)
+def test_the_config_fields_name_their_values(role):
+    assert getattr(load_config(TINY), role).cpu_wait == "passive"
+    assert getattr(load_config(TINY, [f"{role}.cpu_wait='spin'"]), role).cpu_wait == "spin"
+    with pytest.raises(ConfigError, match=f"{role}.cpu_wait") as e:
+        load_config(TINY, [f"{role}.cpu_wait='busy'"])
+    assert all(w in str(e.value) for w in ("auto", "passive", "spin"))
+
+
+AUTO = [f"{r}.cpu_wait='auto'" for r in ROLES]
+
+
+def _waits(sets=(), local=True, cores=2, threads=None, cfg=None):
+    cfg = cfg or load_config(TINY, AUTO + list(sets))
+    return {r: w["wait"] for r, w in role_waits(cfg, local, cores, threads or dict.fromkeys(ROLES, cores)).items()}
+
+
+def test_auto_spins_where_the_roles_take_turns_on_one_machine():
+    # "passive" is the default, whatever the run; "auto" is asked for
+    assert _waits(cfg=load_config(TINY)) == dict.fromkeys(ROLES, "passive")
+    # the tiny preset: a synchronous supply, one rollout actor, one learner rank and the reference, each on both cores
+    waits = role_waits(load_config(TINY, AUTO), True, 2, dict.fromkeys(ROLES, 2))
+    assert {r: w["wait"] for r, w in waits.items()} == dict.fromkeys(ROLES, "spin")
+    assert all(w["why"].startswith("auto: ") for w in waits.values())
+
+
+@pytest.mark.parametrize("sets, reason", [
+    (["algo.max_staleness=1"], "a stream"),
+    (["algo.overlap=true"], "a stream"),
+    ([], "[environment]"),
+])
+def test_auto_stays_passive_where_another_role_computes_at_the_same_time(sets, reason):
+    cfg = load_config(TINY, AUTO + sets)
+    if not sets:  # a multi-turn run: environment workers beside the generators
+        cfg = dataclasses.replace(cfg, environment=dataclasses.replace(cfg.environment, name="env.py:Env"))
+    waits = role_waits(cfg, True, 2, dict.fromkeys(ROLES, 2))
+    assert {r: w["wait"] for r, w in waits.items()} == dict.fromkeys(ROLES, "passive")
+    assert all(reason in w["why"] for w in waits.values()), waits
+
+
+def test_auto_stays_passive_on_a_cluster_and_where_threads_exceed_the_cores():
+    assert _waits(local=False, cores=0, threads=dict.fromkeys(ROLES, 0)) == dict.fromkeys(ROLES, "passive")
+    # two rollout actors of two threads each on two cores take the cores from each other
+    cfg = load_config(TINY, AUTO + ["rollout.num_actors=2"])
+    assert _waits(cfg=cfg, threads={"rollout": 2, "learner": 2, "reference": 2})["rollout"] == "passive"
+    assert _waits(cfg=cfg, threads={"rollout": 1, "learner": 2, "reference": 2})["rollout"] == "spin"
+    assert _waits(["learner.world_size=2"], threads=dict.fromkeys(ROLES, 2))["learner"] == "passive"
+
+
+def test_auto_stays_passive_for_gpu_roles_other_backends_and_a_reference_beside_a_reward_model():
+    assert _waits(["learner.num_gpus=1"])["learner"] == "passive"
+    cfg = load_config(TINY, AUTO)
+    vllm = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, backend="vllm"))
+    assert _waits(cfg=vllm) == {"rollout": "passive", "learner": "spin", "reference": "spin"}
+    judged = dataclasses.replace(cfg, rewards=dataclasses.replace(
+        cfg.rewards, functions=[*cfg.rewards.functions, dataclasses.replace(cfg.rewards.functions[0],
+                                                                            name="reward_model")]))
+    assert _waits(cfg=judged) == {"rollout": "spin", "learner": "spin", "reference": "passive"}
+
+
+def test_a_wait_that_is_set_is_kept_everywhere():
+    sets = ["rollout.cpu_wait='spin'", "learner.cpu_wait='passive'", "reference.cpu_wait='spin'"]
+    for local in (True, False):
+        waits = role_waits(load_config(TINY, sets + ["algo.max_staleness=1"]), local, 2, dict.fromkeys(ROLES, 2))
+        assert [waits[r]["wait"] for r in ROLES] == ["spin", "passive", "spin"]
+        assert waits["learner"]["why"] == "learner.cpu_wait = 'passive'"
 
 
 # Idle worker threads between short parallel regions: with "spin" they burn CPU until they sleep, with "passive" they

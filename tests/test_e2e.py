@@ -24,7 +24,8 @@ def two_step_run(ray_session, tiny_model_path, tmp_path_factory):
                "--set", "learner.lr=1e-2", "--set", "algo.kl_coeff=0.01", "--set", "rollout.num_actors=2",
                "--set", "run.eval=true", "--set", "run.rollouts_flush_every=1",
                "--set", "sync.requantize='error_feedback'", "--set", "rollout.norm_noise=0.01",
-               "--set", "rollout.cpu_wait='spin'"])
+               "--set", "rollout.cpu_wait='spin'", "--set", "learner.cpu_wait='auto'",
+               "--set", "reference.cpu_wait='auto'"])
     assert rc == 0
     (run_dir,) = out.iterdir()
     return run_dir
@@ -60,6 +61,10 @@ def test_run_directory_contents(two_step_run):
     start = next(m for m in read_metrics(two_step_run) if m.get("event") == "start")
     assert {g["precision"] for g in start["generators"]} == {"int4"} and len(start["generators"]) == 2
     assert {g["cpu_wait"] for g in start["generators"]} == {"spin"}  # the actors started with the run's wait
+    # cpu_wait "auto" spins in a synchronous run on one machine
+    assert start["cpu_waits"]["rollout"] == {"wait": "spin", "why": "rollout.cpu_wait = 'spin'"}
+    assert start["cpu_waits"]["learner"]["wait"] == start["cpu_waits"]["reference"]["wait"] == "spin", start
+    assert [r["cpu_wait"] for r in start["placement"]["learner"]] == ["spin"]  # as the rank's process started
     state = json.loads((two_step_run / "checkpoints" / "step_000002" / "trainer_state.json").read_text())
     assert state["step"] == 2 and state["policy_version"] == 2 and state["cursor"] == 2 * cfg.rollout.prompts_per_step
 

@@ -140,6 +140,7 @@ def _auto_here(cfg, model_path: str, progress: Progress):
 def auto_precision(cfg, model_path: str, resume, address: str | None):
     """rollout.precision = "auto" resolved once Ray runs: (the config with the precision chosen, the Choice; None for a
     resumed run, which keeps the precision its config.toml recorded). Raises Refused when the guard accepts none."""
+    from qgrpo.cluster.run.cpu_waits import role_waits
     from qgrpo.cluster.run.precision_auto import choice, local_threads, remote_trials, resumed_choice
 
     if resume is not None:
@@ -151,8 +152,10 @@ def auto_precision(cfg, model_path: str, resume, address: str | None):
 
             return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, precision=chosen)), None
     threads = cfg.rollout.threads if address else local_threads(cfg)
+    cores = 0 if address else (os.cpu_count() or 1)  # the rollout actors' wait, as the run will start them
+    wait = role_waits(cfg, not address, cores, {"rollout": threads})["rollout"]["wait"]
     try:
-        made = choice(cfg, remote_trials(cfg, model_path, threads))
+        made = choice(cfg, remote_trials(cfg, model_path, threads, wait))
     except ValueError as e:
         raise Refused(str(e)) from None
     print(f"qgrpo: precision: {made.lines[0]}", file=sys.stderr)

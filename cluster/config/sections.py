@@ -23,7 +23,7 @@ from qgrpo.cluster.config.fields import (
     role_resources,
     setting,
 )
-from qgrpo.core.cpu import COMPUTE_DTYPES, CPU_WAITS
+from qgrpo.core.cpu import COMPUTE_DTYPES, CPU_WAIT_SETTINGS
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
 from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from qgrpo.rollout.rewards import ON_ERROR, REWARD_NAMES
@@ -333,9 +333,9 @@ class RolloutConfig(role_resources("per rollout actor", "rollout_node", cpus=1.0
     """Rollout actors; the prompts of a step are spread over them, whole groups per actor."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """Torch threads per rollout actor (0 = cores / num_actors locally; num_cpus on a cluster)."""
-    cpu_wait: choice(CPU_WAITS, "must be {quoted}") = "passive"
-    """A rollout actor's idle OpenMP threads on a CPU: "passive" sleep at once; "spin" spin ~20 us first, faster for
-    an actor with cores of its own, far slower beside a busy learner on the same cores (docs/quantization.md)."""
+    cpu_wait: choice(CPU_WAIT_SETTINGS, "must be {quoted}") = "passive"
+    """A rollout actor's idle OpenMP threads on a CPU: "passive" sleep at once, "spin" spin ~20 us first (faster with
+    cores of its own); "auto" spins where the roles take turns on one machine's cores (docs/quantization.md)."""
     prompts_per_step: Int = setting(8, ge=1)
     """Prompts sampled per learner step (global)."""
     group_size: Int = setting(8, ge=2, why="advantages compare completions within a group")
@@ -369,6 +369,8 @@ class ReferenceConfig(role_resources("of the reference actor", "reference_node")
     on reference.backend (mlx: bf16 is unquantized, fp32 compute on CPU)."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """0 = all cores locally (it runs while the generators are idle); on a cluster, its num_cpus."""
+    cpu_wait: choice(CPU_WAIT_SETTINGS, "must be {quoted}") = "passive"
+    """Its idle OpenMP threads on a CPU, as rollout.cpu_wait."""
     from_learner: Bool = False
     """With learner.mode = "lora" | "qlora": score the reference on the learner's own frozen base with the adapters
     off (no reference actor, no second copy of the model). The rest of [reference] is then unused."""

@@ -42,15 +42,16 @@ def learner_settings(cfg: Config) -> LearnerSettings:
     )
 
 
-def start_learner_ranks(cfg: Config, model_path: str, request: RoleRequest, cores: int) -> tuple:
+def start_learner_ranks(cfg: Config, model_path: str, request: RoleRequest, cores: int, wait: str = "passive") -> tuple:
     """Place the ranks together (one placement group, one bundle per rank: all placed or none, within the
     scheduling deadline), then start them. Returns (placement group, rank actors, refs of their `setup` calls).
-    `cores`: the machine's cores when the ranks share the driver's machine (threads split them), else 0."""
+    `cores`: the machine's cores when the ranks share the driver's machine (threads split them), else 0. `wait`: the
+    ranks' OpenMP wait (cluster/run/cpu_waits.py)."""
     le = cfg.learner
     threads = le.threads or max(0, cores // le.world_size)
     # A CPU learner is forced to DeepSpeed's CPU accelerator: on a Mac DeepSpeed would otherwise pick its new MPS
     # accelerator by itself, which we have not been able to test. With GPUs DeepSpeed picks CUDA (NCCL).
-    env = {**thread_env(threads), **role_env(le.num_gpus)}
+    env = {**thread_env(threads, wait), **role_env(le.num_gpus)}
     if not le.num_gpus:
         env["DS_ACCELERATOR"] = os.environ.get("DS_ACCELERATOR", "cpu")
     ext_dir = str(storage.cache_root() / "torch_extensions")  # DeepSpeed's JIT-built ops: ours, not ~/.cache

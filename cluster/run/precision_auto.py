@@ -81,9 +81,9 @@ def _trials_in_task(cfg, model_path: str, threads: int) -> list[dict]:
     return run_trials(cfg, model_path, resolve_threads(threads))
 
 
-def remote_trials(cfg, model_path: str, threads: int) -> list[dict]:
-    """The trials in a Ray task placed as one rollout actor is (its resources, node labels and thread count); Ray must
-    be running. The task's worker exits after it, with the models it loaded."""
+def remote_trials(cfg, model_path: str, threads: int, wait: str = "passive") -> list[dict]:
+    """The trials in a Ray task placed as one rollout actor is (its resources, node labels, thread count and OpenMP
+    wait); Ray must be running. The task's worker exits after it, with the models it loaded."""
     import ray
 
     from qgrpo.actors.common import thread_env
@@ -93,7 +93,7 @@ def remote_trials(cfg, model_path: str, threads: int) -> list[dict]:
     request = next(r for r in role_requests(cfg) if r.role == "rollout")
     task = ray.remote(max_calls=1)(_trials_in_task).options(
         **request.actor_options(),
-        runtime_env={"env_vars": {**thread_env(threads, cfg.rollout.cpu_wait), **role_env(request.gpus)}})
+        runtime_env={"env_vars": {**thread_env(threads, wait), **role_env(request.gpus)}})
     return ray.get(task.remote(cfg, model_path, threads))
 
 

