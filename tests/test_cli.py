@@ -213,3 +213,18 @@ def test_check_names_the_cpu_kernel_for_int8_and_int4_rollouts(tiny_model_path, 
     assert rc == 0 and f"  int4 kernel: {cpu_kernels.describe('int4')}\n" in out and "int8 kernel" not in out, out
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'rollout.precision="bf16"'))
     assert rc == 0 and "kernel:" not in out, out
+
+
+def test_check_says_each_roles_cpu_wait_once_one_is_not_passive(tiny_model_path, tmp_path, capsys):
+    """All passive (the default): nothing said. Any "auto" or "spin": check names every role's wait and why, as the
+    run would start them on this machine."""
+    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path))
+    assert rc == 0 and "cpu waits:" not in out, out
+    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'learner.cpu_wait="auto"',
+                                                     'algo.max_staleness=1'))
+    assert rc == 0, out + err
+    line = next(x for x in out.splitlines() if "cpu waits:" in x)
+    assert "rollout passive (rollout.cpu_wait = 'passive')" in line and "learner passive (auto: a stream" in line
+    rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, *(f'{r}.cpu_wait="auto"' for r in
+                                                                                  ("rollout", "learner", "reference"))))
+    assert rc == 0 and "cpu waits: rollout, learner, reference spin (auto: the roles take turns" in out, out

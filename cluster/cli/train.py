@@ -295,6 +295,11 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
     from qgrpo.learner.objective.staleness import rollout_mode
 
     progress.told("rollouts", rollout_mode(cfg.algo.max_staleness, cfg.algo.overlap, cfg.rollout.num_actors))
+    if here and any(getattr(cfg, r).cpu_wait != "passive" for r in ("rollout", "learner", "reference")):
+        from qgrpo.cluster.run.cpu_waits import role_threads, role_waits, words
+
+        waits = role_waits(cfg, True, cpus, role_threads(cfg, cpus))
+        progress.told("cpu waits", words({r: w for r, w in waits.items() if r != "reference" or cfg.reference_actor}))
     if here and not cfg.learner.num_gpus:  # the roles compute on this machine's CPU: what in, and how fast
         from qgrpo.cluster.config.machine import machine_report
 

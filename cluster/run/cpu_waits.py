@@ -65,4 +65,21 @@ def role_waits(cfg, local: bool, cores: int, threads: dict[str, int]) -> dict[st
     return out
 
 
-__all__ = ["ROLES", "beside", "role_waits"]
+def role_threads(cfg, cores: int) -> dict[str, int]:
+    """Each role's torch threads per process as a run sets them: its `threads`, else a share of `cores` when the roles
+    share this machine (0 on a cluster: decided inside each actor from the CPUs Ray gave it)."""
+    ro, le, ref = cfg.rollout, cfg.learner, cfg.reference
+    return {"rollout": ro.threads or cores // ro.num_actors, "learner": le.threads or cores // le.world_size,
+            "reference": ref.threads or cores}
+
+
+def words(waits: dict[str, dict]) -> str:
+    """'rollout, reference spin (auto: ...); learner passive (learner.cpu_wait = 'passive')' for `check`: the roles
+    of one wait and reason together."""
+    same: dict[tuple[str, str], list[str]] = {}
+    for role, w in waits.items():
+        same.setdefault((w["wait"], w["why"]), []).append(role)
+    return "; ".join(f"{', '.join(roles)} {wait} ({why})" for (wait, why), roles in same.items())
+
+
+__all__ = ["ROLES", "beside", "role_waits", "role_threads", "words"]

@@ -26,7 +26,7 @@ from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
 from qgrpo.cluster.config.plan import RAY_BUILTIN_RESOURCES, RoleRequest, infeasible, role_requests
 from qgrpo.cluster.config.schema import Config
-from qgrpo.cluster.run.cpu_waits import role_waits
+from qgrpo.cluster.run.cpu_waits import role_threads, role_waits
 from qgrpo.cluster.run.learners import start_learner_ranks
 from qgrpo.cluster.run.placement import wait_scheduled
 from qgrpo.core.cpu import CPU_WAITS
@@ -386,8 +386,7 @@ class Workers:
         self.cores = cores
         rollout_threads = ro.threads or cores // ro.num_actors
         # Each CPU role's OpenMP wait: spinning where the roles take turns on one machine (cluster/run/cpu_waits.py)
-        self.waits = role_waits(cfg, bool(cores), cores, {"rollout": rollout_threads, "reference": ref.threads or cores,
-                                                          "learner": le.threads or cores // le.world_size})
+        self.waits = role_waits(cfg, bool(cores), cores, role_threads(cfg, cores))
         self.rollout = RolloutPool(cfg, policy_path, policy_version, rollout_precision or ro.precision,
                                    requests["rollout"], rollout_threads, cores if not ro.threads else 0,
                                    self.waits["rollout"]["wait"])
