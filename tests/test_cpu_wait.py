@@ -134,3 +134,7 @@ def test_libgomp_obeys_the_spin_count_over_a_passive_policy():
     # rollout.cpu_wait's smaller count, too short to tell apart from noise this way.
     spin = others({**wait_env("passive"), "GOMP_SPINCOUNT": "200000"})
     assert spin > passive + 0.08, (passive, spin)
+
+
+def test_a_run_without_a_reference_actor_has_no_reference_wait():
+    assert set(_waits(["algo.kl_coeff=0"])) == {"rollout", "learner"}

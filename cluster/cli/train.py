@@ -298,8 +298,7 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
     if here and any(getattr(cfg, r).cpu_wait != "passive" for r in ("rollout", "learner", "reference")):
         from qgrpo.cluster.run.cpu_waits import role_threads, role_waits, words
 
-        waits = role_waits(cfg, True, cpus, role_threads(cfg, cpus))
-        progress.told("cpu waits", words({r: w for r, w in waits.items() if r != "reference" or cfg.reference_actor}))
+        progress.told("cpu waits", words(role_waits(cfg, True, cpus, role_threads(cfg, cpus))))
     if here and not cfg.learner.num_gpus:  # the roles compute on this machine's CPU: what in, and how fast
         from qgrpo.cluster.config.machine import machine_report
 

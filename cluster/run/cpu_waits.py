@@ -40,12 +40,12 @@ def beside(cfg, local: bool) -> str:
 
 def role_waits(cfg, local: bool, cores: int, threads: dict[str, int]) -> dict[str, dict]:
     """{role: {"wait": "passive" | "spin", "why": words}} for the rollout actors, the learner ranks and the
-    reference actor. `threads`: each process's torch threads (0: decided inside the actor from its CPUs); `cores`:
-    the machine's, when every role shares it (local mode), else 0."""
+    reference actor where the run has one. `threads`: each process's torch threads (0: decided inside the actor from
+    its CPUs); `cores`: the machine's, when every role shares it (local mode), else 0."""
     shared = beside(cfg, local)
     counts = {"rollout": cfg.rollout.num_actors, "learner": cfg.learner.world_size, "reference": 1}
     out = {}
-    for role in ROLES:
+    for role in (r for r in ROLES if r != "reference" or cfg.reference_actor):
         section = getattr(cfg, role)
         setting = getattr(section, "cpu_wait", "passive")
         if setting in CPU_WAITS:

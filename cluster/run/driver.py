@@ -187,8 +187,7 @@ class TrainingRun:
         self.samples = RolloutWriter(self.dir.local, cfg.run.rollouts_flush_every)
         self.log.write({"event": "resume" if resume else "start", "step": self.state.step,
                         "generators": self.workers.rollout_info(), "placement": self.workers.placement(),
-                        "cpu_waits": {r: w for r, w in self.workers.waits.items()
-                                      if r != "reference" or cfg.reference_actor},
+                        "cpu_waits": self.workers.waits,
                         "resumed_from": str(resume) if resume else None, "set_aside": str(aside) if aside else None,
                         **({"precision_auto": auto_precision} if auto_precision else {}), **self.ladder.state()})
         self.eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
