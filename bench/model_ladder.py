@@ -52,6 +52,11 @@ it. `vs bf16` is decode tok/s over bf16's at the same model, rows and context. `
 starts at the r-th variant), so that a slow minute falls on every variant alike. It needs the memory of all of a
 model's generators at once, and records no `peak GiB`. Without it, variants run one after another.
 
+The machine's rates are read at the start of the run and again at its end, and the bounds take the higher of each
+(a bound is the best the machine did; a shared host can halve a read for a minute): both reads are in `rate_reads`.
+`--rebound PATH` reads them once more on the machine that made PATH, a finished run's JSON, and recomputes its
+bounds the same way (its command is added to the JSON's).
+
 `--budget-s` bounds the run: variants are run in order (precisions, then models, then contexts and rows as given)
 and those past the deadline are listed as skipped; the JSON (`--out`) is written after every row, so a run cut short
 keeps what it measured. A variant that fails records its error and the run goes on.
@@ -422,7 +427,11 @@ def _parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--interleave", action="store_true",
                     help="per model, hold every precision's generator at once and time them in turn (docstring)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "model_ladder.json"))
+    ap.add_argument("--rebound", default="", metavar="PATH",
+                    help="a finished run's JSON: read the machine's rates again, recompute its bounds")
     args = ap.parse_args(argv)
+    if args.rebound:
+        return args
     import torch
 
     from qgrpo.rollout.options import QUANT_SERVED
@@ -454,23 +463,100 @@ def _parse(argv=None) -> argparse.Namespace:
     return args
 
 
+def machine_of(device: str) -> tuple[str, str, str | None, str]:
+    """The device's name, the CPU's model (CPU), the driver (CUDA), and the words the JSON's `machine` gives them."""
+    import torch
+    import transformers
+
+    cuda = device.startswith("cuda")
+    name, cpu_model, driver = torch.cuda.get_device_name(device) if cuda else "cpu", "", None
+    if cuda:
+        try:
+            import subprocess
+
+            driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                    capture_output=True, text=True, timeout=20).stdout.strip() or None
+        except (OSError, subprocess.SubprocessError):
+            pass
+    else:
+        try:
+            cpu_model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                             if line.startswith("model name"))
+        except (OSError, StopIteration):
+            pass
+    words = (f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, driver {driver}, "
+             f"transformers {transformers.__version__}" if cuda else
+             f"{cpu_model or 'a CPU'}, {os.cpu_count()} CPUs, torch {torch.__version__}, transformers "
+             f"{transformers.__version__}")
+    return name, cpu_model, driver, words
+
+
+def machine_rates(args, dtype) -> dict:
+    """This machine's read bandwidth, and each model's gate/up product at many rows (the rate its decode step can
+    compute at), measured now."""
+    cuda = args.device.startswith("cuda")
+    read = {"bandwidth": read_bandwidth(args.device, args.bandwidth_gib), "matmul": {}, "matmul_routes": {}}
+    for m in args.models:
+        n, k = linear_shapes(m)["gate_up"]
+        read["matmul_routes"][m] = {}
+        read["matmul"][m] = matmul_rate(args.device, dtype, k, n, args.compute_rows if cuda else 64,
+                                        routes=read["matmul_routes"][m])
+    release(args.device)
+    return read
+
+
+def take_rates(res: dict, reads: list[dict]) -> None:
+    """The bounds' rates from every read this run made (`rate_reads`): the highest bandwidth and each model's highest
+    matmul rate, since a bound is the best the machine did. Rows already measured get their bounds again."""
+    res["rate_reads"] = reads
+    res["bandwidth"] = max(reads, key=lambda r: r["bandwidth"]["bytes_per_s"])["bandwidth"]
+    res["matmul"], res["matmul_routes"] = {}, {}
+    for m in dict.fromkeys(m for r in reads for m in r["matmul"]):
+        best = max((r for r in reads if r["matmul"].get(m)), key=lambda r: r["matmul"][m], default=None)
+        if best is not None:
+            res["matmul"][m], res["matmul_routes"][m] = best["matmul"][m], best["matmul_routes"].get(m, {})
+    args = argparse.Namespace(**res["args"])
+    for row in res["rows"]:
+        if row.get("decode_tokens_per_s"):
+            bounds(row, row["model"], res, args)
+
+
+def rebound(path: str, argv) -> dict:
+    """`--rebound PATH`: the machine's rates read once more for a finished run, on the machine that made it."""
+    import torch
+
+    from qgrpo.core.cpu import compute_dtype, torch_dtype
+
+    out = Path(path)
+    res = json.loads(out.read_text())
+    saved = argparse.Namespace(**res["args"])
+    here = machine_of(saved.device)[3]
+    if here != res["machine"]:
+        raise SystemExit(f"--rebound: {path} was measured on {res['machine']!r}, this is {here!r}; read the rates "
+                         "on the machine that made it")
+    reads = res.get("rate_reads") or [{k: res.get(k, {}) for k in ("bandwidth", "matmul", "matmul_routes")}]
+    take_rates(res, [*reads, machine_rates(saved, torch_dtype(compute_dtype("auto", torch.device(saved.device))[0]))])
+    res["command"] += "\n" + caps_prefix() + ".venv/bin/python bench/model_ladder.py " + shlex.join(
+        sys.argv[1:] if argv is None else argv)
+    res["table"] = table(res)
+    out.write_text(json.dumps(finite(res), indent=2, allow_nan=False, default=str) + "\n")
+    print(f"{path}: read {res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s over {len(res['rate_reads'])} reads")
+    print(res["table"])
+    return res
+
+
 def main(argv=None) -> dict:
     t_start = time.perf_counter()
     args = _parse(argv)
+    if args.rebound:
+        return rebound(args.rebound, argv)
     import torch
     import transformers
 
     from qgrpo.core.cpu import compute_dtype, torch_dtype
 
     cuda = args.device.startswith("cuda")
-    name = torch.cuda.get_device_name(args.device) if cuda else "cpu"
-    cpu_model = ""
-    if not cuda:
-        try:
-            cpu_model = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                             if line.startswith("model name"))
-        except (OSError, StopIteration):
-            pass
+    name, cpu_model, driver, machine = machine_of(args.device)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {"command": caps_prefix() + ".venv/bin/python bench/model_ladder.py "
@@ -481,14 +567,7 @@ def main(argv=None) -> dict:
            "omp": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")},
            "budget": {"budget_s": args.budget_s, "skipped": []}}
     if cuda:
-        try:
-            import subprocess
-
-            res["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=20).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            res["driver"] = None
-
+        res["driver"] = driver
     else:
         from qgrpo.core.cpu import isa
         from qgrpo.rollout import cpu_kernels, cpu_native
@@ -496,10 +575,7 @@ def main(argv=None) -> dict:
         res["cpu_int8_kernel"] = cpu_native.describe()  # qgrpo's or torch's (`int8/torch` variants: torch's)
         res["cpu_int4_kernel"] = cpu_kernels.describe("int4")  # and the same for int4 (`int4/torch`)
         res["cpu_isa"] = isa().words()
-    res["machine"] = (f"{name}, torch {torch.__version__}, CUDA {torch.version.cuda}, driver {res.get('driver')}, "
-                      f"transformers {transformers.__version__}" if cuda else
-                      f"{cpu_model or 'a CPU'}, {os.cpu_count()} CPUs, torch {torch.__version__}, transformers "
-                      f"{transformers.__version__}")
+    res["machine"] = machine
 
     def emit() -> None:
         res["budget"]["elapsed_s"] = time.perf_counter() - t_start
@@ -507,16 +583,9 @@ def main(argv=None) -> dict:
 
     over = lambda: time.perf_counter() - t_start > args.budget_s  # noqa: E731
     tok, res["tokenizer"], res["tokenizer_note"] = load_tokenizer(args.tokenizer)
-    res["bandwidth"] = read_bandwidth(args.device, args.bandwidth_gib)
     dtype = torch_dtype(compute_dtype("auto", torch.device(args.device))[0])
     res["compute_dtype"] = str(dtype).removeprefix("torch.")
-    res["matmul"], res["matmul_routes"] = {}, {}
-    for m in args.models:  # each model's gate/up product at many rows: the rate its decode step can compute at
-        n, k = linear_shapes(m)["gate_up"]
-        res["matmul_routes"][m] = {}
-        res["matmul"][m] = matmul_rate(args.device, dtype, k, n, args.compute_rows if cuda else 64,
-                                       routes=res["matmul_routes"][m])
-    release(args.device)
+    take_rates(res, [machine_rates(args, dtype)])
     print(f"{name}: read {res['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s; "
           + ", ".join(f"{m} {r / 1e12:.2f} TFLOP/s" for m, r in res["matmul"].items()), flush=True)
     emit()
@@ -534,6 +603,7 @@ def main(argv=None) -> dict:
                     continue
                 print(f"{m} {p} ...", flush=True)
                 run_variant(args, m, p, folder, tok, res, emit, over)
+    take_rates(res, [*res["rate_reads"], machine_rates(args, dtype)])
     res["table"] = table(res)
     emit()
     print(f"\n{name}{f' ({cpu_model})' if cpu_model else ''}, torch {torch.__version__}; tokenizer "

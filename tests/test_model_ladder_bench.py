@@ -251,3 +251,35 @@ def test_interleave_times_every_variant_in_turn_rotating_the_order(tmp_path, mon
                 base = rows[("bf16", n)]["decode_tokens_per_s"]
                 assert r["vs_bf16"] == pytest.approx(r["decode_tokens_per_s"] / base)
     assert res["args"]["interleave"] is True
+
+
+def test_bounds_take_the_best_read_of_the_machine_and_rebound_reads_it_again(tmp_path, monkeypatch):
+    out = tmp_path / "l.json"
+    res = model_ladder.main(["--device", "cpu", "--models", "tiny-llama", "--precisions", "bf16", "--rows", "2",
+                             "--contexts", "16", "--new-tokens", "2", "--repeats", "1", "--out", str(out)])
+    reads = res["rate_reads"]
+    assert len(reads) == 2  # at the start and at the end of the run
+    best = max(r["bandwidth"]["bytes_per_s"] for r in reads)
+    assert res["bandwidth"]["bytes_per_s"] == best
+    assert res["matmul"]["tiny-llama"] == max(r["matmul"]["tiny-llama"] for r in reads)
+    row = next(r for r in res["rows"] if r.get("decode_tokens_per_s"))
+    assert row["mem_bound_tokens_per_s"] == pytest.approx(2 * best / row["step_bytes"])
+
+    # A later read ten times faster is the machine's best: the bounds move with it and the command records the read.
+    faster = {"bandwidth": {"bytes_per_s": 10 * best}, "matmul": {"tiny-llama": 10 * res["matmul"]["tiny-llama"]},
+              "matmul_routes": {"tiny-llama": {}}}
+    monkeypatch.setattr(model_ladder, "machine_rates", lambda args, dtype: faster)
+    again = model_ladder.main(["--rebound", str(out)])
+    saved = json.loads(out.read_text(), parse_constant=_reject)
+    assert saved["rows"] == json.loads(json.dumps(again["rows"])) and len(saved["rate_reads"]) == 3
+    moved = next(r for r in saved["rows"] if r.get("decode_tokens_per_s"))
+    assert moved["mem_bound_tokens_per_s"] == pytest.approx(10 * row["mem_bound_tokens_per_s"])
+    assert moved["share_of_bound"] < row["share_of_bound"]
+    assert saved["command"].splitlines()[1].endswith(f"bench/model_ladder.py --rebound {out}")
+
+    # Another machine's run is refused, naming both, and the file is left as it was.
+    saved["machine"] = "a CPU elsewhere"
+    out.write_text(json.dumps(saved))
+    with pytest.raises(SystemExit, match="measured on 'a CPU elsewhere'"):
+        model_ladder.main(["--rebound", str(out)])
+    assert json.loads(out.read_text()) == saved
