@@ -1098,6 +1098,33 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "the three turns), so the 8-row ratios stand on a slow baseline. int4+head, at 29-33% of its bound at 1 and "
          "2 rows, is the gap left: on AVX2 its nibbles take about 12 instructions per 32 bytes to decode.",
          model_ladder),
+        ("model_ladder_cpu_epyc_ctx1024", "1,024-token prompts on an AVX2-only CPU",
+         "Qwen2.5-0.5B's, Llama-3.2-1B's and Qwen2.5-1.5B's shapes on the same EPYC with 1,024-token prompts (rows / 8 "
+         "prompts x 8 completions; one prompt below 8 rows), interleaved, under the PASSIVE wait: the fp32 generator, "
+         "int8 and int4 with the tied head quantized. Over the fp32 generator at 1 row: int8+head 2.54x (0.5B), 2.78x "
+         "(1B) and 2.62x (1.5B), int4+head 2.44x, 2.15x and 2.80x; at 8 rows int8+head 1.31-1.61x and int4+head "
+         "1.19-1.45x; at 16 rows 1.17-1.28x and 1.05-1.25x (1B's from its own run, below). The gains are smaller "
+         "than with 256-token prompts (1.5B: 3.11x and 3.15x at 1 row, 2.13x and 1.68x at 8, above): the KV cache "
+         "and attention, never quantized, are a "
+         "larger part of each step, and from 8 rows on the quantized generators are bound by the step's FLOPs, not "
+         "their bytes. The bandwidth read at the run's start "
+         "came out at 11 GB/s and the matmul rate at about half its usual; read again after the run (`--rebound`, "
+         "19 GB/s) the bounds take the higher of the two. fp32 at 1 row still reaches 90% (1.5B) and 103% (1B) of "
+         "that bandwidth, so on this CPU the read (a bf16 sum) understates what a decode step gets, and the shares are "
+         "high. Not measured here: Llama-3.2-1B at 16 rows, past the run's hour (its own run below), and 64 rows at "
+         "0.5B, 1B and 1.5B: 8 prompts are 8,192 prompt tokens a forward, at the 43-129 prefill tokens/s measured "
+         "here 1-3 minutes, and a cell of three generators runs 15 of them (per generator a warm-up generate, two "
+         "timed generates and two forwards alone): about 16 minutes at 0.5B, 34 at 1B and 48 at 1.5B.",
+         model_ladder),
+        ("model_ladder_cpu_epyc_ctx1024_1b", "The same: Llama-3.2-1B at 16 rows",
+         "The cell the run above left, in its own run: Llama-3.2-1B's shape, 16 rows (2 prompts x 8 completions), the "
+         "same settings. Its rates are read at the start and the end of the run. Over the fp32 generator: int8+head "
+         "1.26x, int4+head 1.12x.", model_ladder),
+        ("model_ladder_cpu_epyc_ctx1024_135m", "The same: SmolLM2-135M from 1 to 64 rows",
+         "SmolLM2-135M's shape (random weights) with 1,024-token prompts at 1, 8, 16 and 64 rows, the same settings, "
+         "its rates read at the start and the end of the run. Over the fp32 generator: int8+head 1.72x at 1 row, 1.44x "
+         "at 8, 1.06x at 16 and 1.05x at 64; int4+head 1.20x, 1.03x, 0.98x and 0.88x. At this size no generator comes "
+         "near its bound (8-33%): a step's fixed costs outweigh its weights' bytes.", model_ladder),
         ("step_05b_cpu", "The whole GRPO step at 0.5B on a 2-core CPU",
          "The default job's settings (`bench/gpu_step.toml`, with the bench's 4 prompts x 8 completions x up to 64 "
          "new tokens) on a Qwen2.5-0.5B-shaped model with random weights, every role on one 2-core Xeon with native "
