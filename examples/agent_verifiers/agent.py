@@ -213,7 +213,10 @@ async def _record(client) -> dict:
     import httpx
 
     address = session_address(client.base_url, client.session_id)
-    async with httpx.AsyncClient(timeout=60) as http:
+    # The run's endpoint asks every route but /health for the run's key: the session's record too.
+    key = getattr(client, "api_key", None)
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    async with httpx.AsyncClient(timeout=60, headers=headers) as http:
         r = await http.get(f"{address}/v1/sessions/{client.session_id}")
     if r.status_code != 200:
         raise RuntimeError(f"GET {address}/v1/sessions/{client.session_id}: {r.status_code} {r.text[:300]}")
