@@ -26,6 +26,9 @@ _FENCE = re.compile(r"^\s*(```|~~~)")
 _HEADING = re.compile(r"^(#{1,6})\s+(.+?)\s*#*\s*$")
 _INLINE_CODE = re.compile(r"(`+)(.+?)\1")
 _LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+# A reference-style link's target, `[label]: path/file.md#anchor` (a path: a "/", a ".md" or a "#"; the config
+# reference's `[section]: words` lines are prose)
+_REF_DEF = re.compile(r"^\s{0,3}\[[^\]]+\]:\s*<?([^\s>]*(?:/|\.md|#)[^\s>]*)>?\s*$")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
 _MAKE = re.compile(r"(?<![\w./-])make((?:\s+[A-Z_][A-Z0-9_]*=\S*)*)\s+([a-z][\w-]*)")
 _QGRPO = re.compile(r"(?<![\w.~-])(?<!~/)qgrpo[ \t]+([a-z][\w-]*)")  # not the folder ~/qgrpo
@@ -87,8 +90,7 @@ def link_problems(path: Path, root: Path = ROOT) -> list[str]:
     """Every relative link of `path` whose file, folder or #anchor does not exist, or that leaves `root`."""
     page, bad = parse(path), []
     for n, text in page.prose:
-        for m in _LINK.finditer(text):
-            target = m.group(1)
+        for target in [m.group(1) for m in _LINK.finditer(text)] + [m.group(1) for m in [_REF_DEF.match(text)] if m]:
             if _SCHEME.match(target):
                 continue
             file_part, _, anchor = target.partition("#")
@@ -161,9 +163,9 @@ def test_the_link_check_can_fail(tmp_path):
     page = tmp_path / "docs" / "page.md"
     page.write_text("# Page\n\n[gone](gone.md) [no anchor](other.md#nope) [out](../../x.md)\n"
                     "[fine](other.md#the-qgrpo-check-command) [self](#page) `[code](gone.md)`\n"
-                    "```\n[fenced](gone.md)\n```\n")
+                    "```\n[fenced](gone.md)\n```\n[ref]: other.md#gone\n[ok]: other.md#other-page\n")
     bad = link_problems(page, tmp_path)
-    assert [b.split(": ", 2)[1] for b in bad] == ["gone.md", "other.md#nope", "../../x.md"], bad
+    assert [b.split(": ", 2)[1] for b in bad] == ["gone.md", "other.md#nope", "../../x.md", "other.md#gone"], bad
 
 
 def test_slugs_are_github_style():
