@@ -97,8 +97,10 @@ docs: $(STAMP)
 	$(PY) -m qgrpo.cluster.config.reference
 	$(PY) bench/publish.py
 
-test-slow: $(STAMP)
-	$(PY) -m pytest -q -m slow
+# The learning curves, every fault drill and feature run as a whole run of its own, the benches' own runs: about
+# 50 minutes on a 2-core CPU (docs/testing.md has the figures).
+test-slow: $(STAMP) $(VF_STAMP)
+	$(PY) -m pytest -q -m slow --durations=30
 
 bench: $(STAMP)
 	$(PY) bench/quant_bytes.py

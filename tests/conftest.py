@@ -107,3 +107,28 @@ def faults(monkeypatch, tmp_path):
         (tmp_path / "fault-state").mkdir(exist_ok=True)
         monkeypatch.setenv("QGRPO_FAULTS_STATE", str(tmp_path / "fault-state"))
     return inject
+
+
+# A whole run is the unit of cost: this one serves several tests. configs/tiny.toml for 30 steps (lr 1e-2) with two
+# torch int4 rollout actors, one of which SIGKILLs its own process inside generate at step 2 (core/faults.py:
+# rollout.kill@2): tests/test_faults.py reads the replacement and the prompts it held, tests/test_learns.py that the
+# reward moves, which a run surviving the kill must still show. About 40 s on a 2-core CPU.
+
+
+@pytest.fixture(scope="session")
+def torch_smoke_run(ray_session, tiny_model_path, tmp_path_factory):
+    from qgrpo.cluster.cli.app import main
+    from tests.helpers import SMOKE_STEPS, TINY
+
+    tmp = tmp_path_factory.mktemp("torch-smoke")
+    (tmp / "fault-state").mkdir()
+    sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{tmp / 'runs'}'", "run.progress=false",
+            "run.eval=false", "run.tensorboard=false", "run.rollouts_flush_every=1", f"run.steps={SMOKE_STEPS}",
+            "run.save_every=0", "learner.lr=1e-2", "rollout.num_actors=2"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QGRPO_FAULTS", "rollout.kill@2")
+        mp.setenv("QGRPO_FAULTS_STATE", str(tmp / "fault-state"))
+        mp.delenv("RAY_ADDRESS", raising=False)
+        assert main(["train", TINY, *(a for s in sets for a in ("--set", s))]) == 0
+    (run_dir,) = (tmp / "runs").iterdir()
+    return run_dir

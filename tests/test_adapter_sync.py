@@ -242,6 +242,7 @@ def test_a_replacement_actor_starts_from_an_adapters_update(ray_session, peft_mo
 
 @pytest.mark.parametrize("backend", ["torch", pytest.param("vllm", marks=[
     pytest.mark.vllm, pytest.mark.skipif(sys.platform != "linux", reason="vLLM runs on Linux")])])
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_two_step_lora_run_syncs_only_the_adapters(ray_session, tiny_model_path, tmp_path, backend):
     """configs/tiny.toml with learner.mode = "lora" and sync.adapters_only = true on real Ray + DeepSpeed, with the
     torch generator (int4, the config's) and a vLLM one (int8): every sync sends fewer bytes than the bf16 model has,

@@ -21,6 +21,7 @@ def _positive(x, where: str) -> None:
     assert isinstance(x, (int, float)) and math.isfinite(x) and x > 0, (where, x)
 
 
+@pytest.mark.slow  # `make test-slow` (docs/testing.md)
 @pytest.mark.heavy  # ~30 s: a model load and a served endpoint in a subprocess
 def test_quick_run_measures_every_route_and_session_count(tmp_path):
     out = tmp_path / "agent_endpoint.json"

@@ -47,6 +47,7 @@ def _records(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 @pytest.mark.ray
 def test_each_process_behind_an_agent_dies_mid_episode_and_the_run_loses_nothing(tmp_path, agents_file):
     """Step 2: the rollout actor dies inside a call; step 3: the agent runner dies; step 4: the endpoint dies."""
@@ -92,6 +93,7 @@ def test_each_process_behind_an_agent_dies_mid_episode_and_the_run_loses_nothing
     assert not [r for r in rows if r["finish_reason"] == "env_error"]
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 @pytest.mark.ray
 def test_an_endpoint_that_keeps_dying_stops_the_run_with_how_to_resume(tmp_path, agents_file):
     cfg = _config(tmp_path, agents_file, "good", steps=3)

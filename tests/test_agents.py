@@ -194,7 +194,7 @@ def test_check_plays_one_episode_of_a_good_agent(tmp_path, agents_file, capsys):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("staleness", [0, 1])
+@pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, agents_file, staleness):
     """S = 0: each step's episodes start after the sync before it, all on one version. S = 1: the next step's
     sessions open while the learner trains (the bound kept by when they open), its tokens at most 1 version old."""
@@ -230,6 +230,7 @@ def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, age
     assert "this agent fails on the second episode of each row" in (run / "env_errors.log").read_text()
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 @pytest.mark.ray
 def test_a_sync_during_an_agents_call_spans_two_versions_and_a_paused_endpoint_answers_429(ray_session,
                                                                                           tiny_model_path, tmp_path):

@@ -109,8 +109,9 @@ def test_roles_run_on_the_nodes_their_config_asks_for(one_rank):
     assert placed["learner"][0]["threads"] == 1  # the one CPU its node gave it (not the driver machine's cores)
 
 
-# ZeRO-3 across nodes runs with `make test-slow` (ZeRO-3 between two ranks also runs in tests/test_multirank.py).
-@pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.slow)])
+# Two runs more on the cluster: `make test-slow` (two ranks matching one also runs in tests/test_multirank.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [2, 3])
 def test_two_learner_ranks_on_two_nodes_match_one_rank(cluster, one_rank, tmp_path, zero_stage):
     out = tmp_path / "runs"
     r = _train(cluster, out, *PINNED, "learner.world_size=2", f"learner.zero_stage={zero_stage}",

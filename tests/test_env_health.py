@@ -146,6 +146,7 @@ BROKEN_ENV = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 @pytest.mark.heavy  # 30 s: a real run through Ray
 def test_an_environment_raising_on_most_turns_warns_every_step_and_stops(ray_session, tiny_model_path, tmp_path,
                                                                          monkeypatch, capsys):

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 GUESS = ROOT / "examples" / "guess_number" / "config.toml"
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_the_guessing_game_trains_two_steps(ray_session, tiny_model_path, tmp_path, monkeypatch):
     from qgrpo.cluster.cli.app import main
 

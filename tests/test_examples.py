@@ -5,6 +5,7 @@ reward-model example trains one step on real Ray (the one slow test here, about 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -267,6 +268,7 @@ def test_chat_rows_become_items_with_their_history(monkeypatch):
     assert kinds == {(False, False), (True, False), (False, True), (True, True)}  # every kind of row is there
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_reward_model_example_trains_a_step_and_logs_the_model_reward(ray_session, tiny_model_path, tmp_path,
                                                                     monkeypatch):
     from qgrpo.cluster.cli.app import main
@@ -286,3 +288,41 @@ def test_reward_model_example_trains_a_step_and_logs_the_model_reward(ray_sessio
     # every completion gets both rewards, so the mean total is the weighted sum of the means (weights 1 and 0.1)
     assert step["reward/mean"] == pytest.approx(correct + 0.1 * model, abs=1e-4)
     assert (run_dir / "checkpoints" / "step_000001" / "model.safetensors").is_file()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `qgrpo check` itself, whole, on every shipped config and example, as a user types it from the project folder:
+# config, data, each reward called once, an environment's or agent's probe episode, the model's preflight, the
+# machine's rates and the run's estimate. A change in the core that breaks an example fails here.
+
+GPU_PRESETS = {"gpu_single.toml", "gpu_node.toml", "cluster.toml"}  # their roles ask for GPUs (tests/test_gpu_plan.py)
+CHECKED = [p for p in CONFIGS if p.parent == ROOT / "configs" or p.name == "config.toml"]
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("path", CHECKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_qgrpo_check_passes_on_every_shipped_config_this_machine_serves(path, monkeypatch, capsys):
+    """Exit 0 and "OK: train would start"; on a machine that cannot serve the config, the one refusal that says why:
+    the GPU presets without a GPU name `--gpus`, the nanochat presets the model folder the user puts in place."""
+    import torch
+
+    from qgrpo.cluster.cli.app import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rel = str(path.relative_to(ROOT))
+    rc = main(["check", rel])
+    out, err = capsys.readouterr()
+    if path.name in GPU_PRESETS and not torch.cuda.is_available():
+        assert rc == 2, out + err
+        assert "this machine has no GPU: `qgrpo check CONFIG --gpus N`" in out, out
+        assert re.search(r"qgrpo check: REFUSED: \d+ problems?$", out.rstrip()) and "Traceback" not in out + err
+        return
+    if path.name in USER_MODEL and not Path(tomllib.loads(path.read_text())["model"]["path"]).is_dir():
+        assert rc == 2 and "model.path: folder" in out + err, out + err
+        return
+    elsewhere = [m for m in _not_installed_here() if m in out + err]
+    if rc == 2 and elsewhere:
+        pytest.skip(f"{rel}: {elsewhere[0]}")
+    assert rc == 0, f"qgrpo check {rel} refused:\n{out}\n{err}"
+    assert out.rstrip().endswith("qgrpo check: OK: train would start"), out

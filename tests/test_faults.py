@@ -15,28 +15,30 @@ import torch
 from safetensors.torch import load_file
 
 from qgrpo.cluster.cli.app import main
+from qgrpo.cluster.config.schema import load_config
 from qgrpo.core.invocation import qgrpo_command
 from tests.helpers import ROOT, read_metrics, run_dir_in, step_metrics, train_args
 
 
-def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(ray_session, tiny_model_path, tmp_path, faults):
+def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(torch_smoke_run):
     """One of two rollout actors SIGKILLs its own process inside generate at step 2 (it holds half the step's
-    prompts). The run finishes; every prompt of every step is in the Parquet output exactly group_size times."""
+    prompts) in the shared 30-step run (tests/conftest.py: torch_smoke_run). The run finishes; every prompt of every
+    step is in the Parquet output exactly group_size times."""
     import pyarrow.parquet as pq
 
-    faults("rollout.kill@2")
-    out = tmp_path / "runs"
-    assert main(train_args(tiny_model_path, out, "run.steps=3", "rollout.num_actors=2")) == 0
-    run_dir = run_dir_in(out)
+    run_dir = torch_smoke_run
+    cfg = load_config(run_dir / "config.toml")
+    prompts, group = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     rows = pq.read_table(run_dir / "rollouts").to_pylist()
-    per_step = {s: Counter(r["prompt_id"] for r in rows if r["step"] == s) for s in (1, 2, 3)}
+    per_step = {s: Counter(r["prompt_id"] for r in rows if r["step"] == s) for s in range(1, cfg.run.steps + 1)}
     for step, counts in per_step.items():
-        assert len(counts) == 8 and set(counts.values()) == {8}, (step, counts)
-    assert len({p for c in per_step.values() for p in c}) == 24  # 24 different prompts: none repeated across steps
+        assert len(counts) == prompts and set(counts.values()) == {group}, (step, counts)
+    # no prompt repeated across steps 1-3, the kill's step and those around it
+    assert len({p for s in (1, 2, 3) for p in per_step[s]}) == 3 * prompts
     events = read_metrics(run_dir)
     failed = [e for e in events if e.get("event") == "rollout_actor_failed"]
     replaced = [e for e in events if e.get("event") == "rollout_actor_replaced"]
-    assert len(failed) == 1 and failed[0]["step"] == 2 and len(failed[0]["prompt_ids"]) == 4
+    assert len(failed) == 1 and failed[0]["step"] == 2 and len(failed[0]["prompt_ids"]) == prompts // 2
     assert "ActorDiedError" in failed[0]["cause"] or "died" in failed[0]["cause"]
     assert len(replaced) == 1 and replaced[0]["replacement"].endswith(".1")
     # The replacement loaded the published weights (version 1) before it generated anything.
@@ -47,6 +49,7 @@ def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(ray_session, tin
         {r["generator_id"] for r in rows if r["step"] == 3} == {"torch-1", replaced[0]["replacement"]}
 
 
+@pytest.mark.slow  # a whole run each, as are the next six: `make test-slow`
 def test_actor_that_keeps_dying_ends_the_run_clearly(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("rollout.kill@2+")
     out = tmp_path / "runs"
@@ -60,6 +63,7 @@ def test_actor_that_keeps_dying_ends_the_run_clearly(ray_session, tiny_model_pat
     assert "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_hung_generator_fails_within_its_deadline(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("rollout.hang@2")
     out = tmp_path / "runs"
@@ -72,6 +76,7 @@ def test_hung_generator_fails_within_its_deadline(ray_session, tiny_model_path, 
     assert len(failed) == 1 and failed[0]["step"] == 2
 
 
+@pytest.mark.slow
 def test_dead_learner_ends_the_run_with_how_to_resume(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("learner.kill@3")
     out = tmp_path / "runs"
@@ -85,6 +90,7 @@ def test_dead_learner_ends_the_run_with_how_to_resume(ray_session, tiny_model_pa
     assert [m["step"] for m in step_metrics(run_dir)] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_guard_skips_poisoned_steps_on_every_rank_and_climbs_the_ladder(ray_session, tiny_model_path, tmp_path,
                                                                          faults):
     """Two learner ranks; at step 2 only rank 0's loss is NaN, at step 3 the sampler's log-probs are. Both steps are
@@ -116,6 +122,7 @@ def test_guard_skips_poisoned_steps_on_every_rank_and_climbs_the_ladder(ray_sess
     assert step_metrics(run_dir)[-1]["step"] == 5 and step_metrics(run_dir)[-1]["rollout/precision"] == "bf16"
 
 
+@pytest.mark.slow
 def test_guard_stops_a_run_with_nothing_left_to_step_up(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("learner.nan_loss@2+")
     out = tmp_path / "runs"
@@ -125,6 +132,7 @@ def test_guard_stops_a_run_with_nothing_left_to_step_up(ray_session, tiny_model_
     assert "run stopped at step 3" in err
 
 
+@pytest.mark.slow
 def test_resumed_run_repeats_the_uninterrupted_metrics_exactly(ray_session, tiny_model_path, tmp_path):
     """A 6-step run, then the same run resumed from its step-3 checkpoint: steps 4-6 come out bit-identical (reward,
     loss, KL, grad norm, mismatch), with the Adam moments restored (re-initialised moments change step 4's update and
@@ -168,6 +176,7 @@ def _run_own_group(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+@pytest.mark.slow
 @pytest.mark.ray  # a qgrpo process of its own
 def test_kill_during_checkpoint_write_then_resume(tiny_model_path, tmp_path):
     """The whole run (driver, Ray, actors: one process group) is SIGKILLed after step 4's model files are written

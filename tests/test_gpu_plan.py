@@ -1,7 +1,5 @@
 """The GPU plan (cluster.config.plan.gpu_plan): every actor that asks for a GPU or a share of one is placed at once, as
 Ray would, or the config is refused naming the roles and the GPUs; `qgrpo check --gpus` and the presets."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -69,37 +67,46 @@ def test_no_gpu_asked_no_plan():
     assert gpu_plan([_req("rollout", 2, 0), _req("learner", 1, 0)], nodes_from_counts([0])) == ([], [])
 
 
-@pytest.mark.heavy  # 7 s each: `qgrpo check` as a process
+def _check(monkeypatch, capsys, *argv: str) -> tuple[int, str, str]:
+    """`qgrpo check ARGV` in this process, from the project folder as a user types it: (exit code, stdout, stderr)."""
+    from qgrpo.cluster.cli.app import main
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    rc = main(["check", *argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
 @pytest.mark.parametrize("preset,gpus", [("gpu_single.toml", "1"), ("gpu_node.toml", "8"), ("cluster.toml", "4,1,1")])
-def test_gpu_presets_pass_qgrpo_check(preset, gpus):
-    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", f"configs/{preset}", "--gpus", gpus],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert f"  GPU plan:  on --gpus {gpus}:\n    node 0 GPU 0: " in proc.stdout  # check's report: stdout
-    assert proc.stdout.endswith("qgrpo check: OK: train would start\n")
+def test_gpu_presets_pass_qgrpo_check(preset, gpus, monkeypatch, capsys):
+    rc, out, err = _check(monkeypatch, capsys, f"configs/{preset}", "--gpus", gpus)
+    assert rc == 0, out + err
+    assert f"  GPU plan:  on --gpus {gpus}:\n    node 0 GPU 0: " in out  # check's report: stdout
+    assert out.endswith("qgrpo check: OK: train would start\n")
 
 
-@pytest.mark.heavy  # `qgrpo check` as a process
-def test_check_refuses_an_oversubscribed_gpu_plan():
-    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml", "--gpus", "1",
-                           "--set", "rollout.num_gpus=0.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "the GPU plan oversubscribes GPU 0 of node 0" in proc.stdout
-    assert "learner rank 0 (0.5)" in proc.stdout and "rollout actor 0 (0.5)" in proc.stdout
-    assert "Traceback" not in proc.stdout + proc.stderr
+def test_check_refuses_an_oversubscribed_gpu_plan(monkeypatch, capsys):
+    rc, out, err = _check(monkeypatch, capsys, "configs/gpu_single.toml", "--gpus", "1", "--set",
+                          "rollout.num_gpus=0.5")
+    assert rc == 2, out + err
+    assert "the GPU plan oversubscribes GPU 0 of node 0" in out
+    assert "learner rank 0 (0.5)" in out and "rollout actor 0 (0.5)" in out
+    assert "Traceback" not in out + err
 
 
-@pytest.mark.heavy  # `qgrpo check` as a process
-def test_check_without_gpus_here_refuses_as_train_would_and_points_at_gpus():
+def test_check_without_gpus_here_refuses_as_train_would_and_points_at_gpus(monkeypatch, capsys):
     """Without --gpus, check checks this machine, as train would run on it: a GPU config on a machine without a GPU
-    is refused (CPUs made to fit here, so that the GPU plan is the one problem), naming --gpus for another machine."""
-    proc = subprocess.run([sys.executable, "-m", "qgrpo", "check", "configs/gpu_single.toml", "--set",
-                           "rollout.num_cpus=0", "--set", "learner.num_cpus=0", "--set", "reference.num_cpus=0"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env={**__import__("os").environ, "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "(node 0: 0 GPUs)" in proc.stdout and "this machine has no GPU: `qgrpo check CONFIG --gpus N`" in proc.stdout
-    assert proc.stdout.endswith("qgrpo check: REFUSED: 1 problem\n")
+    (none visible, on any machine) is refused (CPUs made to fit here, so that the GPU plan is the one problem),
+    naming --gpus for another machine."""
+    import qgrpo.core.devices
+
+    monkeypatch.setattr(qgrpo.core.devices, "visible_gpu_count", lambda: 0)
+    rc, out, err = _check(monkeypatch, capsys, "configs/gpu_single.toml", "--set", "rollout.num_cpus=0", "--set",
+                          "learner.num_cpus=0", "--set", "reference.num_cpus=0")
+    assert rc == 2, out + err
+    assert "(node 0: 0 GPUs)" in out and "this machine has no GPU: `qgrpo check CONFIG --gpus N`" in out
+    assert out.endswith("qgrpo check: REFUSED: 1 problem\n")
 
 
 def test_the_one_gpu_preset_shares_its_gpu_within_vllms_memory_share():

@@ -18,6 +18,7 @@ def _reject(name: str):
     raise AssertionError(f"{name} in the JSON")
 
 
+@pytest.mark.slow  # `make test-slow` (docs/testing.md)
 @pytest.mark.heavy  # 13 s: the bench as a process
 def test_dry_run_measures_every_variant_on_a_cpu(tmp_path):
     out = tmp_path / "gpu_speed.json"

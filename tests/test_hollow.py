@@ -227,6 +227,7 @@ def test_eval_command_says_it(tiny_model_path, skewed_file, monkeypatch, capsys,
 # ---------------------------------------------------------------------------------------------------- end to end
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_tiny_run_on_a_skewed_file(ray_session, tiny_model_path, tmp_path, skewed_file, capsys):
     out = tmp_path / "runs"
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", "run.steps=2", "run.progress=false",

@@ -205,6 +205,7 @@ def test_the_readme_snippet_is_the_word_answers_example(monkeypatch, tmp_path):
         load_config(ROOT / "examples" / "word_answers" / "config.toml").to_dict()
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_a_run_judges_held_out_answers_by_the_users_function(ray_session, tiny_model_path, tmp_path, monkeypatch,
                                                             capsys):
     """A real run of the tiny model whose held-out judge is a graded function of the user's: the accuracy it logs is

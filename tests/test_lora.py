@@ -305,6 +305,7 @@ def test_config_rejects_what_the_modes_cannot_do():
 # ------------------------------------------------------------------ a real run
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_qlora_run_resumes_exactly_and_its_checkpoint_merges(ray_session, tiny_model_path, tmp_path, capsys):
     """Real Ray + DeepSpeed: a QLoRA learner (reference from its own base) feeding int8 generators. Checkpoints are peft
     folders without the base; resumed from step 2 the run repeats steps 3-4 bit for bit; `qgrpo merge` writes a model

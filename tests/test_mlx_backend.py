@@ -229,6 +229,27 @@ def test_config_accepts_mlx_and_names_what_it_does_not_serve():
     assert any(p.startswith("reference.backend: unknown backend 'vllm'") for p in validate(cfg))
 
 
+def test_a_short_run_with_mlx_rollouts_and_reference_moves_the_reward(ray_session, tiny_model_path, tmp_path):
+    """The smoke of the curve below, in `make test`: 30 steps at lr 1e-2 with int4 MLX generators and an MLX
+    reference, the reward moved (tests/helpers.py: SMOKE_GAIN)."""
+    from tests.helpers import SMOKE_GAIN, SMOKE_STEPS, read_metrics, reward_moved, step_metrics
+
+    rc = main(["train", str(ROOT / "configs" / "tiny.toml"), "--set", f"model.path='{tiny_model_path}'",
+               "--set", f"run.output_dir='{tmp_path}'", "--set", "run.progress=false", "--set",
+               f"run.steps={SMOKE_STEPS}", "--set", "run.eval=false", "--set", "learner.lr=1e-2", "--set",
+               "run.save_every=0", "--set", "rollout.backend='mlx'", "--set", "reference.backend='mlx'"])
+    assert rc == 0
+    (run_dir,) = tmp_path.iterdir()
+    (start,) = [r for r in read_metrics(run_dir) if r.get("event") == "start"]
+    assert [g["generator_id"] for g in start["generators"]] == ["mlx-0"], start["generators"]
+    steps = step_metrics(run_dir)
+    assert len(steps) == SMOKE_STEPS and all(r["rollout/precision"] == "int4" for r in steps)
+    first, last = reward_moved(run_dir)
+    print(f"tiny smoke on mlx: reward first3={first:.3f} last10={last:.3f}")
+    assert last - first >= SMOKE_GAIN, (first, last)
+
+
+@pytest.mark.slow  # ~85 s here; the smoke above is in `make test`
 def test_tiny_config_learns_with_mlx_rollouts_and_reference(ray_session, tiny_model_path, tmp_path):
     """The same job with int4 MLX generators (nn.quantize, group 64) and an MLX reference, on mlx-cpu: 150 steps,
     the same bar. Measured: first 25 steps 0.18 mean reward, steps 125-150 0.68, 175-200 0.88."""

@@ -160,6 +160,7 @@ def test_lr_schedules():
     assert lr_factor(0, 2, "cosine", 10) == pytest.approx(0.5)  # warm-up ramp times the cosine
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_mlx_grpo_config_trains_the_tiny_model(ray_session, tiny_model_path, tmp_path):
     """MLX-GRPO keys plus our [task]/[rewards] for the tiny model: a real run (Ray, DeepSpeed, int4 generators)."""
     cfg = tmp_path / "mlx.toml"

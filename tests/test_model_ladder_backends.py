@@ -19,7 +19,9 @@ def _reject(name: str):
 
 
 @pytest.mark.heavy  # vLLM ~35 s (two engines), MLX ~10 s
-@pytest.mark.parametrize("backend", sorted(CASES))  # marked `vllm` / `mlx` by tests/conftest.py
+# marked `vllm` / `mlx` by tests/conftest.py; vLLM's two engines (~35 s) in `make test-slow`
+@pytest.mark.parametrize("backend", [pytest.param(b, marks=pytest.mark.slow) if b == "vllm" else b
+                                     for b in sorted(CASES)])
 def test_tiny_shape_measures_every_cell_or_says_why(backend, tmp_path):
     missing = REGISTRY[backend].unavailable()
     if missing:

@@ -8,7 +8,7 @@ from qgrpo.actors.weights import ObjectStoreTransport
 from tests.helpers import random_batch, start_ranks
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
+@pytest.mark.parametrize("zero_stage", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_two_ranks_match_one(ray_session, tiny_model_path, tmp_path, zero_stage):
     batch = random_batch(32)
     one = start_ranks(tiny_model_path, 1, zero_stage, str(tmp_path))

@@ -180,6 +180,7 @@ def test_presets_carry_the_settings_mlx_grpo_users_tuned_and_say_where_the_model
         load_config(ROOT / "configs" / "nanochat_d32.toml")
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 @pytest.mark.parametrize("preset, backend", [("d20", "torch"), pytest.param("d32", "mlx", marks=mlx_only)])
 def test_two_training_steps_of_each_preset(ray_session, cache, tmp_path, preset, backend):
     """The presets as they are (int4 generators, TIS, the guard, the bf16 reference, the cosine schedule) on the tiny
@@ -244,6 +245,7 @@ def _vllm_check(folder: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # `make test-slow` (docs/testing.md)
 @pytest.mark.vllm  # a real vLLM engine
 def test_vllm_serves_nanochat_through_its_transformers_fallback(cache):
     """vLLM has no nanochat model of its own; its transformers fallback runs it (bf16 and W8A8 int8), weight syncs

@@ -6,6 +6,7 @@ import pytest
 from bench import omp_wait
 
 
+@pytest.mark.slow  # `make test-slow` (docs/testing.md)
 def test_each_wait_runs_in_its_own_processes_and_is_summarised(tmp_path):
     out = tmp_path / "omp_wait.json"
     res = omp_wait.main(["--model", "tiny-qwen2", "--precision", "int8", "--rows", "1", "2", "--steps", "2",

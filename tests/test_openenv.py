@@ -169,6 +169,7 @@ def test_a_server_takes_no_constructor_params_and_a_dead_url_is_named(served):
     assert dead in failure.error
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_the_served_game_trains_two_steps_through_ray(served, ray_session, tiny_model_path, tmp_path, monkeypatch):
     """`qgrpo check` passes the example, then two steps through Ray with every trajectory an OpenEnv session."""
     from qgrpo.cluster.cli.app import main

@@ -119,6 +119,7 @@ def _prompts_by_step(run_dir: Path) -> dict[int, list[str]]:
     return out
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_overlap_run_trains_each_prompt_once_one_step_stale(ray_session, tiny_model_path, tmp_path):
     rc = _train(tmp_path / "a", tiny_model_path, "--set", "run.steps=4", "--set", "run.save_every=2")
     assert rc == 0

@@ -171,6 +171,7 @@ def test_check_prints_the_trials_and_the_choice(tiny_model_path, tmp_path, capsy
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 @pytest.mark.ray
 def test_a_run_records_its_choice_and_keeps_it_on_resume(ray_session, tiny_model_path, tmp_path, capsys):
     from qgrpo.cluster.cli.app import main

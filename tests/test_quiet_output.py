@@ -76,6 +76,7 @@ def test_check_of_a_task_whose_rewards_import_noisy_libraries(tmp_path, tiny_mod
     assert not [n for n in NOISE if n in both], both
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 @pytest.mark.ray  # a qgrpo process of its own
 def test_a_short_run_prints_no_library_noise_and_no_dead_worker(tmp_path, tiny_model_path):
     """Driver, rollout, reference and learner actors and a reward worker that imports the noisy libraries: a clean

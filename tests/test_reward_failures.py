@@ -7,6 +7,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from qgrpo.cluster.run.rewarding import RewardHealth
 from qgrpo.rollout.rewards.scoring import CallResult, RewardEntry, Scores, combine
 
@@ -39,6 +41,7 @@ def _lines(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_a_reward_failing_on_every_call_stops_the_run_under_zero(ray_session, tiny_model_path, tmp_path,
                                                                  monkeypatch, capsys):
     from qgrpo.cluster.cli.app import main
@@ -73,6 +76,7 @@ def test_a_reward_failing_on_every_call_stops_the_run_under_zero(ray_session, ti
     assert f'File "{tmp_path / "mine.py"}", line 6' in log and "ZeroDivisionError: float division by zero" in log
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_a_reward_that_fails_once_is_counted_and_summarised(ray_session, tiny_model_path, tmp_path, monkeypatch,
                                                            capsys):
     from qgrpo.cluster.cli.app import main
@@ -92,6 +96,7 @@ def test_a_reward_that_fails_once_is_counted_and_summarised(ray_session, tiny_mo
     assert f"tracebacks in {run_dir}/reward_errors.log" in err
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_fail_names_the_users_line_and_the_log(ray_session, tiny_model_path, tmp_path, monkeypatch, capsys):
     from qgrpo.cluster.cli.app import main
 

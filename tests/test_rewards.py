@@ -351,6 +351,7 @@ def test_pool_worker_that_cannot_load_fails_first_step(ray_session, tmp_path):
     pool.close()
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_run_trains_on_rewards_from_a_user_file(ray_session, tiny_model_path, tmp_path, monkeypatch):
     """A two-step run on a chat-format JSONL of the user's with a reward file in a temporary folder: each function's
     mean is logged, and the function saw the row's extra column. Chat rows give conversational completions, as in

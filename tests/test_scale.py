@@ -71,6 +71,7 @@ def _training(sets: list[str], env: dict, log_path: Path):
         log.close()
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path):
     out = tmp_path / "runs"
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", f"run.steps={STEPS}", "run.progress=false",
@@ -123,6 +124,7 @@ def test_scale_rollout_actors_up_and_down_during_a_run(tiny_model_path, tmp_path
           f"{gen[first_two + 1]:.2f} (step {first_two + 1}); actors per step {actors}")
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_actors_added_to_a_running_stream_take_prompts_from_its_queue(tiny_model_path, tmp_path):
     """algo.max_staleness = 1: `qgrpo scale` 1 -> 2 while the stream runs ahead. The stream settles (its call in
     flight comes in), the actor is added, and the new actor takes chunks from the queue: it generates later steps'

@@ -100,6 +100,7 @@ def test_serve_answers_every_route_and_stops_on_sigint(tiny_model_path, tmp_path
         err.close()
 
 
+@pytest.mark.slow  # `make test-slow` (docs/testing.md)
 @pytest.mark.ray
 def test_a_served_call_whose_rollout_actor_dies_is_answered_by_its_replacement(tiny_model_path, tmp_path,
                                                                               tmp_path_factory):

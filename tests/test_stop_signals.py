@@ -145,6 +145,7 @@ def _stopped(run: Run, run_dir: Path, processes: list[psutil.Process], signame: 
     return step
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_signals_stop_a_run_that_resumes_to_the_end(tiny_model_path, tmp_path):
     out = tmp_path / "runs"
     sets = [f"model.path='{tiny_model_path}'", f"run.output_dir='{out}'", f"run.steps={STEPS}", "run.progress=false",

@@ -232,6 +232,7 @@ def _staging_dir(err: str) -> Path:
     return Path(err.split("(logs staged in ", 1)[1].split(")", 1)[0])
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_every_learner_rank_uploads_its_part_and_loads_it_back(ray_session, tiny_model_path, tmp_path):
     """Two learner ranks under ZeRO-1 (an optimizer shard each) save a checkpoint to a URI the way Workers.save
     does: rank 0's model files and both shards land there; then both ranks load it back through their node's copy."""
@@ -257,6 +258,7 @@ def test_every_learner_rank_uploads_its_part_and_loads_it_back(ray_session, tiny
             ray.kill(a)
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_uri_run_holds_everything_and_resumes_exactly(ray_session, tiny_model_path, tmp_path, capsys):
     """A 4-step run writes to a file:// URI; then the same run resumed from its step-2 checkpoint URI repeats steps
     3-4 bit for bit (the learner's Adam moments and the generators' weights come from the URI)."""

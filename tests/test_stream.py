@@ -44,6 +44,7 @@ def _steps(run_dir: Path) -> list[dict]:
     return [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "time/step" in m]
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_a_stream_trains_on_the_prompts_of_a_synchronous_run_within_its_bound(ray_session, tiny_model_path,
                                                                                tmp_path, monkeypatch, faults):
     """... and its syncs land inside the completions in flight: the stream's actors decode at 0.25 s a step (the
@@ -84,6 +85,7 @@ def test_a_stream_trains_on_the_prompts_of_a_synchronous_run_within_its_bound(ra
     assert len({r["generator_id"] for r in rows}) == 2
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_a_killed_rollout_actor_in_a_stream_loses_and_repeats_no_prompt(ray_session, tiny_model_path, tmp_path,
                                                                         faults, monkeypatch):
     """One of two rollout actors SIGKILLs its process inside generate at generator step 2 while the stream runs

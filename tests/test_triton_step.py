@@ -29,6 +29,7 @@ def interpreter():
     assert triton_step.available(torch.device("cpu"))
 
 
+@pytest.mark.slow  # `make test-slow` (docs/testing.md)
 @pytest.mark.heavy  # 30 s: every interpreter test in a process of its own
 def test_interpreter_tests_pass_in_a_subprocess():
     pytest.importorskip("triton")

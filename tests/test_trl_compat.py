@@ -283,6 +283,7 @@ def test_rollout_parquet_has_a_column_per_entry(tmp_path):
 # ------------------------------------------------------------------------------------------- a real short run
 
 
+@pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)
 def test_a_trl_reward_file_trains_on_chat_rows_without_answers(ray_session, tiny_model_path, tmp_path, monkeypatch):
     """Two steps of the tiny model on chat rows with no answer column, rewarded by TRL-style conversational functions
     and a built-in that reads the chat completions; each entry's score reaches the rollouts Parquet."""

@@ -94,6 +94,29 @@ def test_fingerprint_catches_bf16_reloaded_into_the_int8_engine(generators, tiny
     check_fingerprint(gen.generator_id, "int8", 2, gen.score(pid), expected)
 
 
+def test_a_short_run_with_vllm_rollouts_moves_the_reward(ray_session, tiny_model_path, tmp_path):
+    """The smoke of the curve below, in `make test`: 30 steps at lr 1e-2 with vLLM int8 (W8A8) rollouts, every sync
+    passing the fingerprint, the reward moved (tests/helpers.py: SMOKE_GAIN)."""
+    from qgrpo.cluster.cli.app import main
+    from qgrpo.rollout.backends.common import FINGERPRINT_TOLERANCE
+    from tests.helpers import SMOKE_GAIN, SMOKE_STEPS, read_metrics, reward_moved, step_metrics
+
+    rc = main(["train", "configs/tiny.toml", "--set", f"model.path='{tiny_model_path}'", "--set",
+               f"run.output_dir='{tmp_path}'", "--set", "run.progress=false", "--set", "rollout.backend=vllm",
+               "--set", "rollout.precision=int8", "--set", f"run.steps={SMOKE_STEPS}", "--set", "run.eval=false",
+               "--set", "learner.lr=1e-2", "--set", "run.save_every=0"])
+    assert rc == 0
+    (run_dir,) = tmp_path.iterdir()
+    steps = step_metrics(run_dir)
+    assert len(steps) == SMOKE_STEPS
+    assert all(r["sync/fingerprint_corr_min"] >= FINGERPRINT_TOLERANCE["int8"][1] for r in steps)
+    assert {g["precision"] for g in read_metrics(run_dir)[0]["generators"]} == {"int8"}
+    first, last = reward_moved(run_dir)
+    print(f"tiny smoke on vLLM int8: reward first3={first:.3f} last10={last:.3f}")
+    assert last - first >= SMOKE_GAIN, (first, last)
+
+
+@pytest.mark.slow  # ~200 s here; the smoke above is in `make test`
 def test_tiny_config_learns_with_vllm_rollouts(ray_session, tiny_model_path, tmp_path):
     """configs/tiny.toml with `rollout.backend = "vllm"` at int8 (W8A8): the same bar as the torch learning test,
     mean reward of the last 10 steps at least 0.3 above the first 10."""

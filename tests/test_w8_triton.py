@@ -58,6 +58,7 @@ def interpreter():
 
 # --- Triton's interpreter, CPU tensors ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # `make test-slow` (docs/testing.md)
 @pytest.mark.heavy  # 40 s: every interpreter test in a process of its own
 def test_interpreter_tests_pass_in_a_subprocess():
     pytest.importorskip("triton")
