@@ -110,9 +110,11 @@ def faults(monkeypatch, tmp_path):
 
 
 # A whole run is the unit of cost: this one serves several tests. configs/tiny.toml for 30 steps (lr 1e-2) with two
-# torch int4 rollout actors, one of which SIGKILLs its own process inside generate at step 2 (core/faults.py:
-# rollout.kill@2): tests/test_faults.py reads the replacement and the prompts it held, tests/test_learns.py that the
-# reward moves, which a run surviving the kill must still show. About 40 s on a 2-core CPU.
+# torch int4 rollout actors and three drills (core/faults.py): one actor SIGKILLs its own process inside generate at
+# step 2, the learner's loss is NaN at step 10 and the sampler's log-probs at step 11. tests/test_faults.py reads the
+# replacement and the prompts it held, and the precision guard's skips and ladder (int4 -> int8 -> bf16);
+# tests/test_learns.py that the reward moves, which a run surviving all three must still show. About 35 s here.
+SMOKE_FAULTS = "rollout.kill@2,learner.nan_loss@10,rollout.nan@11"
 
 
 @pytest.fixture(scope="session")
@@ -126,7 +128,7 @@ def torch_smoke_run(ray_session, tiny_model_path, tmp_path_factory):
             "run.eval=false", "run.tensorboard=false", "run.rollouts_flush_every=1", f"run.steps={SMOKE_STEPS}",
             "run.save_every=0", "learner.lr=1e-2", "rollout.num_actors=2"]
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("QGRPO_FAULTS", "rollout.kill@2")
+        mp.setenv("QGRPO_FAULTS", SMOKE_FAULTS)
         mp.setenv("QGRPO_FAULTS_STATE", str(tmp / "fault-state"))
         mp.delenv("RAY_ADDRESS", raising=False)
         assert main(["train", TINY, *(a for s in sets for a in ("--set", s))]) == 0

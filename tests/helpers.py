@@ -177,11 +177,13 @@ SMOKE_STEPS = 30  # the smokes' length (tests/conftest.py: torch_smoke_run, and 
 
 def reward_moved(run_dir: Path) -> tuple[float, float]:
     """(mean reward of the first 3 steps, of the last 10) of a short run, after checking every step's loss and
-    mismatch are finite (NaN never passes)."""
+    mismatch are finite (NaN never passes), but on the steps the precision guard skipped (an injected NaN)."""
     import math
 
     rows = step_metrics(run_dir)
-    assert rows and all(math.isfinite(r["loss/total"]) and math.isfinite(r["mismatch/kl_mu_old"]) for r in rows)
+    trained = [r for r in rows if not r.get("guard/skipped")]
+    assert len(trained) >= len(rows) - 2 and all(
+        math.isfinite(r["loss/total"]) and math.isfinite(r["mismatch/kl_mu_old"]) for r in trained)
     return sum(r["reward/mean"] for r in rows[:3]) / 3, sum(r["reward/mean"] for r in rows[-10:]) / 10
 
 

@@ -49,6 +49,22 @@ def test_killed_rollout_actor_is_replaced_and_no_prompt_is_lost(torch_smoke_run)
         {r["generator_id"] for r in rows if r["step"] == 3} == {"torch-1", replaced[0]["replacement"]}
 
 
+def test_guard_skips_poisoned_steps_and_climbs_the_ladder_in_the_shared_run(torch_smoke_run):
+    """The shared run's step 10 has a NaN loss, its step 11 NaN sampler log-probs: both are skipped (the policy
+    version stays), the rollouts climb int4 -> int8 -> bf16, the run trains on, and the final checkpoint keeps the
+    rung. Two learner ranks skipping together, and the rung surviving a resume: the slow test below."""
+    by_step = {m["step"]: m for m in step_metrics(torch_smoke_run)}
+    assert [s for s, m in by_step.items() if m["guard/skipped"]] == [10, 11]
+    assert by_step[10]["guard/reason"] == "loss" and by_step[11]["guard/reason"] == "sampler_logprobs"
+    assert [by_step[s]["guard/rollout_bits"] for s in (9, 10, 11, 12, 30)] == [4, 8, 16, 16, 16]
+    assert [by_step[s]["policy_version"] for s in (9, 10, 11, 12)] == [9, 9, 9, 10]
+    ladder = [e for e in read_metrics(torch_smoke_run) if e.get("event") == "ladder"]
+    assert [(e["step"], e["rollout_precision"]) for e in ladder] == [(10, "int8"), (11, "bf16")]
+    (last,) = (torch_smoke_run / "checkpoints").iterdir()
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["guard"]["rollout_precision"] == "bf16" and state["guard"]["skipped_total"] == 2
+
+
 @pytest.mark.slow  # a whole run each, as are the next six: `make test-slow`
 def test_actor_that_keeps_dying_ends_the_run_clearly(ray_session, tiny_model_path, tmp_path, faults, capsys):
     faults("rollout.kill@2+")
