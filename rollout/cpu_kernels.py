@@ -16,9 +16,9 @@ are built, `int8_kernel` and `int4_kernel` are they, else torch's. So the rows u
 measured, for each weight shape
 and activation dtype, at the first product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8,
 2-4 s for an int4 [8960, 1536] on 2 cores). The routes round differently, so a measure is kept in a file of the cache
-(``ROUTES_FILE``, under a key of the CPU model, kernel capability, thread count, torch version and qgrpo's kernels) that
-every later process on the machine reads: a run resumed, or its actor replaced, samples through the same routes as
-before. The first record of a shape holds.
+(``ROUTES_FILE``, core/measured.py; under a key of the CPU model, kernel capability, thread count, torch version and
+qgrpo's kernels) that every later process on the machine reads: a run resumed, or its actor replaced, samples through
+the same routes as before. The first record of a shape holds.
 
 The int4 dequantizer (``int4_dequantize``) unpacks torch's CPU packing, whose layout depends on the kernel's vector
 width (the comment above ``weight_to_int4pack_kernel`` in aten/src/ATen/native/cpu/int4mm_kernel.cpp): blocks of
@@ -35,6 +35,7 @@ import time
 
 import torch
 
+from qgrpo.core import measured
 from qgrpo.rollout import cpu_native
 
 ROUTES_FILE = "cpu_int8_rows.json"  # under the cache root (core/storage.py: cache_root), by machine key
@@ -91,46 +92,20 @@ def _name(dtype: torch.dtype) -> str:
 
 def _kernel_rows(key: tuple, name: str, measure) -> int:
     if key not in _ROWS:
-        recorded = _routes_record()
-        if name not in recorded:
-            measured = measure()
-            recorded = _routes_record()  # another process may have recorded it meanwhile: the first record holds
-            if name not in recorded:
-                recorded[name] = measured
-                _routes_record(recorded)
-        _ROWS[key] = int(recorded[name])
+        machine = _machine()
+        recorded = measured.recall(ROUTES_FILE, machine, name)
+        if recorded is None:
+            measured.remember(ROUTES_FILE, machine, name, measure())
+            recorded = measured.recall(ROUTES_FILE, machine, name)  # another process's record, made first, holds
+        _ROWS[key] = int(recorded)
     return _ROWS[key]
 
 
-def _routes_record(update: dict | None = None) -> dict:
-    """This machine's measured routes ({"NxK:dtype": rows, "int4:NxK:gG:dtype": rows}) from the cache's routes file,
-    under a key of the CPU model, the kernels' capability (AVX-512, or AVX2 where ATEN_CPU_CAPABILITY caps it: other
-    kernels, other crossovers), torch's thread count and torch's version; with `update`, written back first
-    (atomically; a file that cannot be read or written leaves the measure to this process)."""
-    import json
-    import os
-
-    from qgrpo.core.cpu import isa
-    from qgrpo.core.storage import cache_root
-
-    path = cache_root() / ROUTES_FILE
-    cpu = isa()
-    machine = (f"{cpu.name or 'cpu'} | {cpu.capability} | {torch.get_num_threads()} threads | torch {torch.__version__}"
-               f" | kernels {cpu_native.tag()}")
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        data = {}
-    if update is not None:
-        data[machine] = {**data.get(machine, {}), **update}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-            tmp.replace(path)
-        except OSError:
-            pass
-    return dict(data.get(machine, {}))
+def _machine() -> str:
+    """The routes file's machine key (core/measured.py): the CPU model, the kernels' capability (AVX-512, or AVX2
+    where ATEN_CPU_CAPABILITY caps it: other kernels, other crossovers), torch's thread count and version, and the
+    tag of qgrpo's own kernels."""
+    return measured.machine_key(torch.get_num_threads(), f"kernels {cpu_native.tag()}")
 
 
 def _seconds(fn) -> float:
