@@ -201,7 +201,7 @@ class _RolloutActor(CollectiveMember):
                 "precision": self.gen.precision, "memory_bytes": self.gate.run(self.gen.memory_bytes),
                 "device": self._tensor_device(),
                 "node_id": ray.get_runtime_context().get_node_id(), "threads": torch.get_num_threads(),
-                "cpu_wait": current_wait()}
+                "cpu_wait": current_wait(), "compute_dtype": getattr(self.gen, "compute_dtype", None)}
 
     def set_threads(self, threads: int) -> None:
         """Local mode: more actors now share this machine's cores (or fewer do)."""

@@ -5,16 +5,19 @@ convert each block to float32 and back: measured on an AVX2-only AMD EPYC, 7.5 G
 a 512x576x1536 product, and the default job's first step took 577 s instead of 12. So the roles that compute with the
 policy in torch (the learner, the reference, the torch generator) choose their compute dtype here:
 
-- `compute_dtype(setting, device)`: "bf16" or "fp32" forced, or "auto": bf16 where the device computes it natively,
-  fp32 elsewhere, with the reason in words. The weights the learner streams and saves stay bf16 either way
-  (learner/engine.py), so receivers and checkpoints are the same on every machine.
+- `compute_dtype(setting, device)`: "bf16" or "fp32" forced, or "auto" by the device: bf16 where it computes it
+  natively, fp32 elsewhere, with the reason in words. A local run's CPU roles do better: their own work is timed in
+  each precision the flags allow and the faster taken per role (cluster/run/compute_auto.py), since native bf16 can
+  still be slower than fp32 (a Xeon with AVX512-BF16 and no AMX); what is decided here is what a role falls back to
+  where nothing was timed (a cluster's nodes, a GPU, `qgrpo serve`). The weights the learner streams and saves stay
+  bf16 either way (learner/engine.py), so receivers and checkpoints are the same on every machine.
 - `isa()`: what the processor offers, as torch and oneDNN will use it: the cpuid flags, less what the environment
   caps (`ATEN_CPU_CAPABILITY` for torch's own kernels, `ONEDNN_MAX_CPU_ISA` for oneDNN's products). Setting both to
   AVX2 on an AVX-512 machine makes it behave, and be judged, as an AVX2-only one.
 - `wait_env(wait)`: the environment of an OpenMP wait policy for a process (`rollout.cpu_wait` and the learner's and
   the reference's).
 - `matmul_rates()`: bf16 and fp32 product rates measured in about a second, for the preflight line that tells a user
-  whether a run takes minutes or hours (cluster/config/preflight.py: step_estimate).
+  whether a run takes minutes or hours (cluster/config/machine.py: step_estimate, for the stages no role timed).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from functools import lru_cache
 
 # torch is imported inside the functions: the config schema takes COMPUTE_DTYPES from here without loading torch.
 COMPUTE_DTYPES = ("auto", "bf16", "fp32")
+ROLE_COMPUTE_DTYPES = ("",) + COMPUTE_DTYPES  # [learner|reference|rollout].compute_dtype; "": model.compute_dtype's
 
 # rollout.cpu_wait: what libgomp's idle threads do between two parallel regions. "passive": they sleep, and each
 # next region waits for them to wake (about 0.1 ms on a cloud VM; a decode step at few rows is hundreds of regions).

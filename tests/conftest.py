@@ -16,6 +16,11 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+# `qgrpo check` and `train` time each CPU role's work before a local run (cluster/run/compute_auto.py: 10-80 s for a
+# new job shape on a 2-core machine). The suite checks and trains many shapes, so it leaves that off in every qgrpo it
+# starts; the tests of the timing itself, and the shared torch run, turn it on (monkeypatch.setenv).
+os.environ["QGRPO_TIME_ROLES"] = "0"
+
 
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
@@ -128,6 +133,7 @@ def torch_smoke_run(ray_session, tiny_model_path, tmp_path_factory):
             "run.eval=false", "run.tensorboard=false", "run.rollouts_flush_every=1", f"run.steps={SMOKE_STEPS}",
             "run.save_every=0", "learner.lr=1e-2", "rollout.num_actors=2"]
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("QGRPO_TIME_ROLES", "1")  # the roles timed before the start, as a user's local run does
         mp.setenv("QGRPO_FAULTS", SMOKE_FAULTS)
         mp.setenv("QGRPO_FAULTS_STATE", str(tmp / "fault-state"))
         mp.delenv("RAY_ADDRESS", raising=False)

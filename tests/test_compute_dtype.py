@@ -200,8 +200,12 @@ def test_the_runs_config_records_the_choice_and_a_resume_reads_past_it(monkeypat
     monkeypatch.setattr(cpu, "isa", lambda: isa_from(ZEN2, "AVX2", {}, "x86_64", "AMD EPYC"))
     cfg = load_config("configs/tiny.toml", check_environment=False)
     text = train._recorded(cfg)
-    assert text.splitlines()[-1] == train.COMPUTE_NOTE + "fp32 (auto: AMD EPYC, AVX2, no native bf16: bf16 products " \
-                                                         "would be emulated, several times slower than fp32)"
+    assert text.splitlines()[-1] == train.COMPUTE_NOTE + (
+        "learner, reference, rollout fp32 (auto: AMD EPYC, AVX2, no native bf16: bf16 products would be emulated, "
+        "several times slower than fp32)")
+    cfg.learner.compute_dtype = "bf16"  # a role's own setting, told apart
+    assert train._recorded(cfg).splitlines()[-1].startswith(train.COMPUTE_NOTE + 'learner bf16 (learner.compute_dtype = '
+                                                            '"bf16"); reference, rollout fp32 (auto: AMD EPYC')
     assert tomllib.loads(text)["model"]["compute_dtype"] == "auto"
     assert train._unnoted(text) == train._unnoted(text.replace("fp32 (", "bf16 ("))
 

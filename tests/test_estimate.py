@@ -132,3 +132,15 @@ def test_the_rate_is_the_best_of_short_trials():
     slow = iter([{"fp32": 40.0}, {"fp32": 160.0}])
     ticks = iter([0.0, 5.0])  # the first trial took 5 s: no second
     assert machine.best_rates(lambda seconds: next(slow), 1.0, trials=3, clock=lambda: next(ticks)) == {"fp32": 40.0}
+
+
+def test_an_agent_programs_step_is_a_range():
+    """An agent's calls reach the generators as it makes them: the step is given from every turn's calls decoded
+    together to AGENT_SPREAD times that generation, and the run's total as a range too."""
+    e = StepEstimate(learn=36.0, reference=10.0, generate=30.0, environment=0.0, sync=2.0, fixed=2.0)
+    r = MachineReport("cpu", "bf16", "auto: cpu", {"bf16": 400.0, "fp32": 160.0}, e.total, e, agent=True)
+    line = r.lines(10)[2]
+    high = e.total + (machine.AGENT_SPREAD - 1) * 30.0  # 110 s
+    assert line.startswith(f"expected: 80 s to {high / 60:.0f} min per step, 14 min to {(high * 10 + 30) / 60:.0f} "
+                           "min for 10 steps") and "calls are its own" in line
+    assert "about" not in line.split("(")[0]

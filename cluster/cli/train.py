@@ -35,7 +35,10 @@ def _refuse(problems: list[str]) -> None:
 
 class Progress:
     """What the checks found, told as each passes: `qgrpo train` keeps quiet until Ray starts (this class), `qgrpo
-    check` prints a line each (commands.CheckReport). Hints are told to both."""
+    check` prints a line each (commands.CheckReport). Hints are told to both. `compute`: the CPU roles' timed compute
+    choice once the checks made it (cluster/run/compute_auto.py: ComputeChoice), else None."""
+
+    compute = None
 
     def loaded(self, cfg) -> None:
         """The effective config, once it is valid."""
@@ -113,7 +116,10 @@ def before_ray(args, resume=None, address: str | None = None, gpus: list[int] | 
 
     _refuse(probe_checks(cfg, here=address is None and gpus is None, progress=progress)
             + probe_environment_checks(cfg, progress))
-    model_path = _preflight(cfg, resume, address, gpus, progress)
+    model_path, compute = _preflight(cfg, resume, address, gpus, progress)
+    progress.compute = compute
+    if compute is not None:  # model.compute_dtype = "auto" decided per CPU role by their timed work
+        cfg = compute.applied(cfg)
     from qgrpo.cluster.run.precision_auto import here, is_auto
 
     if is_auto(cfg) and trials and here(cfg, address, gpus):
@@ -261,9 +267,10 @@ def _model_path(cfg, progress: Progress) -> str:
 
 
 def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
-               progress: Progress | None = None) -> str:
-    """The model folder, once what would hang or train on garbage is ruled out (before Ray starts or anything is
-    written). Hints (what would run but likely waste the run) are printed here, by train and check alike."""
+               progress: Progress | None = None):
+    """(the model folder, the CPU roles' timed compute choice or None), once what would hang or train on garbage is
+    ruled out (before Ray starts or anything is written). Hints (what would run but likely waste the run) are printed
+    here, by train and check alike."""
     from qgrpo.actors.common import quiet_libraries
 
     progress = progress or Progress()
@@ -299,10 +306,13 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
         from qgrpo.cluster.run.cpu_waits import role_threads, role_waits, words
 
         progress.told("cpu waits", words(role_waits(cfg, True, cpus, role_threads(cfg, cpus))))
+    compute = None
     if here and not cfg.learner.num_gpus:  # the roles compute on this machine's CPU: what in, and how fast
         from qgrpo.cluster.config.machine import machine_report
 
-        for line in machine_report(cfg, model_path, resume=resume).lines(cfg.run.steps):
+        report = machine_report(cfg, model_path, resume=resume, say=lambda text: progress.told("compute", text))
+        compute = report.compute
+        for line in report.lines(cfg.run.steps):
             progress.told(*line.split(": ", 1))
         from qgrpo.rollout.backends import REGISTRY
 
@@ -312,19 +322,28 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
             for fmt in ("int8", "int4"):  # qgrpo's own kernel, or torch's and why
                 if cfg.rollout.precision in (fmt, "auto"):
                     progress.told(f"{fmt} kernel", cpu_kernels.describe(fmt))
-    return model_path
+    return model_path, compute
 
 
 COMPUTE_NOTE = "# model.compute_dtype on this machine's CPU: "  # the choice, recorded under the run's config.toml
 
 
 def _recorded(cfg, note: str = "") -> str:
-    """The run's config.toml: the effective config, the trials behind rollout.precision = "auto" (`note`), and the
-    compute dtype `auto` chose here (core/cpu.py)."""
+    """The run's config.toml: the effective config (each CPU role's compute_dtype as `auto` chose it by timing:
+    cluster/run/compute_auto.py), the trials behind rollout.precision = "auto" (`note`), and what each role computes
+    in on this machine's CPU."""
     from qgrpo.cluster.config.tomlio import to_toml
+    from qgrpo.cluster.run.compute_auto import role_dtype
     from qgrpo.core.cpu import compute_dtype
 
-    return to_toml(cfg) + note + COMPUTE_NOTE + "{} ({})\n".format(*compute_dtype(cfg.model.compute_dtype, "cpu"))
+    same: dict[tuple[str, str], list[str]] = {}  # the roles of one dtype and reason together
+    for role in ("learner", "reference", "rollout"):
+        own = getattr(cfg, role).compute_dtype
+        made = (own, f"{role}.compute_dtype = \"{own}\"") if own in ("bf16", "fp32") else \
+            compute_dtype(role_dtype(cfg, role), "cpu")
+        same.setdefault(made, []).append(role)
+    roles = "; ".join(f"{', '.join(names)} {dtype} ({why})" for (dtype, why), names in same.items())
+    return to_toml(cfg) + note + COMPUTE_NOTE + roles + "\n"
 
 
 def _gpu_plan(cfg, address: str | None, gpus: list[int] | None) -> tuple[str, list[str]]:
@@ -389,10 +408,11 @@ def _check_cluster(cfg, address: str | None, started: bool) -> None:
 
 
 def _unnoted(text: str) -> str:
+    from qgrpo.cluster.run.compute_auto import NOTE as MEASURED
     from qgrpo.cluster.run.precision_auto import NOTE
 
     return "".join(line for line in text.splitlines(keepends=True)
-                   if not line.startswith(COMPUTE_NOTE) and not line.startswith(NOTE))
+                   if not line.startswith((COMPUTE_NOTE, NOTE, MEASURED)))
 
 
 def _open_run_dir(cfg, resume, note: str = "") -> storage.RunDir:
@@ -428,7 +448,8 @@ def train_command(args) -> int:
     try:
         resume = resume_point(args)
         address = args.ray_address or os.environ.get("RAY_ADDRESS")
-        cfg, model_path = before_ray(args, resume, address)
+        progress = Progress()
+        cfg, model_path = before_ray(args, resume, address, progress=progress)
     except Refused as e:
         print(f"qgrpo: {e}", file=sys.stderr)
         return EXIT_CONFIG
@@ -439,10 +460,10 @@ def train_command(args) -> int:
 
     stop = StopRequest()
     with stop.handling():  # the first SIGINT or SIGTERM stops at a step boundary, a second at once (run/stopping.py)
-        return _train(cfg, model_path, resume, address, stop)
+        return _train(cfg, model_path, resume, address, stop, progress.compute)
 
 
-def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
+def _train(cfg, model_path: str, resume, address: str | None, stop, compute=None) -> int:
     """Ray, the run directory and the run itself; the exit status."""
     import ray
 
@@ -460,7 +481,8 @@ def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
         made = None
         if is_auto(cfg) and not stop.requested:  # tried on a rollout actor's machine, before any actor starts
             cfg, made = auto_precision(cfg, model_path, resume, address)
-        run_dir = None if stop.requested else _open_run_dir(cfg, resume, made.note if made else "")
+        run_dir = None if stop.requested else _open_run_dir(cfg, resume, (made.note if made else "")
+                                                                    + (compute.note if compute else ""))
     except Refused as e:
         if started:
             ray.shutdown()
@@ -476,7 +498,8 @@ def _train(cfg, model_path: str, resume, address: str | None, stop) -> int:
                                                else ""), file=sys.stderr)
     t0 = time.monotonic()
     try:
-        result = train(cfg, run_dir, model_path, resume, stop, auto_precision=made.record if made else None)
+        result = train(cfg, run_dir, model_path, resume, stop, auto_precision=made.record if made else None,
+                       auto_compute=compute.record if compute else None)
     except (RunFailed, storage.StorageError) as e:  # StorageError: the last copy of the logs to a URI failed
         print(f"qgrpo: {e}", file=sys.stderr)
         return stop.status or EXIT_FAILED  # after a signal: it may have reached the actors too (a process group's)

@@ -33,6 +33,8 @@ machine at that moment; once steps run, the progress bar's times and ETA are mea
 """
 from __future__ import annotations
 
+import math
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -47,6 +49,14 @@ TURN_S = 0.0006  # each trajectory's turn in the episode loop: rendering, tokeni
 RATE_TRIALS = 5  # the rates are each dtype's best of this many short measurements (best_rates)
 STARTUP_S = 30.0  # Ray, the actors and their models before the first step (openenv_guess: 22 s; more for larger models)
 SYNC_S_PER_GPARAM = 15.0  # the weight sync (export, requantize, load) per billion parameters
+# "0": the CPU roles are not timed (cluster/run/compute_auto.py): "auto" follows the CPU's flags and the estimate the
+# measured product rate, as on a cluster; for scripted checks of many configs (the test suite sets it)
+TIME_ROLES = "QGRPO_TIME_ROLES"
+# An agent program's calls reach the endpoint as the program makes them, not a turn at a time: the 64 episodes of
+# examples/agent_calculator (up to 3 calls of 48 tokens) took 2.1x the generation of their calls decoded together
+# (67 s a step against 33), on a 2-core Zen 4 EPYC (bench/published/estimate_accuracy.json). An agent's step is given
+# from that batched figure to this many times its generation.
+AGENT_SPREAD = 2.2
 
 
 @dataclass(frozen=True)
@@ -90,11 +100,18 @@ class MachineReport:
     unknown: str = field(default="")  # why there is no estimate
     eval_s: float = 0.0  # one held-out evaluation, seconds (eval_estimate)
     evals: int = 0  # the held-out evaluations in the steps left (evaluations)
+    compute: object = None  # the roles' timed work and choices (cluster/run/compute_auto.py: ComputeChoice)
+    agent: bool = False  # an agent program's run: its step is given as a range (AGENT_SPREAD)
 
     def lines(self, steps: int) -> list[str]:
+        """The compute line (one per timed role when the roles were timed), the machine's rates, the estimate."""
         rate = f"bf16 {self.rates['bf16']:.0f} and fp32 {self.rates['fp32']:.0f} GFLOP/s measured"
         cpu = "" if self.cpu in self.why else f"{self.cpu}; "
-        out = [f"compute: {self.dtype} on the CPU roles ({self.why})", f"machine: {cpu}{rate} on this CPU"]
+        if self.compute is not None and self.compute.roles:
+            out = [f"compute: {line}" for line in self.compute.lines()]
+        else:
+            out = [f"compute: {self.dtype} on the CPU roles ({self.why})"]
+        out.append(f"machine: {cpu}{rate} on this CPU")
         left = max(steps - self.done, 0)
         of = f"the {left} steps left" if self.done else f"{left} steps"
         if self.step_s == self.step_s:
@@ -105,8 +122,16 @@ class MachineReport:
             about = "" if self.step_s < 1 else "about "
             also = (f" and {evals} held-out evaluation{'s' * (evals != 1)} of {_span(self.eval_s)}" +
                     " each" * (evals != 1)) if evals else ""
-            out.append(f"expected: {about}{_span(self.step_s)} per step, {total} for {of} with the start{also} "
-                       f"({rough}; the progress bar then shows measured times)")
+            if self.agent and self.estimate is not None:  # the agent's calls reach the generators as it makes them
+                high = self.step_s + (AGENT_SPREAD - 1) * self.estimate.generate
+                top = _span(high * left + STARTUP_S + evals * self.eval_s)
+                out.append(f"expected: {_span(self.step_s)} to {_span(high)} per step, {total} to {top} for {of} "
+                           f"with the start{also} (an agent program's calls are its own: generation from every "
+                           f"turn's calls decoded together to {AGENT_SPREAD:g}x that; {rough}; the progress bar then "
+                           "shows measured times)")
+            else:
+                out.append(f"expected: {about}{_span(self.step_s)} per step, {total} for {of} with the start{also} "
+                           f"({rough}; the progress bar then shows measured times)")
         else:
             out.append(f"expected: no estimate ({self.unknown or 'the model could not be sized'}); the progress "
                        "bar shows measured times")
@@ -139,6 +164,18 @@ def model_size(model_path: str) -> ModelSize:
     return ModelSize(n, n if tied else n - embed.numel(), int(layers))
 
 
+def expected_completion(cfg: Config) -> tuple[float, int]:
+    """(a trajectory's expected completion tokens, its turns): COMPLETION_FILL of the turns' budget."""
+    turns, _, completion = _shape(cfg)
+    return completion, turns
+
+
+def decode_steps(cfg: Config) -> int:
+    """The decode steps of a step's generation: every turn's token budget (a batch decodes until its last row ends)."""
+    turns, per_turn, _ = _shape(cfg)
+    return turns * per_turn
+
+
 def _shape(cfg: Config) -> tuple[int, int, float]:
     """(turns, tokens per turn, expected completion tokens per trajectory) of the config's rollouts."""
     from qgrpo.cluster.config.turns import turn_tokens
@@ -152,11 +189,14 @@ def _shape(cfg: Config) -> tuple[int, int, float]:
 
 
 def step_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops: float,
-                  env_call_s: float = 0.0) -> StepEstimate:
+                  env_call_s: float = 0.0, compute=None) -> StepEstimate:
     """One synchronous step's seconds by stage (module docstring), at `rate_gflops` and `env_call_s` per environment
-    call (a reset, a step and a score timed together, divided by 3)."""
+    call (a reset, a step and a score timed together, divided by 3). `compute` (cluster/run/compute_auto.py:
+    ComputeChoice): the roles' own work timed at the run's shapes, which replaces the rate's arithmetic for each role
+    it timed in the precision chosen."""
     ro = cfg.rollout
     rate = rate_gflops * 1e9
+    timed = {role: c for role, c in (compute.roles.items() if compute is not None else ()) if c.timing()}
     turns, per_turn, completion = _shape(cfg)
     seqs = ro.prompts_per_step * ro.group_size
     # a group's sequences share their prompt in the learner and the reference; a multi-turn trajectory's own context
@@ -164,30 +204,45 @@ def step_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops:
     shared = ro.prompts_per_step * prompt_tokens if turns == 1 else seqs * prompt_tokens
     train_tokens = shared + seqs * completion
     per_forward = 2.0 * size.matrix * train_tokens / rate
-    learner = (4 if cfg.learner.gradient_checkpointing else 3) * cfg.algo.updates_per_batch
+    learner = (4 if cfg.learner.gradient_checkpointing else 3) * cfg.algo.updates_per_batch * per_forward
     reference = per_forward if cfg.reference_actor else 0.0
+    if "learner" in timed:
+        learner = timed["learner"].step_seconds()
+    if "reference" in timed and cfg.reference_actor:
+        reference = timed["reference"].step_seconds()
     # the first turn's prompts are prefilled once per group; each later turn prefills its trajectory's context again
     later = (COMPLETION_FILL * turns - 1) * (prompt_tokens + per_turn) if turns > 1 else 0.0
-    generate = _decoded(size, rate, ro.prompts_per_step * prompt_tokens + seqs * later, seqs, turns * per_turn) + (
-        seqs * COMPLETION_FILL * turns * TURN_S if turns > 1 else 0)
+    if "rollout" in timed:  # one actor's prefill and decode steps, as timed; later turns' prefill at the rate
+        generate = timed["rollout"].step_seconds() + 2.0 * size.matrix * seqs * later / rate
+    else:
+        generate = _decoded(size, rate, ro.prompts_per_step * prompt_tokens + seqs * later, seqs, turns * per_turn)
+    generate += seqs * COMPLETION_FILL * turns * TURN_S if turns > 1 else 0
     environment = 0.0
     if cfg.environment.name:
         calls = seqs * (2 + COMPLETION_FILL * turns)  # a reset and a score, and a step per turn
         environment = calls * env_call_s / max(cfg.environment.num_workers, 1)
-    return StepEstimate(learn=learner * per_forward, reference=reference, generate=generate,
+    return StepEstimate(learn=learner, reference=reference, generate=generate,
                         environment=environment, sync=SYNC_S_PER_GPARAM * size.params / 1e9, fixed=FIXED_S)
 
 
-def eval_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops: float) -> float:
+def eval_estimate(cfg: Config, size: ModelSize, prompt_tokens: int, rate_gflops: float, compute=None) -> float:
     """One held-out evaluation's seconds (module docstring): task.eval_size prompts, one greedy completion each, decoded
     to run.eval_max_new_tokens (else rollout.max_new_tokens; a multi-turn run: its turns' budget, as a step's), the
-    batch until its longest row ends."""
+    batch until its longest row ends. With the generator timed (`compute`, as in step_estimate), its prefill scales
+    with the prompts and its decode step keeps what it measured beyond the products of its rows."""
     rows = cfg.task.eval_size
     if not rows:
         return 0.0
     rate = rate_gflops * 1e9
     turns, per_turn, _ = _shape(cfg)
     tokens = turns * per_turn if turns > 1 else (cfg.run.eval_max_new_tokens or cfg.rollout.max_new_tokens)
+    timed = compute.roles.get("rollout") if compute is not None else None
+    if timed is not None and timed.timing():
+        t, ro = timed.timing(), cfg.rollout
+        prompts = math.ceil(ro.prompts_per_step / ro.num_actors)
+        per_row = 2.0 * size.matrix / rate
+        beyond = max(t.per_unit - prompts * ro.group_size * per_row, 0.0)  # the step's cost besides its products
+        return t.fixed * rows / prompts + tokens * (beyond + rows * per_row)
     return _decoded(size, rate, rows * prompt_tokens, rows, tokens)
 
 
@@ -258,13 +313,17 @@ def steps_done(resume) -> int:
     return int(m.group(1)) if m else 0
 
 
-def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=None) -> MachineReport:
+def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=None, timed: bool = True,
+                   say=None) -> MachineReport:
     """What this machine does for the configured job (module docstring); about `seconds` of measurement. `resume`:
-    the checkpoint a resumed run starts from (the estimate is for the steps left)."""
+    the checkpoint a resumed run starts from (the estimate is for the steps left). `timed`: the CPU roles' own work
+    is timed (cluster/run/compute_auto.py), deciding model.compute_dtype = "auto" per role and giving the estimate its
+    roles' times; `say(text)` is told before each measurement that is not in the cache."""
+    from qgrpo.cluster.run.compute_auto import role_dtype
     from qgrpo.core.cpu import compute_dtype, isa, matmul_rates
 
     done = steps_done(resume)
-    dtype, why = compute_dtype(cfg.model.compute_dtype, "cpu")
+    dtype, why = compute_dtype(role_dtype(cfg, "learner"), "cpu")
     rates = best_rates(matmul_rates, seconds)
     try:
         from transformers import AutoTokenizer
@@ -284,6 +343,23 @@ def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=No
             prompt, env_s = environment_probe(cfg, tokenizer)
         except Exception:  # noqa: BLE001 - check's environment probe names what is wrong with it
             pass
-    estimate = step_estimate(cfg, size, prompt, rates[dtype], env_s)
+    compute = None
+    if timed and os.environ.get(TIME_ROLES, "1").strip() == "0":
+        why = f"{why}; roles not timed: {TIME_ROLES}=0"
+    elif timed:  # each CPU role's own work, timed at the run's shapes (cached per machine and model)
+        from qgrpo.cluster.run.compute_auto import resolve
+        from qgrpo.cluster.run.cpu_waits import role_threads, role_waits
+
+        cores = os.cpu_count() or 1
+        threads = role_threads(cfg, cores)
+        waits = {role: w["wait"] for role, w in role_waits(cfg, True, cores, threads).items()}
+        compute = resolve(cfg, model_path, prompt, threads, len(tokenizer), waits, say)
+        learner = compute.roles.get("learner")
+        if learner is not None:  # the rate line and the untimed parts follow the learner's precision
+            dtype, why = learner.dtype, learner.why
+    estimate = step_estimate(cfg, size, prompt, rates[dtype], env_s, compute)
+    from qgrpo.rollout.environments.loader import is_agent
+
     return MachineReport(isa().words(), dtype, why, rates, estimate.total, estimate, done,
-                         eval_s=eval_estimate(cfg, size, prompt, rates[dtype]), evals=evaluations(cfg, done))
+                         eval_s=eval_estimate(cfg, size, prompt, rates[dtype], compute), evals=evaluations(cfg, done),
+                         compute=compute, agent=is_agent(cfg.environment.name))

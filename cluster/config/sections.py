@@ -23,7 +23,7 @@ from qgrpo.cluster.config.fields import (
     role_resources,
     setting,
 )
-from qgrpo.core.cpu import COMPUTE_DTYPES, CPU_WAIT_SETTINGS
+from qgrpo.core.cpu import COMPUTE_DTYPES, CPU_WAIT_SETTINGS, ROLE_COMPUTE_DTYPES
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
 from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from qgrpo.rollout.rewards import ON_ERROR, REWARD_NAMES
@@ -91,11 +91,13 @@ class ModelConfig:
     cache_dir: Str = setting("", path="file")
     """Where builtin models are materialised ("" = $QGRPO_CACHE or ~/.cache/qgrpo)."""
     compute_dtype: choice(COMPUTE_DTYPES, "must be {quoted}") = "auto"
-    """What the learner, the reference and the torch generator compute in: "auto" takes bf16 where the role's device
-    computes it natively (a CPU with AVX512-BF16 or AMX, a GPU of compute capability 8.0 or more) and fp32 elsewhere,
-    where bf16 products are emulated and several times slower; "bf16" or "fp32" force it. The weights streamed to the
-    generators and the checkpoints stay bf16 either way. `qgrpo check` and the run's first lines say which was chosen
-    and why (docs/performance.md#plain-x86-cpus)."""
+    """What the learner, the reference and the torch generator compute in ([learner], [reference] and [rollout]
+    compute_dtype override it per role). "auto" on the CPU roles of a local run: each role's own work (the learner's
+    forward and backward, the reference's forward, a decode step), timed at the run's shapes in each precision the
+    CPU computes natively, the faster taken, cached per machine and model; elsewhere (a GPU, a cluster's nodes) bf16
+    where the device computes it natively and fp32 where bf16 products are emulated. "bf16" or "fp32" force it. The
+    weights streamed to the generators and the checkpoints stay bf16 either way. `qgrpo check` and the run's first
+    lines say what was measured and chosen, per role (docs/performance.md#compute-precision-by-measurement)."""
 
 
 @dataclass(config=SECTION)
@@ -333,6 +335,8 @@ class RolloutConfig(role_resources("per rollout actor", "rollout_node", cpus=1.0
     """Rollout actors; the prompts of a step are spread over them, whole groups per actor."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """Torch threads per rollout actor (0 = cores / num_actors locally; num_cpus on a cluster)."""
+    compute_dtype: choice(ROLE_COMPUTE_DTYPES, "must be {quoted}") = ""
+    """What the torch generator computes in: "" follows model.compute_dtype; "auto", "bf16" or "fp32" as there."""
     cpu_wait: choice(CPU_WAIT_SETTINGS, "must be {quoted}") = "passive"
     """A rollout actor's idle OpenMP threads on a CPU: "passive" sleep at once, "spin" spin ~20 us first (faster with
     cores of its own); "auto" spins where the roles take turns on one machine's cores (docs/quantization.md)."""
@@ -369,6 +373,8 @@ class ReferenceConfig(role_resources("of the reference actor", "reference_node")
     on reference.backend (mlx: bf16 is unquantized, fp32 compute on CPU)."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """0 = all cores locally (it runs while the generators are idle); on a cluster, its num_cpus."""
+    compute_dtype: choice(ROLE_COMPUTE_DTYPES, "must be {quoted}") = ""
+    """What the torch reference computes in: "" follows model.compute_dtype; "auto", "bf16" or "fp32" as there."""
     cpu_wait: choice(CPU_WAIT_SETTINGS, "must be {quoted}") = "passive"
     """Its idle OpenMP threads on a CPU, as rollout.cpu_wait."""
     from_learner: Bool = False

@@ -23,7 +23,7 @@ from qgrpo.cluster.config.fields import (
     setting,
 )
 from qgrpo.cluster.config.plan import STRATEGIES
-from qgrpo.core.cpu import CPU_WAIT_SETTINGS
+from qgrpo.core.cpu import CPU_WAIT_SETTINGS, ROLE_COMPUTE_DTYPES
 from qgrpo.learner.objective.knobs import REGISTERED, knobs
 from qgrpo.learner.objective.losses import LOSSES, loss_keys
 from qgrpo.learner.objective.rules import RULES as OBJECTIVE_RULES
@@ -123,6 +123,8 @@ class LearnerConfig(role_resources("per rank", "learner_node", cpus=1.0,
     STRICT_SPREAD (one rank per node). All ranks are placed together or not at all."""
     threads: Int = setting(0, ge=0, why="0 = automatic")
     """0 = all cores locally; on a cluster, the CPUs each rank was given (num_cpus)."""
+    compute_dtype: choice(ROLE_COMPUTE_DTYPES, "must be {quoted}") = ""
+    """What each rank computes in: "" follows model.compute_dtype; "auto", "bf16" or "fp32" as there."""
     cpu_wait: choice(CPU_WAIT_SETTINGS, "must be {quoted}") = "passive"
     """Each rank's idle OpenMP threads on a CPU, as rollout.cpu_wait."""
     mode: choice(LEARNER_MODES) = "full"

@@ -103,7 +103,8 @@ def step_metrics(rollouts: StepRollouts, batch: TrainBatch, results: list[TrainS
 
 
 def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None = None,
-          stop: StopRequest | None = None, auto_precision: dict | None = None) -> dict:
+          stop: StopRequest | None = None, auto_precision: dict | None = None,
+          auto_compute: dict | None = None) -> dict:
     """Run the job; returns the last step's metrics, the held-out evaluations by step, the majority baseline
     (rollout/answer_stats.py) and the final checkpoint.
     `model_path` is the resolved initial model (the reference); `resume` a checkpoint of this run to continue from.
@@ -111,11 +112,13 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     `stop`: set by SIGINT/SIGTERM (cluster/run/stopping.py): the run stops after the step in progress, checkpointed
     where exact, and "stopped" in the result holds the step reached and the latest checkpoint ("checkpoint" too).
     `auto_precision`: the trials that chose rollout.precision (cluster/run/precision_auto.py: Choice.record), written
-    into the start event.
+    into the start event, as is `auto_compute`: the CPU roles' timed work that chose their compute dtype
+    (cluster/run/compute_auto.py: ComputeChoice.record).
     Raises RunFailed (cluster/run/workers.py) with what happened and how to resume when a fault ends the run."""
     from qgrpo.cluster.run.workers import RunFailed
 
-    run = TrainingRun(cfg, run_dir, model_path, resume, auto_precision)  # the actors started (resumed), logs open
+    # the actors started (resumed), logs open
+    run = TrainingRun(cfg, run_dir, model_path, resume, auto_precision, auto_compute)
     workers, m, step = run.workers, {}, run.state.step
     stopped = None
     try:
@@ -155,7 +158,7 @@ class TrainingRun:
     held-out evaluation and the checkpoints. Steps here are 1-based (`done`: the steps finished, this one included)."""
 
     def __init__(self, cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | str | None,
-                 auto_precision: dict | None = None):
+                 auto_precision: dict | None = None, auto_compute: dict | None = None):
         from qgrpo.cluster.run.workers import Workers
 
         self.cfg, self.model_path = cfg, model_path
@@ -189,7 +192,8 @@ class TrainingRun:
                         "generators": self.workers.rollout_info(), "placement": self.workers.placement(),
                         "cpu_waits": self.workers.waits,
                         "resumed_from": str(resume) if resume else None, "set_aside": str(aside) if aside else None,
-                        **({"precision_auto": auto_precision} if auto_precision else {}), **self.ladder.state()})
+                        **({"precision_auto": auto_precision} if auto_precision else {}),
+                        **({"compute_auto": auto_compute} if auto_compute else {}), **self.ladder.state()})
         self.eval_task = make_task(cfg.task, cfg.run.seed, split="eval") if cfg.run.eval else None
         # Where each step's groups come from (cluster/run/supply.py), resumed with what a checkpoint drew beyond its
         # step
