@@ -294,6 +294,21 @@ def test_tool_calls_that_do_not_parse_at_a_precision_warn():
 
     (w,) = tool_parse_warnings(3, {"agent/tool_parse_failures_int4": 5, "agent/tool_calls_int4": 3})
     assert w["kind"] == "tool_parse_failures" and w["precision"] == "int4" and "5 of the 8 tool calls" in w["message"]
+    # no measurement of the format this step: precision is one possible cause, after temperature and the model
+    causes = w["message"].split("possible causes: ")[1]
+    assert causes.index("rollout.temperature = 1") < causes.index("the model") < causes.index("int4 format (not "
+                                                                                              "measured")
+    # the step's mismatch says how far the format moved the samples: named unlikely below QUIET_MISMATCH, first above
+    quiet = {"agent/tool_parse_failures_int8": 13, "agent/tool_calls_int8": 25, "mismatch/kl_mu_old": 0.002}
+    (w,) = tool_parse_warnings(4, quiet, temperature=1.0, model="builtin:smollm2-135m-instruct")
+    assert "the int8 format, unlikely: the sampler and the BF16 policy differ by 0.0020 nats" in w["message"]
+    assert "(builtin:smollm2-135m-instruct)" in w["message"] and w["mismatch_kl"] == 0.002
+    (w,) = tool_parse_warnings(4, {**quiet, "mismatch/kl_mu_old": 0.08}, temperature=0.6)
+    assert w["message"].split("possible causes: ")[1].startswith("the int8 format: the sampler and the BF16 policy "
+                                                                  "differ by 0.0800")
+    assert "at 1 a small model" not in w["message"]  # a low temperature is no suspect worth a hint
+    (w,) = tool_parse_warnings(4, {"agent/tool_parse_failures_bf16": 13, "agent/tool_calls_bf16": 25})
+    assert "bf16 format" not in w["message"] and "mismatch" not in w["message"]  # unquantized: precision is no cause
     assert tool_parse_warnings(3, {"agent/tool_parse_failures_int8": 1, "agent/tool_calls_int8": 30}) == []
     assert tool_parse_warnings(3, {"agent/tool_parse_failures_int8": 2, "agent/tool_calls_int8": 30}) == []
 

@@ -132,9 +132,11 @@ class SignalWatch:
     (`agent_warnings`); `max_context` names the room the calls share, `branches` environment.branches."""
 
     def __init__(self, tools: list[str] | None = None, turn_tokens: int = 0, steps: int = NO_SIGNAL_STEPS,
-                 agent: bool = False, max_context: int = 0, branches: str = "main"):
+                 agent: bool = False, max_context: int = 0, branches: str = "main", temperature: float = 1.0,
+                 model: str = ""):
         self.tools, self.turn_tokens, self.steps = list(tools or []), turn_tokens, steps
         self.agent, self.max_context, self.branches = agent, max_context, branches
+        self.temperature, self.model = temperature, model  # what tool_parse_warnings names beside the precision
         self.flat = self.silent = self.offered = self.cutting = self.untrained = 0
 
     @classmethod
@@ -145,9 +147,11 @@ class SignalWatch:
         from qgrpo.rollout.environments.loader import is_agent
 
         env = cfg.environment
+        sampling = {"temperature": cfg.rollout.temperature, "model": cfg.model.path}
         if is_agent(env.name):
-            return cls([], agent_call_cap(cfg), agent=True, max_context=env.max_context, branches=env.branches)
-        return cls(tools, env.turn_tokens or cfg.rollout.max_new_tokens, max_context=env.max_context)
+            return cls([], agent_call_cap(cfg), agent=True, max_context=env.max_context, branches=env.branches,
+                       **sampling)
+        return cls(tools, env.turn_tokens or cfg.rollout.max_new_tokens, max_context=env.max_context, **sampling)
 
     def end_step(self, step: int, m: dict) -> list[dict]:
         """The step's warning events from its metrics `m` (reward/groups_with_signal, episode/called_tool_frac,
@@ -163,7 +167,7 @@ class SignalWatch:
         if self.silent == self.steps:
             events.append({"event": "warning", "step": step, "kind": "no_tool_calls", "steps": self.silent,
                            "tools": self.tools, "message": self._silent(m)})
-        return events + self.agent_warnings(step, m) + tool_parse_warnings(step, m)
+        return events + self.agent_warnings(step, m) + tool_parse_warnings(step, m, self.temperature, self.model)
 
     # --- agent programs (agent/* metrics of cluster/run/agents.py) ---
     def agent_warnings(self, step: int, m: dict) -> list[dict]:
@@ -305,9 +309,16 @@ UNTRAINED_SHARE = 0.25  # of an agent's calls in a step, the share on no trained
 PARSE_SHARE = 0.25  # of the tool calls a model wrote in a step, the share that failed to parse past which it warns
 
 
-def tool_parse_warnings(step: int, m: dict) -> list[dict]:
+QUIET_MISMATCH = 0.01  # mismatch/kl_mu_old (nats a sampled token) below which the format barely moves the samples
+
+
+def tool_parse_warnings(step: int, m: dict, temperature: float = 1.0, model: str = "") -> list[dict]:
     """A warning where an agent's model wrote tool calls the endpoint could not parse (agent/tool_parse_failures_<P>
-    against agent/tool_calls_<P>, P the rollout precision): a quantized format that breaks tool calling shows here."""
+    against agent/tool_calls_<P>, P the rollout precision), with the causes the run can weigh: the sampling
+    temperature and the model (`model`: its path or name), and for a quantized P what the step measured of it, the
+    sampler's mismatch with the BF16 policy on the tokens it sampled (mismatch/kl_mu_old, the learner's k3 estimate):
+    below QUIET_MISMATCH the format barely moved the samples, and precision is named last; above, first. Without that
+    measurement precision is one possible cause among the others, never the cause."""
     out = []
     for key, bad in m.items():
         if not key.startswith("agent/tool_parse_failures_") or not bad:
@@ -315,9 +326,26 @@ def tool_parse_warnings(step: int, m: dict) -> list[dict]:
         precision = key.rsplit("_", 1)[1]
         wrote = bad + m.get(f"agent/tool_calls_{precision}", 0)
         if bad >= 2 and bad >= PARSE_SHARE * wrote:
+            causes = [f"sampling at rollout.temperature = {temperature:g}" + (
+                      " (at 1 a small model writes malformed calls at any precision: try 0.7, or put worked calls "
+                      "in the prompt)" if temperature >= 0.9 else ""),
+                      "the model" + (f" ({model})" if model else "") + " too small to keep the call format"]
+            kl = m.get("mismatch/kl_mu_old")
+            if precision != "bf16":
+                if kl is None or kl != kl:
+                    causes.append(f"the {precision} format (not measured this step: compare rollout.precision = "
+                                  "\"bf16\")")
+                elif kl < QUIET_MISMATCH:
+                    causes.append(f"the {precision} format, unlikely: the sampler and the BF16 policy differ by "
+                                  f"{kl:.4f} nats a sampled token this step (mismatch/kl_mu_old)")
+                else:
+                    causes.insert(0, f"the {precision} format: the sampler and the BF16 policy differ by {kl:.4f} "
+                                     "nats a sampled token this step (mismatch/kl_mu_old): compare rollout.precision "
+                                     "= \"bf16\"")
             out.append({"event": "warning", "step": step, "kind": "tool_parse_failures", "precision": precision,
+                        "mismatch_kl": kl,
                         "message": f"at rollout.precision = {precision!r}, {bad} of the {wrote} tool calls the model "
                                    "wrote this step could not be parsed (<tool_call>{\"name\": ..., \"arguments\": "
-                                   "{...}}</tool_call>); a quantized format can break tool calling: compare a higher "
-                                   "precision (docs/agents.md#failures)"})
+                                   "{...}}</tool_call>); possible causes: " + "; ".join(causes)
+                                   + " (docs/agents.md#failures)"})
     return out
