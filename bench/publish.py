@@ -209,6 +209,36 @@ def from_run(d: dict) -> list[str]:
                   "sync", "learner in"], rows)
 
 
+def estimate_accuracy(d: dict) -> list[str]:
+    """bench/estimate_accuracy.py: check's estimate beside the measured mean step, per job, with the stages."""
+    stages = ("learner", "reference", "generation", "rest")
+    rows = []
+    for r in d["rows"]:
+        e, m, made = r["estimate"], r["measured"], r["estimate"]["compute"] or {}
+        chose = "/".join(made[role]["chosen"] if role in made else "-" for role in ("learner", "reference", "rollout"))
+        high = e.get("high_s")  # an agent program's range (cluster/config/machine.py: AGENT_SPREAD)
+        rows.append([r["config"], r["variant"], chose, f(e["step_s"], 1) + (f"-{f(high, 1)}" if high else ""),
+                     f"{f(m['mean_s'], 1)} ({f(m['min_s'], 1)}-{f(m['max_s'], 1)})",
+                     f(e["step_s"] / m["mean_s"]) + (f"-{f(high / m['mean_s'])}" if high else ""),
+                     *(f"{f(e['stages'][s], 1)} / {f(m['stages'][s], 1)}" for s in stages)])
+    steps = d["rows"][0]["measured"]["steps"] if d["rows"] else 0
+    out = [*wrap(f"Seconds per step: the estimate `qgrpo check` printed, the measured mean over steps 2-{steps} of a "
+                 "run of the same config (its range), and each stage as estimate / measured (generation includes an "
+                 "agent's episodes; the rest is the sync, rewards and packing). The compute precision each CPU role "
+                 "chose by its timed work is given as learner / reference / rollout."), ""]
+    out += table(["config", "variant", "chose", "estimate", "measured (range)", "est / meas", "learner",
+                  "reference", "generation", "rest"], rows)
+    timed = []
+    for r in d["rows"]:
+        for role, made in (r["estimate"]["compute"] or {}).items():
+            step = {t["dtype"]: (t["fixed"] * made["calls"] + t["per_unit"] * made["units"]) for t in made["timings"]
+                    if not t["error"]}
+            timed.append([r["config"], r["variant"], role, f(step.get("bf16"), 1) or "not timed",
+                          f(step.get("fp32"), 1) or "not timed", made["chosen"]])
+    return out + ["", *wrap("Each role's step in each precision, as timed before the run (seconds):"), "",
+                  *table(["config", "variant", "role", "bf16", "fp32", "chosen"], timed)]
+
+
 def loss_variants(d: dict) -> list[str]:
     """bench/loss_variants.py: whole runs per [algo] variant (or per re-quantization setting), two seeds each."""
     by = d["by_variant"]
@@ -850,6 +880,19 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
         ("requantize_costs_aa403e5", "The same, before the sync's fewer passes",
          "The same measurement with the earlier re-quantization code, for comparison with the table above.",
          requantize_costs),
+    ]),
+    ("Compute precision by measurement", [
+        ("estimate_accuracy", "The estimate against the measured step",
+         "`model.compute_dtype = \"auto\"` times each CPU role's own work at the run's shapes in each precision the "
+         "CPU computes natively and takes the faster per role (cluster/run/compute_auto.py); `qgrpo check`'s "
+         "expected step time is built from those timings. Here the estimate of the default job, the README's own "
+         "task and the agent example beside the steps a run of each then took, one after another on one machine. "
+         "An agent program's estimate is a range (`qgrpo check` prints both ends): its calls reach the generators "
+         "as the program makes them.", estimate_accuracy),
+        ("estimate_accuracy_avx2", "The same under AVX2 emulation",
+         "The default job's estimate and steps with torch and oneDNN told to compute as on an AVX2-only CPU "
+         "(`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`): bf16 would be emulated, so only fp32 is timed.",
+         estimate_accuracy),
     ]),
     ("Plain x86 CPUs", [
         ("default_job_avx2", "The default job on an AVX2-only CPU",
