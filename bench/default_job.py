@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -51,7 +52,13 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from sides import GB, run_side, side_env, versions  # noqa: E402  (same sampler and environment as the TRL bench)
+from sides import (  # noqa: E402  (same sampler and environment as the TRL bench)
+    GB,
+    machine,
+    run_side,
+    side_env,
+    versions,
+)
 
 CONFIG = ROOT / "configs" / "smollm2_arith.toml"
 WARMUP_STEPS = 1
@@ -322,7 +329,9 @@ def main() -> None:
             by_precision[p + (f"_{v}" if v else "")] = {"seeds": [r["seed"] for r in done],
                                "end": mean([list(r["eval"].values())[-1]["accuracy"] for r in done]),
                                "end_bf16": mean([r["eval_final_bf16"]["accuracy"] for r in done])}
-    result = {"config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "started": started,
+    argv = [a for a in sys.argv[1:] if a not in ("--resume", "--report")]
+    result = {"command": shlex.join([".venv/bin/python", "bench/default_job.py", *argv]), "machine": machine(),
+              "config": str(CONFIG.relative_to(ROOT)), "steps": args.steps or 30, "started": started,
               "argv": sys.argv[1:], "sets": args.sets, "variants": {k: v for k, v in variants.items() if k},
               "versions": versions(), "by_precision": by_precision,
               "runs": runs, "missing": missing}

@@ -50,13 +50,14 @@ def estimate(config: str, sets: list[str]) -> dict:
     from qgrpo.actors.common import quiet_libraries
     from qgrpo.cluster.config.machine import machine_report
     from qgrpo.cluster.config.schema import load_config
+    from qgrpo.cluster.run.compute_auto import resolve_here
     from qgrpo.rollout.models import resolve_model_path
 
     quiet_libraries()
     cfg = load_config(config, sets)
     path = resolve_model_path(cfg.model.path, cfg.model.cache_dir)
     t0 = time.perf_counter()
-    report = machine_report(cfg, path)
+    report = machine_report(cfg, path, compute=resolve_here(cfg, path))
     e = report.estimate
     compute = report.compute
     return {"step_s": report.step_s, "seconds_to_estimate": time.perf_counter() - t0,

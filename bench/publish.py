@@ -209,34 +209,43 @@ def from_run(d: dict) -> list[str]:
                   "sync", "learner in"], rows)
 
 
+def _job(config: str) -> str:
+    """A config's short name: its file's stem, or its example's folder (examples/NAME/config.toml)."""
+    path = Path(config)
+    return path.parent.name if path.name == "config.toml" else path.stem
+
+
 def estimate_accuracy(d: dict) -> list[str]:
     """bench/estimate_accuracy.py: check's estimate beside the measured mean step, per job, with the stages."""
     stages = ("learner", "reference", "generation", "rest")
     rows = []
     for r in d["rows"]:
         e, m, made = r["estimate"], r["measured"], r["estimate"]["compute"] or {}
-        chose = "/".join(made[role]["chosen"] if role in made else "-" for role in ("learner", "reference", "rollout"))
+        each = [made[role]["chosen"] if role in made else "-" for role in ("learner", "reference", "rollout")]
+        chose = each[0] if len(set(each)) == 1 else "/".join(each)
         high = e.get("high_s")  # an agent program's range (cluster/config/machine.py: AGENT_SPREAD)
-        rows.append([r["config"], r["variant"], chose, f(e["step_s"], 1) + (f"-{f(high, 1)}" if high else ""),
-                     f"{f(m['mean_s'], 1)} ({f(m['min_s'], 1)}-{f(m['max_s'], 1)})",
+        rows.append([_job(r["config"]), chose, f(e["step_s"], 1) + (f"-{f(high, 1)}" if high else ""),
+                     f"{f(m['mean_s'], 1)} ({f(m['min_s'], 0)}-{f(m['max_s'], 0)})",
                      f(e["step_s"] / m["mean_s"]) + (f"-{f(high / m['mean_s'])}" if high else ""),
-                     *(f"{f(e['stages'][s], 1)} / {f(m['stages'][s], 1)}" for s in stages)])
+                     *(f"{f(e['stages'][s], 1)}/{f(m['stages'][s], 1)}" for s in stages)])
     steps = d["rows"][0]["measured"]["steps"] if d["rows"] else 0
+    jobs = ", ".join(f"{_job(r['config'])} `{r['config']}`" for r in d["rows"])
     out = [*wrap(f"Seconds per step: the estimate `qgrpo check` printed, the measured mean over steps 2-{steps} of a "
                  "run of the same config (its range), and each stage as estimate / measured (generation includes an "
                  "agent's episodes; the rest is the sync, rewards and packing). The compute precision each CPU role "
-                 "chose by its timed work is given as learner / reference / rollout."), ""]
-    out += table(["config", "variant", "chose", "estimate", "measured (range)", "est / meas", "learner",
-                  "reference", "generation", "rest"], rows)
+                 "chose by its timed work is given as learner / reference / rollout (one word where the three agree). "
+                 f"Jobs: {jobs}."), ""]
+    out += table(["job", "chose", "estimate", "measured (range)", "est / meas", "learner", "reference",
+                  "generation", "rest"], rows)
     timed = []
     for r in d["rows"]:
         for role, made in (r["estimate"]["compute"] or {}).items():
             step = {t["dtype"]: (t["fixed"] * made["calls"] + t["per_unit"] * made["units"]) for t in made["timings"]
                     if not t["error"]}
-            timed.append([r["config"], r["variant"], role, f(step.get("bf16"), 1) or "not timed",
+            timed.append([_job(r["config"]), role, f(step.get("bf16"), 1) or "not timed",
                           f(step.get("fp32"), 1) or "not timed", made["chosen"]])
     return out + ["", *wrap("Each role's step in each precision, as timed before the run (seconds):"), "",
-                  *table(["config", "variant", "role", "bf16", "fp32", "chosen"], timed)]
+                  *table(["job", "role", "bf16", "fp32", "chosen"], timed)]
 
 
 def loss_variants(d: dict) -> list[str]:
@@ -893,6 +902,11 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The default job's estimate and steps with torch and oneDNN told to compute as on an AVX2-only CPU "
          "(`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2`): bf16 would be emulated, so only fp32 is timed.",
          estimate_accuracy),
+        ("default_job_zen4", "The default job whole after the timed choice",
+         "`make train`'s job with each CPU role's precision chosen by its timing (bf16 for all three on this CPU, as "
+         "the flags chose before), two seeds, one whole run at a time. `qgrpo check configs/smollm2_arith.toml` "
+         "expected about 18 s a step and 10 minutes with the start and the four held-out evaluations; the runs took "
+         "17.2-17.3 s a step and 10.1 minutes.", default_job),
     ]),
     ("Plain x86 CPUs", [
         ("default_job_avx2", "The default job on an AVX2-only CPU",

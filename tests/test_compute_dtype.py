@@ -204,8 +204,9 @@ def test_the_runs_config_records_the_choice_and_a_resume_reads_past_it(monkeypat
         "learner, reference, rollout fp32 (auto: AMD EPYC, AVX2, no native bf16: bf16 products would be emulated, "
         "several times slower than fp32)")
     cfg.learner.compute_dtype = "bf16"  # a role's own setting, told apart
-    assert train._recorded(cfg).splitlines()[-1].startswith(train.COMPUTE_NOTE + 'learner bf16 (learner.compute_dtype = '
-                                                            '"bf16"); reference, rollout fp32 (auto: AMD EPYC')
+    recorded = train._recorded(cfg).splitlines()[-1]
+    assert recorded.startswith(train.COMPUTE_NOTE + 'learner bf16 (learner.compute_dtype = "bf16"); reference, '
+                                                    'rollout fp32 (auto: AMD EPYC')
     assert tomllib.loads(text)["model"]["compute_dtype"] == "auto"
     assert train._unnoted(text) == train._unnoted(text.replace("fp32 (", "bf16 ("))
 

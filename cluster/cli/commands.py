@@ -121,7 +121,6 @@ def eval_command(args) -> int:
               "evaluations, in RUN_DIR/evals, are judged by the environment)", file=sys.stderr)
         return EXIT_CONFIG
     from qgrpo.cluster.cli.train import _auto_here
-    from qgrpo.cluster.run.compute_auto import role_dtype
     from qgrpo.cluster.run.precision_auto import is_auto
 
     with as_model_folder(cfg.model.path) as path:  # a LoRA/QLoRA checkpoint: its merged model is evaluated
@@ -134,7 +133,7 @@ def eval_command(args) -> int:
         res = evaluate_model(path, eval_task, n, cfg.rollout.max_new_tokens, judge,
                              precision=cfg.rollout.precision, chat_template=cfg.task.chat_template,
                              backend=cfg.rollout.backend,
-                             options=backend_options(cfg.rollout.backend, cfg.rollout, role_dtype(cfg, "rollout")),
+                             options=backend_options(cfg.rollout.backend, cfg.rollout, cfg.compute_dtype_of("rollout")),
                              train_task=make_task(cfg.task, cfg.run.seed))
     print(json.dumps({"task": cfg.task.name, "backend": cfg.rollout.backend,
                       **{k: v for k, v in res.items() if k != "samples"}}))

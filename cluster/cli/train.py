@@ -309,9 +309,12 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
     compute = None
     if here and not cfg.learner.num_gpus:  # the roles compute on this machine's CPU: what in, and how fast
         from qgrpo.cluster.config.machine import machine_report
+        from qgrpo.cluster.run import compute_auto
 
-        report = machine_report(cfg, model_path, resume=resume, say=lambda text: progress.told("compute", text))
-        compute = report.compute
+        untimed = "" if compute_auto.enabled() else f"roles not timed: {compute_auto.TIME_ROLES}=0"
+        if not untimed:  # each CPU role's own work timed at the run's shapes (cached per machine and model)
+            compute = compute_auto.resolve_here(cfg, model_path, lambda text: progress.told("compute", text))
+        report = machine_report(cfg, model_path, resume=resume, compute=compute, untimed=untimed)
         for line in report.lines(cfg.run.steps):
             progress.told(*line.split(": ", 1))
         from qgrpo.rollout.backends import REGISTRY
@@ -333,14 +336,13 @@ def _recorded(cfg, note: str = "") -> str:
     cluster/run/compute_auto.py), the trials behind rollout.precision = "auto" (`note`), and what each role computes
     in on this machine's CPU."""
     from qgrpo.cluster.config.tomlio import to_toml
-    from qgrpo.cluster.run.compute_auto import role_dtype
     from qgrpo.core.cpu import compute_dtype
 
     same: dict[tuple[str, str], list[str]] = {}  # the roles of one dtype and reason together
     for role in ("learner", "reference", "rollout"):
         own = getattr(cfg, role).compute_dtype
         made = (own, f"{role}.compute_dtype = \"{own}\"") if own in ("bf16", "fp32") else \
-            compute_dtype(role_dtype(cfg, role), "cpu")
+            compute_dtype(cfg.compute_dtype_of(role), "cpu")
         same.setdefault(made, []).append(role)
     roles = "; ".join(f"{', '.join(names)} {dtype} ({why})" for (dtype, why), names in same.items())
     return to_toml(cfg) + note + COMPUTE_NOTE + roles + "\n"

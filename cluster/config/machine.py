@@ -34,7 +34,6 @@ machine at that moment; once steps run, the progress bar's times and ETA are mea
 from __future__ import annotations
 
 import math
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -49,9 +48,6 @@ TURN_S = 0.0006  # each trajectory's turn in the episode loop: rendering, tokeni
 RATE_TRIALS = 5  # the rates are each dtype's best of this many short measurements (best_rates)
 STARTUP_S = 30.0  # Ray, the actors and their models before the first step (openenv_guess: 22 s; more for larger models)
 SYNC_S_PER_GPARAM = 15.0  # the weight sync (export, requantize, load) per billion parameters
-# "0": the CPU roles are not timed (cluster/run/compute_auto.py): "auto" follows the CPU's flags and the estimate the
-# measured product rate, as on a cluster; for scripted checks of many configs (the test suite sets it)
-TIME_ROLES = "QGRPO_TIME_ROLES"
 # An agent program's calls reach the endpoint as the program makes them, not a turn at a time: the 64 episodes of
 # examples/agent_calculator (up to 3 calls of 48 tokens) took 2.1x the generation of their calls decoded together
 # (67 s a step against 33), on a 2-core Zen 4 EPYC (bench/published/estimate_accuracy.json). An agent's step is given
@@ -313,17 +309,18 @@ def steps_done(resume) -> int:
     return int(m.group(1)) if m else 0
 
 
-def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=None, timed: bool = True,
-                   say=None) -> MachineReport:
+def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=None, compute=None,
+                   untimed: str = "") -> MachineReport:
     """What this machine does for the configured job (module docstring); about `seconds` of measurement. `resume`:
-    the checkpoint a resumed run starts from (the estimate is for the steps left). `timed`: the CPU roles' own work
-    is timed (cluster/run/compute_auto.py), deciding model.compute_dtype = "auto" per role and giving the estimate its
-    roles' times; `say(text)` is told before each measurement that is not in the cache."""
-    from qgrpo.cluster.run.compute_auto import role_dtype
+    the checkpoint a resumed run starts from (the estimate is for the steps left). `compute`: the CPU roles' own work
+    timed (cluster/run/compute_auto.py: ComputeChoice), which gives the estimate its roles' times; `untimed`: why
+    they were not (said beside the flags' choice)."""
     from qgrpo.core.cpu import compute_dtype, isa, matmul_rates
 
     done = steps_done(resume)
-    dtype, why = compute_dtype(role_dtype(cfg, "learner"), "cpu")
+    dtype, why = compute_dtype(cfg.compute_dtype_of("learner"), "cpu")
+    if untimed:
+        why = f"{why}; {untimed}"
     rates = best_rates(matmul_rates, seconds)
     try:
         from transformers import AutoTokenizer
@@ -343,20 +340,9 @@ def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=No
             prompt, env_s = environment_probe(cfg, tokenizer)
         except Exception:  # noqa: BLE001 - check's environment probe names what is wrong with it
             pass
-    compute = None
-    if timed and os.environ.get(TIME_ROLES, "1").strip() == "0":
-        why = f"{why}; roles not timed: {TIME_ROLES}=0"
-    elif timed:  # each CPU role's own work, timed at the run's shapes (cached per machine and model)
-        from qgrpo.cluster.run.compute_auto import resolve
-        from qgrpo.cluster.run.cpu_waits import role_threads, role_waits
-
-        cores = os.cpu_count() or 1
-        threads = role_threads(cfg, cores)
-        waits = {role: w["wait"] for role, w in role_waits(cfg, True, cores, threads).items()}
-        compute = resolve(cfg, model_path, prompt, threads, len(tokenizer), waits, say)
-        learner = compute.roles.get("learner")
-        if learner is not None:  # the rate line and the untimed parts follow the learner's precision
-            dtype, why = learner.dtype, learner.why
+    learner = compute.roles.get("learner") if compute is not None else None
+    if learner is not None:  # the rate line and the untimed parts follow the learner's precision
+        dtype, why = learner.dtype, learner.why
     estimate = step_estimate(cfg, size, prompt, rates[dtype], env_s, compute)
     from qgrpo.rollout.environments.loader import is_agent
 

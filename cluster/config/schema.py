@@ -97,6 +97,12 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def compute_dtype_of(self, role: str) -> str:
+        """What `role` ("learner", "reference", "rollout") computes in as set: its section's compute_dtype, else
+        model.compute_dtype ("auto", "bf16" or "fp32"; "auto" resolved by cluster/run/compute_auto.py or
+        core/cpu.py)."""
+        return getattr(self, role).compute_dtype or self.model.compute_dtype
+
     @property
     def reference_actor(self) -> bool:
         """Whether the run has a reference actor: only with a KL term, and not when the learner's base scores it."""

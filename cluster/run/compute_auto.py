@@ -47,11 +47,51 @@ FP32_MARGIN = 1.10  # fp32 is chosen where bf16's time is at least this many tim
 CACHE_FILE = "compute_rates.json"  # under the cache root, by machine key (core/measured.py)
 SHORT_TOKENS, LONG_TOKENS = 2, 10  # the generator's two calls: tokens sampled per row
 NOTE = "# model.compute_dtype = \"auto\" measured: "  # the comment line under the run's config.toml
+# "0": the CPU roles are not timed: "auto" follows the CPU's flags (core/cpu.py) and the estimate the measured product
+# rate, as on a cluster; for scripted checks of many configs (the test suite sets it)
+TIME_ROLES = "QGRPO_TIME_ROLES"
 
 
 def role_dtype(cfg, role: str) -> str:
     """The role's compute_dtype setting: its own section's, else model.compute_dtype ("auto", "bf16" or "fp32")."""
-    return getattr(cfg, role).compute_dtype or cfg.model.compute_dtype
+    return cfg.compute_dtype_of(role)
+
+
+def enabled() -> bool:
+    """Whether this process times the CPU roles before a local run (TIME_ROLES unset or not "0")."""
+    import os
+
+    return os.environ.get(TIME_ROLES, "1").strip() != "0"
+
+
+def resolve_here(cfg, model_path: str, say=None) -> ComputeChoice | None:
+    """`resolve` for a local run of `cfg` on this machine: the first train row's prompt as the run renders it (an
+    environment's first turn as the episode loop does), the roles' threads and OpenMP waits as a local run sets them.
+    None where the model's tokenizer cannot be read (the estimate then says why there is none)."""
+    import os
+
+    from qgrpo.cluster.config.machine import environment_probe
+    from qgrpo.cluster.run.cpu_waits import role_threads, role_waits
+
+    try:
+        from transformers import AutoTokenizer
+
+        from qgrpo.rollout.backends.common import format_prompt
+        from qgrpo.rollout.tasks import make_task
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        prompt = len(format_prompt(tokenizer, make_task(cfg.task, cfg.run.seed).item(0), cfg.task.chat_template))
+    except Exception:  # noqa: BLE001 - machine_report names what cannot be sized
+        return None
+    if cfg.environment.name:
+        try:
+            prompt = environment_probe(cfg, tokenizer)[0]
+        except Exception:  # noqa: BLE001 - check's environment probe names what is wrong with it
+            pass
+    cores = os.cpu_count() or 1
+    threads = role_threads(cfg, cores)
+    waits = {role: w["wait"] for role, w in role_waits(cfg, True, cores, threads).items()}
+    return resolve(cfg, model_path, prompt, threads, len(tokenizer), waits, say)
 
 
 @dataclass
@@ -490,5 +530,5 @@ def _child(given: str, taken: str) -> None:
                                                     for _, d, _ in jobs[len(out):]]))
 
 
-__all__ = ["ROLES", "FP32_MARGIN", "Timing", "RoleChoice", "ComputeChoice", "candidates", "decide", "role_dtype",
-           "shape_of", "run_units", "resolve", "probed_roles", "NOTE"]
+__all__ = ["ROLES", "FP32_MARGIN", "TIME_ROLES", "NOTE", "Timing", "RoleChoice", "ComputeChoice", "candidates",
+           "decide", "role_dtype", "enabled", "shape_of", "run_units", "resolve", "resolve_here", "probed_roles"]

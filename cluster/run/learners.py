@@ -9,7 +9,6 @@ from qgrpo.actors.common import thread_env
 from qgrpo.actors.learner_actor import start_learners
 from qgrpo.cluster.config.plan import RoleRequest
 from qgrpo.cluster.config.schema import Config
-from qgrpo.cluster.run.compute_auto import role_dtype
 from qgrpo.cluster.run.placement import learner_group, wait_scheduled
 from qgrpo.core import storage
 from qgrpo.core.devices import role_env
@@ -32,7 +31,7 @@ def learner_settings(cfg: Config) -> LearnerSettings:
         objective=objective_settings(**dataclasses.asdict(algo)), temperature=ro.temperature,
         shared_prompt=le.shared_prompt,
         guard=cfg.guard.enabled, max_mismatch_kl=cfg.guard.max_mismatch_kl,
-        mode=le.mode, attention=le.attention, compute_dtype=role_dtype(cfg, "learner"),
+        mode=le.mode, attention=le.attention, compute_dtype=cfg.compute_dtype_of("learner"),
         gradient_checkpointing=le.gradient_checkpointing,
         lora=dict(rank=le.lora.rank, alpha=le.lora.alpha, dropout=le.lora.dropout,
                   target_modules=list(le.lora.target_modules)),

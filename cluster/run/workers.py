@@ -26,7 +26,6 @@ from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
 from qgrpo.cluster.config.plan import RAY_BUILTIN_RESOURCES, RoleRequest, infeasible, role_requests
 from qgrpo.cluster.config.schema import Config
-from qgrpo.cluster.run.compute_auto import role_dtype
 from qgrpo.cluster.run.cpu_waits import role_threads, role_waits
 from qgrpo.cluster.run.learners import start_learner_ranks
 from qgrpo.cluster.run.placement import wait_scheduled
@@ -104,7 +103,7 @@ def generator_kwargs(cfg: Config, model_path: str, precision: str, generator_id:
                 generator_id=generator_id, seed=cfg.run.seed, initial_version=version,
                 chat_template=cfg.task.chat_template,
                 **REGISTRY[ro.backend].generator_options(
-                    ro, role_dtype(cfg, "rollout"),
+                    ro, cfg.compute_dtype_of("rollout"),
                     adapter_rank=cfg.learner.lora.rank if cfg.sync.adapters_only else 0))
 
 
@@ -416,7 +415,7 @@ class Workers:
                                       runtime_env={"env_vars": {**thread_env(threads, self.waits["reference"]["wait"]),
                                                                 **role_env(self.reference_request.gpus)}}).remote(
             self.reference_path, self.reference_precision, self.cfg.rollout.group_size_quant, threads,
-            self.cfg.reference.backend, role_dtype(self.cfg, "reference"))
+            self.cfg.reference.backend, self.cfg.compute_dtype_of("reference"))
 
     def set_reference_precision(self, precision: str) -> None:
         ray.kill(self.reference)
