@@ -211,8 +211,8 @@ def _span(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class Shape:
-    """One role's probe: `prompt` tokens shared by `group` completions of `completion` tokens; `rows` the generator's
-    rows (an actor's prompts x group), `prompts` its prompts."""
+    """The probes' batches: groups of `group` completions of `completion` tokens after a `prompt`-token prompt;
+    the generator's rows are `prompts` (one actor's share of a step) x `group`."""
 
     prompt: int
     completion: int
