@@ -20,11 +20,15 @@ def make_reference_scorer(backend: str, model_path: str, precision: str = "bf16"
     return scorer(model_path, precision, group_size_quant)
 
 
+MICRO_BATCH = 64  # sequences a torch reference scores per forward
+
+
 class ReferenceScorer:
     """Frozen copy of the initial policy, optionally quantized like the generators (as the original MLX design did)."""
 
-    def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64, micro_batch: int = 64,
-                 device: torch.device | str | None = None, compute_dtype: str = "auto"):
+    def __init__(self, model_path: str, precision: str = "bf16", group_size_quant: int = 64,
+                 micro_batch: int = MICRO_BATCH, device: torch.device | str | None = None,
+                 compute_dtype: str = "auto"):
         """`device`: where it scores (default: the GPU Ray assigned the reference actor, else the CPU); the model is
         quantized there, and sequences come in and log-probs go out as CPU tensors. `compute_dtype`:
         model.compute_dtype, resolved on that device (core/cpu.py; rollout/backends/compute.py)."""

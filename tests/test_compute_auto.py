@@ -13,6 +13,7 @@ from qgrpo.cluster.config import machine
 from qgrpo.cluster.config.machine import ModelSize, step_estimate
 from qgrpo.cluster.config.schema import load_config
 from qgrpo.cluster.run import compute_auto as ca
+from qgrpo.cluster.run import role_timing
 from qgrpo.cluster.run.compute_auto import FP32_MARGIN, Timing, candidates, decide
 
 DEFAULT_JOB = "configs/smollm2_arith.toml"
@@ -95,7 +96,7 @@ def test_the_choice_is_cached_per_machine_and_becomes_the_effective_config(tiny_
     cfg = load_config("configs/tiny.toml")
     child = _Child({"learner": {"bf16": 2.0, "fp32": 1.0}, "reference": {"bf16": 0.5, "fp32": 0.6},
                     "rollout": {"bf16": 0.1, "fp32": 0.3}})
-    monkeypatch.setattr(ca, "_in_child", child)
+    monkeypatch.setattr(ca, "in_child", child)
     native = cpu.isa_from({"avx512f", "avx512_bf16"}, "AVX512", {}, name="Xeon-like")
     monkeypatch.setattr(cpu, "isa", lambda: native)
     said = []
@@ -109,7 +110,7 @@ def test_the_choice_is_cached_per_machine_and_becomes_the_effective_config(tiny_
     effective = made.applied(cfg)
     assert (effective.learner.compute_dtype, effective.reference.compute_dtype, effective.rollout.compute_dtype) == (
         "fp32", "bf16", "bf16")
-    assert cfg.learner.compute_dtype == "" and ca.role_dtype(effective, "learner") == "fp32"  # the given config kept
+    assert cfg.learner.compute_dtype == "" and effective.compute_dtype_of("learner") == "fp32"  # the given config kept
     assert made.note.startswith(ca.NOTE) and "learner fp32 (auto: measured" in made.note
     assert set(made.record) == {"learner", "reference", "rollout"}
     # a second check of the same job on the same machine measures nothing
@@ -190,7 +191,7 @@ def test_check_times_each_role_for_real_once_per_machine(tiny_model_path, monkey
     cfg = load_config("configs/tiny.toml")
     given, taken = tmp_path / "jobs.pkl", tmp_path / "timings.pkl"
     given.write_bytes(pickle.dumps((cfg, "/nonexistent/model", ca.shape_of(cfg, 8), 32, [("reference", "fp32", 1)])))
-    ca._child(str(given), str(taken))
+    role_timing._child(str(given), str(taken))
     (bad,) = [Timing(**t) for t in pickle.loads(taken.read_bytes())]
     assert bad.error.startswith("OSError: ") and "/nonexistent/model" in bad.error
 

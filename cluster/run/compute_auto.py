@@ -4,19 +4,9 @@ the run's shapes in each precision this CPU computes natively, the faster one ta
 A CPU's flags say which precisions are worth trying, not which is faster: a 2-core Xeon listing AVX512-BF16 without
 AMX multiplied bf16 at 148 GFLOP/s against fp32's 256, and the default job's learner took 22.5 s a step in bf16
 against 12.8 in fp32, while a 2-core Zen 4 EPYC with the same flag ran the learner 1.5x faster in bf16. So each CPU
-role is timed, as its actor runs it:
-
-- learner: its own step (learner/engine.py: Learner.train_step, DeepSpeed and the optimizer included), on micro-batches
-  of the run's groups: each the run's first prompt (as rendered) and group_size completions of the expected length;
-- reference: the reference scorer (rollout/reference.py) at reference.precision on the same groups, forward only;
-- rollout: the torch generator at the run's rollout precision (bf16 where that is "auto"), one rollout actor's prompts
-  x group_size rows, sampling SHORT_TOKENS and LONG_TOKENS tokens a row: its prefill and one decode step.
-
-The learner and the reference are timed at a micro-batch of the run (or as many groups as fit in BUDGET_S) and at half
-of it, which gives a fixed part per call and a part per group; the generator's two calls give a prefill and a decode
-step. The step estimate (cluster/config/machine.py) scales these to the run's micro-batches and decode steps. The
-measurements run in a child process started with the roles' OpenMP wait and thread count (an actor's environment,
-which the driver's process does not have), so the driver holds no model.
+role's own work (the learner's train_step, the reference's scoring, the torch generator's prefill and decode step) is
+timed as its actor runs it, in a child process (cluster/run/role_timing.py), and the step estimate
+(cluster/config/machine.py) scales the timings to the run's micro-batches and decode steps.
 
 The flags prune the trials: where bf16 would be emulated (no AVX512-BF16, AMX or ARM BF16) only fp32 is timed; a
 forced precision (model.compute_dtype or the role's own compute_dtype = "bf16" | "fp32") is timed alone, for the
@@ -36,25 +26,19 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import math
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from qgrpo.cluster.run.role_timing import Shape, Timing, in_child, shape_of
 from qgrpo.core import measured
 
 ROLES = ("learner", "reference", "rollout")
 FP32_MARGIN = 1.10  # fp32 is chosen where bf16's time is at least this many times fp32's
 CACHE_FILE = "compute_rates.json"  # under the cache root, by machine key (core/measured.py)
-SHORT_TOKENS, LONG_TOKENS = 2, 10  # the generator's two calls: tokens sampled per row
 NOTE = "# model.compute_dtype = \"auto\" measured: "  # the comment line under the run's config.toml
 # "0": the CPU roles are not timed: "auto" follows the CPU's flags (core/cpu.py) and the estimate the measured product
 # rate, as on a cluster; for scripted checks of many configs (the test suite sets it)
 TIME_ROLES = "QGRPO_TIME_ROLES"
-
-
-def role_dtype(cfg, role: str) -> str:
-    """The role's compute_dtype setting: its own section's, else model.compute_dtype ("auto", "bf16" or "fp32")."""
-    return cfg.compute_dtype_of(role)
 
 
 def enabled() -> bool:
@@ -92,24 +76,6 @@ def resolve_here(cfg, model_path: str, say=None) -> ComputeChoice | None:
     threads = role_threads(cfg, cores)
     waits = {role: w["wait"] for role, w in role_waits(cfg, True, cores, threads).items()}
     return resolve(cfg, model_path, prompt, threads, len(tokenizer), waits, say)
-
-
-@dataclass
-class Timing:
-    """One role in one precision: `fixed` seconds per call plus `per_unit` seconds per group (learner, reference) or
-    per decode step (rollout, where `fixed` is the prefill of its rows); `error`: why it could not run."""
-
-    dtype: str
-    fixed: float = 0.0
-    per_unit: float = 0.0
-    cached: bool = False
-    error: str = ""
-
-    def seconds(self, units: float, calls: int = 1) -> float:
-        return calls * self.fixed + units * self.per_unit
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 @dataclass
@@ -206,31 +172,6 @@ def _span(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
 
 
-# ------------------------------------------------------------------ the run's shapes
-
-
-@dataclass(frozen=True)
-class Shape:
-    """The probes' batches: groups of `group` completions of `completion` tokens after a `prompt`-token prompt;
-    the generator's rows are `prompts` (one actor's share of a step) x `group`."""
-
-    prompt: int
-    completion: int
-    group: int
-    prompts: int
-    shared: bool  # the learner and the reference run each group's prompt once (single-turn runs)
-
-
-def shape_of(cfg, prompt_tokens: int) -> Shape:
-    from qgrpo.cluster.config.machine import expected_completion
-
-    ro = cfg.rollout
-    completion, turns = expected_completion(cfg)
-    return Shape(prompt=max(int(prompt_tokens), 1), completion=max(int(round(completion)), 1), group=ro.group_size,
-                 prompts=math.ceil(ro.prompts_per_step / ro.num_actors),
-                 shared=cfg.learner.shared_prompt and turns == 1)
-
-
 def run_units(cfg, role: str, shape: Shape) -> tuple[float, int]:
     """(units, calls) of `role` in one step of `cfg`: groups and micro-batches for the learner (times its updates) and
     the reference; decode steps (the longest completion's tokens) and one call for the generator."""
@@ -243,154 +184,12 @@ def run_units(cfg, role: str, shape: Shape) -> tuple[float, int]:
         updates = cfg.algo.updates_per_batch
         return updates * per_rank / ro.group_size, updates * micro
     if role == "reference":
-        return groups, math.ceil(groups * ro.group_size / 64)  # the reference actor's micro-batch (rollout/reference)
+        from qgrpo.rollout.reference import MICRO_BATCH
+
+        return groups, math.ceil(groups * ro.group_size / MICRO_BATCH)
     from qgrpo.cluster.config.machine import decode_steps
 
     return decode_steps(cfg), 1
-
-
-# ------------------------------------------------------------------ the measurements
-
-
-def _tokens(shape: Shape, groups: int, vocab: int):
-    """A batch of `groups` groups as the learner gets it: (input_ids, prompt_lens, group_ids, seq_lens)."""
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    rows = groups * shape.group
-    length = shape.prompt + shape.completion
-    ids = torch.randint(10, max(vocab - 10, 11), (rows, length), generator=g)
-    for i in range(groups):
-        ids[i * shape.group:(i + 1) * shape.group, :shape.prompt] = ids[i * shape.group, :shape.prompt]
-    prompt_lens = torch.full((rows,), shape.prompt)
-    group_ids = torch.arange(groups).repeat_interleave(shape.group)
-    return ids, prompt_lens, group_ids, torch.full((rows,), length)
-
-
-def _fit(call, most: int, budget_s: float) -> tuple[float, float]:
-    """(fixed, per unit) seconds of `call(n)`: a warm-up call at one unit, then one call at each of two sizes, the
-    larger `most` units (the run's own, say a micro-batch's groups), or as many as the warm-up says fit in
-    `budget_s`; the smaller half of it. A call's time grows slower than its size at few rows (the products run
-    below their rate), so the larger size is the run's own wherever the budget allows."""
-    t0 = time.perf_counter()
-    call(1)
-    warm = time.perf_counter() - t0
-    big = max(2, min(most, int(budget_s / max(warm, 1e-3))))
-    small = max(1, big // 2)
-    best = {}
-    for n in (small, big):
-        t0 = time.perf_counter()
-        call(n)
-        best[n] = time.perf_counter() - t0
-    per = max((best[big] - best[small]) / (big - small), 0.0)
-    return max(best[small] - small * per, 0.0), per
-
-
-BUDGET_S = 20.0  # the longest call a learner or reference measurement makes at the larger size (_fit)
-
-
-def _micro_groups(cfg, role: str) -> int:
-    """The groups of one of the run's micro-batches for `role` (the learner's per rank; the reference scores 64
-    rows a call)."""
-    ro, le = cfg.rollout, cfg.learner
-    rows = math.ceil(ro.prompts_per_step * ro.group_size / le.world_size) if role == "learner" \
-        else ro.prompts_per_step * ro.group_size
-    rows = min(rows, le.micro_batch_per_rank if role == "learner" else 64)
-    return max(1, math.ceil(rows / ro.group_size))
-
-
-def time_learner(cfg, model_path: str, dtype: str, shape: Shape, vocab: int) -> Timing:
-    """The learner's own step (learner/engine.py: Learner.train_step, DeepSpeed and the optimizer included) on a
-    batch of groups of the run's shape, one micro-batch a call."""
-    import torch
-
-    from qgrpo.cluster.run.learners import learner_settings
-    from qgrpo.learner.batch import TrainBatch
-    from qgrpo.learner.engine import Learner
-
-    most = _micro_groups(cfg, "learner")
-    settings = learner_settings(cfg)
-    settings = dataclasses.replace(settings, compute_dtype=dtype, world_size=1, zero_stage=0,
-                                   micro_batch_per_rank=most * shape.group, sequences_per_rank=most * shape.group,
-                                   objective=dataclasses.replace(settings.objective, updates_per_batch=1),
-                                   guard=False)
-    learner = Learner(model_path, settings, device="cpu")
-
-    def call(groups: int) -> None:
-        ids, prompt_lens, group_ids, seq_lens = _tokens(shape, groups, vocab)
-        rows = ids.shape[0]
-        mask = torch.zeros(ids.shape)
-        mask[:, shape.prompt:] = 1
-        learner.micro_batch = rows
-        batch = TrainBatch(input_ids=ids, completion_mask=mask, mu_logp=-2.0 * mask,
-                           advantages=torch.linspace(-1, 1, rows), policy_versions=torch.zeros(rows, dtype=torch.long),
-                           ref_logp=-2.0 * mask, total_sequences=rows, total_tokens=float(mask.sum()),
-                           max_new_tokens=shape.completion,
-                           **({"prompt_lens": prompt_lens, "group_ids": group_ids, "seq_lens": seq_lens}
-                              if shape.shared else {}))
-        learner.train_step(batch)
-
-    fixed, per = _fit(call, most, BUDGET_S)
-    return Timing(dtype, fixed, per)
-
-
-def time_reference(cfg, model_path: str, dtype: str, shape: Shape, vocab: int) -> Timing:
-    """The reference scorer (rollout/reference.py) at reference.precision on groups of the run's shape."""
-    from qgrpo.rollout.reference import ReferenceScorer
-
-    most = _micro_groups(cfg, "reference")
-    scorer = ReferenceScorer(model_path, cfg.reference.precision, cfg.rollout.group_size_quant,
-                             micro_batch=most * shape.group, device="cpu", compute_dtype=dtype)
-
-    def call(groups: int) -> None:
-        ids, prompt_lens, group_ids, seq_lens = _tokens(shape, groups, vocab)
-        if shape.shared:
-            scorer.score(ids, cfg.rollout.temperature, prompt_lens, group_ids, seq_lens)
-        else:
-            scorer.score(ids, cfg.rollout.temperature)
-
-    fixed, per = _fit(call, most, BUDGET_S)
-    return Timing(dtype, fixed, per)
-
-
-def time_rollout(cfg, model_path: str, dtype: str, shape: Shape, vocab: int) -> Timing:
-    """The torch generator as a rollout actor builds it, on one actor's prompts x group_size rows: the prefill (the
-    fixed part) and one decode step, from calls sampling SHORT_TOKENS and LONG_TOKENS tokens a row."""
-    from qgrpo.cluster.run.workers import generator_kwargs
-    from qgrpo.core.records import SamplingParams
-    from qgrpo.rollout.backends import AUTO, make_generator
-    from qgrpo.rollout.tasks import make_task
-
-    ro = cfg.rollout
-    precision = "bf16" if ro.precision == AUTO else ro.precision
-    probe = dataclasses.replace(cfg, rollout=dataclasses.replace(ro, compute_dtype=dtype))
-    task = make_task(cfg.task, cfg.run.seed)
-    try:
-        size = len(task)
-    except TypeError:
-        size = shape.prompts
-    items = [task.item(i % size) for i in range(shape.prompts)]
-    gen = make_generator(ro.backend, **generator_kwargs(probe, model_path, precision, f"compute-{dtype}", 0))
-    steps: dict[int, int] = {}
-
-    def call(tokens: int) -> int:
-        t0 = time.perf_counter()
-        groups = gen.generate(items, SamplingParams(shape.group, tokens, temperature=ro.temperature,
-                                                    seed=cfg.run.seed))
-        steps[tokens] = max(len(c.token_ids) for g in groups for c in g.completions)
-        return time.perf_counter() - t0
-
-    try:
-        call(SHORT_TOKENS)  # warm-up
-        short = min(call(SHORT_TOKENS) for _ in range(2))
-        long = min(call(LONG_TOKENS) for _ in range(2))
-    finally:
-        gen.close()
-    per = max((long - short) / max(steps[LONG_TOKENS] - steps[SHORT_TOKENS], 1), 0.0)
-    return Timing(dtype, max(short - steps[SHORT_TOKENS] * per, 0.0), per)
-
-
-TIMERS = {"learner": time_learner, "reference": time_reference, "rollout": time_rollout}
 
 
 def probed_roles(cfg) -> list[str]:
@@ -444,7 +243,7 @@ def resolve(cfg, model_path: str, prompt_tokens: int, threads: dict[str, int], v
     kept: dict[tuple[str, str], Timing] = {}
     missing: dict[str, list[tuple[str, str, int, str, str]]] = {}  # wait -> jobs (role, dtype, threads, machine, key)
     for role in probed_roles(cfg):
-        setting = role_dtype(cfg, role)
+        setting = cfg.compute_dtype_of(role)
         dtypes, pruned = candidates(setting, cpu.native_bf16)
         plan[role] = (setting, dtypes, pruned)
         n = threads.get(role) or 1
@@ -461,7 +260,7 @@ def resolve(cfg, model_path: str, prompt_tokens: int, threads: dict[str, int], v
         say(f"timing {len(jobs)} role and precision pair{'s' * (len(jobs) != 1)} of this job (" + ", ".join(
             f"{role} {dtype}" for role, dtype, *_ in jobs) + "): once per machine and model, about 10-60 s each")
     for wait, jobs in missing.items():
-        results = _in_child(cfg, model_path, shape, vocab, wait, [(role, dtype, n) for role, dtype, n, *_ in jobs])
+        results = in_child(cfg, model_path, shape, vocab, wait, [(role, dtype, n) for role, dtype, n, *_ in jobs])
         for (role, dtype, _, machine, key), t in zip(jobs, results):
             if not t.error:
                 measured.remember(CACHE_FILE, machine, key, {k: v for k, v in t.to_dict().items() if k != "cached"})
@@ -473,62 +272,5 @@ def resolve(cfg, model_path: str, prompt_tokens: int, threads: dict[str, int], v
     return ComputeChoice(roles)
 
 
-def _in_child(cfg, model_path: str, shape: Shape, vocab: int, wait: str, jobs: list[tuple[str, str, int]]
-              ) -> list[Timing]:
-    """`jobs` ((role, dtype, threads)) measured in a fresh Python process started with `wait`'s OpenMP environment
-    and a one-rank gloo group for the learner; a job that fails there, or a child that dies, gives Timings with the
-    error."""
-    import os
-    import pickle
-    import socket
-    import subprocess
-    import sys
-    import tempfile
-
-    from qgrpo.actors.common import thread_env
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {**os.environ, **thread_env(max(n for _, _, n in jobs), wait), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port), "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    with tempfile.TemporaryDirectory(prefix="qgrpo-compute-") as tmp:
-        given, taken = Path(tmp) / "jobs.pkl", Path(tmp) / "timings.pkl"
-        given.write_bytes(pickle.dumps((cfg, model_path, shape, vocab, jobs)))
-        code = f"import sys; from {__name__} import _child; _child(sys.argv[1], sys.argv[2])"
-        done = subprocess.run([sys.executable, "-c", code, str(given), str(taken)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        if taken.is_file():
-            return [Timing(**t) for t in pickle.loads(taken.read_bytes())]
-    tail = (done.stderr or "").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
-    return [Timing(dtype, error=f"the measuring process failed: {tail[0][:200]}") for _, dtype, _ in jobs]
-
-
-def _child(given: str, taken: str) -> None:
-    """The child's side of _in_child: each job timed, its Timing (or error) written back as it comes."""
-    import gc
-    import pickle
-
-    import torch
-
-    from qgrpo.actors.common import quiet_libraries
-
-    quiet_libraries()
-    cfg, model_path, shape, vocab, jobs = pickle.loads(Path(given).read_bytes())
-    out = []
-    for role, dtype, threads in jobs:
-        torch.set_num_threads(threads)
-        try:
-            t = TIMERS[role](cfg, model_path, dtype, shape, vocab)
-        except Exception as e:  # noqa: BLE001 - a precision that cannot run here is left out, with why
-            first = (str(e).splitlines() or [""])[0][:160]
-            t = Timing(dtype, error=f"{type(e).__name__}: {first}")
-        gc.collect()
-        out.append(t.to_dict())
-        Path(taken).write_bytes(pickle.dumps(out + [Timing(d, error="not reached").to_dict()
-                                                    for _, d, _ in jobs[len(out):]]))
-
-
 __all__ = ["ROLES", "FP32_MARGIN", "TIME_ROLES", "NOTE", "Timing", "RoleChoice", "ComputeChoice", "candidates",
-           "decide", "role_dtype", "enabled", "shape_of", "run_units", "resolve", "resolve_here", "probed_roles"]
+           "decide", "enabled", "shape_of", "run_units", "resolve", "resolve_here", "probed_roles"]

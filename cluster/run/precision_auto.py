@@ -39,6 +39,19 @@ def trial_shape(cfg) -> tuple[int, int, int]:
     return math.ceil(ro.prompts_per_step / ro.num_actors), ro.group_size, min(ro.max_new_tokens, TRIAL_NEW_TOKENS)
 
 
+def trial_items(cfg, prompts: int) -> list:
+    """The first `prompts` train rows of the run's task (from the start again if it has fewer), as a trial samples
+    them; the compute-precision timing of the generator takes the same (cluster/run/role_timing.py)."""
+    from qgrpo.rollout.tasks import make_task
+
+    task = make_task(cfg.task, cfg.run.seed)
+    try:
+        size = len(task)
+    except TypeError:  # generated without end
+        size = prompts
+    return [task.item(i % size) for i in range(prompts)]
+
+
 def run_trials(cfg, model_path: str, threads: int = 0) -> list[dict]:
     """The trials, run in this process (`threads`: torch's intra-op threads meanwhile, 0 = as they are)."""
     import torch
@@ -48,15 +61,9 @@ def run_trials(cfg, model_path: str, threads: int = 0) -> list[dict]:
     from qgrpo.core.records import SamplingParams
     from qgrpo.rollout.backends import make_generator
     from qgrpo.rollout.precision_trials import measure
-    from qgrpo.rollout.tasks import make_task
 
     prompts, group, new_tokens = trial_shape(cfg)
-    task = make_task(cfg.task, cfg.run.seed)
-    try:
-        size = len(task)
-    except TypeError:  # generated without end
-        size = prompts
-    items = [task.item(i % size) for i in range(prompts)]
+    items = trial_items(cfg, prompts)
     path = local_model(model_path, skip=("optimizer",))
 
     def make(precision: str):
@@ -166,5 +173,5 @@ def local_threads(cfg) -> int:
     return cfg.rollout.threads or max(1, (os.cpu_count() or 1) // cfg.rollout.num_actors)
 
 
-__all__ = ["is_auto", "candidates", "trial_shape", "run_trials", "remote_trials", "Choice", "choice", "resumed_choice",
-           "here", "local_threads", "NOTE"]
+__all__ = ["is_auto", "candidates", "trial_shape", "trial_items", "run_trials", "remote_trials", "Choice", "choice",
+           "resumed_choice", "here", "local_threads", "NOTE"]
