@@ -22,12 +22,14 @@ class _AgentRunner:
         self.fn = load_agent(spec)
         self.sem: asyncio.Semaphore | None = None
 
-    async def run(self, episodes: list[tuple[dict, AgentClient]], timeout_s: float, step: int = 0) -> list[Outcome]:
+    async def run(self, episodes: list[tuple[dict, AgentClient]], timeout_s: float, step: int = 0,
+                  held_out: bool = False) -> list[Outcome]:
         """Each (row, client) played once, at most `concurrency` at a time; an Outcome per episode, in order.
-        `step`: the generators' (1-based) step, for the drills of core/faults.py."""
+        `step`: the generators' (1-based) step, or for `held_out` episodes the steps trained, for the drills of
+        core/faults.py."""
         if self.sem is None:
             self.sem = asyncio.Semaphore(self.concurrency)
-        kill = faults.fires("agent_runner.kill", step)
+        kill = faults.fires("agent_runner.kill_eval" if held_out else "agent_runner.kill", step)
 
         async def one(row: dict, client: AgentClient) -> Outcome:
             async with self.sem:

@@ -26,26 +26,31 @@ class _EndpointActor:
                  open_sessions: bool = False, max_sessions: int = 0, wait_s: float = 30.0,
                  defaults: dict | None = None, api_key: str | None = None, max_body_bytes: int = 8 << 20,
                  max_session_calls: int = 0, idle_s: float = 0.0):
-        """`link`: the rollout pool's (RolloutPool.link(), or a PoolLink over given handles); `model_path`: the
+        """`link`: the rollout pool's (RolloutPool.link(): the only way to its actors); `model_path`: the
         policy's folder (tokenizer, config); `open_sessions`: any session id is served (`qgrpo serve`), else only
         those the run opened; `api_key`: required on every call (the run's, or `qgrpo serve --api-key`);
         `max_body_bytes`, `max_session_calls`, `idle_s`: rollout/endpoint/server.py's Endpoint bounds."""
         from qgrpo.actors.common import local_model
         from qgrpo.actors.pool_link import PoolLink
         from qgrpo.rollout.endpoint.server import Admission
+
+        if not isinstance(link, PoolLink):
+            raise TypeError(f"EndpointActor: `link` is a PoolLink (RolloutPool.link()), not {type(link).__name__}")
         from qgrpo.rollout.endpoint.sessions import SessionBook
 
         self.model, self.host, self.port = model, host, port
-        self.link = link if isinstance(link, PoolLink) else PoolLink(link)
+        self.link = link
         self.model_path = local_model(model_path, skip=("optimizer",))
         self.max_tokens, self.max_model_len, self.chat_template = max_tokens, max_model_len, chat_template
         self.book = SessionBook(open_sessions)
+        self.serving = open_sessions  # `qgrpo serve`'s endpoint
         self.admission = Admission(max_sessions, wait_s)
         self.endpoint = None
         self.server = None
         self.versions = [0] * self.link.slots
         self.defaults = defaults  # the sampling of what a call leaves out (the run's rollout settings)
         self.kill_next = False
+        self.batches = 0  # batches sent to the rollout actors
         self.access = {"api_key": api_key, "max_body_bytes": max_body_bytes, "max_session_calls": max_session_calls,
                        "idle_s": idle_s}
 
@@ -80,7 +85,10 @@ class _EndpointActor:
         return f"http://{host}:{sock.getsockname()[1]}"
 
     async def _run(self, slot: int, sequences: list[list[int]], sampling: SamplingParams):
-        if self.kill_next:  # a drill (core/faults.py: endpoint.kill): this process dies with calls in flight
+        self.batches += 1
+        # a drill (core/faults.py: endpoint.kill): this process dies with calls in flight; in `qgrpo serve` (open
+        # sessions) at that many batches served
+        if self.kill_next or (self.serving and faults.fires("endpoint.kill", self.batches)):
             os.kill(os.getpid(), signal.SIGKILL)
         version, comps = await self.link.complete(slot, sequences, sampling)
         if slot < len(self.versions):
@@ -106,14 +114,14 @@ class _EndpointActor:
     async def resume(self) -> None:
         self.admission.paused = False
 
-    async def set_actors(self, actors: list) -> None:
-        """The pool's actors now (pushed by the pool after a replacement, a resize, the precision ladder): a call
+    async def set_link(self, link) -> None:
+        """The pool's link now (pushed by the pool after a replacement, a resize, the precision ladder): a call
         waiting on a dead actor goes to its replacement; a changed number of actors re-pins the open sessions."""
-        resized = len(actors) != self.link.slots
-        self.link.update(actors)
+        resized = link.slots != self.link.slots
+        self.link.follow(link)
         if resized:
-            self.versions = [0] * len(actors)
-            self.endpoint.repin(len(actors))
+            self.versions = [0] * link.slots
+            self.endpoint.repin(link.slots)
 
     async def reports(self, wait_s: float = 5.0) -> dict:
         """The link's failures and answers since the last call (a long poll, up to `wait_s`), for the pool."""

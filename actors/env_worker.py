@@ -18,6 +18,7 @@ from typing import Any, Hashable
 import ray
 
 from qgrpo.actors.common import END_WAIT_S, end_actors
+from qgrpo.actors.ray_errors import cause_of
 from qgrpo.rollout.environments.contract import EnvFailure
 from qgrpo.rollout.environments.host import EnvHost
 from qgrpo.rollout.environments.loader import EnvSpec, factory_of
@@ -82,7 +83,7 @@ class EnvClient:
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                raise EnvWorkersFailed(f"the environment workers could not start: {_cause(e)}") from None
+                raise EnvWorkersFailed(f"the environment workers could not start: {cause_of(e)}") from None
 
     # -- the batched calls: each returns one entry per key, in key order
 
@@ -165,7 +166,7 @@ class EnvClient:
                 got = ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 if "__init__" in str(e):
-                    raise EnvWorkersFailed(f"the environment workers could not start: {_cause(e)}") from None
+                    raise EnvWorkersFailed(f"the environment workers could not start: {cause_of(e)}") from None
                 self._fail(slot, idx, keys, out, f"the environment worker died ({type(e).__name__})")
                 continue
             for i, value in zip(idx, got, strict=True):
@@ -188,8 +189,3 @@ class EnvClient:
         for key in [k for k, s in self.home.items() if s == slot]:
             del self.home[key]
             self.lost[key] = f"its environment was lost: {why}" if why else "its environment was lost"
-
-
-def _cause(e: Exception) -> str:
-    lines = [x for x in str(e).strip().splitlines() if x.strip()]
-    return lines[-1] if lines else type(e).__name__

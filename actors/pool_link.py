@@ -16,6 +16,8 @@ import time
 
 import ray
 
+from qgrpo.actors.ray_errors import fault_of
+
 POLL_S = 0.05
 
 
@@ -25,13 +27,6 @@ class LinkError(RuntimeError):
 
 def actor_id(handle) -> str:
     return handle._actor_id.hex()
-
-
-def cause_of(err: BaseException) -> str:
-    """A remote error in one line: its type and the last line of a task's error (else the first), 300 characters."""
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    text = lines[-1] if isinstance(err, ray.exceptions.RayTaskError) and lines else (lines[0] if lines else "")
-    return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
 
 class PoolLink:
@@ -47,9 +42,10 @@ class PoolLink:
     def slots(self) -> int:
         return len(self.actors)
 
-    def update(self, actors: list) -> None:
-        """The pool's actors now (after a replacement, a resize, the precision ladder)."""
-        self.actors = list(actors)
+    def follow(self, link: PoolLink) -> None:
+        """Take the actors of the pool's newer link (after a replacement, a resize, the precision ladder); the calls,
+        reports and deadline stay this link's."""
+        self.actors = list(link.actors)
 
     async def serving(self) -> dict:
         """What the endpoint needs of the generators: precision, version, stop tokens (actor 0's)."""
@@ -69,15 +65,17 @@ class PoolLink:
                 self._report(slot, handle, why, dead=False, hung=True)
                 raise LinkError(f"the rollout actor serving this session gave {why}; the run stops at this "
                                 "step") from None
-            except ray.exceptions.RayActorError as e:
-                self._report(slot, handle, cause_of(e), dead=True)
+            except ray.exceptions.RayError as e:  # the supervisor's policy (cluster/run/supervisor.py), reported
+                fault = fault_of(e)
+                if fault is None:
+                    raise
+                self._report(slot, handle, fault.cause, dead=fault.gone)
+                if not fault.gone:  # the work failed in a live actor: the call fails
+                    raise
                 if not await self._replaced(slot, handle, deadline):
                     raise LinkError("the rollout actor serving this session died and was not replaced within "
                                     f"{self.timeout_s:.0f} s (faults.generate_timeout_s)") from None
                 continue
-            except ray.exceptions.RayTaskError as e:
-                self._report(slot, handle, cause_of(e), dead=False)
-                raise
             self.served.add(slot % len(self.actors))
             return out
 

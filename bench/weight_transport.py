@@ -214,7 +214,7 @@ def print_adapter_table(result: dict) -> None:
 
 
 def _wait(calls, seconds, stage):
-    from qgrpo.cluster.run.workers import gather
+    from qgrpo.cluster.run.supervisor import gather
 
     return gather(calls, seconds, stage, "--timeout-s")
 

@@ -20,6 +20,8 @@ it again. `POINT@STEP+` fires every time POINT is reached at STEP or later. The 
                        sessions open (calls and episodes in flight)
     agent_runner.kill  the agent runner SIGKILLs its own process when the first episode of a batch of that step
                        ends (the batch's other episodes in flight)
+    agent_runner.kill_eval  the same in a held-out evaluation's batch after that many steps (STEP 0: the one
+                       before training)
     driver.slow        the driver sleeps SLOW_SECONDS before the step (a slow cluster: a drill of `qgrpo scale`
                        needs steps long enough for its request to land between two of them)
 
@@ -33,7 +35,8 @@ import tempfile
 ENV = "QGRPO_FAULTS"
 STATE_ENV = "QGRPO_FAULTS_STATE"
 POINTS = ("rollout.kill", "rollout.hang", "rollout.nan", "rollout.slow_decode", "learner.nan_loss", "learner.kill",
-          "save.kill", "driver.slow", "endpoint.kill", "agent_runner.kill")
+          "save.kill", "driver.slow", "endpoint.kill", "agent_runner.kill",
+          "agent_runner.kill_eval")
 SLOW_SECONDS = 1.0
 SLOW_DECODE_SECONDS = 0.25
 

@@ -233,15 +233,18 @@ def rerun_in_triton_interpreter(test_file: str) -> None:
 
 
 class FakePool:
-    """The rollout pool's public dispatch (cluster/run/workers.py: RolloutPool: split, free_slots, submit, wait,
-    collect, overdue, name) over a plain function instead of Ray actors: `generate(items, sampling, step) -> (groups,
-    stats)` runs in a thread per call; what it raises, `collect` raises. `sent` lists (slot, step, items) per call."""
+    """A rollout source (cluster/run/source.py) over a plain function instead of Ray actors: `generate(items,
+    sampling, step) -> (groups, stats)` runs in a thread per call; what it raises, `collect` raises. `sent` lists
+    (slot, step, items) per call; `owners` the threads that claimed it (RolloutPool.own)."""
 
     def __init__(self, generate, actors: int = 1):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.generate, self.actors, self.sent = generate, [None] * actors, []
+        self.generate, self.actors, self.sent, self.owners = generate, [None] * actors, [], []
         self.threads = ThreadPoolExecutor(8, thread_name_prefix="fake-actor")
+
+    def own(self, owner):
+        self.owners.append(owner)
 
     def split(self, items):
         from qgrpo.cluster.run.workers import split_prompts
@@ -251,14 +254,15 @@ class FakePool:
     def free_slots(self, busy):
         return [s for s in range(len(self.actors)) if s not in busy]
 
-    def submit(self, slot, items, sampling, step):
+    def submit(self, slot, items, sampling, step, held_out=False):
         import time
 
-        from qgrpo.cluster.run.workers import Call
+        from qgrpo.cluster.run.source import Call
 
         self.sent.append((slot, step, list(items)))
         future = self.threads.submit(self.generate, items, sampling, step)
-        return Call(future, slot, tuple(str(getattr(i, "prompt_id", i)) for i in items), step, time.monotonic())
+        return Call(future, slot, tuple(str(getattr(i, "prompt_id", i)) for i in items), step, time.monotonic(),
+                    60.0, held_out)
 
     def wait(self, calls, timeout):
         from concurrent.futures import FIRST_COMPLETED, wait
@@ -267,10 +271,15 @@ class FakePool:
         return [c for c in calls if c.ref in done]
 
     def collect(self, call):
-        return call.ref.result()
+        from qgrpo.cluster.run.source import ChunkResult
 
-    def overdue(self, calls, seconds):
+        return ChunkResult(*call.ref.result())
+
+    def overdue(self, calls):
         pass
 
-    def name(self, slot):
-        return f"fake-{slot}"
+    def announce(self):
+        return []
+
+    def close(self):
+        self.threads.shutdown(wait=False)

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,13 @@ async def some_fail(row, client):
     if client.session_id.split("-")[2:3] == ["1"]:  # a run's sessions are s<step>-<row>-<episode>-<n>
         raise RuntimeError("this agent fails on the second episode of each row")
     return await good(row, client)
+
+
+async def some_fail_later(row, client):
+    """some_fail, step k's training episodes 3 (k - 1) s late: later steps' are in flight during an evaluation."""
+    if client.session_id.startswith("s"):
+        await asyncio.sleep(3 * (int(client.session_id.split("-")[0][1:]) - 1))
+    return await some_fail(row, client)
 '''
 
 
@@ -194,31 +202,42 @@ def test_check_plays_one_episode_of_a_good_agent(tmp_path, agents_file, capsys):
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("staleness", [0, pytest.param(1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("staleness", [pytest.param(0, marks=pytest.mark.slow), pytest.param(1, marks=pytest.mark.slow),
+                                       2])
 def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, agents_file, staleness):
     """S = 0: each step's episodes start after the sync before it, all on one version. S = 1: the next step's
-    sessions open while the learner trains (the bound kept by when they open), its tokens at most 1 version old."""
+    sessions open while the learner trains (the bound kept by when they open), its tokens at most 1 version old.
+    S = 2, the pool's one owner: a held-out evaluation after every step goes through the stream's pump beside the
+    training chunks in flight, and the agent runner killed during the one after step 1 costs no training chunk:
+    its episodes (held-out and training) are played again, each step's rows trained exactly once, none failed as
+    blocked."""
+    from qgrpo.cluster.run.agents import BLOCKED
     from qgrpo.core.invocation import qgrpo_command
 
-    steps = 2 if staleness == 0 else 3
-    cfg = _config(tmp_path, agents_file, "some_fail", steps=steps)
-    cmd = qgrpo_command("train", str(cfg), "--set", f"run.output_dir={tmp_path / 'runs'}",
-                        "--set", "run.progress=false", "--set", f"algo.max_staleness={staleness}").split()
+    steps = {0: 2, 1: 3, 2: 3}[staleness]
+    cfg = _config(tmp_path, agents_file, "some_fail_later" if staleness == 2 else "some_fail", steps=steps)
+    sets = ["algo.max_staleness=" + str(staleness)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    if staleness == 2:
+        sets += ["run.eval=true", "run.eval_every=1", "task.eval_size=2"]
+        env.update({"QGRPO_FAULTS": "agent_runner.kill_eval@1", "QGRPO_FAULTS_STATE": str(tmp_path)})
+    cmd = qgrpo_command("train", str(cfg), "--set", f"run.output_dir={tmp_path / 'runs'}",
+                        "--set", "run.progress=false", *[x for s in sets for x in ("--set", s)]).split()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = next((tmp_path / "runs").iterdir())
     info = json.loads((run / "endpoint.json").read_text())
     assert info["base_url"].startswith("http://127.0.0.1:") and info["model"] == "qgrpo-policy"
     assert "agents call the endpoint at http://127.0.0.1:" in proc.stderr
-    steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "loss/total" in m]
-    assert len(steps) == (2 if staleness == 0 else 3)
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in records if "loss/total" in m]
+    assert [m["step"] for m in steps] == list(range(1, len(steps) + 1)) and len(steps) == (2 if staleness == 0 else 3)
     for m in steps:
         if staleness == 0:
             assert m["rollout/policy_versions"] == [m["step"] - 1]  # one version, the last sync's
         else:
-            assert m["rollout/staleness"] <= 1 and all(v >= m["step"] - 2 for v in m["rollout/policy_versions"])
+            assert m["rollout/staleness"] <= staleness
+            assert all(v >= m["step"] - 1 - staleness for v in m["rollout/policy_versions"])
         assert m["agent/calls"] >= 2
         assert m["agent/forks"] == 0 and m["agent/failed_episodes"] == 2 and m["episode/finish_env_error"] == 0.5
     import pyarrow.parquet as pq
@@ -227,7 +246,18 @@ def test_a_run_trains_on_agent_episodes_and_counts_the_failed_ones(tmp_path, age
     good = [r for r in rows if r["finish_reason"] != "env_error"]
     assert good and all(r["num_tokens"] > 0 and json.loads(r["turns"])[0]["role"] == "assistant" for r in good)
     assert sum(r["finish_reason"] == "env_error" for r in rows) == 2 * len(steps)
-    assert "this agent fails on the second episode of each row" in (run / "env_errors.log").read_text()
+    errors = (run / "env_errors.log").read_text()
+    assert "this agent fails on the second episode of each row" in errors
+    if staleness == 2:
+        per_step = {s: Counter(r["prompt_id"] for r in rows if r["step"] == s) for s in (1, 2, 3)}
+        assert all(len(c) == 2 and set(c.values()) == {2} for c in per_step.values()), per_step  # each row once
+        assert BLOCKED[:40] not in errors
+        assert [e["step"] for e in records if e.get("event") == "eval"] == [0, 1, 2, 3]
+        events = [e for e in records if "event" in e]
+        # killed in the evaluation after step 1: logged with the next step's events
+        assert [e["step"] for e in events if e["event"] == "runner_failed"] == [2]
+        assert len([e for e in events if e["event"] == "agent_runner_restarted"]) == 1
+        assert sum(m["agent/replayed_episodes"] for m in steps) >= 1  # a later step's episodes were in flight
 
 
 @pytest.mark.slow  # a whole run: `make test-slow` (docs/testing.md)

@@ -177,7 +177,7 @@ def _run(spec, rounds=3, buffer=0, overlong_filter=False, per_step=4, max_new_to
 def _supply(workers, ro, step: int, overlap: bool = False) -> RolloutStream:
     """The run's supply over the stand-in generators, starting at `step` with its weights held."""
     return RolloutStream(FakePool(workers.generate), CountingSampler(), ro, seed=1, rule=admission(0, 1, overlap),
-                         start_step=step, published=step, steps=10, timeout_s=60.0)
+                         start_step=step, published=step, steps=10)
 
 
 MIXED = [("1", 1, "stop"), ("0", 1, "stop")]

@@ -16,7 +16,7 @@ from qgrpo.cluster.cli.summary import summary
 from qgrpo.cluster.report.failures import env_failures, failures_section
 from qgrpo.cluster.report.run_data import RunData
 from qgrpo.cluster.run.env_health import ERROR_LOG, EnvHealth, SignalWatch, drop_traces
-from qgrpo.cluster.run.workers import RunFailed
+from qgrpo.cluster.run.supervisor import RunFailed
 from qgrpo.core.records import Completion, GroupRollout, PromptItem
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -328,3 +328,53 @@ def test_no_top_level_module_of_ours_is_installed(name, tmp_path):
     proc = subprocess.run([sys.executable, "-c", f"import importlib.util as u; print(u.find_spec({name!r}))"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "None", proc.stdout + proc.stderr
+
+
+# The rollout actors are the pool's (cluster/run/workers.py) and, in another process, its link's (actors/pool_link.py);
+# their own module defines them. Anyone else reaches them through the pool's API or a link (RolloutPool.link()).
+POOL_MODULES = {"cluster/run/workers.py", "actors/pool_link.py", "actors/rollout_actor.py"}
+ROLLOUT_METHODS = {"generate", "complete", "load_weights", "last_load", "serving", "set_threads", "fixed_length"}
+
+
+def _pool_back_doors(path: Path) -> list[str]:
+    """Every way `path` reaches the rollout actors behind the pool: a `.actors` / `._actors` attribute of anything
+    (a pool's, a link's), that name looked up (getattr/setattr/hasattr, `vars(x)[...]`, `x.__dict__[...]`), a
+    PoolLink built from handles, the actor class itself, or a rollout actor's method called remotely."""
+    bad = []
+    names = {"actors", "_actors"}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute) and node.attr in names:
+            bad.append((line, f".{node.attr}"))
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant) and node.slice.value in names:
+            bad.append((line, f"[{node.slice.value!r}]"))
+        elif isinstance(node, ast.Call):
+            fn = node.func
+            name = fn.id if isinstance(fn, ast.Name) else fn.attr if isinstance(fn, ast.Attribute) else ""
+            strings = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+            if name in ("getattr", "setattr", "hasattr") and names & set(strings):
+                bad.append((line, f"{name}(..., {strings[0]!r})"))
+            elif name == "PoolLink":
+                bad.append((line, "PoolLink(...)"))
+            elif (name == "remote" and isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Attribute)
+                  and fn.value.attr in ROLLOUT_METHODS):
+                bad.append((line, f".{fn.value.attr}.remote(...)"))
+        elif isinstance(node, ast.Name) and node.id in ("RolloutActor", "_RolloutActor"):
+            bad.append((line, node.id))
+    return [f"{path.name}:{line} {what}" for line, what in sorted(bad)]
+
+
+def test_no_raw_rollout_actor_handle_outside_the_pool_and_its_link():
+    bad = [b for p in _sources(*PACKAGES) if p.relative_to(ROOT).as_posix() not in POOL_MODULES
+           for b in _pool_back_doors(p)]
+    assert bad == [], "the rollout actors reached past the pool:\n" + "\n".join(bad)
+
+
+def test_the_back_door_check_can_fail(tmp_path):
+    fake = tmp_path / "probe.py"
+    fake.write_text("def f(pool, workers, link, a):\n    n = len(workers.rollout.actors)\n"
+                    "    hs = getattr(pool, 'actors')\n    link = PoolLink(hs)\n    a.complete.remote([], None)\n"
+                    "    return vars(pool)['actors'], RolloutActor\n")
+    assert _pool_back_doors(fake) == ["probe.py:2 .actors", "probe.py:3 getattr(..., 'actors')",
+                                      "probe.py:4 PoolLink(...)", "probe.py:5 .complete.remote(...)",
+                                      "probe.py:6 RolloutActor", "probe.py:6 ['actors']"]

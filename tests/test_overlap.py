@@ -15,7 +15,7 @@ import pytest
 
 from qgrpo.cluster.cli.app import main
 from qgrpo.cluster.run.stream import RolloutStream
-from qgrpo.cluster.run.workers import RunFailed
+from qgrpo.cluster.run.supervisor import RunFailed
 from qgrpo.learner.objective.staleness import admission
 from tests.helpers import CountingSampler, FakePool, read_metrics
 
@@ -58,7 +58,7 @@ class _Stats:
 
 def _supply(gen, seed: int = 0, overlap: bool = False, steps: int = 3) -> RolloutStream:
     return RolloutStream(FakePool(gen), CountingSampler(), _Ro, seed=seed, rule=admission(0, 1, overlap),
-                         start_step=0, published=0, steps=steps, timeout_s=60.0)
+                         start_step=0, published=0, steps=steps)
 
 
 def test_overlap_draws_the_next_step_when_the_learner_takes_a_step():

@@ -116,7 +116,7 @@ def test_health_counts_steps_of_every_call_failing_and_resets_on_success(tmp_pat
     """The streak rule without Ray: only a step where every call of the entry failed counts towards the stop."""
     import pytest
 
-    from qgrpo.cluster.run.workers import RunFailed
+    from qgrpo.cluster.run.supervisor import RunFailed
 
     entries = [RewardEntry("ok", 1.0, "builtin", "correct", 5.0, field="rewards.functions[0]"),
                RewardEntry("bad", 1.0, "function", "m.py:f", 5.0, field="rewards.functions[1]")]

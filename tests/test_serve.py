@@ -2,7 +2,8 @@
 no run. One served process answers each route (chat, completions, vLLM's token-in generate, the model list) with the
 token ids, log-probs and weight versions a run's endpoint gives, and stops on SIGINT with exit 0; bad input is one
 line and exit 2 before Ray starts; a checkpoint serves its own model files with the config saved in it; a rollout
-actor that dies inside a call is replaced and the call answered by the replacement."""
+actor that dies inside a call is replaced and the call answered by the replacement; an endpoint that dies is started
+again at the same address."""
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,11 @@ def test_serve_answers_every_route_and_stops_on_sigint(tiny_model_path, tmp_path
     cache = Path(tiny_model_path).parents[1]  # the test cache the fixture built the tiny model into
     out, err = (tmp_path / "serve.stdout").open("w"), (tmp_path / "serve.stderr").open("w")
     command = _command(tmp_path, "serve", TINY, "--port", "0", "--set", f"model.cache_dir={json.dumps(str(cache))}")
-    proc = subprocess.Popen(command, cwd=tmp_path, env=_env(), stdout=out, stderr=err, start_new_session=True)
+    state = tmp_path.parent / f"{tmp_path.name}-faults"  # not in cwd: nothing is written there
+    state.mkdir()
+    # the endpoint dies at its third batch (the token route's call below): served again at the same address
+    env = {**_env(), "QGRPO_FAULTS": "endpoint.kill@3", "QGRPO_FAULTS_STATE": str(state)}
+    proc = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=out, stderr=err, start_new_session=True)
     try:
         deadline, found = time.monotonic() + 240, None
         while found is None:
@@ -84,8 +89,15 @@ def test_serve_answers_every_route_and_stops_on_sigint(tiny_model_path, tmp_path
         _check_tokens(text["choices"][0], text["choices"][0]["logprobs"]["token_logprobs"], 2)
 
         root = base.removesuffix("/v1")
-        gen = _post(f"{root}/inference/v1/generate", {"token_ids": chat["prompt_token_ids"],
-                                                      "sampling_params": {"max_tokens": 3, "temperature": 0.0}})
+        body = {"token_ids": chat["prompt_token_ids"], "sampling_params": {"max_tokens": 3, "temperature": 0.0}}
+        with pytest.raises(OSError):  # the endpoint's process dies under this call (urllib: connection reset)
+            _post(f"{root}/inference/v1/generate", body)
+        deadline = time.monotonic() + 120
+        while "serving again at" not in (tmp_path / "serve.stderr").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.stderr").read_text()
+            time.sleep(0.2)
+        assert "the endpoint died (ActorDiedError" in (tmp_path / "serve.stderr").read_text()
+        gen = _post(f"{root}/inference/v1/generate", body)  # the new endpoint, at the same address
         _check_tokens(gen["choices"][0], [c["logprob"] for c in gen["choices"][0]["logprobs"]["content"]], 3)
 
         proc.send_signal(signal.SIGINT)

@@ -378,9 +378,10 @@ def test_the_step_metrics_count_the_calls_on_no_trained_branch(smol, branches):
     cfg.environment.name, cfg.environment.branches = "agent:agent.py:play", branches
     pool = types.SimpleNamespace(precision="bf16", version=lambda: 0)
     runs = types.SimpleNamespace(cfg=cfg, pool=pool, replayed={}, _prompt=lambda item: [])
-    call = EpisodeCall(None, 0, ("r0",), 1, time.monotonic(), [PromptItem("r0", "What is 12*13?", "156")],
-                       ["f", "s"], "runner", 0)
-    groups, _, m = AgentEpisodes._groups(runs, call, [Outcome("f", 1.0), Outcome("s", 0.0)], sessions)
+    call = EpisodeCall(None, 0, ("r0",), 1, time.monotonic(), 60.0, items=[PromptItem("r0", "What is 12*13?", "156")],
+                       sids=["f", "s"], runner="runner")
+    result = AgentEpisodes._groups(runs, call, [Outcome("f", 1.0), Outcome("s", 0.0)], sessions)
+    groups, m = result.groups, result.metrics
     assert len(groups) == 1 and len(groups[0].completions) == 2
     assert m["agent/calls"] == 5 and m["agent/forks_history"] == 1 and m["agent/untrained_branches"] == 1
     assert m["agent/forks_template"] == m["agent/forks_answer"] == m["agent/forks_second_child"] == 0  # no gaps

@@ -182,7 +182,7 @@ def _stream(calls: list, start: int, buffer=None):
     cfg = load_config(str(TINY), ["rollout.prompts_per_step=4", "rollout.group_size=2"])
     sampler = PromptSampler(make_task(cfg.task, cfg.run.seed), cursor=4 * start)
     return RolloutStream(FakePool(_fake_generate(calls), actors=2), sampler, cfg.rollout, seed=0,
-                         rule=admission(2, 1), start_step=start, published=start, steps=6, timeout_s=60.0,
+                         rule=admission(2, 1), start_step=start, published=start, steps=6,
                          buffer=buffer), sampler
 
 
@@ -207,7 +207,7 @@ def test_a_checkpoint_holds_the_stream_and_a_resume_trains_on_its_groups_as_samp
         first.take(0)
         with first.cv:
             missing = first.done[(2, 0)].pop(1)  # as if in flight at the save
-            before = {s: [g for k in sorted(first.done[(s, 0)]) for g in first.done[(s, 0)][k][0]] for s in (1, 2)}
+            before = {s: [g for k in sorted(first.done[(s, 0)]) for g in first.done[(s, 0)][k].groups] for s in (1, 2)}
         snap = json.loads(json.dumps(first.snapshot()))  # JSON-safe, as the checkpoint writes it
     finally:
         first.close()
@@ -222,9 +222,9 @@ def test_a_checkpoint_holds_the_stream_and_a_resume_trains_on_its_groups_as_samp
         second.close()
     assert [(g.item, g.completions, g.policy_version) for g in got[1]] == \
         [(g.item, g.completions, g.policy_version) for g in before[1]]  # trained on as sampled
-    assert got[2][:2] == before[2] and [g.item for g in got[2][2:]] == [g.item for g in missing[0]]
+    assert got[2][:2] == before[2] and [g.item for g in got[2][2:]] == [g.item for g in missing.groups]
     # generated again: step 2's missing chunk (the actors' 1-based step 3) and step 3's two chunks, nothing else
-    assert sorted(c for c in calls if c[0] == 3) == [(3, [g.item.prompt_id for g in missing[0]])]
+    assert sorted(c for c in calls if c[0] == 3) == [(3, [g.item.prompt_id for g in missing.groups])]
     assert {c[0] for c in calls} == {3, 4}
     task = make_task(load_config(str(TINY)).task, 0)
     assert [g.item.prompt_id for g in got[3]] == [i.prompt_id for i in PromptSampler(task, cursor=12).next(4)]

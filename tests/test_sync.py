@@ -10,7 +10,7 @@ import torch
 from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import ObjectStoreTransport
-from qgrpo.cluster.run.workers import StageTimeout, gather
+from qgrpo.cluster.run.supervisor import StageTimeout, gather
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.batch import build_train_batch
 from qgrpo.learner.objective.advantages import group_advantages

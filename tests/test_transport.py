@@ -18,7 +18,7 @@ from qgrpo.actors.collective import CollectiveGroup, CollectiveMember
 from qgrpo.actors.learner_actor import start_learners
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import ObjectStoreTransport
-from qgrpo.cluster.run.workers import RunFailed, gather
+from qgrpo.cluster.run.supervisor import RunFailed, gather
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.learner.batch import build_train_batch
 from qgrpo.learner.objective.advantages import group_advantages

@@ -30,6 +30,7 @@ import sys
 import time
 from pathlib import Path
 
+from qgrpo.actors.ray_errors import cause_of
 from qgrpo.cluster.cli.train import (
     EXIT_CONFIG,
     EXIT_FAILED,
@@ -221,29 +222,26 @@ def listen_address(args, cfg) -> tuple[str, int]:
 def _serve(served: Served, host: str, port: int, model: str, stop: _Stop, keys: Access) -> int:
     import ray
 
-    from qgrpo.actors.common import END_WAIT_S, end_actors
     from qgrpo.cluster.run.stopping import local_ray_killer
-    from qgrpo.cluster.run.workers import RunFailed
+    from qgrpo.cluster.run.supervisor import RunFailed
 
     os.environ.pop("RAY_ADDRESS", None)  # a Ray of its own on this machine, where the model folder is
     started = _start_ray(served.cfg, None)
     stop.install()  # again: ray.init put Ray's own SIGTERM handler in place
     stop.on_exit = local_ray_killer() if started else None
-    held: list = []  # the actors' handles (Ray ends an actor once no handle to it is left), the endpoint last
+    serving = _Serving(served, host, port, model, keys)
     try:
-        started_at = _start(served, host, port, model, stop, held, keys)
-        address = started_at[0] if started_at is not None else None
-        if started_at is not None:
+        address = serving.start(stop)
+        if address is not None:
             _say_serving(served, model, address, keys)
-            _keep_serving(*started_at[1:], stop)
+            serving.keep_serving(stop)
         status, line = 0, f"stopped ({stop.name})" + ("" if address is not None else " before serving")
     except Refused as e:
         status, line = EXIT_CONFIG, str(e)
     except (_Failed, RunFailed) as e:
         status, line = EXIT_FAILED, str(e)
     finally:
-        if held:  # an exit of their own, so that Ray reports no worker killed under it
-            end_actors(held[::-1], END_WAIT_S)
+        serving.end()  # an exit of their own, so that Ray reports no worker killed under it
         if started:
             ray.shutdown()
     print(f"qgrpo serve: {line}", file=sys.stderr)
@@ -254,59 +252,116 @@ class _Failed(Exception):
     """The actors or the endpoint did not start."""
 
 
-def _keep_serving(pool, endpoint, stop: _Stop) -> None:
-    """Until a stop: the endpoint's reports of failed calls taken to the pool, which counts them and replaces a dead
-    rollout actor (the endpoint gets the new handle; the calls waiting on the dead one go to it). Past
-    faults.max_replacements failures in a row, or a hung actor, RunFailed ends serving."""
-    import ray
+class _Serving:
+    """The rollout pool and the endpoint actor over it, supervised as a run supervises them
+    (cluster/run/supervisor.py): a rollout actor that dies is replaced (the endpoint gets the pool's new link and
+    the calls waiting on the dead one go to it); an endpoint that dies is started again at the same address (its
+    calls in flight fail; the next ones are served). Past faults.max_replacements failures in a row, or a hung
+    actor, RunFailed ends serving."""
 
-    pool.watch(lambda actors: ray.get(endpoint.set_actors.remote(actors), timeout=60))
-    while not stop.requested:
-        reports = ray.get(endpoint.reports.remote(POLL_S), timeout=60)
-        pool.take_reports(reports, "a served call")
-        events, pool.events = pool.events, []
-        for e in events:
-            said = (f"rollout actor {e['actor']} failed ({e['cause']})" if e["event"] == "rollout_actor_failed" else
-                    f"rollout actor {e['actor']} replaced by {e['replacement']}; its calls go there")
-            print(f"qgrpo serve: {said}", file=sys.stderr, flush=True)
+    def __init__(self, served: Served, host: str, port: int, model: str, keys: Access):
+        self.served, self.host, self.port, self.model, self.keys = served, host, port, model, keys
+        self.pool = self.endpoint = self.supervisor = self.stop = None
+        self.address: str | None = None
 
+    def start(self, stop: _Stop) -> str | None:
+        """The rollout actors and the endpoint over them; the endpoint's address (http://HOST:PORT), or None when
+        a stop was requested meanwhile."""
+        import ray
 
-def _start(served: Served, host: str, port: int, model: str, stop: _Stop, held: list, keys: Access) -> tuple | None:
-    """The rollout actors and the endpoint over them, their handles put in `held`; (the endpoint's address
-    (http://HOST:PORT), the pool, the endpoint), or None when a stop was requested meanwhile."""
-    import ray
+        from qgrpo.cluster.config.plan import infeasible, role_requests
+        from qgrpo.cluster.run.precision_auto import is_auto
+        from qgrpo.cluster.run.supervisor import Supervisor
+        from qgrpo.cluster.run.workers import RolloutPool
 
-    from qgrpo.actors.endpoint_actor import EndpointActor
-    from qgrpo.cluster.config.plan import infeasible, role_requests
-    from qgrpo.cluster.run.precision_auto import is_auto
-    from qgrpo.cluster.run.workers import RolloutPool
+        served, self.stop = self.served, stop
+        if is_auto(served.cfg):  # tried on a rollout actor's machine before the pool starts (cli/train.py)
+            served.cfg = auto_precision(served.cfg, served.model_path, None, None)[0]
+        cfg, ro = served.cfg, served.cfg.rollout
+        request = next(r for r in role_requests(cfg) if r.role == "rollout")
+        problems = infeasible([request], ray.nodes())
+        if problems:
+            raise Refused(problems[0])
+        # The pool of a run, at step 0: no environment (the endpoint plays no episodes; its workers would idle), no
+        # weight sync (nothing publishes one; the pool's sync parts stay unused).
+        pool_cfg = dataclasses.replace(cfg, environment=dataclasses.replace(cfg.environment, name=""))
+        cores = os.cpu_count() or 1  # local mode: the actors share this machine's cores, as in a run
+        print(f"qgrpo serve: starting {ro.num_actors} {ro.backend} rollout actor{'s' * (ro.num_actors != 1)} at "
+              f"{ro.precision} on {served.source}", file=sys.stderr)
+        self.pool = RolloutPool(pool_cfg, served.model_path, 0, ro.precision, request,
+                                ro.threads or cores // ro.num_actors, cores if not ro.threads else 0)
+        self.supervisor = Supervisor(cfg.faults.max_replacements, self.pool.events)
+        if _wait(self.pool.starting(), stop, cfg.faults.schedule_timeout_s,
+                 "starting the rollout actors (faults.schedule_timeout_s)") is None:
+            return None
+        return self._start_endpoint()
 
-    if is_auto(served.cfg):  # tried on a rollout actor's machine before the pool starts (cli/train.py)
-        served.cfg = auto_precision(served.cfg, served.model_path, None, None)[0]
-    cfg, ro = served.cfg, served.cfg.rollout
-    request = next(r for r in role_requests(cfg) if r.role == "rollout")
-    problems = infeasible([request], ray.nodes())
-    if problems:
-        raise Refused(problems[0])
-    # The pool of a run, at step 0: no environment (the endpoint plays no episodes; its workers would idle), no weight
-    # sync (nothing publishes one; the pool's sync parts stay unused).
-    pool_cfg = dataclasses.replace(cfg, environment=dataclasses.replace(cfg.environment, name=""))
-    cores = os.cpu_count() or 1  # local mode: the actors share this machine's cores, as in a run
-    print(f"qgrpo serve: starting {ro.num_actors} {ro.backend} rollout actor{'s' * (ro.num_actors != 1)} at "
-          f"{ro.precision} on {served.source}", file=sys.stderr)
-    pool = RolloutPool(pool_cfg, served.model_path, 0, ro.precision, request, ro.threads or cores // ro.num_actors,
-                       cores if not ro.threads else 0)
-    held.extend(pool.actors)
-    if _wait([a.info.remote() for a in pool.actors], stop, cfg.faults.schedule_timeout_s,
-             "starting the rollout actors (faults.schedule_timeout_s)") is None:
-        return None
-    endpoint = EndpointActor.remote(model, served.model_path, pool.link(), host=host, port=port,
-                                    max_tokens=ro.max_new_tokens, chat_template=cfg.task.chat_template,
-                                    open_sessions=True, **keys.kwargs(),
-                                    defaults={"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k})
-    held.append(endpoint)
-    out = _wait([endpoint.start.remote()], stop, 300, "starting the endpoint")
-    return None if out is None else (out[0], pool, endpoint)
+    def _start_endpoint(self) -> str | None:
+        from qgrpo.actors.endpoint_actor import EndpointActor
+
+        ro = self.served.cfg.rollout
+        self.endpoint = EndpointActor.remote(self.model, self.served.model_path, self.pool.link(), host=self.host,
+                                             port=self.port, max_tokens=ro.max_new_tokens,
+                                             chat_template=self.served.cfg.task.chat_template, open_sessions=True,
+                                             **self.keys.kwargs(), defaults={"temperature": ro.temperature,
+                                                                             "top_p": ro.top_p, "top_k": ro.top_k})
+        out = _wait([self.endpoint.start.remote()], self.stop, 300, "starting the endpoint")
+        if out is None:
+            return None
+        self.address = out[0]
+        self.port = int(self.address.rsplit(":", 1)[1])  # a replacement listens where this one did
+        return self.address
+
+    def _replace_endpoint(self, cause: str) -> None:
+        import ray
+
+        ray.kill(self.endpoint, no_restart=True)
+        if self._start_endpoint() is None:  # a stop meanwhile
+            return
+        print(f"qgrpo serve: the endpoint died ({cause}); serving again at {self.address}/v1", file=sys.stderr,
+              flush=True)
+
+    def _push(self, link) -> None:
+        import ray
+
+        from qgrpo.cluster.run.supervisor import get_within
+
+        try:
+            get_within(self.endpoint.set_link.remote(link), 60, "serving: the endpoint's set_link")
+        except ray.exceptions.RayActorError:  # the endpoint died: the one started next takes the pool's link
+            pass
+
+    def keep_serving(self, stop: _Stop) -> None:
+        """Until a stop: the endpoint's reports of failed calls taken to the pool, which counts them and replaces a
+        dead rollout actor; an endpoint that died replaced."""
+        from qgrpo.cluster.run.supervisor import get_within
+
+        self.pool.watch(self._push)
+        while not stop.requested:
+            ok, reports = self.supervisor.settle(
+                "endpoint", lambda: get_within(self.endpoint.reports.remote(POLL_S), 60, "serving: the endpoint"),
+                name="the endpoint actor", stage="serving", event="endpoint_failed", replace=self._replace_endpoint,
+                work=False)
+            if ok:
+                if reports["served"]:  # calls answered: the endpoint's failures in a row start again
+                    self.supervisor.served("endpoint")
+                self.pool.take_reports(reports, "a served call")
+            for e in self.pool.take_events():
+                if e["event"] == "rollout_actor_failed":
+                    said = f"rollout actor {e['actor'].removeprefix('rollout actor ')} failed ({e['cause']})"
+                elif e["event"] == "rollout_actor_replaced":
+                    said = f"rollout actor {e['actor']} replaced by {e['replacement']}; its calls go there"
+                else:
+                    continue
+                print(f"qgrpo serve: {said}", file=sys.stderr, flush=True)
+
+    def end(self) -> None:
+        from qgrpo.actors.common import END_WAIT_S, end_actors
+
+        if self.endpoint is not None:
+            end_actors([self.endpoint], END_WAIT_S)
+        if self.pool is not None:
+            self.pool.end(END_WAIT_S)
 
 
 def _wait(refs: list, stop: _Stop, seconds: float, what: str) -> list | None:
@@ -324,13 +379,7 @@ def _wait(refs: list, stop: _Stop, seconds: float, what: str) -> list | None:
     try:
         return ray.get(refs)
     except ray.exceptions.RayError as e:
-        raise _Failed(f"{what} failed: {_cause(e)}") from None
-
-
-def _cause(err: BaseException) -> str:
-    """The last line of a remote error (its exception and message), else the first."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    return (lines[-1] if lines else type(err).__name__)[:400]
+        raise _Failed(f"{what} failed: {cause_of(e)}") from None
 
 
 def _say_serving(served: Served, model: str, address: str, keys: Access) -> None:

@@ -471,7 +471,7 @@ def _train(cfg, model_path: str, resume, address: str | None, stop, compute=None
 
     from qgrpo.cluster.run.driver import train
     from qgrpo.cluster.run.stopping import local_ray_killer, stop_line
-    from qgrpo.cluster.run.workers import RunFailed
+    from qgrpo.cluster.run.supervisor import RunFailed
 
     started = _start_ray(cfg, address)
     stop.install()  # again: ray.init put Ray's own SIGTERM handlers in place (a stack dump, then an abort)

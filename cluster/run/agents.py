@@ -35,18 +35,22 @@ from pathlib import Path
 
 import ray
 
-from qgrpo.actors.pool_link import cause_of as _cause
+from qgrpo.actors.ray_errors import fault_of
 from qgrpo.cluster.config.turns import agent_call_cap, agent_call_default
+from qgrpo.cluster.run.source import Call, ChunkResult
+from qgrpo.cluster.run.supervisor import RunFailed, Supervisor, get_within
 from qgrpo.core import faults
-from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
+from qgrpo.core.records import GenerationStats, PromptItem, SamplingParams
 
 ENDPOINT_FILE = "endpoint.json"  # RUN_DIR/endpoint.json: the run's endpoint address, model name, how to reach it
-IN_FLIGHT = 4096  # chunks (rows) in flight at most; environment.concurrency bounds the episodes that really run
 REPORTS_S = 5.0  # the endpoint's long poll of failures
+CALL_S = 120.0  # a call to the endpoint actor (open or close sessions, push a link): past it, the endpoint is hung
+START_S = {"endpoint": 300.0, "runner": 120.0}  # to start each (the agent's file loads in the runner)
 BLOCKED = ("the agent runner did not answer within twice environment.episode_timeout_s: an agent blocked its event "
            "loop (a blocking call inside async code: use the async client, or a plain def, which runs on a thread)")
 STATS = ("calls", "forks", "branches", "tool_calls", "tool_parse_failures", "model_tokens", "cut_calls",
          "capped_calls", "tool_offers")
+NAMES = {"endpoint": "the endpoint actor", "runner": "the agent runner"}
 
 
 def _here():
@@ -59,25 +63,18 @@ def _here():
 
 
 @dataclass(eq=False)
-class EpisodeCall:
+class EpisodeCall(Call):
     """One chunk's episodes in flight in the runner (AgentEpisodes.submit)."""
 
-    ref: ray.ObjectRef
-    slot: int
-    prompt_ids: tuple[str, ...]
-    step: int  # the generators' (1-based) step
-    sent: float
-    items: list
-    sids: list[str]
-    runner: str  # the runner's actor id, and the endpoint's generation, when the chunk was sent
-    endpoint: int
-    greedy: bool = False
-    replays: int = field(default=0)
+    items: list = field(default_factory=list)
+    sids: list[str] = field(default_factory=list)
+    runner: str = ""  # the runner's actor id, and the endpoint's generation, when the chunk was sent
+    endpoint: int = 0
 
 
 class AgentEpisodes:
-    """The episodes of the agent environment.name names. `pool`: the rollout actors (RolloutPool); `run_dir`: where
-    endpoint.json goes."""
+    """The episodes of the agent environment.name names, a rollout source (cluster/run/source.py). `pool`: the
+    rollout actors (RolloutPool); `run_dir`: where endpoint.json goes."""
 
     def __init__(self, cfg, pool, run_dir: Path | None = None):
         from qgrpo.rollout.environments.loader import environment_spec
@@ -89,8 +86,10 @@ class AgentEpisodes:
         self.key = secrets.token_urlsafe(32)  # every call must carry it (the agent's client has it as its API key)
         self.limits = {"max_calls": env.max_turns, "max_context": env.max_context, "max_tokens": agent_call_cap(cfg)}
         self.defaults = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
+        # rows in flight: as many as the runner plays at once (environment.concurrency episodes, G per row)
+        self.slots = max(1, env.concurrency // ro.group_size)
+        self.supervisor = Supervisor(cfg.faults.max_replacements, pool.events)  # the endpoint's and the runner's
         self.generation = 0  # endpoints started
-        self.restarts = {"endpoint": 0, "runner": 0}  # deaths in a row
         self.replayed: dict[str, int] = {}  # prompt id -> its episodes played again (not yet reported)
         self.blocked: set[str] = set()  # runners replaced for blocking: their chunks fail, not replay
         self.watch_ref = None
@@ -109,7 +108,7 @@ class AgentEpisodes:
                   self.cfg.task.chat_template, "open_sessions": False, "defaults": self.defaults}
         endpoint = EndpointActor.options(**_here()).remote(self.model, self.pool.policy_path, self.pool.link(),
                                                            api_key=self.key, **kwargs)
-        address = ray.get(endpoint.start.remote(), timeout=300)
+        address = get_within(endpoint.start.remote(), START_S["endpoint"], "starting the endpoint actor")
         self.generation += 1
         self.address = address
         if self.run_dir is not None:
@@ -120,21 +119,11 @@ class AgentEpisodes:
         from qgrpo.actors.agent_runner import AgentRunner
 
         runner = AgentRunner.options(**_here()).remote(self.spec, self.cfg.environment.concurrency)
-        ray.get(runner.ready.remote(), timeout=120)  # the agent's file loads there, or this raises
+        get_within(runner.ready.remote(), START_S["runner"], "starting the agent runner")  # the agent's file loads
         return runner, runner._actor_id.hex()
 
-    def _restart(self, which: str, cause: str) -> None:
-        """A new endpoint or runner after its process died; too many deaths in a row end the run."""
-        from qgrpo.cluster.run.workers import RunFailed
-
-        self.restarts[which] += 1
-        limit = self.cfg.faults.max_replacements
-        name = {"endpoint": "the endpoint actor", "runner": "the agent runner"}[which]
-        self.pool.events.append({"event": f"{which}_failed", "cause": cause, "failures_in_a_row":
-                                 self.restarts[which]})
-        if self.restarts[which] > limit:
-            raise RunFailed(f"agent episodes: {name} died {self.restarts[which]} times in a row "
-                            f"(faults.max_replacements = {limit}); last cause: {cause}")
+    def _restart(self, which: str) -> None:
+        """A new endpoint or runner after its process died (counted by the supervisor first)."""
         if which == "endpoint":
             _kill(self.endpoint)
             self.watch_ref = None
@@ -146,18 +135,26 @@ class AgentEpisodes:
             self.runner, self.runner_id = self._runner()
             self.pool.events.append({"event": "agent_runner_restarted"})
 
+    def _settle(self, which: str, get, stage: str) -> tuple[bool, object]:
+        """The supervisor's policy on one call to the endpoint or the runner (cluster/run/supervisor.py): a dead
+        one is counted and started again; past faults.max_replacements in a row the run ends. Its failures in a
+        row start again only when a chunk is done (`collect`), not when a call merely answers."""
+        return self.supervisor.settle(which, get, name=NAMES[which], stage=stage, event=f"{which}_failed",
+                                      replace=lambda _: self._restart(which), work=False)
+
     def _endpoint(self, method: str, *args):
         """A call to the endpoint actor; one that died meanwhile is started again (the call goes to the new one)."""
-        try:
-            return ray.get(getattr(self.endpoint, method).remote(*args), timeout=120)
-        except ray.exceptions.RayActorError as e:
-            self._restart("endpoint", _cause(e))
-            return ray.get(getattr(self.endpoint, method).remote(*args), timeout=120)
+        stage = f"agent episodes: the endpoint's {method}"
+        while True:
+            ok, out = self._settle("endpoint", lambda: get_within(
+                getattr(self.endpoint, method).remote(*args), CALL_S, stage), stage)
+            if ok:
+                return out
 
-    def _push(self, actors: list) -> None:
+    def _push(self, link) -> None:
         """The pool's watcher: its actors changed (a replacement, a resize, the precision ladder)."""
         try:
-            ray.get(self.endpoint.set_actors.remote(actors), timeout=60)
+            get_within(self.endpoint.set_link.remote(link), CALL_S, "agent episodes: the endpoint's set_link")
         except ray.exceptions.RayError:  # the endpoint died: the one started next takes the pool's link as it is
             pass
 
@@ -172,35 +169,43 @@ class AgentEpisodes:
                  f"qgrpo: agents call the endpoint at {self.address}/v1 (model {self.model!r}; "
                  f"RUN_DIR/{ENDPOINT_FILE})")]
 
-    # --- the pool's dispatch, for the stream ---
-    def name(self, slot: int) -> str:
-        return "the agent runner"
+    # --- the rollout source, for the stream ---
+    def own(self, owner: int | None) -> None:
+        self.pool.own(owner)
 
     def split(self, items: list[PromptItem]) -> list[list[PromptItem]]:
         """One chunk per row: a row's episodes are sent, collected and played again together."""
         return [[item] for item in items]
 
     def free_slots(self, busy: set[int]) -> list[int]:
-        return [s for s in range(len(busy) + IN_FLIGHT) if s not in busy][:IN_FLIGHT - len(busy)]
+        """As many rows as the runner plays at once (environment.concurrency episodes), so that a chunk's deadline
+        runs from when its episodes start."""
+        return [s for s in range(self.slots) if s not in busy]
 
     def submit(self, slot: int, items: list[PromptItem], sampling: SamplingParams, step: int,
-               greedy: bool = False) -> EpisodeCall:
+               held_out: bool = False) -> EpisodeCall:
+        """A row's episodes: `sampling.group_size` sessions opened at the endpoint (greedy ones for a held-out row),
+        played by the runner; its deadline is twice the episodes' (environment.episode_timeout_s) per round of
+        environment.concurrency episodes, and 30 s."""
         from qgrpo.rollout.agents import AgentClient, episode_row
 
-        G = sampling.group_size
-        tag = "e" if greedy else "s"
+        env = self.cfg.environment
+        G = 1 if held_out else sampling.group_size
+        tag = "e" if held_out else "s"
         # s<step>-<row>-<episode>-<random>: readable in logs, never guessable (the key is needed besides)
         sids = [f"{tag}{step}-{i}-{g}-{secrets.token_hex(12)}" for i in range(len(items)) for g in range(G)]
-        self._endpoint("open_sessions", sids, step, {**self.limits, "greedy": greedy})
+        self._endpoint("open_sessions", sids, 0 if held_out else step, {**self.limits, "greedy": held_out})
         episodes = [(episode_row(items[k // G]), AgentClient(f"{self.address}/sessions/{sid}/v1", self.key,
                                                              self.model, sid)) for k, sid in enumerate(sids)]
-        ref = self.runner.run.remote(episodes, self.cfg.environment.episode_timeout_s, step)
-        return EpisodeCall(ref, slot, tuple(i.prompt_id for i in items), step, time.monotonic(), list(items), sids,
-                           self.runner_id, self.generation, greedy)
+        ref = self.runner.run.remote(episodes, env.episode_timeout_s, step, held_out)
+        rounds = -(-len(sids) // env.concurrency)
+        return EpisodeCall(ref, slot, tuple(i.prompt_id for i in items), step, time.monotonic(),
+                           2 * env.episode_timeout_s * rounds + 30, held_out, list(items), sids, self.runner_id,
+                           self.generation)
 
     def wait(self, calls: list[EpisodeCall], timeout: float) -> list[EpisodeCall]:
         """The calls done, waiting up to `timeout`; meanwhile the endpoint's reports of failed rollout calls are taken
-        to the pool (counted, a dead actor replaced and its handle pushed back)."""
+        to the pool (counted, a dead actor replaced and a new link pushed)."""
         if self.watch_ref is None:
             self.watch_ref = self.endpoint.reports.remote(REPORTS_S)
         by_ref = {c.ref: c for c in calls}
@@ -211,82 +216,63 @@ class AgentEpisodes:
 
     def _reports(self) -> None:
         ref, self.watch_ref = self.watch_ref, None
-        try:
-            reports = ray.get(ref)
-        except ray.exceptions.RayActorError as e:
-            self._restart("endpoint", _cause(e))
-            return
-        self.pool.take_reports(reports, "an agent's call to the endpoint")
+        stage = "an agent's call to the endpoint"
+        ok, reports = self._settle("endpoint", lambda: ray.get(ref), stage)
+        if ok:
+            self.pool.take_reports(reports, stage)
 
-    def collect(self, call: EpisodeCall):
-        """(groups, stats, agent/* metrics) of a finished chunk; None where the endpoint or the runner died under
+    def collect(self, call: EpisodeCall) -> ChunkResult | None:
+        """A finished chunk's groups, stats and agent/* metrics; None where the endpoint or the runner died under
         it: its episodes are played again from their start (the stream sends the chunk again, first)."""
         from qgrpo.rollout.agents import Outcome
 
+        stage = "held-out agent episodes" if call.held_out else f"agent episodes at step {call.step}"
         blocked = call.runner in self.blocked
-        try:
-            outcomes = ray.get(call.ref) if not blocked else None
-        except ray.exceptions.RayActorError as e:
-            if call.runner in self.blocked:
-                blocked = True
-            else:
-                if call.runner == self.runner_id:
-                    self._restart("runner", _cause(e))
-                return self._replay(call)
+        if not blocked:
+            try:
+                outcomes = ray.get(call.ref)
+            except ray.exceptions.RayError as e:
+                fault = fault_of(e)
+                if fault is None:
+                    raise
+                blocked = call.runner in self.blocked  # killed for blocking meanwhile: its episodes fail
+                if not blocked:
+                    if call.runner == self.runner_id:  # counted once per death: the other chunks it held replay
+                        self.supervisor.failed("runner", NAMES["runner"], fault.cause, stage, "runner_failed")
+                        if fault.gone:
+                            self._restart("runner")
+                    return self._replay(call)
         if call.endpoint != self.generation:  # its sessions died with the endpoint
             return self._replay(call)
-        try:
-            sessions = ray.get(self.endpoint.close_sessions.remote(call.sids), timeout=120)
-        except ray.exceptions.RayActorError as e:  # the endpoint died under these episodes
-            self._restart("endpoint", _cause(e))
+        ok, sessions = self._settle("endpoint", lambda: get_within(
+            self.endpoint.close_sessions.remote(call.sids), CALL_S, stage), stage)
+        if not ok:  # the endpoint died under these episodes
             return self._replay(call)
         if blocked:
             outcomes = [Outcome(sid, error=BLOCKED, timed_out=True) for sid in call.sids]
-        self.restarts = {"endpoint": 0, "runner": 0}
+        self.supervisor.served("endpoint")  # a chunk done: both processes' failures in a row start again
+        self.supervisor.served("runner")
         return self._groups(call, outcomes, sessions)
 
     def _replay(self, call: EpisodeCall) -> None:
         if call.endpoint == self.generation:
             try:
-                ray.get(self.endpoint.close_sessions.remote(call.sids), timeout=60)
+                get_within(self.endpoint.close_sessions.remote(call.sids), 60, "closing sessions")
             except ray.exceptions.RayError:
                 pass
         for pid in call.prompt_ids:
             self.replayed[pid] = self.replayed.get(pid, 0) + len(call.sids) // len(call.prompt_ids)
         return None
 
-    def overdue(self, calls: list[EpisodeCall], seconds: float) -> None:
+    def overdue(self, calls: list[EpisodeCall]) -> None:
         """An agent that blocks its event loop (a blocking call inside async code) keeps the runner from keeping
-        deadlines: past twice the deadline the runner is replaced and its chunks' episodes fail with that cause.
-        (`seconds`, the rollout actors' deadline, applies to each call inside the endpoint's link.)"""
-        limit = 2 * self.cfg.environment.episode_timeout_s + 30
-        if any(time.monotonic() - c.sent > limit and c.runner == self.runner_id for c in calls):
+        deadlines: past a call's deadline the runner is replaced and its chunks' episodes fail with that cause.
+        (The rollout actors' deadline applies to each model call inside the endpoint's link.)"""
+        now = time.monotonic()
+        if any(now - c.sent > c.deadline_s and c.runner == self.runner_id for c in calls):
             self.blocked.add(self.runner_id)
             _kill(self.runner)
             self.runner, self.runner_id = self._runner()
-
-    def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
-                 ) -> tuple[list[GroupRollout], list[GenerationStats]]:
-        """Held-out rows played once each, at temperature 0 (the endpoint samples these sessions greedily whatever
-        the agent asks), their episodes judged by the run's metric."""
-        from qgrpo.cluster.run.workers import RunFailed
-
-        sampling = SamplingParams(1, sampling.max_new_tokens, 0.0)
-        calls = [self.submit(-1, [item], sampling, step, greedy=True) for item in items]
-        done, late = ray.wait([c.ref for c in calls], num_returns=len(calls),
-                              timeout=2 * self.cfg.environment.episode_timeout_s + 30)
-        if late:  # an agent blocked the runner: its episodes fail with that cause (as in training)
-            self.blocked.add(self.runner_id)
-            _kill(self.runner)
-            self.runner, self.runner_id = self._runner()
-        out = []
-        for c in calls:
-            result = self.collect(c)
-            if result is None:
-                raise RunFailed("held-out agent episodes: the endpoint or the agent runner died during the "
-                                "evaluation")
-            out.append(result)
-        return [g for gs, _, _ in out for g in gs], [s for _, s, _ in out]
 
     # --- a chunk's rows ---
     def _groups(self, call: EpisodeCall, outcomes, sessions: dict):
@@ -318,9 +304,7 @@ class AgentEpisodes:
                                        self._prompt(item), branches)
             groups.append(group)
             problems += [f"row {item.prompt_id}: {p}" for p in bad]
-        if problems and self.cfg.environment.on_error == "fail" and not call.greedy:
-            from qgrpo.cluster.run.workers import RunFailed
-
+        if problems and self.cfg.environment.on_error == "fail" and not call.held_out:
             raise RunFailed(f"agent episode failed: {problems[0]} (environment.on_error = \"fail\"; \"end\" ends the "
                             "episode with a score of 0 instead)")
         prec = self.pool.precision
@@ -336,7 +320,7 @@ class AgentEpisodes:
                    **{f"agent/forks_{kind}": n for kind, n in kinds.items()}}
         gen = GenerationStats("agents", time.monotonic() - call.sent, stats["model_tokens"],
                               min(g.policy_version for g in groups))
-        return groups, gen, metrics
+        return ChunkResult(groups, gen, metrics)
 
     def _prompt(self, item) -> list[int]:
         """The row's prompt as the generators format it: the prompt of a group none of whose episodes called."""
@@ -360,3 +344,4 @@ def _kill(actor) -> None:
         ray.kill(actor, no_restart=True)
     except Exception:  # noqa: BLE001 - already gone
         pass
+

@@ -114,8 +114,11 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     `auto_precision`: the trials that chose rollout.precision (cluster/run/precision_auto.py: Choice.record), written
     into the start event, as is `auto_compute`: the CPU roles' timed work that chose their compute dtype
     (cluster/run/compute_auto.py: ComputeChoice.record).
-    Raises RunFailed (cluster/run/workers.py) with what happened and how to resume when a fault ends the run."""
-    from qgrpo.cluster.run.workers import RunFailed
+    Raises RunFailed (cluster/run/supervisor.py) with what happened and how to resume when a fault ends the run."""
+    import ray
+
+    from qgrpo.actors.ray_errors import cause_of
+    from qgrpo.cluster.run.supervisor import RunFailed
 
     # the actors started (resumed), logs open
     run = TrainingRun(cfg, run_dir, model_path, resume, auto_precision, auto_compute)
@@ -146,6 +149,8 @@ def train(cfg: Config, run_dir: Path | RunDir, model_path: str, resume: Path | s
     except (RunFailed, GuardStop, StorageError, RewardError) as e:  # StorageError: the URI, or a run_dir the
         # nodes do not share
         raise run.failed(e, step + 1) from None
+    except ray.exceptions.RayError as e:  # any other of Ray's: named in one line, never a traceback
+        raise run.failed(RunFailed(f"step {step + 1}: {cause_of(e)}"), step + 1) from None
     finally:
         run.close(failing=sys.exc_info()[0] is not None, stopping=stop is not None and stop.requested)
     return {"last": m, "evals": run.evals, "baseline": run.baseline, "stopped": stopped,
@@ -239,9 +244,10 @@ class TrainingRun:
     def scale(self, done: int) -> None:
         """`qgrpo scale`: applied between steps, when nothing is in flight."""
         want = wanted_rollout_actors(self.dir.root)
-        if want and want != len(self.workers.rollout.actors):
+        pool = self.workers.rollout
+        if want and want != pool.size:
             self.supply.pause()  # the calls in flight come in first
-            self.log.write({"step": done, **self.workers.rollout.resize(want)})
+            self.log.write({"step": done, **self.supply.on_pump(lambda: pool.resize(want))})
             self.supply.resume()
 
     def _last(self, done: int) -> bool:
@@ -251,7 +257,9 @@ class TrainingRun:
         """Publish the policy to the rollout actors every algo.update_every steps, if it changed. The last step
         always syncs when evaluation follows, so the held-out score is of the final policy."""
         due = done % self.cfg.algo.update_every == 0 or (self._last(done) and self.eval_task)
-        sync = self.workers.sync_weights() if due and result.policy_version != self.published else None
+        # on the pump, the pool's one owner: the calls in flight go on, and take the weights between decode steps
+        sync = self.supply.on_pump(self.workers.sync_weights) if due and result.policy_version != self.published \
+            else None
         self.published = sync.version if sync else self.published
         if due:
             self.supply.advance(done, self.published)
@@ -265,7 +273,7 @@ class TrainingRun:
         up_rollout, up_reference = self.ladder.after_step(skipped, done)
         if up_rollout:  # the calls in flight (a stream's) end on the old actors first
             self.supply.pause()
-            self.workers.rollout.set_precision(up_rollout)
+            self.supply.on_pump(lambda: self.workers.rollout.set_precision(up_rollout))
             self.supply.resume()
         if up_reference:
             self.workers.set_reference_precision(up_reference)
@@ -343,7 +351,7 @@ class TrainingRun:
 
     def failed(self, err: BaseException, step: int) -> Exception:
         """The error to end the run with: what happened, at which step (1-based), and how to resume (logged first)."""
-        from qgrpo.cluster.run.workers import RunFailed
+        from qgrpo.cluster.run.supervisor import RunFailed
         from qgrpo.core.invocation import qgrpo_command
 
         self.samples.flush()  # the steps done since the last checkpoint: a resume sets them aside with the rest

@@ -114,7 +114,7 @@ class EnvHealth:
     def stop_if_broken(self) -> None:
         """Raises RunFailed when the environment failed on every trajectory for max_failed_steps steps in a row."""
         if self.broken:
-            from qgrpo.cluster.run.workers import RunFailed  # Ray's and torch's imports: only for a run that stops
+            from qgrpo.cluster.run.supervisor import RunFailed  # Ray's and torch's imports: only for a run that stops
 
             raise RunFailed(self.broken)
 

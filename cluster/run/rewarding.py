@@ -20,7 +20,7 @@ from pathlib import Path
 import ray
 
 from qgrpo.actors.common import END_WAIT_S, end_actors
-from qgrpo.cluster.run.workers import RunFailed
+from qgrpo.cluster.run.supervisor import RunFailed
 from qgrpo.core.records import GroupRollout
 from qgrpo.rollout.rewards.builtin import RewardError
 from qgrpo.rollout.rewards.calls import group_kwargs, slice_kwargs

@@ -35,8 +35,11 @@ live actor (RolloutPool.collect replaces a dead one).
 
 The stream's source is the rollout pool (RolloutPool: a chunk is a generation call on one actor) or, for agent
 programs (environment.name = "agent:..."), the pool behind the run's endpoint (cluster/run/agents.py: AgentEpisodes,
-a chunk is one row's episodes): both have the same dispatch, so one pump, one admission rule and one snapshot serve
-both. A chunk may report metrics beside its groups (agent/*: summed over the step's chunks into the step's metrics).
+a chunk is one row's episodes): both are a RolloutSource (cluster/run/source.py), so one pump, one admission rule
+and one snapshot serve both. A chunk may report metrics beside its groups (agent/*: summed over the step's chunks into
+the step's metrics). The pump is the one thread that calls the source: a held-out evaluation is a draw of its own in
+the same queue (sent before the training chunks waiting), and the driver's operations on the pool run on it as jobs
+(`on_pump`).
 
 Limits: a chunk is the unit of admission (a long-tail completion holds its chunk, though it no longer holds a
 sync); steps are taken in order (a slow chunk of step c delays step c even when later steps' chunks are done).
@@ -49,12 +52,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from qgrpo.cluster.run.source import ChunkResult
 from qgrpo.cluster.run.supply import RolloutSupply, StepRollouts, step_sampling
 from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem, SamplingParams
 from qgrpo.learner.objective.staleness import Admission, admission, token_ages
 
 POLL_S = 0.05
 BUFFER_FILE = "rollout_buffer.json"  # a checkpoint's copy of the stream's state (RolloutStream.snapshot)
+HELD_OUT = -1  # the step of a held-out evaluation's draws: (HELD_OUT, n), never snapshotted
 
 
 @dataclass(frozen=True)
@@ -62,29 +67,56 @@ class Chunk:
     key: tuple[int, int]  # (0-based training step, dynamic sampling's round: 0 = the step's own prompts)
     index: int  # its place among the draw's chunks
     items: list  # PromptItems
+    sampling: SamplingParams | None = None  # a held-out draw's own (a training step's: its step's)
+
+    @property
+    def held_out(self) -> bool:
+        return self.key[0] == HELD_OUT
+
+
+class _Job:
+    """A driver's operation on the rollout source, run by the pump (RolloutStream.on_pump)."""
+
+    def __init__(self, fn):
+        self.fn, self.done, self.value, self.error = fn, threading.Event(), None, None
+
+    def run(self) -> None:
+        try:
+            self.value = self.fn()
+        except BaseException as e:  # noqa: BLE001 - raised in the driver by on_pump
+            self.error = e
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
 
 
 class RolloutStream:
-    """The one RolloutSupply (cluster/run/supply.py). `pool`: the rollout source's public dispatch (RolloutPool, or
-    AgentEpisodes over it: split, free_slots, submit, wait, collect, overdue, name, generate, announce); `rule`: the
-    admission rule."""
+    """The one RolloutSupply (cluster/run/supply.py). `source`: what the stream dispatches to (cluster/run/source.py:
+    the rollout pool, or the agent episodes over it); `rule`: the admission rule.
 
-    def __init__(self, pool, sampler, ro, *, seed: int, rule: Admission, start_step: int, published: int, steps: int,
-                 timeout_s: float, buffer: dict | None = None, on_close=None):
-        """`buffer`: a checkpoint's snapshot to take up (`restore`) before anything is drawn; `on_close`: what ends
-        the source with the stream (the agent episodes' actors)."""
-        self.on_close = on_close
-        self.pool, self.sampler, self.ro, self.seed, self.rule = pool, sampler, ro, seed, rule
-        self.steps, self.timeout_s = steps, timeout_s
+    One owner: the pump thread is the only one that calls the source. The stream's lock (`cv`) guards the stream's
+    own state (the queue, the calls in flight, the results) and is never held across a call to the source, so no Ray
+    call waits under it; the driver's operations on the pool run on the pump (`on_pump`), and a held-out evaluation
+    is work of its own kind in the same queue."""
+
+    def __init__(self, source, sampler, ro, *, seed: int, rule: Admission, start_step: int, published: int,
+                 steps: int, buffer: dict | None = None):
+        """`buffer`: a checkpoint's snapshot to take up (`restore`) before anything is drawn."""
+        self.source, self.sampler, self.ro, self.seed, self.rule = source, sampler, ro, seed, rule
+        self.steps = steps
         self.held = start_step  # the actors hold the weights of this many steps (the last sync's)
         self.held_version = published  # ... which are this policy version
         self.asked = start_step - 1  # the step the driver is taking
         self.next_step = start_step  # the next step whose prompts are drawn
         self.queue: deque[Chunk] = deque()  # drawn, not yet sent
         self.flight: dict = {}  # Call -> Chunk
-        self.done: dict[tuple[int, int], dict[int, tuple]] = {}  # draw -> chunk index -> (groups, stats[, metrics])
+        self.done: dict[tuple[int, int], dict[int, ChunkResult]] = {}  # draw -> chunk index -> its result
         self.chunks: dict[tuple[int, int], list[list]] = {}  # draw -> its chunks' prompts (for a snapshot)
         self.expected: dict[tuple[int, int], tuple[int, int]] = {}  # draw -> (number of chunks, cursor after it)
+        self.evals = 0  # held-out draws so far
+        self.jobs: deque[_Job] = deque()
         self.error: BaseException | None = None
         self.paused = False
         self.cv = threading.Condition()
@@ -95,10 +127,13 @@ class RolloutStream:
 
     # --- under the lock ---
     def _draw(self, key: tuple[int, int], n: int, first: bool = False) -> None:
-        items = self.sampler.next(n)
-        chunks = self.pool.split(items)
-        self.expected[key], self.done[key], self.chunks[key] = (len(chunks), self.sampler.cursor), {}, chunks
-        new = [Chunk(key, k, c) for k, c in enumerate(chunks)]
+        self._queue(key, self.sampler.next(n), first, self.sampler.cursor)
+
+    def _queue(self, key: tuple[int, int], items: list, first: bool, cursor: int,
+               sampling: SamplingParams | None = None) -> None:
+        chunks = self.source.split(items)  # pure: no call to a process
+        self.expected[key], self.done[key], self.chunks[key] = (len(chunks), cursor), {}, chunks
+        new = [Chunk(key, k, c, sampling) for k, c in enumerate(chunks)]
         self.queue.extendleft(reversed(new)) if first else self.queue.extend(new)
 
     def _admit(self) -> None:
@@ -107,66 +142,78 @@ class RolloutStream:
             self._draw((self.next_step, 0), self.ro.prompts_per_step)
             self.next_step += 1
 
-    def _send(self) -> None:
+    def _picks(self) -> list[tuple[int, Chunk]]:
+        """(slot, chunk) for each free slot the queue can fill now, taken off the queue."""
+        if self.paused or not self.queue:
+            return []
         busy = {call.slot for call in self.flight}
-        for slot in self.pool.free_slots(busy):
-            if not self.queue or self.paused:
-                return
-            chunk = self.queue.popleft()
-            step, round_ = chunk.key
-            call = self.pool.submit(slot, chunk.items, step_sampling(self.ro, self.seed, step, round_), step + 1)
-            self.flight[call] = chunk
+        return [(slot, self.queue.popleft()) for slot in self.source.free_slots(busy) if self.queue]
 
-    def _collect(self, call) -> None:
+    # --- the pump: the only thread that calls the source ---
+    def _pump(self) -> None:
+        self.source.own(threading.get_ident())
+        try:
+            while not self.stop.is_set():
+                while self.jobs:
+                    self.jobs.popleft().run()
+                with self.cv:
+                    self._admit()
+                    picks = self._picks()
+                sent = [(self._submit(chunk, slot), chunk) for slot, chunk in picks]
+                with self.cv:
+                    self.flight.update(sent)
+                    calls = list(self.flight)
+                    if not calls:
+                        if not self.jobs:
+                            self.cv.wait(POLL_S)
+                        continue
+                results = [(call, self.source.collect(call)) for call in self.source.wait(calls, POLL_S)]
+                finished = {call for call, _ in results}
+                self.source.overdue([c for c in calls if c not in finished])
+                with self.cv:
+                    for call, result in results:
+                        self._record(call, result)
+                    self.cv.notify_all()
+        except BaseException as e:  # noqa: BLE001 - raised in the driver by take(), on_pump, evaluate
+            with self.cv:
+                self.error = e
+                while self.jobs:
+                    self.jobs.popleft().fail(e)
+                self.cv.notify_all()
+        finally:
+            self.source.own(None)
+
+    def _submit(self, chunk: Chunk, slot: int):
+        step, round_ = chunk.key
+        if chunk.held_out:
+            return self.source.submit(slot, chunk.items, chunk.sampling, self.held, held_out=True)
+        return self.source.submit(slot, chunk.items, step_sampling(self.ro, self.seed, step, round_), step + 1)
+
+    def _record(self, call, result: ChunkResult | None) -> None:
         chunk = self.flight.pop(call)
-        result = self.pool.collect(call)  # None: its actor failed (counted, replaced): again, first
-        if result is None:
+        if result is None:  # its process failed (counted, replaced): again, first
             self.queue.appendleft(chunk)
         else:
             self.done[chunk.key][chunk.index] = result
 
-    def _pump(self) -> None:
-        try:
-            while not self.stop.is_set():
-                with self.cv:
-                    self._admit()
-                    self._send()
-                    calls = list(self.flight)
-                if not calls:
-                    with self.cv:
-                        self.cv.wait(POLL_S)
-                    continue
-                ready = self.pool.wait(calls, POLL_S)
-                with self.cv:
-                    for call in ready:
-                        self._collect(call)
-                    self.pool.overdue(list(self.flight), self.timeout_s)
-                    self.cv.notify_all()
-        except BaseException as e:  # noqa: BLE001 - raised in the driver by take()
-            with self.cv:
-                self.error = e
-                self.cv.notify_all()
-
     def _wait(self, key: tuple[int, int]) -> tuple[list[GroupRollout], list[GenerationStats], int, dict]:
         """The draw's groups (in prompt order), stats, cursor and its chunks' metrics summed, once all its chunks are
         in; removed from the stream."""
-        self._admit()
-        self._send()
         self.cv.notify_all()
         while True:
-            if self.error is not None:
-                raise self.error
             n = self.expected.get(key, (None,))[0]
             if n is not None and len(self.done[key]) == n:
-                break
+                break  # in: taken even if a later chunk failed since (its error comes with the next take)
+            if self.error is not None:
+                raise self.error
             self.cv.wait(1.0)
         results, (n, cursor) = self.done.pop(key), self.expected.pop(key)
         self.chunks.pop(key, None)
         metrics: dict = {}
         for k in range(n):
-            for name, v in (results[k][2] if len(results[k]) > 2 else {}).items():
+            for name, v in results[k].metrics.items():
                 metrics[name] = metrics.get(name, 0) + v
-        return [g for k in range(n) for g in results[k][0]], [results[k][1] for k in range(n)], cursor, metrics
+        return [g for k in range(n) for g in results[k].groups], [results[k].stats for k in range(n)], cursor, metrics
 
     # --- the driver's side ---
     def take(self, step: int) -> StepRollouts:
@@ -176,9 +223,10 @@ class RolloutStream:
         t0 = time.monotonic()
         with self.cv:
             self.asked = max(self.asked, step)
+            self._admit()
             groups, stats, cursor, metrics = self._wait((step, 0))
-            buffered = sum(len(r[0]) for d in self.done.values() for r in d.values())
-            in_flight = sum(len(c.items) for c in self.flight.values())
+            buffered = sum(len(r.groups) for key, d in self.done.items() if key[0] != HELD_OUT for r in d.values())
+            in_flight = sum(len(c.items) for c in self.flight.values() if not c.held_out)
         if self.rule.synchronous:
             return StepRollouts(groups, stats, cursor, stream=metrics)
         ages = [self.held_version - g.policy_version for g in groups]
@@ -197,6 +245,34 @@ class RolloutStream:
             self._draw((step, round_), n, first=True)
             groups, stats, cursor, metrics = self._wait((step, round_))
         return StepRollouts(groups, stats, cursor, stream=metrics)
+
+    def evaluate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
+        """Held-out rows, each generated (or played by the agent) once with `sampling`, in the order of `items`:
+        chunks of their own, sent before the training chunks waiting, on the pump like every other."""
+        with self.cv:
+            self.evals += 1
+            key = (HELD_OUT, self.evals)
+            self._queue(key, list(items), True, self.sampler.cursor, sampling)
+            groups, _, _, _ = self._wait(key)
+        return groups
+
+    def on_pump(self, fn):
+        """`fn()` run by the pump between two of its polls (a weight sync, a resize, the precision ladder: the
+        pool's one owner calls it); its result, or its error raised here. After `close`, run here."""
+        if not self.thread.is_alive():
+            if self.error is not None:
+                raise self.error
+            return fn()
+        job = _Job(fn)
+        with self.cv:
+            if self.error is not None:
+                raise self.error
+            self.jobs.append(job)
+            self.cv.notify_all()
+        job.done.wait()
+        if job.error is not None:
+            raise job.error
+        return job.value
 
     def advance(self, done: int, version: int) -> None:
         """The actors now hold the weights of `done` steps, policy `version` (a sync, or a due sync the unchanged
@@ -226,16 +302,17 @@ class RolloutStream:
         again after a resume), and the sampler's cursor after them. None when nothing was drawn beyond (always so
         under a synchronous rule): the checkpoint's own cursor says it all."""
         with self.cv:
-            if not self.expected:
+            keys = sorted(k for k in self.expected if k[0] != HELD_OUT)
+            if not keys:
                 return None
             steps = {}
-            for step, round_ in sorted(self.expected):
-                key = (step, round_)
+            for key in keys:
                 n, cursor = self.expected[key]
-                steps[str(step)] = {"cursor": cursor, "chunks": [[_item_json(i) for i in c] for c in self.chunks[key]],
-                                    "done": {str(k): {"groups": [_group_json(g) for g in r[0]],
-                                                      "stats": _stats_json(r[1]), "metrics": r[2] if len(r) > 2 else {}}
-                                             for k, r in self.done[key].items()}}
+                chunks = [[_item_json(i) for i in c] for c in self.chunks[key]]
+                steps[str(key[0])] = {"cursor": cursor, "chunks": chunks,
+                                      "done": {str(k): {"groups": [_group_json(g) for g in r.groups],
+                                                        "stats": _stats_json(r.stats), "metrics": r.metrics}
+                                               for k, r in self.done[key].items()}}
             return {"next_step": self.next_step, "cursor": self.sampler.cursor, "steps": steps}
 
     def restore(self, state: dict) -> int:
@@ -251,9 +328,9 @@ class RolloutStream:
                 chunks = [[_item_of(i) for i in c] for c in entry["chunks"]]
                 self.expected[key] = (len(chunks), entry["cursor"])
                 self.chunks[key] = chunks
-                self.done[key] = {int(k): ([_group_of(g) for g in d["groups"]], _stats_of(d["stats"]),
-                                           d.get("metrics") or {}) for k, d in entry["done"].items()}
-                restored += sum(len(r[0]) for r in self.done[key].values())
+                self.done[key] = {int(k): ChunkResult([_group_of(g) for g in d["groups"]], _stats_of(d["stats"]),
+                                                      d.get("metrics") or {}) for k, d in entry["done"].items()}
+                restored += sum(len(r.groups) for r in self.done[key].values())
                 self.queue.extend(Chunk(key, k, c) for k, c in enumerate(chunks) if k not in self.done[key])
             self.next_step = state["next_step"]
             self.sampler.cursor = state["cursor"]
@@ -261,20 +338,16 @@ class RolloutStream:
             return restored
 
     # --- beside the steps ---
-    def evaluate(self, items: list[PromptItem], sampling: SamplingParams) -> list[GroupRollout]:
-        """Held-out rows, each generated (or played by the agent) once with `sampling`, in the order of `items`."""
-        groups, _ = self.pool.generate(items, sampling, 0)
-        return groups
-
     def announce(self) -> list[tuple[dict, str]]:
         """(an event for the run log, a line for stderr) the source has to say when the run starts."""
-        return self.pool.announce()
+        return self.source.announce()
 
     def close(self) -> None:
         self.stop.set()
+        with self.cv:
+            self.cv.notify_all()
         self.thread.join(5)
-        if self.on_close is not None:
-            self.on_close()
+        self.source.close()
 
 
 def open_supply(cfg, pool, sampler, start_step: int, published: int, buffer: dict | None,
@@ -286,16 +359,14 @@ def open_supply(cfg, pool, sampler, start_step: int, published: int, buffer: dic
     from qgrpo.rollout.environments.loader import is_agent
 
     a = cfg.algo
-    source, on_close = pool, None
+    source = pool
     if is_agent(cfg.environment.name):
         from qgrpo.cluster.run.agents import AgentEpisodes
 
         source = AgentEpisodes(cfg, pool, run_dir)
-        on_close = source.close
     return RolloutStream(source, sampler, cfg.rollout, seed=cfg.run.seed,
                          rule=admission(a.max_staleness, a.update_every, a.overlap), start_step=start_step,
-                         published=published, steps=cfg.run.steps, timeout_s=cfg.faults.generate_timeout_s,
-                         buffer=buffer, on_close=on_close)
+                         published=published, steps=cfg.run.steps, buffer=buffer)
 
 
 def stream_ages(groups: list[GroupRollout], trained_from: int) -> dict:

@@ -73,6 +73,10 @@ class RolloutSupply(Protocol):
     def snapshot(self) -> dict | None:
         """Its state beyond the steps trained, JSON-safe, for a checkpoint; None when there is none."""
 
+    def on_pump(self, fn):
+        """`fn()` run by the one thread that calls the rollout source (a weight sync, a resize, the precision
+        ladder), between two of its polls; returns what `fn` returns, raises what it raises."""
+
     def evaluate(self, items: list, sampling: SamplingParams) -> list[GroupRollout]:
         """Held-out rows, each generated (or played) once with `sampling`, in the order of `items`."""
 

@@ -11,16 +11,17 @@ failure ends the run (RunFailed), leaving the last complete checkpoint to resume
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import threading
 import time
-from dataclasses import dataclass
 
 import ray
 import torch
 
 from qgrpo.actors.collective import CollectiveGroup
 from qgrpo.actors.common import END_WAIT_S, end_actors, thread_env
-from qgrpo.actors.pool_link import cause_of as _cause
+from qgrpo.actors.ray_errors import cause_of
 from qgrpo.actors.reference_actor import ReferenceActor
 from qgrpo.actors.rollout_actor import RolloutActor
 from qgrpo.actors.weights import WeightUpdate
@@ -29,11 +30,11 @@ from qgrpo.cluster.config.schema import Config
 from qgrpo.cluster.run.cpu_waits import role_threads, role_waits
 from qgrpo.cluster.run.learners import start_learner_ranks
 from qgrpo.cluster.run.placement import wait_scheduled
+from qgrpo.cluster.run.source import Call, ChunkResult
+from qgrpo.cluster.run.supervisor import RunFailed, StageTimeout, Supervisor, gather
 from qgrpo.core.cpu import CPU_WAITS
 from qgrpo.core.devices import role_env
 from qgrpo.core.records import (
-    GenerationStats,
-    GroupRollout,
     PromptItem,
     SamplingParams,
     SyncAck,
@@ -59,42 +60,6 @@ def split_prompts(items: list, n: int) -> list[list]:
     return [c for c in out if c]
 
 
-@dataclass(eq=False)
-class Call:
-    """One generation call in flight on a rollout actor (RolloutPool.submit)."""
-
-    ref: ray.ObjectRef
-    slot: int  # the actor's place in the pool
-    prompt_ids: tuple[str, ...]
-    step: int  # the generators' (1-based) step, for messages
-    sent: float  # time.monotonic() when sent: its deadline runs from here
-
-
-class RunFailed(RuntimeError):
-    """A fault the run cannot survive; the message names the stage, the actor and the cause."""
-
-
-class StageTimeout(RunFailed):
-    pass
-
-
-def gather(calls: dict, seconds: float, stage: str, setting: str) -> dict:
-    """{ref: actor name} -> {ref: result} by a deadline. A call still running then raises StageTimeout; a failed
-    call raises RunFailed naming the actor (for the learner and the reference: the run cannot go on without them)."""
-    out, pending, deadline = {}, list(calls), time.monotonic() + seconds
-    while pending:  # one at a time, so a failure is reported at once, not after the other ranks' deadline
-        ready, pending = ray.wait(pending, num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
-        if not ready:
-            names = ", ".join(calls[r] for r in pending)
-            raise StageTimeout(f"{stage}: {names} did not finish within {seconds:.0f} s; raise {setting} if that is "
-                               "too short for this model, or look for a hung process")
-        try:
-            out[ready[0]] = ray.get(ready[0])
-        except ray.exceptions.RayError as e:
-            raise RunFailed(f"{stage}: {calls[ready[0]]} failed ({_cause(e)})") from None
-    return out
-
-
 def generator_kwargs(cfg: Config, model_path: str, precision: str, generator_id: str, version: int) -> dict:
     """The keyword arguments of a rollout actor's generator (`make_generator`): a pool's, and a precision trial's
     (cluster/run/precision_auto.py), so that a trial times the generator the run will use."""
@@ -107,8 +72,33 @@ def generator_kwargs(cfg: Config, model_path: str, precision: str, generator_id:
                     adapter_rank=cfg.learner.lora.rank if cfg.sync.adapters_only else 0))
 
 
+class _Refused(Exception):
+    """An actor that is alive refused a weight update."""
+
+
+def _loaded(ref):
+    """A load's ack; an error of the load itself (not of the process) as _Refused."""
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as e:
+        raise _Refused(cause_of(e)) from None
+
+
+def _owned(method):
+    """A pool method only its owner may call: the rollout stream's pump once the stream is open (RolloutPool.own)."""
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.owner is not None and self.owner != threading.get_ident():
+            raise RuntimeError(f"RolloutPool.{method.__name__} called from thread {threading.current_thread().name} "
+                               "while the rollout stream's pump owns the pool: run it through the supply's on_pump")
+        return method(self, *args, **kwargs)
+    return call
+
+
 class RolloutPool:
-    """The rollout actors, replaced when they die, moved up the precision ladder on request."""
+    """The rollout actors, replaced when they die, moved up the precision ladder on request. One thread calls it:
+    the driver's until the rollout stream opens, then the stream's pump (`own`), which runs the driver's operations
+    (sync, resize, precision) as jobs of its own."""
 
     def __init__(self, cfg: Config, policy_path: str, policy_version: int, precision: str, request: RoleRequest,
                  threads: int, cores: int = 0, wait: str = ""):
@@ -118,17 +108,27 @@ class RolloutPool:
         self.cfg, self.policy_path, self.policy_version, self.precision = cfg, policy_path, policy_version, precision
         self.request, self.threads, self.cores = request, threads, cores
         self.cpu_wait = wait or (cfg.rollout.cpu_wait if cfg.rollout.cpu_wait in CPU_WAITS else "passive")
+        self.owner: int | None = None  # the one thread that may call it (None: any; the driver's before the stream)
         self.last_update: WeightUpdate | None = None  # what every actor has loaded (replacements load it too)
         self.spawned = [0] * cfg.rollout.num_actors  # actors created per slot
-        self.failures = [0] * cfg.rollout.num_actors  # failures in a row per slot
-        self.events: list[dict] = []  # for the run log
-        self.watchers: list = []  # called with the actors' handles whenever they change (`watch`)
+        self.events: list[dict] = []  # for the run log (take_events)
+        self.supervisor = Supervisor(cfg.faults.max_replacements, self.events)  # failures in a row per slot
+        self.watchers: list = []  # called with a new link whenever the actors change (`watch`)
         # sync.transport = "collective": the broadcast group (its members, formed again when the actors change).
         self.group = CollectiveGroup(lambda calls, seconds, stage: gather(calls, seconds, stage, "sync.timeout_s")) \
             if cfg.sync.transport == "collective" else None
         # [environment]: multi-turn rollouts; each actor starts its own environment workers (rollout/episodes.py)
         self.episodes = episode_setup(cfg.environment, cfg.rollout.max_new_tokens)
         self.actors = [self._spawn(i) for i in range(cfg.rollout.num_actors)]
+
+    def own(self, owner: int | None) -> None:
+        """From now on only thread `owner` calls the pool (None: any)."""
+        self.owner = owner
+
+    @property
+    def size(self) -> int:
+        """The rollout actors the pool has now."""
+        return len(self.actors)
 
     def name(self, slot: int) -> str:
         k = self.spawned[slot] - 1
@@ -150,32 +150,23 @@ class RolloutPool:
             self.episodes,
         )
 
-    def _failed(self, slot: int, err: BaseException, prompt_ids: list[str], stage: str) -> None:
-        self.failed(slot, _cause(err), isinstance(err, ray.exceptions.RayActorError), prompt_ids, stage)
+    def _replace(self, slot: int, stage: str) -> None:
+        """A new actor at `slot` (its process is gone); it loads the last published weights before it serves."""
+        name = self.name(slot)
+        ray.kill(self.actors[slot], no_restart=True)
+        self.actors[slot] = self._spawn(slot)
+        self.events.append({"event": "rollout_actor_replaced", "stage": stage, "actor": name,
+                            "replacement": self.name(slot), "weights_version": self.version()})
+        self._changed()
 
-    def failed(self, slot: int, cause: str, dead: bool, prompt_ids: list[str], stage: str) -> None:
-        """Count a failure of the actor at `slot`; replace it if its process is gone (`dead`); end the run after too
-        many in a row. Also what a PoolLink reports from another process (an endpoint's call)."""
-        self.failures[slot] += 1
-        name, limit = self.name(slot), self.cfg.faults.max_replacements
-        self.events.append({"event": "rollout_actor_failed", "stage": stage, "actor": name, "cause": cause,
-                            "prompt_ids": prompt_ids, "failures_in_a_row": self.failures[slot]})
-        if self.failures[slot] > limit:
-            raise RunFailed(f"{stage}: rollout actor {name} failed {self.failures[slot]} times in a row "
-                            f"(faults.max_replacements = {limit}); last cause: {cause}; it held prompts "
-                            f"{', '.join(prompt_ids) or '(none)'}")
-        if dead:
-            ray.kill(self.actors[slot], no_restart=True)
-            self.actors[slot] = self._spawn(slot)
-            self.events.append({"event": "rollout_actor_replaced", "stage": stage, "actor": name,
-                                "replacement": self.name(slot), "weights_version": self.last_update.version
-                                if self.last_update else self.policy_version})
-            self._changed()
+    def _settle(self, slot: int, get, stage: str, prompt_ids: list[str], work: bool = True) -> tuple[bool, object]:
+        """The supervisor's policy on one call to the actor at `slot` (cluster/run/supervisor.py); `work`: a
+        generation (its answer starts the actor's failures in a row again)."""
+        return self.supervisor.settle(slot, get, name=f"rollout actor {self.name(slot)}", stage=stage,
+                                      event="rollout_actor_failed", replace=lambda _: self._replace(slot, stage),
+                                      work=work, prompt_ids=prompt_ids)
 
-    def served(self, slot: int) -> None:
-        """The actor at `slot` answered: its failures in a row start again from 0."""
-        self.failures[slot] = 0
-
+    @_owned
     def take_reports(self, reports: dict, stage: str) -> None:
         """What a PoolLink reported (`PoolLink.take_reports`, fetched by the process holding the link's user): the
         slots that answered start their failures in a row again; a failure of the actor the pool holds at that slot
@@ -185,27 +176,37 @@ class RolloutPool:
 
         for slot in reports["served"]:
             if slot < len(self.actors):
-                self.served(slot)
+                self.supervisor.served(slot)
         for f in reports["failures"]:
             slot = f["slot"]
             if f["hung"]:
-                raise StageTimeout(f"{stage}: {self.name(slot)} {f['cause']}; raise faults.generate_timeout_s if "
-                                   "generation is that slow, or look for a hung actor")
+                self.supervisor.overdue([f"{self.name(slot)} {f['cause']}"], self.cfg.faults.generate_timeout_s,
+                                        stage, "faults.generate_timeout_s")
             if slot < len(self.actors) and actor_id(self.actors[slot]) == f["actor_id"]:
-                self.failed(slot, f["cause"], f["dead"], [], stage)
+                self.supervisor.failed(slot, f"rollout actor {self.name(slot)}", f["cause"], stage,
+                                       "rollout_actor_failed", prompt_ids=[])
+                if f["dead"]:
+                    self._replace(slot, stage)
+
+    def take_events(self) -> list[dict]:
+        """The events since the last take (failures, replacements), for the run log."""
+        n = len(self.events)  # the pump may append meanwhile: those stay for the next take
+        out = self.events[:n]
+        del self.events[:n]
+        return out
 
     def watch(self, fn) -> None:
-        """`fn(actors)` is called with the actors' handles each time they change (a replacement, a resize, the
-        precision ladder): how a process that calls them through a PoolLink (the endpoint) gets the new ones."""
+        """`fn(link)` is called with a new link (`link()`) each time the actors change (a replacement, a resize, the
+        precision ladder): how a process that calls them through a PoolLink (the endpoint) learns of the new ones."""
         self.watchers.append(fn)
 
     def _changed(self) -> None:
         for fn in self.watchers:
-            fn(list(self.actors))
+            fn(self.link())
 
     def link(self):
-        """The pool as another process calls it (actors/pool_link.py): the actors' handles, the generation
-        deadline; failures come back to `failed` through the process that holds the link."""
+        """The pool as another process calls it (actors/pool_link.py): the actors as they are now, the generation
+        deadline; failures come back to `take_reports` through the process that holds the link."""
         from qgrpo.actors.pool_link import PoolLink
 
         return PoolLink(self.actors, self.cfg.faults.generate_timeout_s)
@@ -214,11 +215,14 @@ class RolloutPool:
         """Nothing to say at the start of a run (an agent source says where its endpoint is)."""
         return []
 
+    def close(self) -> None:
+        """Nothing: the actors are the workers' to end (Workers.shutdown)."""
+
     def version(self) -> int:
         """The policy version the actors hold (the last published one)."""
         return self.last_update.version if self.last_update is not None else self.policy_version
 
-    # --- dispatch: what the rollout supply (cluster/run/stream.py) and `generate` build on ---
+    # --- the rollout source (cluster/run/source.py), for the stream ---
     def split(self, items: list[PromptItem]) -> list[list[PromptItem]]:
         """A step's prompts as chunks, one per actor the pool has now."""
         return split_prompts(items, len(self.actors))
@@ -226,64 +230,49 @@ class RolloutPool:
     def free_slots(self, busy: set[int]) -> list[int]:
         """The actors with no call in flight (`busy`: those with one), the ones that have not just failed first."""
         free = [s for s in range(len(self.actors)) if s not in busy]
-        return sorted(free, key=lambda s: self.failures[s] > 0)
+        return sorted(free, key=self.supervisor.failing)
 
-    def submit(self, slot: int, items: list[PromptItem], sampling: SamplingParams, step: int) -> Call:
-        """Send one chunk to the actor at `slot`; returns at once."""
-        ref = self.actors[slot].generate.remote(items, sampling, step)
-        return Call(ref, slot, tuple(i.prompt_id for i in items), step, time.monotonic())
+    @_owned
+    def submit(self, slot: int, items: list[PromptItem], sampling: SamplingParams, step: int,
+               held_out: bool = False) -> Call:
+        """Send one chunk to the actor at `slot`; returns at once. A held-out chunk is the generators' step 0 (the
+        drills of core/faults.py fire in training steps only)."""
+        ref = self.actors[slot].generate.remote(items, sampling, 0 if held_out else step)
+        return Call(ref, slot, tuple(i.prompt_id for i in items), step, time.monotonic(),
+                    self.cfg.faults.generate_timeout_s, held_out)
 
+    @_owned
     def wait(self, calls: list[Call], timeout: float) -> list[Call]:
         """The calls of `calls` that are done, waiting up to `timeout` seconds for the first."""
         by_ref = {c.ref: c for c in calls}
         ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=max(timeout, 0.0)) if calls else ([], [])
         return [by_ref[r] for r in ready]
 
-    def collect(self, call: Call) -> tuple[list[GroupRollout], GenerationStats] | None:
+    @_owned
+    def collect(self, call: Call) -> ChunkResult | None:
         """A finished call's groups and stats; None where its actor failed: the failure is counted (and logged),
         a dead actor replaced, and the caller sends the chunk again. Too many failures in a row raise RunFailed."""
-        try:
-            out = ray.get(call.ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
-            self._failed(call.slot, e, list(call.prompt_ids), f"generate at step {call.step}")
-            return None
-        self.failures[call.slot] = 0
-        return out
+        stage = "held-out generation" if call.held_out else f"generate at step {call.step}"
+        ok, out = self._settle(call.slot, lambda: ray.get(call.ref), stage, list(call.prompt_ids))
+        return ChunkResult(*out) if ok else None
 
-    def overdue(self, calls: list[Call], seconds: float) -> None:
-        """Raise StageTimeout if a call has run past `seconds` (faults.generate_timeout_s) since it was sent."""
+    @_owned
+    def overdue(self, calls: list[Call]) -> None:
+        """Raise StageTimeout if a call has run past its deadline (faults.generate_timeout_s) since it was sent."""
         now = time.monotonic()
-        late = [c for c in calls if now - c.sent > seconds]
+        late = [c for c in calls if now - c.sent > c.deadline_s]
         if late:
-            held = "; ".join(f"{self.name(c.slot)} held {', '.join(c.prompt_ids)}" for c in late)
-            raise StageTimeout(f"generate at step {late[0].step}: no result within {seconds:.0f} s ({held}); raise "
-                               "faults.generate_timeout_s if generation is that slow, or look for a hung actor")
+            self.supervisor.overdue([f"{self.name(c.slot)} held {', '.join(c.prompt_ids)}" for c in late],
+                                    late[0].deadline_s, f"generate at step {late[0].step}", "faults.generate_timeout_s")
 
-    def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int
-                 ) -> tuple[list[GroupRollout], list[GenerationStats]]:
-        """Every prompt generated exactly once, whole groups per actor, results in the order of `items` (a held-out
-        evaluation; training steps come through the rollout supply). A chunk whose actor failed goes again to a live
-        actor: one that has not failed, with the fewest calls queued (else the replacement)."""
-        timeout = self.cfg.faults.generate_timeout_s
-        chunks = self.split(items)
-        results: list = [None] * len(chunks)
-        flight = {self.submit(j, c, sampling, step): j for j, c in enumerate(chunks)}
-        while flight:
-            for call in self.wait(list(flight), min(1.0, timeout)):
-                j = flight.pop(call)
-                results[j] = self.collect(call)
-                if results[j] is None:
-                    busy = [c.slot for c in flight]
-                    live = [s for s in range(len(self.actors)) if s != call.slot and self.failures[s] == 0]
-                    flight[self.submit(min(live or [call.slot], key=busy.count), chunks[j], sampling, step)] = j
-            self.overdue(list(flight), timeout)
-        return [g for gs, _ in results for g in gs], [s for _, s in results]
-
+    # --- the driver's operations (on the pump once the stream is open) ---
+    @_owned
     def load(self, update: WeightUpdate, seconds: float) -> list[SyncAck]:
         """Every actor loads `update` within `seconds`; an actor lost meanwhile is replaced (and loads it)."""
         self.last_update = update
         pending = {a.load_weights.remote(update): i for i, a in enumerate(self.actors)}
         deadline, acks = time.monotonic() + seconds, []
+        stage = f"weight sync to version {update.version}"
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(deadline - time.monotonic(), 0.0))
             if not ready:
@@ -291,15 +280,17 @@ class RolloutPool:
                                    f"version {update.version} within the sync budget (sync.timeout_s)")
             slot = pending.pop(ready[0])
             try:
-                acks.append(ray.get(ready[0]))
-            except ray.exceptions.RayActorError as e:
-                self._failed(slot, e, [], f"weight sync to version {update.version}")
-                pending[self.actors[slot].last_load.remote()] = slot  # the replacement loaded it as it started
-            except ray.exceptions.RayTaskError as e:  # a fingerprint mismatch or a bad tensor: not a lost process
+                ok, ack = self._settle(slot, functools.partial(_loaded, ready[0]), stage, [], work=False)
+            except _Refused as e:  # not a lost process: the update itself is refused (a fingerprint, a bad tensor)
                 raise RunFailed(f"weight sync: {self.name(slot)} could not load version {update.version} "
-                                f"({_cause(e)})") from None
+                                f"({e})") from None
+            if ok:
+                acks.append(ack)
+            else:  # a lost actor was replaced, and its replacement loaded the update as it started
+                pending[self.actors[slot].last_load.remote()] = slot
         return acks
 
+    @_owned
     def load_collective(self, learners: list, bucket_bytes: int, seconds: float
                         ) -> tuple[WeightUpdate, list[SyncAck]]:
         """Learner rank 0 broadcasts to every actor (the group formed again first if the actors changed). An actor
@@ -308,6 +299,7 @@ class RolloutPool:
         return self.group.sync(learners, self.actors, [self.name(s) for s in range(len(self.actors))], bucket_bytes,
                                seconds)
 
+    @_owned
     def set_precision(self, precision: str) -> None:
         """Every actor restarts at `precision` with the last published weights (the precision ladder). The old ones
         release their engines first (best effort, within the generation deadline); a new engine on the same GPU
@@ -323,15 +315,23 @@ class RolloutPool:
                "faults.generate_timeout_s")
         self._changed()
 
+    @_owned
     def info(self) -> list[dict]:
         return ray.get([a.info.remote() for a in self.actors])
 
-    def wait_started(self, actors: list) -> list[dict]:
-        """Wait (with the scheduling deadline and a message while the cluster is busy) until `actors` serve."""
+    def starting(self) -> list:
+        """One ref per actor that resolves once it serves (its info): for a caller that waits its own way."""
+        return [a.info.remote() for a in self.actors]
+
+    def wait_started(self, actors: list | None = None) -> list[dict]:
+        """Wait (with the scheduling deadline and a message while the cluster is busy) until `actors` (all: None)
+        serve."""
+        actors = self.actors if actors is None else actors
         calls = {a.info.remote(): f"rollout actor {self.name(self.actors.index(a))}" for a in actors}
         wait_scheduled(calls, self.cfg.faults.schedule_timeout_s, "starting the rollout actors")
         return ray.get(list(calls))
 
+    @_owned
     def resize(self, n: int) -> dict:
         """Add or remove rollout actors (between steps: nothing is in flight, so no prompt is dropped). New actors
         load the last published weights before they serve. Returns an event for the run log."""
@@ -341,7 +341,6 @@ class RolloutPool:
             problems = infeasible([dataclasses.replace(self.request, count=n)], ray.nodes())
             if problems:  # refused, not fatal: the run goes on with the actors it has
                 return {**event, "to": old, "refused": problems[0]}
-            self.failures += [0] * (n - old)
             self.spawned += [0] * max(n - len(self.spawned), 0)
             new = [self._spawn(i) for i in range(old, n)]
             self.actors += new
@@ -350,17 +349,23 @@ class RolloutPool:
             except (TimeoutError, ray.exceptions.RayError) as e:
                 for a in new:
                     ray.kill(a)
-                del self.actors[old:], self.failures[old:]
-                return {**event, "to": old, "refused": _cause(e)}
+                del self.actors[old:]
+                return {**event, "to": old, "refused": cause_of(e)}
         else:
             for a in self.actors[n:]:
                 ray.kill(a)
-            del self.actors[n:], self.failures[n:]
+            del self.actors[n:]
+        for slot in range(n, old):
+            self.supervisor.in_a_row.pop(slot, None)
         if self.cores:  # local mode: the actors share this machine's cores
             self.threads = max(1, self.cores // n)
             ray.get([a.set_threads.remote(self.threads) for a in self.actors])
         self._changed()
         return event
+
+    def end(self, wait_s: float) -> None:
+        """End the actors (each exits by itself within `wait_s`, else is killed)."""
+        end_actors(list(self.actors), wait_s)
 
 
 class Workers:
@@ -394,14 +399,14 @@ class Workers:
         # Rollout actors on a share of a GPU start alone: vLLM sizes its KV cache from the GPU memory it sees in use
         # while it profiles, and a learner or reference loading onto the same GPU meanwhile would skew that.
         shared_gpu = 0 < ro.num_gpus < 1
-        started = self.rollout.wait_started(self.rollout.actors) if shared_gpu else None
+        started = self.rollout.wait_started() if shared_gpu else None
         self.reference_precision = reference_precision or ref.precision
         self.reference_request = requests.get("reference")
         self.reference = self._reference() if cfg.reference_actor else None
         self.learner_group, self.learners, setups = start_learner_ranks(cfg, policy_path, requests["learner"], cores,
                                                                            self.waits["learner"]["wait"])
         # Surface construction errors (bad model folder, DeepSpeed failure) here rather than at the first step.
-        started = started or self.rollout.wait_started(self.rollout.actors)
+        started = started or self.rollout.wait_started()
         self.placed = {"learner": ray.get(setups), "rollout": [{"actor": i["generator_id"], "node_id": i["node_id"]}
                                                                for i in started]}
         if self.reference is not None:
@@ -423,10 +428,6 @@ class Workers:
         self.reference = self._reference()
 
     # ------------------------------------------------------------------ the driver's operations
-
-    def generate(self, items: list[PromptItem], sampling: SamplingParams, step: int = 0
-                 ) -> tuple[list[GroupRollout], list[GenerationStats]]:
-        return self.rollout.generate(items, sampling, step)
 
     def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         rows = (batch.prompt_lens, batch.group_ids, batch.seq_lens) if self.cfg.learner.shared_prompt else ()
@@ -461,8 +462,7 @@ class Workers:
                              update.export_seconds, acks)
 
     def events(self) -> list[dict]:
-        out, self.rollout.events = self.rollout.events, []
-        return out
+        return self.rollout.take_events()
 
     def rollout_info(self) -> list[dict]:
         return self.rollout.info()
