@@ -34,7 +34,7 @@ def cause_of(err: BaseException) -> str:
     message's first line."""
     text = str(err)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
-    remote = isinstance(err, ray.exceptions.RayTaskError) or "Traceback (most recent call last)" in text
+    remote = isinstance(err, ray.exceptions.RayTaskError) or getattr(err, "actor_init_failed", False)
     text = (lines[-1] if remote else lines[0]) if lines else ""
     return f"{type(err).__name__}: {text[:300]}" if text else type(err).__name__
 
