@@ -1,5 +1,5 @@
-"""A new user's agent fails loudly, not silently (rollout/agents.py `episode_findings`, cluster/config/turns.py,
-cluster/run/env_health.py, cluster/rundir/runlog.py):
+"""A new user's agent fails loudly, not silently (rollout/agents/findings.py `episode_findings`,
+cluster/config/turns.py, cluster/run/env_health.py, cluster/rundir/runlog.py):
 
 - an agent's call gets the max_tokens it asks (no cap beyond environment.max_context unless environment.turn_tokens
   is set), never the default job's rollout.max_new_tokens;

@@ -1,4 +1,4 @@
-"""Agent programs as a rollout source (rollout/agents.py, cluster/run/agents.py): ordinary async functions given a
+"""Agent programs as a rollout source (rollout/agents/, cluster/run/agents.py): ordinary async functions given a
 dataset row and a client configuration, run against the endpoint (rollout/endpoint) over real generators.
 
 - Each way an agent can fail (it raises, hangs, blocks on a thread, sends a foreign model name, never calls the
@@ -108,7 +108,8 @@ def served(tiny_model_path):
 
 
 def _play(served, agents_file, name: str, item: PromptItem, timeout_s: float = 30.0, limits: dict | None = None):
-    from qgrpo.rollout.agents import AgentClient, episode_group, load_agent, play
+    from qgrpo.rollout.agents.contract import AgentClient, load_agent, play
+    from qgrpo.rollout.agents.rows import episode_group
     from qgrpo.rollout.environments.contract import row_of
     from qgrpo.rollout.environments.loader import environment_spec
 

@@ -185,7 +185,7 @@ class AgentEpisodes:
 
     def submit(self, slot: int, items: list[PromptItem], sampling: SamplingParams, step: int,
                greedy: bool = False) -> EpisodeCall:
-        from qgrpo.rollout.agents import AgentClient, episode_row
+        from qgrpo.rollout.agents.contract import AgentClient, episode_row
 
         G = sampling.group_size
         tag = "e" if greedy else "s"
@@ -221,7 +221,7 @@ class AgentEpisodes:
     def collect(self, call: EpisodeCall):
         """(groups, stats, agent/* metrics) of a finished chunk; None where the endpoint or the runner died under
         it: its episodes are played again from their start (the stream sends the chunk again, first)."""
-        from qgrpo.rollout.agents import Outcome
+        from qgrpo.rollout.agents.contract import Outcome
 
         blocked = call.runner in self.blocked
         try:
@@ -290,7 +290,7 @@ class AgentEpisodes:
 
     # --- a chunk's rows ---
     def _groups(self, call: EpisodeCall, outcomes, sessions: dict):
-        from qgrpo.rollout.agents import branch_counts, episode_group
+        from qgrpo.rollout.agents.rows import branch_counts, episode_group
         from qgrpo.rollout.endpoint.sessions import FORK_KINDS
 
         G, groups, problems = len(call.sids) // len(call.items), [], []

@@ -138,7 +138,7 @@ def factory_of(spec: EnvSpec) -> Callable[[], Environment]:
         return _openenv_factory(spec)
     if spec.kind == "agent":
         raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is an agent program; it runs against the endpoint "
-                                   "(rollout/agents.py: load_agent), not as an Environment")
+                                   "(rollout/agents/contract.py: load_agent), not as an Environment")
     target, name = _target(spec), spec.name.rpartition(":")[2]
     if inspect.isclass(target) and not issubclass(target, Environment):
         raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is a class but not an Environment subclass; subclass "

@@ -36,7 +36,7 @@ def load_problems(env_cfg) -> list[str]:
     try:
         spec = environment_spec(env_cfg.name, env_cfg.params)
         if spec.kind == "agent":
-            from qgrpo.rollout.agents import load_agent
+            from qgrpo.rollout.agents.contract import load_agent
 
             load_agent(spec)
         else:
@@ -167,7 +167,7 @@ def probe_environment_checks(cfg, progress=None) -> list[str]:
     from qgrpo.rollout.rewards.probe import reported
 
     if is_agent(cfg.environment.name):  # one episode against the base model, through the endpoint
-        from qgrpo.rollout.agents import probe_agent
+        from qgrpo.rollout.agents.probe import probe_agent
 
         return reported(probe_agent(cfg, item), progress, "agent")
     return reported(probe_environment(cfg.environment, item), progress, "env calls")
