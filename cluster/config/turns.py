@@ -17,10 +17,11 @@ if TYPE_CHECKING:
     from qgrpo.cluster.config.schema import Config
 
 
-def _agent(cfg: Config) -> bool:
-    from qgrpo.rollout.environments.loader import is_agent
+def _asks_max_tokens(cfg: Config) -> bool:
+    """Each call of the environment asks its own max_tokens (an agent program's; rollout/environments/kinds.py)."""
+    from qgrpo.rollout.environments.kinds import capabilities
 
-    return is_agent(cfg.environment.name)
+    return capabilities(cfg.environment.name).asks_max_tokens
 
 
 def agent_call_cap(cfg: Config) -> int:
@@ -47,6 +48,6 @@ def turn_tokens(cfg: Config) -> tuple[int, str]:
         return ro.max_new_tokens, "rollout.max_new_tokens"
     if env.turn_tokens:
         return env.turn_tokens, "environment.turn_tokens"
-    if _agent(cfg):
+    if _asks_max_tokens(cfg):
         return env.max_context, "environment.max_context (environment.turn_tokens = 0: no cap per call)"
     return ro.max_new_tokens, "rollout.max_new_tokens (environment.turn_tokens = 0)"

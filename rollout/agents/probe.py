@@ -1,6 +1,10 @@
-"""`qgrpo check` (and `qgrpo train`, before Ray starts) for an agent program: `probe_agent` plays one episode of the
-first train row against the real base model, served behind an endpoint in this process, as the run will play it,
-and says why it may have scored 0 (findings.py).
+"""`qgrpo check` (and `qgrpo train`, before Ray starts) for an agent program: the environments' checks
+(rollout/environments/probe.py) for what the rollout actors host, these for what plays against the endpoint.
+
+`load_problems` (with the config's other checks that need no model): the agent's file is read and its function
+loaded, taking (row, client). `probe_agent` (with the reward calls): one episode of the first train row against the
+real base model, served behind an endpoint in this process, as the run will play it.
+Both answer [] for an environment that does not play against the endpoint (rollout/environments/kinds.py).
 """
 from __future__ import annotations
 
@@ -11,9 +15,23 @@ from qgrpo.rollout.agents.contract import AgentClient, call_default, load_agent,
 from qgrpo.rollout.agents.findings import episode_findings
 from qgrpo.rollout.agents.rows import episode_group
 from qgrpo.rollout.environments.contract import row_of
-from qgrpo.rollout.environments.loader import NAME_FIELD, EnvironmentLoadError
+from qgrpo.rollout.environments.kinds import capabilities
+from qgrpo.rollout.environments.loader import NAME_FIELD, EnvironmentLoadError, environment_spec
+from qgrpo.rollout.rewards.probe import Probe, first_row, reported
 
 PROBE_ROWS = 1  # `qgrpo check` plays this many episodes against the base model
+
+
+def load_problems(env_cfg) -> list[str]:
+    """The agent program named by `env_cfg` ([environment]) is read and loaded in this process; [] when it loads
+    (or the environment is not an agent program)."""
+    if not capabilities(env_cfg.name).endpoint:
+        return []
+    try:
+        load_agent(environment_spec(env_cfg.name, env_cfg.params))
+    except EnvironmentLoadError as e:
+        return [str(e)]
+    return []
 
 
 def probe_agent(cfg, item):
@@ -24,9 +42,7 @@ def probe_agent(cfg, item):
     saying why the episode may have scored 0 (`episode_findings`) and what passed, with the rewards that apply."""
     from qgrpo.rollout.backends import make_generator
     from qgrpo.rollout.endpoint.local import serve_local
-    from qgrpo.rollout.environments.loader import environment_spec
     from qgrpo.rollout.models import resolve_model_path
-    from qgrpo.rollout.rewards.probe import Probe
     from qgrpo.rollout.rewards.scoring import rewards_applied
 
     env, out = cfg.environment, Probe()
@@ -69,5 +85,14 @@ def probe_agent(cfg, item):
     out.problems += [f"{head}: on {on} against the base model, {p}" for p in found.problems]
     out.hints += [f"{head}: on {on} against the base model, {h}" for h in found.hints]
     if not out.problems:
-        out.found = f"one episode: {found.summary}, {outcome.seconds:.1f} s; rewards {rewards_applied(cfg)}"
+        rewards = rewards_applied(cfg, spec.caps.own_score)
+        out.found = f"one episode: {found.summary}, {outcome.seconds:.1f} s; rewards {rewards}"
     return out
+
+
+def probe_agent_checks(cfg, progress=None) -> list[str]:
+    """`probe_agent` on the first train row of `cfg`'s task, for `qgrpo check` and `qgrpo train` before Ray starts:
+    what passed told to `progress`; returns the problems ([] also when the environment is not an agent program)."""
+    if not capabilities(cfg.environment.name).endpoint or (item := first_row(cfg)) is None:
+        return []
+    return reported(probe_agent(cfg, item), progress, "agent")
