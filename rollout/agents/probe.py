@@ -3,7 +3,7 @@
 
 `load_problems` (with the config's other checks that need no model): the agent's file is read and its function
 loaded, taking (row, client). `probe_agent` (with the reward calls): one episode of the first train row against the
-real base model, served behind an endpoint in this process, as the run will play it.
+real base model, served behind an endpoint in this process by the run's rollout backend, as the run will play it.
 Both answer [] for an environment that does not play against the endpoint (rollout/environments/kinds.py).
 """
 from __future__ import annotations
@@ -35,12 +35,13 @@ def load_problems(env_cfg) -> list[str]:
 
 
 def probe_agent(cfg, item):
-    """`qgrpo check` for an agent program: one episode of train row `item` against the real base model (a bf16 torch
-    generator behind an endpoint in this process), as the run will play it (its call cap, limits and sampling).
+    """`qgrpo check` for an agent program: one episode of train row `item` against the real base model (a bf16
+    generator of the run's rollout.backend, with its [rollout.BACKEND] settings, behind an endpoint in this process),
+    as the run will play it (its call cap, limits and sampling).
     Returns a rewards Probe: the problems (an agent that raises, names the file and line; one that never calls, hangs
     or sends a foreign model name; a run cap that cut every call; a None reward with no rewards.functions), hints
     saying why the episode may have scored 0 (`episode_findings`) and what passed, with the rewards that apply."""
-    from qgrpo.rollout.backends import make_generator
+    from qgrpo.rollout.backends import backend_options, make_generator
     from qgrpo.rollout.endpoint.local import serve_local
     from qgrpo.rollout.models import resolve_model_path
     from qgrpo.rollout.rewards.scoring import rewards_applied
@@ -53,10 +54,11 @@ def probe_agent(cfg, item):
     except EnvironmentLoadError as e:
         out.problems.append(str(e))
         return out
-    gen = make_generator("torch", model_path=resolve_model_path(cfg.model.path, cfg.model.cache_dir),
-                         precision="bf16", generator_id="check", seed=cfg.run.seed,
-                         chat_template=cfg.task.chat_template)
     ro = cfg.rollout
+    gen = make_generator(ro.backend, model_path=resolve_model_path(cfg.model.path, cfg.model.cache_dir),
+                         precision="bf16", generator_id="check", seed=cfg.run.seed,
+                         chat_template=cfg.task.chat_template,
+                         **backend_options(ro.backend, ro, cfg.compute_dtype_of("rollout")))
     key = secrets.token_urlsafe(32)  # as in a run: an agent that does not send its client's key fails here too
     ep = serve_local([gen], model=env.served_model, max_tokens=call_default(cfg.environment),
                      chat_template=cfg.task.chat_template, api_key=key,
