@@ -1,4 +1,4 @@
-"""The Ray actor that plays agent episodes (rollout/agents.py): the user's async function, many episodes at once on
+"""The Ray actor that plays agent episodes (rollout/agents/): the user's async function, many episodes at once on
 one event loop, at most environment.concurrency of them, each against its own session of the endpoint. It runs off
 the driver so that an agent that blocks its event loop or crashes its process costs its episodes, not the run: the
 rollout supply waits for a batch of episodes with a deadline and replaces a runner that passed it; a runner whose
@@ -12,7 +12,7 @@ import signal
 import ray
 
 from qgrpo.core import faults
-from qgrpo.rollout.agents import AgentClient, Outcome, load_agent, play
+from qgrpo.rollout.agents.contract import AgentClient, Outcome, load_agent, play
 
 
 class _AgentRunner:

@@ -94,10 +94,10 @@ def with_range(row: dict) -> dict:
     prints it."""
     from qgrpo.cluster.config.machine import AGENT_SPREAD
     from qgrpo.cluster.config.schema import load_config
-    from qgrpo.rollout.environments.loader import is_agent
+    from qgrpo.rollout.environments.kinds import capabilities
 
     e = row["estimate"]
-    if is_agent(load_config(str(ROOT / row["config"]), check_environment=False).environment.name):
+    if capabilities(load_config(str(ROOT / row["config"]), check_environment=False).environment.name).endpoint:
         e["high_s"] = e["step_s"] + (AGENT_SPREAD - 1) * e["stages"]["generation"]
     return row
 

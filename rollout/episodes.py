@@ -53,10 +53,12 @@ class EpisodeSetup:
 
 
 def episode_setup(env_cfg, max_new_tokens: int, base=None) -> EpisodeSetup | None:
-    """From the [environment] section (None when it names no environment); `base`: where a relative FILE.py is."""
-    from qgrpo.rollout.environments.loader import environment_spec, is_agent
+    """From the [environment] section (None when it names none this loop plays: no environment, or an agent program,
+    which plays against the endpoint); `base`: where a relative FILE.py is."""
+    from qgrpo.rollout.environments.kinds import capabilities
+    from qgrpo.rollout.environments.loader import environment_spec
 
-    if not env_cfg.name or is_agent(env_cfg.name):  # an agent program plays against the endpoint, not here
+    if not capabilities(env_cfg.name).episode_loop:
         return None
 
     limits = EpisodeLimits(env_cfg.max_turns, env_cfg.turn_tokens or max_new_tokens, env_cfg.max_context,

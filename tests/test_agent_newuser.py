@@ -1,5 +1,5 @@
-"""A new user's agent fails loudly, not silently (rollout/agents.py `episode_findings`, cluster/config/turns.py,
-cluster/run/env_health.py, cluster/rundir/runlog.py):
+"""A new user's agent fails loudly, not silently (rollout/agents/findings.py `episode_findings`,
+cluster/config/turns.py, cluster/run/env_health.py, cluster/rundir/runlog.py):
 
 - an agent's call gets the max_tokens it asks (no cap beyond environment.max_context unless environment.turn_tokens
   is set), never the default job's rollout.max_new_tokens;
@@ -118,12 +118,13 @@ def test_the_turn_rule_reads_the_agents_cap():
 
 def test_an_environments_own_reward_is_not_joined_by_the_default_correct():
     from qgrpo.cluster.config.schema import check, to_toml
+    from qgrpo.rollout.environments.kinds import capabilities
     from qgrpo.rollout.rewards.scoring import rewards_applied
 
     model = {"model": {"path": "builtin:tiny-digits"}}
     cfg, problems = check({**model, "environment": {"name": "agent:a.py:f"}}, False)
     assert problems == [] and cfg.rewards.functions == []
-    assert rewards_applied(cfg) == OWN
+    assert rewards_applied(cfg, capabilities(cfg.environment.name).own_score) == OWN
     # the saved effective config reads back the same (a resume scores as the run did)
     import tomllib
 
@@ -133,7 +134,8 @@ def test_an_environments_own_reward_is_not_joined_by_the_default_correct():
     cfg, problems = check({**model, "environment": {"name": "agent:a.py:f"},
                            "rewards": {"functions": [{"name": "correct"}]}}, False)
     assert problems == [] and [s.name for s in cfg.rewards.functions] == ["correct"]
-    assert rewards_applied(cfg) == "1 x correct + 1 x the agent's own reward (reward/environment)"
+    assert rewards_applied(cfg, capabilities(cfg.environment.name).own_score) == \
+        "1 x correct + 1 x the agent's own reward (reward/environment)"
     # no environment: the default job's correct; [] refused, naming the field and the fix
     cfg, problems = check(model, False)
     assert [s.name for s in cfg.rewards.functions] == ["correct"]

@@ -122,7 +122,8 @@ def test_a_real_game_agrees_token_for_token():
     import httpx
 
     from qgrpo.core.records import PromptItem
-    from qgrpo.rollout.agents import AgentClient, episode_group, load_agent, play
+    from qgrpo.rollout.agents.contract import AgentClient, load_agent, play
+    from qgrpo.rollout.agents.rows import episode_group
     from qgrpo.rollout.backends import make_generator
     from qgrpo.rollout.endpoint.local import serve_local
     from qgrpo.rollout.environments.contract import row_of

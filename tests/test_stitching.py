@@ -1,7 +1,7 @@
 """Stitching a session's calls into training rows (rollout/endpoint/sessions.py, chat.py, server.py) with a real
 tokenizer and real chat templates: SmolLM2's (append-only) and a Qwen3-style one written onto SmolLM2's tokenizer
 (`<think>` of earlier assistant turns dropped once a user turn follows, as Qwen3's template does), and the training
-rows an episode's branches give (rollout/agents.py: episode_group under environment.branches).
+rows an episode's branches give (rollout/agents/rows.py: episode_group under environment.branches).
 
 The model's turns are scripted (`Scripted`: a generator writing given texts, tokenized by the real tokenizer), so a
 reasoning block is in the sampled ids whatever an untrained model would write; the endpoint, its sessions, the
@@ -287,7 +287,8 @@ def forked_session(ep, sid: str):
 
 
 def test_branches_main_trains_the_main_branch_and_drop_leaves_out_an_episode_that_forked(smol):
-    from qgrpo.rollout.agents import Outcome, branch_counts, episode_group
+    from qgrpo.rollout.agents.contract import Outcome
+    from qgrpo.rollout.agents.rows import branch_counts, episode_group
     from qgrpo.rollout.endpoint.sessions import branch_row
 
     texts = ["It is 156, as twelve times thirteen is that.", "Because 12*13 is 156.", "No."]
@@ -363,7 +364,7 @@ def test_the_step_metrics_count_the_calls_on_no_trained_branch(smol, branches):
     from qgrpo.cluster.config.schema import Config
     from qgrpo.cluster.run.agents import AgentEpisodes, EpisodeCall
     from qgrpo.cluster.run.env_health import SignalWatch
-    from qgrpo.rollout.agents import Outcome
+    from qgrpo.rollout.agents.contract import Outcome
 
     texts = ["It is 156, as twelve times thirteen is that.", "Because 12*13 is 156.", "No."]
     ep = serve(Scripted(smol, in_order(*texts, *texts)))

@@ -111,11 +111,12 @@ def before_ray(args, resume=None, address: str | None = None, gpus: list[int] | 
     still says auto."""
     progress = progress or Progress()
     cfg = checked_config(args, resume, progress)
+    from qgrpo.rollout.agents.probe import probe_agent_checks  # an agent: one episode against the base model
     from qgrpo.rollout.environments.probe import probe_environment_checks  # reset and one step on a train row
     from qgrpo.rollout.rewards.probe import probe_checks  # each reward called once on stand-ins of two train rows
 
     _refuse(probe_checks(cfg, here=address is None and gpus is None, progress=progress)
-            + probe_environment_checks(cfg, progress))
+            + probe_environment_checks(cfg, progress) + probe_agent_checks(cfg, progress))
     model_path, compute = _preflight(cfg, resume, address, gpus, progress)
     progress.compute = compute
     if compute is not None:  # model.compute_dtype = "auto" decided per CPU role by their timed work
@@ -223,14 +224,18 @@ def checked_config(args, resume=None, progress: Progress | None = None):
         progress.passed("dataset", _dataset_found(cfg))
     reward_problems = _reward_checks(cfg)
     if not reward_problems:
+        from qgrpo.rollout.environments.kinds import capabilities
         from qgrpo.rollout.rewards.scoring import rewards_applied
 
-        progress.passed("rewards", rewards_applied(cfg)  # the environment's own score among them
+        own = capabilities(cfg.environment.name).own_score  # the environment's own score among them
+        progress.passed("rewards", rewards_applied(cfg, own)
                         + ("; functions import, signatures fit the columns" if any(
                             s.function for s in cfg.rewards.functions) else ""))
+    from qgrpo.rollout.agents.probe import load_problems as agent_load_problems
     from qgrpo.rollout.environments.probe import load_problems
 
-    environment = load_problems(cfg.environment)  # the file imported here, its params bound, its tools described
+    # the file imported here, its params bound, its tools described (an agent program: its function loaded)
+    environment = load_problems(cfg.environment) + agent_load_problems(cfg.environment)
     if cfg.environment.name and not environment:
         params = cfg.environment.params
         progress.passed("env", f"{cfg.environment.name} loads" + (f" with {params}" if params else ""))

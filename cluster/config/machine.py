@@ -344,8 +344,8 @@ def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=No
     if learner is not None:  # the rate line and the untimed parts follow the learner's precision
         dtype, why = learner.dtype, learner.why
     estimate = step_estimate(cfg, size, prompt, rates[dtype], env_s, compute)
-    from qgrpo.rollout.environments.loader import is_agent
+    from qgrpo.rollout.environments.kinds import capabilities
 
     return MachineReport(isa().words(), dtype, why, rates, estimate.total, estimate, done,
                          eval_s=eval_estimate(cfg, size, prompt, rates[dtype], compute), evals=evaluations(cfg, done),
-                         compute=compute, agent=is_agent(cfg.environment.name))
+                         compute=compute, agent=capabilities(cfg.environment.name).endpoint)

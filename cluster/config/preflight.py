@@ -373,12 +373,13 @@ def length_hints(cfg: Config, model_path: str) -> list[str]:
     """rollout.max_new_tokens against what task.instruction asks for: the answer inside its tags, as long as the
     longest sampled reference or worked example makes it, plus THINKING_TOKENS when it asks the model to think first.
     A completion cut at the limit never closes its tag, so every reward on the tag scores it 0 whatever it learns."""
-    from qgrpo.rollout.environments.loader import is_agent
+    from qgrpo.rollout.environments.kinds import capabilities
 
     t, n = cfg.task, cfg.rollout.max_new_tokens
     tags = ANSWER_TAGS.search(t.instruction)
-    if tags is None or t.name == "digit_sum" or is_agent(cfg.environment.name):  # digit_sum shows no instruction;
-        return []  # an agent's calls ask their own max_tokens (cluster/config/turns.py): max_new_tokens bounds none
+    own = capabilities(cfg.environment.name).asks_max_tokens  # an agent's calls ask their own max_tokens
+    if tags is None or t.name == "digit_sum" or own:  # digit_sum shows no instruction; calls asking their own
+        return []  # max_tokens (cluster/config/turns.py): max_new_tokens bounds none of them
     try:
         from transformers import AutoTokenizer
 

@@ -286,9 +286,9 @@ def _environment_params(cfg: Config) -> list[str]:
 
 @rule("environment.name", "environment.branches")
 def _environment_branches(cfg: Config) -> list[str]:
-    from qgrpo.rollout.environments.loader import is_agent
+    from qgrpo.rollout.environments.kinds import capabilities
 
-    if cfg.environment.branches == "main" or is_agent(cfg.environment.name):
+    if cfg.environment.branches == "main" or capabilities(cfg.environment.name).forks:
         return []
     return [f"environment.branches: {cfg.environment.branches!r} is read for agent programs only (environment.name "
             f"= \"agent:FILE.py:NAME\"), whose calls can fork; an environment's trajectory never does: remove it"]
@@ -306,9 +306,9 @@ def _environment_backend(cfg: Config) -> list[str]:
 
 @rule("environment.name", "algo.dynamic_sampling")
 def _agent_dynamic_sampling(cfg: Config) -> list[str]:
-    from qgrpo.rollout.environments.loader import is_agent
+    from qgrpo.rollout.environments.kinds import capabilities
 
-    if not (is_agent(cfg.environment.name) and cfg.algo.dynamic_sampling):
+    if capabilities(cfg.environment.name).redraws or not cfg.algo.dynamic_sampling:
         return []
     return ["algo.dynamic_sampling: not served for agent programs (environment.name = "
             f"{cfg.environment.name!r}): their episodes are drawn step by step; set it to false"]
@@ -317,10 +317,10 @@ def _agent_dynamic_sampling(cfg: Config) -> list[str]:
 @rule("environment.name", "environment.turn_tokens", "environment.max_context", "rollout.max_new_tokens")
 def _turn_fits_context(cfg: Config) -> list[str]:
     from qgrpo.cluster.config.turns import turn_tokens
-    from qgrpo.rollout.environments.loader import is_agent
+    from qgrpo.rollout.environments.kinds import capabilities
 
     env = cfg.environment
-    if not env.name or (is_agent(env.name) and not env.turn_tokens):  # an agent's call: what fits, no cap
+    if not env.name or (capabilities(env.name).asks_max_tokens and not env.turn_tokens):  # a call: what fits, no cap
         return []
     turn, key = turn_tokens(cfg)
     if turn < env.max_context:

@@ -233,7 +233,7 @@ class RewardsConfig:
 
 
 ENV_ON_ERROR = ("end", "fail")
-ENV_BRANCHES = ("main", "drop")  # rollout/agents.py: BRANCHES
+ENV_BRANCHES = ("main", "drop")  # rollout/agents/rows.py: BRANCHES
 
 
 @dataclass(config=SECTION)

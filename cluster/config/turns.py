@@ -1,5 +1,6 @@
 """How many new tokens one model turn may take, from the config: the one place the run (cluster/run/agents.py, the
-episode loop), `qgrpo check` (rollout/agents.py), the step estimate (machine.py) and the rules (rules.py) read it.
+episode loop), `qgrpo check` (rollout/agents/probe.py), the step estimate (machine.py) and the rules (rules.py) read
+it.
 
 An environment's turn (rollout/episodes.py) is sampled to environment.turn_tokens, else rollout.max_new_tokens. An
 agent program's call asks its own `max_tokens`, as it would of any OpenAI-compatible server: by default nothing caps
@@ -16,10 +17,11 @@ if TYPE_CHECKING:
     from qgrpo.cluster.config.schema import Config
 
 
-def _agent(cfg: Config) -> bool:
-    from qgrpo.rollout.environments.loader import is_agent
+def _asks_max_tokens(cfg: Config) -> bool:
+    """Each call of the environment asks its own max_tokens (an agent program's; rollout/environments/kinds.py)."""
+    from qgrpo.rollout.environments.kinds import capabilities
 
-    return is_agent(cfg.environment.name)
+    return capabilities(cfg.environment.name).asks_max_tokens
 
 
 def agent_call_cap(cfg: Config) -> int:
@@ -31,8 +33,8 @@ def agent_call_cap(cfg: Config) -> int:
 
 def agent_call_default(cfg: Config) -> int:
     """max_tokens of an agent's call that asks none: the cap, else environment.max_context (the room left in it
-    bounds the call anyway; rollout/agents.py's call_default, which `qgrpo check` uses too)."""
-    from qgrpo.rollout.agents import call_default
+    bounds the call anyway; rollout/agents/contract.py's call_default, which `qgrpo check` uses too)."""
+    from qgrpo.rollout.agents.contract import call_default
 
     return call_default(cfg.environment)
 
@@ -46,6 +48,6 @@ def turn_tokens(cfg: Config) -> tuple[int, str]:
         return ro.max_new_tokens, "rollout.max_new_tokens"
     if env.turn_tokens:
         return env.turn_tokens, "environment.turn_tokens"
-    if _agent(cfg):
+    if _asks_max_tokens(cfg):
         return env.max_context, "environment.max_context (environment.turn_tokens = 0: no cap per call)"
     return ro.max_new_tokens, "rollout.max_new_tokens (environment.turn_tokens = 0)"

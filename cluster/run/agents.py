@@ -1,5 +1,5 @@
 """Agent programs as a source of the rollout stream (cluster/run/stream.py): each row of a step is played as G
-episodes by the user's agent (rollout/agents.py, in actors/agent_runner.py) against the run's endpoint
+episodes by the user's agent (rollout/agents/, in actors/agent_runner.py) against the run's endpoint
 (actors/endpoint_actor.py), which sends every call through the rollout pool's link (actors/pool_link.py); each episode
 is one session, its calls stitched by exact tokens into the row trained on.
 
@@ -18,7 +18,7 @@ What survives which death (docs/agents.md, "When a process dies"):
 - an agent that blocks the runner's event loop past twice its deadline: the runner is replaced and those episodes
   fail with that cause (environment.on_error), since they would block again.
 Deaths of the endpoint or the runner past faults.max_replacements in a row end the run at the step with how to
-resume. A failed episode follows environment.on_error (rollout/agents.py).
+resume. A failed episode follows environment.on_error (rollout/agents/contract.py).
 
 Per step the chunks report agent/* metrics: calls, forks, the branches beside the main one (counted, not trained),
 tool calls, tool-call parse failures, failed and replayed episodes, calls cut or capped by max_tokens, calls that
@@ -187,7 +187,7 @@ class AgentEpisodes:
         """A row's episodes: `sampling.group_size` sessions opened at the endpoint (greedy ones for a held-out row),
         played by the runner; its deadline is twice the episodes' (environment.episode_timeout_s) per round of
         environment.concurrency episodes, and 30 s."""
-        from qgrpo.rollout.agents import AgentClient, episode_row
+        from qgrpo.rollout.agents.contract import AgentClient, episode_row
 
         env = self.cfg.environment
         G = 1 if held_out else sampling.group_size
@@ -224,7 +224,7 @@ class AgentEpisodes:
     def collect(self, call: EpisodeCall) -> ChunkResult | None:
         """A finished chunk's groups, stats and agent/* metrics; None where the endpoint or the runner died under
         it: its episodes are played again from their start (the stream sends the chunk again, first)."""
-        from qgrpo.rollout.agents import Outcome
+        from qgrpo.rollout.agents.contract import Outcome
 
         stage = "held-out agent episodes" if call.held_out else f"agent episodes at step {call.step}"
         blocked = call.runner in self.blocked
@@ -276,7 +276,7 @@ class AgentEpisodes:
 
     # --- a chunk's rows ---
     def _groups(self, call: EpisodeCall, outcomes, sessions: dict):
-        from qgrpo.rollout.agents import branch_counts, episode_group
+        from qgrpo.rollout.agents.rows import branch_counts, episode_group
         from qgrpo.rollout.endpoint.sessions import FORK_KINDS
 
         G, groups, problems = len(call.sids) // len(call.items), [], []

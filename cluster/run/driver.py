@@ -36,7 +36,7 @@ from qgrpo.core.storage import RunDir, StorageError
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.learner.objective.loss import finalize_stats, merge_stats
 from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
-from qgrpo.rollout.environments.loader import is_agent
+from qgrpo.rollout.environments.kinds import capabilities
 from qgrpo.rollout.episodes import episode_metrics
 from qgrpo.rollout.evaluate import eval_items, greedy, score_eval, task_judge
 from qgrpo.rollout.rewards import RewardError
@@ -225,7 +225,7 @@ class TrainingRun:
         no-signal warnings (cluster/run/env_health.py), with the environment's tools' names to warn by."""
         env = cfg.environment
         tools = []
-        if env.name and not is_agent(env.name):
+        if capabilities(env.name).tools_known:
             from qgrpo.rollout.environments.loader import environment_spec, tool_names
 
             tools = tool_names(environment_spec(env.name, env.params))

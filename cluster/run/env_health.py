@@ -144,11 +144,11 @@ class SignalWatch:
         """The watch of a run of `cfg` (`tools`: a tool environment's tools' names), its turn length and, for an
         agent program, its call cap, read as the run reads them (cluster/config/turns.py)."""
         from qgrpo.cluster.config.turns import agent_call_cap
-        from qgrpo.rollout.environments.loader import is_agent
+        from qgrpo.rollout.environments.kinds import capabilities
 
         env = cfg.environment
         sampling = {"temperature": cfg.rollout.temperature, "model": cfg.model.path}
-        if is_agent(env.name):
+        if capabilities(env.name).endpoint:  # its calls' own metrics (agent/*), capped by environment.turn_tokens
             return cls([], agent_call_cap(cfg), agent=True, max_context=env.max_context, branches=env.branches,
                        **sampling)
         return cls(tools, env.turn_tokens or cfg.rollout.max_new_tokens, max_context=env.max_context, **sampling)

@@ -356,11 +356,11 @@ def open_supply(cfg, pool, sampler, start_step: int, published: int, buffer: dic
     agent episodes served by it (environment.name = "agent:...", cluster/run/agents.py; endpoint.json in `run_dir`),
     under the [algo] section's admission rule, starting after `start_step` steps with the actors holding policy
     `published`; `buffer`: a checkpoint's snapshot to take up (None: draw from the sampler's cursor)."""
-    from qgrpo.rollout.environments.loader import is_agent
+    from qgrpo.rollout.environments.kinds import capabilities
 
     a = cfg.algo
     source = pool
-    if is_agent(cfg.environment.name):
+    if capabilities(cfg.environment.name).endpoint:
         from qgrpo.cluster.run.agents import AgentEpisodes
 
         source = AgentEpisodes(cfg, pool, run_dir)

@@ -1,7 +1,8 @@
 """Loading the environment a config names: environment.name is "FILE.py:NAME" or "MODULE:NAME", as reward functions
 are named (rollout/rewards/calls.py), NAME an `Environment` subclass or a factory (a function returning a new
 instance); environment.params are its keyword settings. "openenv:TARGET" names an OpenEnv environment (a class, or
-a server's URL) played through the adapter in openenv.py.
+a server's URL) played through the adapter in openenv.py; "agent:FILE.py:NAME" an agent program (rollout/agents/),
+which this module names but does not load. Which kind a name is, and what each kind can do, is kinds.py's.
 
 The file is read once in the driver (`environment_spec`) and its source travels in the `EnvSpec`, so the
 environment workers need not find it on their node; a relative path is read against the working directory (a config
@@ -18,7 +19,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from qgrpo.rollout.environments.contract import Environment
-from qgrpo.rollout.environments.openenv import OPTIONS_KEY, PREFIX, OpenEnvError, is_url, openenv_core
+from qgrpo.rollout.environments.kinds import KINDS, PREFIXES, Capabilities, bare_name, kind_of
+from qgrpo.rollout.environments.openenv import OPTIONS_KEY, OpenEnvError, is_url, openenv_core
 from qgrpo.rollout.environments.openenv import factory as openenv_factory
 from qgrpo.rollout.environments.tools import ToolSchemaError, tool_name, tool_schema
 from qgrpo.rollout.rewards.calls import RewardLoadError, Source, load_function, read_source
@@ -37,25 +39,23 @@ class EnvSpec:
 
     source: Source  # environment.name (less an "openenv:" prefix), with the file's path and text for a file
     params: dict = field(default_factory=dict)  # environment.params
-    kind: str = ""  # "" for a qgrpo Environment, "openenv" for an OpenEnv one (rollout/environments/openenv.py)
+    kind: str = "environment"  # its kind (rollout/environments/kinds.py): "environment", "openenv" or "agent"
 
     @property
     def name(self) -> str:
-        return {"openenv": PREFIX, "agent": AGENT_PREFIX}.get(self.kind, "") + self.source.spec
+        return PREFIXES.get(self.kind, "") + self.source.spec
 
-
-AGENT_PREFIX = "agent:"  # environment.name = "agent:FILE.py:NAME": an agent program behind the endpoint
-
-
-def is_agent(name: str) -> bool:
-    """environment.name names an agent program (an async function calling the endpoint), not an Environment."""
-    return name.startswith(AGENT_PREFIX)
+    @property
+    def caps(self) -> Capabilities:
+        """What its kind can do (rollout/environments/kinds.py)."""
+        return KINDS[self.kind]
 
 
 def split_name(name: str) -> tuple[str, str]:
-    """(FILE.py or MODULE, NAME) of environment.name, less an "openenv:" prefix; (URL, "") for an OpenEnv server."""
-    bare = name[len(PREFIX):] if name.startswith(PREFIX) else name[len(AGENT_PREFIX):] if is_agent(name) else name
-    if name.startswith(PREFIX) and is_url(bare):
+    """(FILE.py or MODULE, NAME) of environment.name, less the prefix of its kind; (URL, "") for an OpenEnv
+    server."""
+    kind, bare = kind_of(name), bare_name(name)
+    if kind == "openenv" and is_url(bare):
         return bare, ""
     target, sep, attr = bare.rpartition(":")
     if not sep or not target or not attr.isidentifier():
@@ -69,13 +69,9 @@ def split_name(name: str) -> tuple[str, str]:
 def environment_spec(name: str, params: dict | None = None, base: Path | None = None) -> EnvSpec:
     """The spec of environment `name` with `params`, its file read here (relative to `base`, by default the working
     directory)."""
-    kind = ""
-    if is_agent(name):
-        kind, name = "agent", name[len(AGENT_PREFIX):]
-    elif name.startswith(PREFIX):
-        kind, name = "openenv", name[len(PREFIX):]
-        if is_url(name):
-            return EnvSpec(Source(name), dict(params or {}), kind)
+    kind, name = kind_of(name), bare_name(name)
+    if kind == "openenv" and is_url(name):
+        return EnvSpec(Source(name), dict(params or {}), kind)
     split_name(name)
     try:
         return EnvSpec(read_source(name, NAME_FIELD, base), dict(params or {}), kind)
@@ -136,9 +132,9 @@ def factory_of(spec: EnvSpec) -> Callable[[], Environment]:
     class's tools have schemas. An instance that is not an Environment is refused when made."""
     if spec.kind == "openenv":
         return _openenv_factory(spec)
-    if spec.kind == "agent":
+    if not spec.caps.episode_loop:
         raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is an agent program; it runs against the endpoint "
-                                   "(rollout/agents.py: load_agent), not as an Environment")
+                                   "(rollout/agents/contract.py: load_agent), not as an Environment")
     target, name = _target(spec), spec.name.rpartition(":")[2]
     if inspect.isclass(target) and not issubclass(target, Environment):
         raise EnvironmentLoadError(f"{NAME_FIELD}: {spec.name} is a class but not an Environment subclass; subclass "
@@ -185,7 +181,7 @@ def tool_names(spec: EnvSpec) -> list[str]:
     """The names of the tools of the environment `spec` names, for the driver's warnings: a class's `tools` read
     without an instance, a factory's from one instance it makes; [] for an OpenEnv environment (its tools are the
     server's) or when they cannot be read (the checks before the run name that)."""
-    if spec.kind in ("openenv", "agent"):
+    if not spec.caps.tools_known:
         return []
     try:
         target = _target(spec)

@@ -9,38 +9,35 @@ answers at once would write it), and its score read, each call under environment
 call: what a model in training writes) from a fresh reset, stepped and scored: an environment whose step raises on
 any of them is refused, since in a run each such turn would end its trajectory as "env_error" with a score of 0, on
 most turns of a model that has not learned the task yet. Neither needs the model or the episode loop.
+
+Both check what the episode loop plays (an environment whose kind has `episode_loop`, rollout/environments/kinds.py)
+and answer [] for anything else: an agent program's checks are rollout/agents/probe.py's.
 """
 from __future__ import annotations
 
 from qgrpo.rollout.environments.contract import EnvFailure, row_of
 from qgrpo.rollout.environments.host import EnvHost
+from qgrpo.rollout.environments.kinds import capabilities
 from qgrpo.rollout.environments.loader import (
     NAME_FIELD,
     EnvironmentLoadError,
     checked_tools,
     environment_spec,
     factory_of,
-    is_agent,
 )
 from qgrpo.rollout.environments.tools import tool_name
-from qgrpo.rollout.rewards.probe import Probe, wrong_answer
+from qgrpo.rollout.rewards.probe import Probe, first_row, reported, wrong_answer
 
 KEY = "check"
 
 
 def load_problems(env_cfg) -> list[str]:
     """The environment named by `env_cfg` ([environment]) is read, imported in this process and its params bound;
-    [] when it loads (or none is set)."""
-    if not env_cfg.name:
+    [] when it loads (or none is set, or it is not played by the episode loop)."""
+    if not capabilities(env_cfg.name).episode_loop:
         return []
     try:
-        spec = environment_spec(env_cfg.name, env_cfg.params)
-        if spec.kind == "agent":
-            from qgrpo.rollout.agents import load_agent
-
-            load_agent(spec)
-        else:
-            factory_of(spec)
+        factory_of(environment_spec(env_cfg.name, env_cfg.params))
     except EnvironmentLoadError as e:
         return [str(e)]
     return []
@@ -155,19 +152,8 @@ def _answers(host: EnvHost, key: str, item, what: str, text: str, head: str, tim
 
 def probe_environment_checks(cfg, progress=None) -> list[str]:
     """`probe_environment` on the first train row of `cfg`'s task, for `qgrpo check` and `qgrpo train` before Ray
-    starts: what passed told to `progress`; returns the problems ([] also when no environment is set)."""
-    if not cfg.environment.name:
+    starts: what passed told to `progress`; returns the problems ([] also when no environment is set, or it is not
+    played by the episode loop)."""
+    if not capabilities(cfg.environment.name).episode_loop or (item := first_row(cfg)) is None:
         return []
-    from qgrpo.rollout.tasks import make_task
-
-    try:
-        item = make_task(cfg.task, cfg.run.seed).item(0)
-    except Exception:  # check_task reports the task's own problems
-        return []
-    from qgrpo.rollout.rewards.probe import reported
-
-    if is_agent(cfg.environment.name):  # one episode against the base model, through the endpoint
-        from qgrpo.rollout.agents import probe_agent
-
-        return reported(probe_agent(cfg, item), progress, "agent")
     return reported(probe_environment(cfg.environment, item), progress, "env calls")

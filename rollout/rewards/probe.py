@@ -200,6 +200,17 @@ def probe_checks(cfg, here: bool = True, progress=None) -> list[str]:
     return reported(probe, progress, "calls")
 
 
+def first_row(cfg):
+    """The first train row (a PromptItem) of `cfg`'s task, which the environment's and the agent's probes play;
+    None when the task cannot be read (check_task reports the task's own problems)."""
+    from qgrpo.rollout.tasks import make_task
+
+    try:
+        return make_task(cfg.task, cfg.run.seed).item(0)
+    except Exception:  # noqa: BLE001 - reported by check_task
+        return None
+
+
 def reported(probe, progress, what: str) -> list[str]:
     """A probe's hints told (on `progress`, the check's report, else stderr), its pass counted as `what`; its
     problems returned."""

@@ -255,16 +255,14 @@ def reward_problems(rewards_cfg, columns: set[str] | None) -> list[str]:
     return problems
 
 
-def rewards_applied(cfg) -> str:
+def rewards_applied(cfg, own_score: str) -> str:
     """The rewards a run of `cfg` adds up, in words, as `qgrpo check` says them: each rewards.functions entry and the
-    environment's (or agent's) own score by environment.weight, e.g. "0.2 x answer_format + 1 x the environment's own
-    score (reward/environment)"."""
-    from qgrpo.rollout.environments.loader import is_agent
-
+    environment's own score by environment.weight, named `own_score` (what its kind calls it:
+    rollout/environments/kinds.py, Capabilities.own_score; "" for no environment), e.g. "0.2 x answer_format + 1 x
+    the environment's own score (reward/environment)"."""
     parts = [f"{s.weight:g} x {entry_label(s)}" for s in cfg.rewards.functions]
     env = cfg.environment
-    if env.name and env.weight:
-        own = "the agent's own reward" if is_agent(env.name) else "the environment's own score"
+    if own_score and env.weight:
         alone = "; rewards.functions = []: no other" if not parts else ""
-        parts.append(f"{env.weight:g} x {own} (reward/environment{alone})")
+        parts.append(f"{env.weight:g} x {own_score} (reward/environment{alone})")
     return " + ".join(parts) if parts else "none"
