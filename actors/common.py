@@ -22,7 +22,7 @@ def local_model(path: str, skip: tuple[str, ...] = ()) -> str:
     other nodes), a checkpoint given as a URI downloaded here (cached, without the top-level entries in `skip`), a
     folder as given (it must be on every node: shared storage or copied)."""
     from qgrpo.core.storage import is_uri, localize
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     return localize(path, skip=skip) if is_uri(path) else resolve_model_path(path)
 

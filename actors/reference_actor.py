@@ -5,7 +5,7 @@ import ray
 import torch
 
 from qgrpo.actors.common import apply_threads, local_model, resolve_threads
-from qgrpo.rollout.reference import make_reference_scorer
+from qgrpo.rollout.backends.reference import make_reference_scorer
 
 
 @ray.remote

@@ -25,7 +25,7 @@ from qgrpo.rollout.backends import REGISTRY, make_generator
 from qgrpo.rollout.backends.common import WeightFingerprintError, check_fingerprint, hf_tensors
 from qgrpo.rollout.episodes import Episodes, EpisodeSetup, tools_for
 from qgrpo.rollout.noise import NormNoise
-from qgrpo.rollout.requantize import VISIBILITY_ROW_STRIDE, Requantizer
+from qgrpo.rollout.quantization.requantize import VISIBILITY_ROW_STRIDE, Requantizer
 
 
 class _RolloutActor(CollectiveMember):
@@ -34,8 +34,8 @@ class _RolloutActor(CollectiveMember):
                  episodes: EpisodeSetup | None = None):
         """`update`: the last published weights, for an actor that replaces a lost one or moves up the precision
         ladder; it loads them (and passes the fingerprint check) before it serves anything, or fails to start.
-        `requantize`, `visibility`: sync.requantize and sync.visibility (rollout/requantize.py); `noise`: the
-        exploration noise added to the norm weights at each sync (rollout.norm_noise, rollout/noise.py); `episodes`:
+        `requantize`, `visibility`: sync.requantize and sync.visibility (rollout/quantization/requantize.py); `noise`:
+        the exploration noise added to the norm weights at each sync (rollout.norm_noise, rollout/noise.py); `episodes`:
         the [environment] of multi-turn rollouts (rollout/episodes.py), whose workers this actor starts and owns."""
         apply_threads(resolve_threads(threads))
         # A builtin model is built on this node; a checkpoint given as a URI (a resume) is read from this node's copy

@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from qgrpo.rollout.backends import make_generator
     from qgrpo.rollout.endpoint.local import serve_local
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model, None)

@@ -51,7 +51,7 @@ def estimate(config: str, sets: list[str]) -> dict:
     from qgrpo.cluster.config.machine import machine_report
     from qgrpo.cluster.config.schema import load_config
     from qgrpo.cluster.run.compute_auto import resolve_here
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     quiet_libraries()
     cfg = load_config(config, sets)

@@ -11,8 +11,8 @@ Variants are precision x decode loop: `static` is the generator's own (rollout/b
 KV cache, grouped-query attention as batched products), `compiled` the same step through torch.compile (inductor;
 its compile and recompile time is the variant's `warmup_s`), `forward` is transformers' forward on its dynamic cache
 (the fallback for other architectures); `int8/torchao` is int8 through torchao's own linear instead of the same
-arithmetic as plain torch ops (rollout/quant.py: INT8_LINEAR). Each variant is warmed up once, then the variants are
-timed in turn, `--repeats` rounds, and the median kept, so load from other jobs falls on all of them alike.
+arithmetic as plain torch ops (rollout/quantization/quant.py: INT8_LINEAR). Each variant is warmed up once, then the
+variants are timed in turn, `--repeats` rounds, and the median kept, so load from other jobs falls on all of them alike.
 
 The bound: a decode step is, in its matrix products, one [batch, in] x [in, out] product per linear layer of the
 model (lm_head included). Each distinct shape is timed here as a bf16 `F.linear` at the batch's rows (median of 20
@@ -85,8 +85,8 @@ def _setup(args):
     """(model path, prompt items, sampling) of the run."""
     from qgrpo.cluster.config.schema import load_config
     from qgrpo.core.records import SamplingParams
-    from qgrpo.rollout.models import resolve_model_path
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     if args.model:
         path = resolve_model_path(args.model)
@@ -115,11 +115,11 @@ def main() -> None:
     batch = len(items) * sampling.group_size
     bound = matmul_bound(path, batch)
     gens, runs = {}, {}
-    import qgrpo.rollout.quant as quant
+    import qgrpo.rollout.quantization.quant as quant
 
     for precision in args.precisions.split(","):
         # "int8/torchao": int8 through torchao's own linear (its Python dispatch at every call) instead of the same
-        # arithmetic as plain torch ops (rollout/quant.py: INT8_LINEAR).
+        # arithmetic as plain torch ops (rollout/quantization/quant.py: INT8_LINEAR).
         quant.INT8_LINEAR = "torchao" if precision.endswith("/torchao") else "direct"
         gen = TorchGenerator(path, precision=precision.removesuffix("/torchao"))
         decoders = {"static": gen.decoder, "forward": None}

@@ -2,17 +2,18 @@
 
 A decode step of 8-64 rows is a sequence of small products whose cost is reading the weight. This times each product
 of one or more model shapes (`--models`) as the generator runs it: one bf16 nn.Linear with random weights (normal x
-0.02, a generator seeded 0 per product, on the device), quantized by rollout/quant.py's `quantize_model` at each
-precision (the GemLite routes: by GemLite's helpers), called on `rows` random bf16 activations. `--models` takes `1.3b`
-(the default: bench/gpu_speed.py's 1.3b shape, Qwen2.5-1.5B's trunk with SmolLM2's vocabulary: q/o 1536 -> 1536, k/v
-1536 -> 256, the fused q/k/v 1536 -> 2048, gate/up 1536 -> 8960, the fused gate/up 1536 -> 17920, down 8960 -> 1536,
+0.02, a generator seeded 0 per product, on the device), quantized by rollout/quantization/quant.py's `quantize_model` at
+each precision (the GemLite routes: by GemLite's helpers), called on `rows` random bf16 activations. `--models` takes
+`1.3b` (the default: bench/gpu_speed.py's 1.3b shape, Qwen2.5-1.5B's trunk with SmolLM2's vocabulary: q/o 1536 -> 1536,
+k/v 1536 -> 256, the fused q/k/v 1536 -> 2048, gate/up 1536 -> 8960, the fused gate/up 1536 -> 17920, down 8960 -> 1536,
 lm_head 1536 -> 49152) and the names of bench/model_shapes.py (SmolLM2-135M ... Qwen2.5-14B, tiny-*), whose
 `linear_shapes` gives the products (q, k/v, qkv, o, gate/up, gate_up, down, lm_head). A product with the N x K of an
 earlier product of its model is not measured again: its rows are that product's (`same_as`). `--shapes` keeps only the
 named products. A row holds `model`, `product` (and `shape`, the same name, which bench/publish.py reads), N, K, route
 and rows. Routes (`--precisions`; the default: every route but GemLite's):
 
-- `bf16`: F.linear (cuBLAS); `int8`: the generator's int8 product (rollout/w8_triton.py's kernel at <= 64 rows);
+- `bf16`: F.linear (cuBLAS); `int8`: the generator's int8 product (rollout/quantization/w8_triton.py's kernel at <= 64
+rows);
   `int8/aten`: torch's own weight-only int8 kernel (`torch._weight_int8pack_mm`) on the same per-row int8 weight;
   `int4/aten` (CPU): torch's own int4 kernel (`_weight_int4pack_mm_for_cpu`) on the generator's int4 weight, where
   `int4` takes qgrpo's kernel up to its measured rows;
@@ -22,7 +23,7 @@ and rows. Routes (`--precisions`; the default: every route but GemLite's):
   layout (`_reorder_linear_weight`), as torch.compile's CPU freezing does;
   `int4/unpadded`: torch's tinygemm kernel (`aten._weight_int4pack_mm`) on weights packed here without that padding
   (`aten._convert_weight_to_int4pack`, inner k tiles 8, the same asymmetric group-wise int4); `nf4`: bitsandbytes;
-  `fp8`: W8A8 `torch._scaled_mm`; `fp8/weight_only`: rollout/fp8.py's weight-only kernel (`FP8_DECODE`).
+  `fp8`: W8A8 `torch._scaled_mm`; `fp8/weight_only`: rollout/quantization/fp8.py's weight-only kernel (`FP8_DECODE`).
 - GemLite 0.6 (`gemlite` on PyPI: Triton kernels, not a project dependency, imported only when one of these routes is
   asked for, on CUDA only; elsewhere, or not installed, the routes' rows hold the error): `int4/gemlite` the codes,
   scales and zeros of `int4/unpadded` in GemLite's (HQQ's) convention (`int4_hqq`) through `helper.A16W4_HQQ_INT`, bf16
@@ -214,15 +215,15 @@ def build(route: str, w, group_size: int, gemlite_args: tuple[str, str] = ("auto
     import torch
     from torch import nn
 
-    from qgrpo.rollout import fp8
-    from qgrpo.rollout.quant import linear_weight_bytes, quant_config_summary, quantize_model
+    from qgrpo.rollout.quantization import fp8
+    from qgrpo.rollout.quantization.quant import linear_weight_bytes, quant_config_summary, quantize_model
 
     if route in GEMLITE_ROUTES:
         gemlite_module(w.device, *gemlite_args)
         lin, nbytes = build_gemlite(route, w, group_size)
         return lin, nbytes, {}
     if route == "int8/aten":
-        from qgrpo.rollout.quant import int8_per_channel
+        from qgrpo.rollout.quantization.quant import int8_per_channel
 
         q, scale = int8_per_channel(w)
         scale = scale.reshape(-1).to(torch.bfloat16)
@@ -264,7 +265,7 @@ def build(route: str, w, group_size: int, gemlite_args: tuple[str, str] = ("auto
     lin = holder.lin
     extra = {}
     if precision != "bf16" and not quant_config_summary(holder)["quantized_linears"]:
-        extra["note"] = "stayed bf16 (rollout/quant.py's layer_fits)"
+        extra["note"] = "stayed bf16 (rollout/quantization/quant.py's layer_fits)"
     if precision == "fp8":
         mode = decode or "scaled_mm"
 
@@ -425,7 +426,7 @@ def main(argv=None) -> None:
            "budget": {"budget_s": args.budget_s, "skipped": []}, "rows": []}
     if device.type == "cpu":  # which kernel the generator's `int8` route takes here, and the CPU as torch uses it
         from qgrpo.core.cpu import isa
-        from qgrpo.rollout import cpu_kernels, cpu_native
+        from qgrpo.rollout.quantization import cpu_kernels, cpu_native
 
         res["cpu_int8_kernel"], res["cpu_isa"] = cpu_native.describe(), isa().words()
         res["cpu_int4_kernel"] = cpu_kernels.describe("int4")

@@ -17,8 +17,8 @@ eagerly). Weights are random, so the text is noise: only speed is measured. Ever
 `--max-new-tokens` (the generator's stop ids are emptied; the table's `full` says whether each run did).
 
 Generation: variants are precision (`--precisions`; `fp8` runs a decode step's products as the generator does by
-default, `fp8/weight_only` through the weight-only kernel, `fp8/scaled_mm` as W8A8 `torch._scaled_mm`: rollout/fp8.py)
-x decode loop: `eager` is the generator's
+default, `fp8/weight_only` through the weight-only kernel, `fp8/scaled_mm` as W8A8 `torch._scaled_mm`:
+rollout/quantization/fp8.py) x decode loop: `eager` is the generator's
 static-cache loop (rollout/backends/torch_decode.py), `graphs` the same loop replayed from CUDA graphs (the generator's
 `cuda_graphs` option; where it cannot, it falls back and says why: the `note` column), `graphs_fused` the graphs of the
 step in fewer operators (rollout/backends/torch_fused.py, the `fused_step` option, with the Triton kernels of
@@ -164,7 +164,7 @@ def load_tokenizer(spec: str):
     that fails, tiny-digits' character tokenizer (built offline from code) stands in, and the note says so."""
     from transformers import AutoTokenizer
 
-    from qgrpo.rollout.models import BUILTIN_PREFIX, builtin_cache_dir, resolve_model_path
+    from qgrpo.rollout.modeling.models import BUILTIN_PREFIX, builtin_cache_dir, resolve_model_path
 
     if spec.startswith(BUILTIN_PREFIX):
         folder = builtin_cache_dir(spec[len(BUILTIN_PREFIX):])
@@ -286,8 +286,8 @@ def run_torch_variant(args, path, precision, loop, items_of, over, sink: list, e
     import torch
 
     from qgrpo.core.records import SamplingParams
-    from qgrpo.rollout import fp8
     from qgrpo.rollout.backends import torch_fused
+    from qgrpo.rollout.quantization import fp8
 
     base = {"variant": "torch", "precision": precision, "loop": loop}
     out = []
@@ -354,11 +354,11 @@ UNINITIALISED = {"empty", "empty_like", "new_empty", "empty_strided", "new_empty
 def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
     """What one decode step runs: `ops_per_step`, the ATen operators dispatched other than views (about one kernel
     launch each on a GPU; counted below autograd, after composite operators are decomposed, so a CPU counts them too)
-    plus the launches of our Triton kernels (rollout/w8_triton.py, rollout/backends/triton_step.py), which ATen does
-    not see; and on CUDA `kernel_ms_per_step`, the GPU time of its kernels (torch.profiler). Both are the difference
-    between a call of `steps` + 1 new tokens and one of 1 (prefill and first pick), over `steps`. The graphs loop's
-    step is run eagerly for this (a replay hides its operators from both counts); its kernels are the ones a replay
-    runs."""
+    plus the launches of our Triton kernels (rollout/quantization/w8_triton.py, rollout/backends/triton_step.py), which
+    ATen does not see; and on CUDA `kernel_ms_per_step`, the GPU time of its kernels (torch.profiler). Both are the
+    difference between a call of `steps` + 1 new tokens and one of 1 (prefill and first pick), over `steps`. The graphs
+    loop's step is run eagerly for this (a replay hides its operators from both counts); its kernels are the ones a
+    replay runs."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -392,8 +392,8 @@ def step_profile(gen, items, g: int, device: str, steps: int = 8) -> dict:
         gen.generate(items, SamplingParams(g, new, temperature=1.0, seed=0))
 
     def ops(new: int) -> int:
-        from qgrpo.rollout import w8_triton
         from qgrpo.rollout.backends import triton_step
+        from qgrpo.rollout.quantization import w8_triton
 
         kernels = {(m, k): getattr(m, k) for m, names in ((w8_triton, ("_w8_mm", "_splitk_sum")),
                                                           (triton_step, ("_add_rms_norm", "_silu_mul", "_rope_write",

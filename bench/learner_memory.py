@@ -81,7 +81,7 @@ def run_variant(args) -> None:
 
     from qgrpo.learner.engine import Learner
     from qgrpo.learner.settings import LearnerSettings
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     spec = VARIANTS[args.variant]

@@ -67,8 +67,8 @@ def default_shape(config: Path, model: str = "") -> dict:
 
     from qgrpo.cluster.config.schema import load_config
     from qgrpo.rollout.backends.common import format_prompt
-    from qgrpo.rollout.models import resolve_model_path
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     cfg = load_config(str(config))
     tok = AutoTokenizer.from_pretrained(resolve_model_path(model or cfg.model.path))
@@ -190,7 +190,7 @@ def run_shape(args) -> None:
     from qgrpo.learner.engine import Learner
     from qgrpo.learner.objective.settings import ObjectiveSettings
     from qgrpo.learner.settings import LearnerSettings
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     shape = json.loads(args.shape_json)
@@ -258,7 +258,7 @@ def ceiling(args, shape: dict, dtype: str) -> dict:
     from transformers import AutoConfig
 
     from qgrpo.core.cpu import torch_dtype
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
     tokens = shape["groups"] * shape["group_size"] * (shape["completion_len"] + 1)

@@ -183,7 +183,7 @@ def run_variant(args) -> None:
 
     from qgrpo.learner.engine import Learner
     from qgrpo.learner.settings import LearnerSettings
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     path = resolve_model_path(args.model)
     cfg = AutoConfig.from_pretrained(path)
@@ -288,7 +288,7 @@ def main() -> None:
 
     from transformers import AutoConfig
 
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
     _, lens = batch(args, cfg.vocab_size)

@@ -36,7 +36,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from qgrpo.core.scoring import token_logprobs
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.bfloat16)

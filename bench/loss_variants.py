@@ -72,7 +72,7 @@ from default_job import (  # noqa: E402  (the default job's run, its keeping and
 from sides import side_env, versions  # noqa: E402
 
 from qgrpo.cluster.config.tomlio import value_text  # noqa: E402
-from qgrpo.rollout.models import resolve_model_path  # noqa: E402
+from qgrpo.rollout.modeling.models import resolve_model_path  # noqa: E402
 
 BENCH = "loss_variants"
 TIS = {"algo.policy_loss": "grpo", "algo.is_level": "token", "algo.is_mode": "truncate", "algo.is_cap": 2.0,

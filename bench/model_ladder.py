@@ -15,17 +15,17 @@ start, its decode steps replayed as CUDA graphs of the fused step on a GPU (`[ro
 decoder's steps on a CPU, where it computes in the CPU's compute dtype (`compute` column: fp32 on CPUs without native
 bf16). A model is built again for each precision (same seed, same weights). `FORMAT+head` (e.g. `int8+head`) serves
 the format with `[rollout.torch] quantize_head`: a head tied to the embedding quantized too (the others keep it bf16).
-`int8` (CPU) sends a product through qgrpo's own int8 kernel (rollout/cpu_native.py) up to the rows measured there
-to beat the cast-and-bf16-product route, per weight shape; `int8/torch` does the same with torch's
+`int8` (CPU) sends a product through qgrpo's own int8 kernel (rollout/quantization/cpu_native.py) up to the rows
+measured there to beat the cast-and-bf16-product route, per weight shape; `int8/torch` does the same with torch's
 `_weight_int8pack_mm` (the generator's kernel before qgrpo's, and where qgrpo's cannot be built); `int8/kernel` sends
 every product of up to 64 rows through the int8 kernel, the rule before those rows were measured; `int8/noprefetch`
 qgrpo's int8 kernel without asking for its weight rows ahead (`cpu_native.INT8_PREFETCH = 0`, the kernel before);
 `int8/fused` (CPU) has the static decoder step through the step CUDA graphs record (rollout/backends/torch_fused.py:
 q/k/v and gate/up one int8 product each, the rotary as one product), eagerly, instead of its own;
 `int4` (CPU) sends a product through qgrpo's own int4 kernel up to the rows measured there to beat the weight decoded
-once into the compute dtype and one plain product (rollout/cpu_kernels.py), `int4/torch` the same with torch's
-`_weight_int4pack_mm_for_cpu`; `int4/kernel` every product through the int4 kernel, the rule before a prefill's rows
-went through the weight decoded once. On a CPU that computes in float32, the unquantized products (all of `bf16`'s,
+once into the compute dtype and one plain product (rollout/quantization/cpu_kernels.py), `int4/torch` the same with
+torch's `_weight_int4pack_mm_for_cpu`; `int4/kernel` every product through the int4 kernel, the rule before a prefill's
+rows went through the weight decoded once. On a CPU that computes in float32, the unquantized products (all of `bf16`'s,
 the head of the others) multiply by weights reordered for oneDNN (`[rollout.torch] onednn`); `bf16/torch` is `bf16`
 through F.linear, the generator's route before. `FORMAT/wide` (CPU) runs every operation of a decode step on all
 threads, the step before its norms, attention and small int8 products ran on one at up to 16 rows
@@ -173,8 +173,8 @@ def switches(precision: str):
     back: fp8 decode's route, torch's CPU kernels instead of qgrpo's (`/torch`), a former rule of rows (`/kernel`),
     qgrpo's int8 kernel without its prefetch (`int8/noprefetch`), every operation of a decode step on all threads
     (`/wide`)."""
-    from qgrpo.rollout import cpu_kernels, cpu_native, fp8
     from qgrpo.rollout.backends import torch_decode
+    from qgrpo.rollout.quantization import cpu_kernels, cpu_native, fp8
 
     served, _, route = precision.partition("+")[0].partition("/")
     held, rules = fp8.FP8_DECODE, (cpu_kernels.cpu_int8_rows, cpu_kernels.cpu_int4_rows)
@@ -570,7 +570,7 @@ def main(argv=None) -> dict:
         res["driver"] = driver
     else:
         from qgrpo.core.cpu import isa
-        from qgrpo.rollout import cpu_kernels, cpu_native
+        from qgrpo.rollout.quantization import cpu_kernels, cpu_native
 
         res["cpu_int8_kernel"] = cpu_native.describe()  # qgrpo's or torch's (`int8/torch` variants: torch's)
         res["cpu_int4_kernel"] = cpu_kernels.describe("int4")  # and the same for int4 (`int4/torch`)

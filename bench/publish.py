@@ -308,8 +308,8 @@ def gpu_matmuls(d: dict) -> list[str]:
     errors = sorted({f"{r['route']}: {r['error'][:80]}" for r in d["rows"] if "error" in r})
     return [*wrap(f"Each matrix product of the 1.3B shape's decode step alone, captured in a CUDA graph of "
                   f"{d['args']['calls']} calls (kernel time, launch gaps left out), on random bf16 weights quantized "
-                  "by rollout/quant.py as the generator quantizes them. \"MB\": the weight's storage (codes, "
-                  "scales, padding); \"of bw\": those bytes over the kernel time, as a share of the read "
+                  "by rollout/quantization/quant.py as the generator quantizes them. \"MB\": the weight's storage "
+                  "(codes, scales, padding); \"of bw\": those bytes over the kernel time, as a share of the read "
                   f"bandwidth ({d['read_bytes_per_s'] / 1e12:.2f} TB/s measured); \"vs bf16\": bf16's time over "
                   "the route's; \"err\": max |y - y_ref| / max |y_ref| against float32 on the unquantized weight. "
                   "`int4/unpadded` is tinygemm on weights packed without torchao's padding of K to 1024; "
@@ -986,7 +986,7 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "Qwen2.5-0.5B's and Llama-3.2-1B's shapes on the same kind of CPU, 256-token prompts: `int4/kernel` sends "
          "every int4 product through torch's CPU int4 kernel (the rule before), `int4` past the kernel's measured "
          "rows through the weight decoded 512 output rows at a time into bf16 and one product per slice "
-         "(rollout/cpu_kernels.py, the generator now).", model_ladder_prefill),
+         "(rollout/quantization/cpu_kernels.py, the generator now).", model_ladder_prefill),
         ("model_ladder_cpu_matrix", "Four sizes at 1 to 64 rows on a 2-core CPU",
          "SmolLM2-135M's, Qwen2.5-0.5B's, Llama-3.2-1B's and Qwen2.5-1.5B's shapes (random weights) on the same kind "
          "of CPU at 1, 8, 16 and 64 rows with 256-token prompts, 32 new tokens: bf16, int8 and int4 as the generator "
@@ -1021,9 +1021,10 @@ SECTIONS: list[tuple[str, list[tuple[str, str, str, Render]]]] = [
          "The second MLX run: int8 and int4 at 1 and 8 rows.", model_ladder_backends),
         ("gpu_matmuls_cpu_w8a16", "qgrpo's int8 kernel against torch's, each product alone",
          "Qwen2.5-0.5B's and Qwen2.5-1.5B's gate/up and down products alone at 1 to 32 rows on the same kind of CPU: "
-         "bf16, the generator's int8 product (`int8`: qgrpo's own kernel, rollout/cpu_native.py, up to the rows it "
-         "was measured faster, then the cast route) and torch's int8 kernel at every row count (`int8/aten`, what "
-         "the generator's int8 took before). The tables above this one were measured with torch's kernel.",
+         "bf16, the generator's int8 product (`int8`: qgrpo's own kernel, rollout/quantization/cpu_native.py, up to "
+         "the rows it was measured faster, then the cast route) and torch's int8 kernel at every row count "
+         "(`int8/aten`, what the generator's int8 took before). The tables above this one were measured with "
+         "torch's kernel.",
          gpu_matmuls_models),
         ("model_ladder_cpu_w8a16", "qgrpo's int8 kernel in the generator",
          "Qwen2.5-0.5B's and Qwen2.5-1.5B's shapes on the same kind of CPU, 256-token prompts, 32 new tokens, 1, 8 "

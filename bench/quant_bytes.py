@@ -4,13 +4,13 @@ generator re-quantizes after a weight sync.
 
     .venv/bin/python bench/quant_bytes.py [--threads N]   # prints a table, writes bench/results/quant_bytes.json
 
-`--requantize` measures instead what sync.requantize costs a rollout actor on the same model (rollout/requantize.py):
-for each emulated format (torch int8, torch int4, vllm int8) and mode (nearest, stochastic, error_feedback), SYNCS
-syncs of a slow, steady drift of the fp32 master weights by LR per sync in a fixed random direction (about an early
-Adam step at lr 1e-5), as the learner sends them (bf16). Per format and mode: seconds per sync (prepare + commit),
-the bytes of state the actor keeps, and the update visibility averaged over the syncs (share of codes changed, share
-of bf16 weights changed, the served update's projection on the bf16 one). Writes bench/results/requantize_costs.json
-(`--publish`: bench/published/ too).
+`--requantize` measures instead what sync.requantize costs a rollout actor on the same model
+(rollout/quantization/requantize.py): for each emulated format (torch int8, torch int4, vllm int8) and mode (nearest,
+stochastic, error_feedback), SYNCS syncs of a slow, steady drift of the fp32 master weights by LR per sync in a fixed
+random direction (about an early Adam step at lr 1e-5), as the learner sends them (bf16). Per format and mode: seconds
+per sync (prepare + commit), the bytes of state the actor keeps, and the update visibility averaged over the syncs
+(share of codes changed, share of bf16 weights changed, the served update's projection on the bf16 one). Writes
+bench/results/requantize_costs.json (`--publish`: bench/published/ too).
 
 `--generator-memory` measures instead the torch generator at a sync on the real SmolLM2-135M: one copy re-quantized
 in place (what the generator does) against a bf16 master plus a quantized copy rebuilt by deep copy at every sync
@@ -39,7 +39,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from qgrpo.rollout.quant import PRECISIONS, linear_weight_bytes, quant_config_summary, quantize_model  # noqa: E402
+from qgrpo.rollout.quantization.quant import (  # noqa: E402
+    PRECISIONS,
+    linear_weight_bytes,
+    quant_config_summary,
+    quantize_model,
+)
 
 OUT = Path(__file__).resolve().parent / "results" / "quant_bytes.json"
 BATCH, SEQ, REPEATS = 8, 64, 3
@@ -66,8 +71,8 @@ SYNCS, LR = 10, 1e-5
 def requantize_costs(base: LlamaForCausalLM) -> list[dict]:
     """sync.requantize on the model's linear weights: see the module docstring."""
     from qgrpo.rollout.backends import EMULATED_FORMATS, served_grid
-    from qgrpo.rollout.quant import quantized_weight_names
-    from qgrpo.rollout.requantize import Requantizer
+    from qgrpo.rollout.quantization.quant import quantized_weight_names
+    from qgrpo.rollout.quantization.requantize import Requantizer
 
     params = dict(base.named_parameters())
     rows = []
@@ -132,7 +137,7 @@ def measure(variant: str, precision: str, path: str, syncs: int) -> dict:
     import torch
 
     from qgrpo.rollout.backends.torch_backend import TorchGenerator, load_into
-    from qgrpo.rollout.quant import quantize_model
+    from qgrpo.rollout.quantization.quant import quantize_model
 
     torch.set_num_threads(1)
     if variant == "in_place":
@@ -167,7 +172,7 @@ def generator_memory(args) -> None:
     import os
     import subprocess
 
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     path = resolve_model_path(args.model, args.cache_dir)
     if args.child:

@@ -242,7 +242,7 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from qgrpo.core.records import PromptItem
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path("builtin:smollm2-135m-instruct", args.cache_dir)

@@ -74,7 +74,7 @@ def main(spec: dict) -> None:
 
     from qgrpo.cluster.config.schema import load_config
     from qgrpo.rollout.backends.common import format_prompt
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     cfg = load_config(spec["config"], spec["overrides"])
     ro = cfg.rollout

@@ -223,7 +223,7 @@ def main() -> None:
     started, t_start, load_start = datetime.datetime.now().isoformat(timespec="seconds"), time.time(), os.getloadavg()
     trl_set = {k: tomllib.loads(f"v = {v}")["v"] for k, v in (s.split("=", 1) for s in args.trl_set)}
 
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     model_path = resolve_model_path(args.model, args.cache_dir)
     # Both sides read bench/vs_trl.toml with these overrides (TRL's side for its prompts, rewards and sizes).

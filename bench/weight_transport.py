@@ -277,7 +277,7 @@ def main() -> None:
     import torch
 
     from qgrpo.actors.common import thread_env
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     path = resolve_model_path(args.model, args.cache_dir)
     bucket_bytes = int(args.bucket_mb * 2**20)

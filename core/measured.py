@@ -1,6 +1,6 @@
 """Measurements kept per machine in the qgrpo cache: what a run decides by timing on this machine (the int8 kernels'
-row routes, rollout/cpu_kernels.py; the CPU roles' compute precision, cluster/run/compute_auto.py) is timed once and
-read back by later runs.
+row routes, rollout/quantization/cpu_kernels.py; the CPU roles' compute precision, cluster/run/compute_auto.py) is timed
+once and read back by later runs.
 
 A file under the cache root (core/storage.py: cache_root) maps a machine key to {key: value}. The machine key holds
 what changes a timing: the processor's name, the kernels' capability as torch uses it (an environment cap such as

@@ -140,7 +140,7 @@ class SyncAck:
     verify_seconds: float  # scoring the probe sequence for the fingerprint check
     fingerprint_gap: float  # mean |log mu - log pi| over the probe's tokens, nats per token
     fingerprint_corr: float  # correlation of the generator's and the learner's probe log-probs
-    # Update visibility against the previous version (rollout/requantize.py), NaN where not measured:
+    # Update visibility against the previous version (rollout/quantization/requantize.py), NaN where not measured:
     code_change_frac: float = math.nan  # share of the quantized weights whose code changed
     bf16_change_frac: float = math.nan  # share of those weights whose received bf16 value changed
     update_norm_ratio: float = math.nan  # ||served update|| / ||bf16 update|| over those weights

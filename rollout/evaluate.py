@@ -27,9 +27,9 @@ def judge_check(cfg) -> tuple[str, list[str], list[str]]:
     """For `check` and `train` before anything starts: (the held-out judge in words, problems, warnings). A config
     whose every reward reads integers only (`correct`, `integer_format`: the default is `correct`) on references
     that are words is a problem: no completion could ever score."""
+    from qgrpo.rollout.data.tasks import make_task
     from qgrpo.rollout.rewards.builtin import NUMBER_READERS
     from qgrpo.rollout.rewards.judge import is_number, judge_problems
-    from qgrpo.rollout.tasks import make_task
 
     task = make_task(cfg.task, cfg.run.seed, split="eval" if cfg.run.eval else "train")
     refs = [task.item(i).reference for i in range(min(cfg.task.eval_size or REFERENCE_SAMPLE, REFERENCE_SAMPLE))]

@@ -1,13 +1,14 @@
 """Rollout-side choices, without torch: the config schema (cluster/config) builds its allowed values from them, so
 the two cannot drift and `qgrpo` starts without importing torch."""
 
-# sync.requantize (rollout/requantize.py): how a rollout actor rounds received weights onto its format's grid. Which
-# formats have a grid it emulates each backend's spec says (rollout/backends: BackendSpec.grids, EMULATED_FORMATS).
+# sync.requantize (rollout/quantization/requantize.py): how a rollout actor rounds received weights onto its format's
+# grid. Which formats have a grid it emulates each backend's spec says (rollout/backends: BackendSpec.grids,
+# EMULATED_FORMATS).
 REQUANTIZE_MODES = ("nearest", "stochastic", "error_feedback")
 
-# The torch quantizer (rollout/quant.py): (precision, device) -> the library path that quantizes and runs it (its
-# module docstring says why each). Declared here, without torch, so that what it serves is its own to say: the torch
-# backend's spec (and so the torch reference scorer) and the reward model's rule read QUANT_SERVED, and the config
+# The torch quantizer (rollout/quantization/quant.py): (precision, device) -> the library path that quantizes and runs
+# it (its module docstring says why each). Declared here, without torch, so that what it serves is its own to say: the
+# torch backend's spec (and so the torch reference scorer) and the reward model's rule read QUANT_SERVED, and the config
 # refuses the rest.
 QUANT_PATHS = {
     ("bf16", "cpu"): "none", ("bf16", "cuda"): "none",

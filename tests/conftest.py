@@ -25,7 +25,7 @@ os.environ["QGRPO_TIME_ROLES"] = "0"
 @pytest.fixture(scope="session")
 def tiny_model_path(tmp_path_factory) -> str:
     """The builtin tiny model, materialised once into a test cache (offline, seeded)."""
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     cache = os.environ.get("QGRPO_TEST_CACHE") or str(tmp_path_factory.mktemp("qgrpo-cache"))
     return resolve_model_path("builtin:tiny-digits", cache)

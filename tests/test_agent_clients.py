@@ -51,7 +51,7 @@ def _needs(module: str, what: str):
 
 @pytest.fixture(scope="module")
 def model_path() -> str:
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     return str(resolve_model_path("builtin:smollm2-135m-instruct", None))
 

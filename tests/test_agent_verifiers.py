@@ -128,7 +128,7 @@ def test_a_real_game_agrees_token_for_token():
     from qgrpo.rollout.endpoint.local import serve_local
     from qgrpo.rollout.environments.contract import row_of
     from qgrpo.rollout.environments.loader import environment_spec
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     gen = make_generator("torch", model_path=resolve_model_path("builtin:smollm2-135m-instruct", ""),
                          precision="int8", generator_id="vf-t0", seed=0)

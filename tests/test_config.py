@@ -17,7 +17,7 @@ USER_MODEL = {"nanochat_d20.toml": "builtin:tiny-nanochat-d20", "nanochat_d32.to
 
 
 def test_presets_are_valid():
-    from qgrpo.rollout.tasks import check_task
+    from qgrpo.rollout.data.tasks import check_task
 
     for preset in sorted((ROOT / "configs").glob("*.toml")):
         cfg = load_config(preset, [f"model.path='{USER_MODEL[preset.name]}'"] if preset.name in USER_MODEL else [])

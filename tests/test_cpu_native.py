@@ -1,5 +1,6 @@
-"""qgrpo's CPU int8 and int4 kernels (rollout/cpu_native.py, rollout/csrc/w8a16_cpu.cpp, rollout/csrc/w4a16_cpu.cpp):
-their products against a float64 reference on both instruction-set paths, and what happens where they cannot run."""
+"""qgrpo's CPU int8 and int4 kernels (rollout/quantization/cpu_native.py, rollout/quantization/csrc/w8a16_cpu.cpp,
+rollout/quantization/csrc/w4a16_cpu.cpp): their products against a float64 reference on both instruction-set paths, and
+what happens where they cannot run."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qgrpo.rollout import cpu_kernels, cpu_native
+from qgrpo.rollout.quantization import cpu_kernels, cpu_native
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason=f"kernel not available: {cpu_native.why_not()}")
@@ -77,7 +78,7 @@ def test_avx2_path_in_a_capped_process():
     """ATEN_CPU_CAPABILITY=avx2 sends the kernel down its AVX2 path (vpmaddwd), as on an AVX2-only CPU; the same
     bounds hold there."""
     words, code_, errors = _capped("import json; from tests.test_cpu_native import _check_products; from qgrpo.rollout"
-                                   " import cpu_native; print(json.dumps([cpu_native.describe(), "
+                                   ".quantization import cpu_native; print(json.dumps([cpu_native.describe(), "
                                    "cpu_native.isa_code()[0], _check_products()]))")
     assert code_ == cpu_native.ISA_AVX2 and "AVX2" in words
     _within_bounds(errors)
@@ -119,8 +120,9 @@ def test_int4_avx2_path_in_a_capped_process():
     """Capped at AVX2, torch packs int4 in blocks of 32 output rows and the kernel takes its AVX2 path: the same
     bounds hold there."""
     words, layout, errors = _capped("import json; from tests.test_cpu_native import _check_int4_products; from "
-                                    "qgrpo.rollout import cpu_kernels; print(json.dumps([cpu_kernels.describe("
-                                    "'int4'), cpu_kernels.int4_layout(), _check_int4_products()]))")
+                                    "qgrpo.rollout.quantization import cpu_kernels; print(json.dumps(["
+                                    "cpu_kernels.describe('int4'), cpu_kernels.int4_layout(), "
+                                    "_check_int4_products()]))")
     assert words.startswith("qgrpo w4a16 (AVX2") and layout == ["lanes", 32], (words, layout)
     _within_bounds(errors)
 
@@ -247,7 +249,7 @@ def test_int8_kernel_routes_through_ours_and_back_to_torch():
 def test_an_odd_width_never_reaches_torch_int8_kernel():
     """torch 2.13's `_weight_int8pack_mm` crashes the process (SIGSEGV) when K is not a multiple of 16; such a layer
     takes the cast-and-product route at every row count."""
-    from qgrpo.rollout.quant import int8_product
+    from qgrpo.rollout.quantization.quant import int8_product
 
     assert cpu_kernels.cpu_int8_rows(16, 40, torch.float32) == 0
     x, q, scale, ref = _case(16, 40, 2)
@@ -260,7 +262,7 @@ def _fresh(env: dict, code: str, cache: Path) -> subprocess.CompletedProcess:
 
 
 def test_without_a_compiler_torch_kernel_is_used_and_the_reason_given(tmp_path):
-    code = ("from qgrpo.rollout import cpu_native, cpu_kernels; import torch;"
+    code = ("from qgrpo.rollout.quantization import cpu_native, cpu_kernels; import torch;"
             "print(cpu_native.available(), '|', cpu_native.describe());"
             "x = torch.randn(2, 64); q = torch.randint(-128, 128, (8, 64), dtype=torch.int8);"
             "print(cpu_kernels.int8_kernel(x, q, torch.rand(8)).shape);"
@@ -273,8 +275,8 @@ def test_without_a_compiler_torch_kernel_is_used_and_the_reason_given(tmp_path):
     assert shape == "torch.Size([2, 8])"
     assert int4.startswith("torch's _weight_int4pack_mm_for_cpu (") and "no C++ compiler" in int4, int4
     assert int4.endswith("| (2, 64)")
-    off = _fresh({"QGRPO_CPU_KERNEL": "torch"}, "from qgrpo.rollout import cpu_native; print(cpu_native.describe())",
-                 tmp_path)
+    off = _fresh({"QGRPO_CPU_KERNEL": "torch"},
+                 "from qgrpo.rollout.quantization import cpu_native; print(cpu_native.describe())", tmp_path)
     assert "QGRPO_CPU_KERNEL=torch" in off.stdout
 
 
@@ -283,7 +285,7 @@ def test_a_broken_build_is_reported_not_raised(tmp_path):
     cxx.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo fake 1.0; exit 0; fi\n"
                    "echo 'error: no' >&2\nexit 3\n")
     cxx.chmod(0o755)
-    code = "from qgrpo.rollout import cpu_native; print(cpu_native.available(), '|', cpu_native.why_not())"
+    code = "from qgrpo.rollout.quantization import cpu_native; print(cpu_native.available(), '|', cpu_native.why_not())"
     done = _fresh({"CXX": str(cxx)}, code, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     out = done.stdout.strip().splitlines()[-1]
@@ -292,7 +294,8 @@ def test_a_broken_build_is_reported_not_raised(tmp_path):
 
 
 def test_concurrent_processes_build_once(tmp_path):
-    code = ("from qgrpo.rollout import cpu_native; import torch; assert cpu_native.available(), cpu_native.why_not();"
+    code = ("from qgrpo.rollout.quantization import cpu_native; import torch; "
+            "assert cpu_native.available(), cpu_native.why_not();"
             "x = torch.randn(3, 64); q = torch.randint(-128, 128, (8, 64), dtype=torch.int8); s = torch.rand(8);"
             "ref = x.double() @ (q.double() * s.double()[:, None]).T;"
             "print(float((cpu_native.w8a16_mm(x, q, s).double() - ref).abs().max() / ref.abs().max()))")

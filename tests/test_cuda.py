@@ -164,7 +164,7 @@ def test_packed_scoring_on_the_gpu_equals_the_padded_pass(tiny_model_path, monke
     agree everywhere; the padded pass without lengths scores the pad tokens there, so it is compared where consumers
     read it, on the completion positions (prompt_lens .. seq_lens)."""
     import qgrpo.core.scoring as scoring
-    from qgrpo.rollout.reference import ReferenceScorer
+    from qgrpo.rollout.backends.reference import ReferenceScorer
 
     g = torch.Generator().manual_seed(1)
     rows, plens, gids = [], [], []
@@ -195,7 +195,7 @@ def test_packed_scoring_on_the_gpu_equals_the_padded_pass(tiny_model_path, monke
 
 
 def test_reference_scores_on_its_gpu_like_the_cpu(tiny_model_path):
-    from qgrpo.rollout.reference import ReferenceScorer
+    from qgrpo.rollout.backends.reference import ReferenceScorer
 
     ids = torch.randint(3, 30, (4, 9), generator=torch.Generator().manual_seed(0))
     gpu = ReferenceScorer(tiny_model_path, "bf16", device="cuda:0").score(ids)

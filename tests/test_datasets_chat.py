@@ -6,8 +6,8 @@ import json
 import pytest
 
 from qgrpo.cluster.config.schema import ConfigError, Example, TaskConfig, load_config
-from qgrpo.rollout.datasets import RESERVED_COLUMNS, DatasetError
-from qgrpo.rollout.tasks import check_task, make_task
+from qgrpo.rollout.data.datasets import RESERVED_COLUMNS, DatasetError
+from qgrpo.rollout.data.tasks import check_task, make_task
 
 INSTRUCTION = "Give the final answer inside <answer></answer>."
 

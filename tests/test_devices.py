@@ -81,7 +81,7 @@ def test_train_batch_to_moves_every_tensor():
 
 
 def test_reference_scorer_scores_on_its_device(tiny_model_path):
-    from qgrpo.rollout.reference import ReferenceScorer
+    from qgrpo.rollout.backends.reference import ReferenceScorer
 
     ref = ReferenceScorer(tiny_model_path, "bf16", device="cpu")
     assert next(ref.model.parameters()).device == ref.device == torch.device("cpu")

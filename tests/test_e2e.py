@@ -144,7 +144,7 @@ def test_eval_command_on_checkpoint(two_step_run, tiny_model_path, capsys):
     without native bf16 (AVX2 only), where the random base model gets none of them right."""
     from qgrpo.core.records import SamplingParams
     from qgrpo.rollout.backends import backend_options, make_generator
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     tiny, n = ROOT / "configs" / "tiny.toml", 32
     bf16 = "model.compute_dtype='bf16'"

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from qgrpo.rollout.models import resolve_model_path
+from qgrpo.rollout.modeling.models import resolve_model_path
 
 MODEL = "qgrpo-policy"
 MAX_MODEL_LEN = 1024

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from qgrpo.core.records import Completion
-from qgrpo.rollout.models import resolve_model_path
+from qgrpo.rollout.modeling.models import resolve_model_path
 
 MODEL = "qgrpo-policy"
 TOOLS = [{"type": "function", "function": {

@@ -2,9 +2,8 @@
 FILE.py:NAME, openenv:..., agent:...) gives a Capabilities record, and the code around it (the config's rules, `qgrpo
 check`, the step estimate, the run's supply and health watches, scoring's words) reads that record, never asks which
 kind a name is. Checked on the source, as tests/test_layers.py checks the layers: nothing outside the registry asks
-the kind (an `is_agent`, a `kind_of`, a spec's kind compared with a kind's name, a name's prefix tested), and inside
-rollout/ no room imports a room above it (backends < rewards < environments < episodes < endpoint < agents). Each
-check is shown able to fail.
+the kind (an `is_agent`, a `kind_of`, a spec's kind compared with a kind's name, a name's prefix tested); the check
+is shown able to fail. That no room of rollout/ imports a room above it is tests/test_layers.py's.
 """
 from __future__ import annotations
 
@@ -14,14 +13,11 @@ from pathlib import Path
 import pytest
 
 from qgrpo.rollout.environments.kinds import KINDS, PREFIXES, Capabilities, capabilities, kind_of
-from tests.test_layers import PACKAGES, ROOT, _imports, _module, _sources
+from tests.test_layers import PACKAGES, ROOT, _sources
 
 # The environment registry: the modules that may tell the kinds apart.
 REGISTRY = {ROOT / "rollout" / "environments" / "kinds.py", ROOT / "rollout" / "environments" / "loader.py"}
 ASKS_KIND = {"is_agent", "kind_of"}  # functions whose answer is a kind, not a capability
-# The rooms of rollout/ that are packages or modules of their own now, lowest first (the helpers, quantization,
-# models and data below them are plain modules of rollout/ yet, and are not checked here).
-ROOMS = ("backends", "rewards", "environments", "episodes", "endpoint", "agents")
 
 
 @pytest.mark.parametrize("name, kind", [("", "task"), ("env.py:Echo", "environment"), ("pkg.envs:Echo", "environment"),
@@ -108,38 +104,3 @@ def test_the_kind_check_can_fail(tmp_path):
     assert _asks_kind(probe) == ["probe.py:1 imports is_agent", "probe.py:2 is_agent",
                                  "probe.py:3 .kind compared with a kind", "probe.py:4 .kind compared with a kind",
                                  "probe.py:5 startswith a kind's prefix", "probe.py:6 kind_of"]
-
-
-def _room(module: str) -> str:
-    """The room of rollout/ a module (dotted, without `qgrpo.`) is in: one of ROOMS, or "" (not in one)."""
-    parts = module.split(".")
-    return parts[1] if parts[0] == "rollout" and len(parts) > 1 and parts[1] in ROOMS else ""
-
-
-def _up_a_floor(path: Path, module: str | None = None) -> list[str]:
-    """`file:line` imports of `path` (the module `module`) that run up from its room of rollout/ to a higher one,
-    lazy imports and "qgrpo.module:name" strings included."""
-    here = _room(module or _module(path))
-    bad = []
-    for line, target in _imports(path):
-        there = _room(target)
-        if here and there and ROOMS.index(there) > ROOMS.index(here):
-            bad.append(f"{path.name}:{line} ({here}) imports qgrpo.{target} ({there})")
-    return bad
-
-
-def test_no_room_of_rollout_imports_a_room_above_it():
-    bad = [b for p in _sources("rollout") for b in _up_a_floor(p)]
-    assert bad == [], "imports up a floor inside rollout/:\n" + "\n".join(bad)
-
-
-def test_the_room_check_can_fail(tmp_path):
-    probe = tmp_path / "probe.py"
-    probe.write_text("from qgrpo.rollout.rewards.calls import load_function\n"
-                     "def f():\n    from qgrpo.rollout.agents import probe\n"
-                     "T = 'qgrpo.rollout.episodes:episode_setup'\nfrom qgrpo.rollout.tasks import make_task\n")
-    assert _up_a_floor(probe, "rollout.environments.probe") == [
-        "probe.py:3 (environments) imports qgrpo.rollout.agents (agents)",
-        "probe.py:3 (environments) imports qgrpo.rollout.agents.probe (agents)",
-        "probe.py:4 (environments) imports qgrpo.rollout.episodes (episodes)"]
-    assert _up_a_floor(probe, "rollout.agents.probe") == []

@@ -436,7 +436,7 @@ def _example(folder: Path, name: str):
 
 
 def test_guess_number_answers_in_the_tiny_models_characters():
-    from qgrpo.rollout.models import _TINY_CHARS
+    from qgrpo.rollout.modeling.models import _TINY_CHARS
 
     env = _example(GUESS, "GuessNumber")()
     env.turn_penalty = 0.1

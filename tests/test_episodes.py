@@ -12,7 +12,7 @@ from qgrpo.core.records import Completion, PromptItem, SamplingParams
 from qgrpo.learner.batch import pack_rollouts
 from qgrpo.rollout.environments.contract import EnvFailure, StepResult
 from qgrpo.rollout.episodes import FINISHES, EpisodeError, EpisodeLimits, Episodes, episode_metrics, render
-from qgrpo.rollout.models import resolve_model_path
+from qgrpo.rollout.modeling.models import resolve_model_path
 
 IM_END = 2  # SmolLM2's <|im_end|>, its stop token
 

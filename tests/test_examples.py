@@ -58,8 +58,8 @@ def test_there_are_examples():
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_example_data_checks_out(path, monkeypatch):
     # Every row is read and checked, the held-out split is cut, and no worked example is a held-out question.
-    from qgrpo.rollout.datasets import FORMATS, load_splits
-    from qgrpo.rollout.tasks import check_task
+    from qgrpo.rollout.data.datasets import FORMATS, load_splits
+    from qgrpo.rollout.data.tasks import check_task
 
     monkeypatch.chdir(ROOT)
     cfg = load_config(path)
@@ -70,7 +70,7 @@ def test_example_data_checks_out(path, monkeypatch):
 
 
 def test_own_task_data_is_what_the_readme_says():
-    from qgrpo.rollout.datasets import read_rows
+    from qgrpo.rollout.data.datasets import read_rows
 
     rows, problems = read_rows(str(ROOT / "examples" / "own_task" / "problems.jsonl"), "jsonl", "question", "answer")
     assert problems == [] and len(rows) == 40 and len({r.prompt for r in rows}) == 40
@@ -102,8 +102,8 @@ def test_example_passes_what_qgrpo_check_checks_before_the_model(path, monkeypat
     import argparse
 
     from qgrpo.cluster.cli.train import checked_config
+    from qgrpo.rollout.data.tasks import make_task
     from qgrpo.rollout.rewards.scoring import reward_problems
-    from qgrpo.rollout.tasks import make_task
 
     monkeypatch.chdir(ROOT)
     cfg = checked_config(argparse.Namespace(config=str(path.relative_to(ROOT)), overrides=[]))
@@ -138,7 +138,7 @@ def _own(name: str):
 
 @pytest.fixture
 def own_task(monkeypatch):
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     monkeypatch.chdir(ROOT)
     cfg = _config(OWN_REWARDS)
@@ -150,7 +150,7 @@ PARCEL = "A parcel weighs 2400 grams. What is its weight in kilograms?"  # answe
 
 
 def test_own_rewards_data_has_tolerances_and_exact_rows(own_task):
-    from qgrpo.rollout.datasets import read_rows
+    from qgrpo.rollout.data.datasets import read_rows
 
     rows, problems = read_rows(str(ROOT / "examples" / "own_rewards" / "problems.jsonl"), "jsonl", "question", "answer")
     assert problems == [] and len(rows) == 40 and len({r.prompt for r in rows}) == 40
@@ -243,7 +243,7 @@ def test_own_rewards_check_refuses_a_wrong_name_or_a_missing_column(monkeypatch)
 def test_chat_rows_become_items_with_their_history(monkeypatch):
     # Each conversation, read here straight from the JSON: its system turn (else task.system_prompt), the worked
     # example, its earlier turns, then its last user turn with the instruction, which is the prompt.
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     monkeypatch.chdir(ROOT)
     cfg = _config(CHAT)

@@ -12,7 +12,7 @@ from qgrpo.core.grids import decode, encode
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.learner.fake_quant import fake_quant_layers, fake_quantize
 from qgrpo.rollout.backends import served_grid
-from qgrpo.rollout.quant import quantize_model
+from qgrpo.rollout.quantization.quant import quantize_model
 
 
 @pytest.fixture(scope="module")

@@ -124,7 +124,7 @@ def test_a_sync_quantizes_in_place_exactly_as_a_fresh_start(tiny_model_path, pre
     from transformers import AutoModelForCausalLM
 
     from qgrpo.rollout.backends.compute import compute_in
-    from qgrpo.rollout.quant import quantize_model
+    from qgrpo.rollout.quantization.quant import quantize_model
 
     gen = TorchGenerator(tiny_model_path, precision=precision)
     assert not hasattr(gen, "_master")

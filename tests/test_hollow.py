@@ -22,9 +22,9 @@ from qgrpo.rollout.answer_stats import (
     step_answer_metrics,
     verdict_lines,
 )
+from qgrpo.rollout.data.tasks import make_task
 from qgrpo.rollout.evaluate import score_eval
 from qgrpo.rollout.rewards import ANSWER_READERS, CHECKS, completion_with_answer
-from qgrpo.rollout.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.toml")

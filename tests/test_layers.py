@@ -33,8 +33,10 @@ TARGET = re.compile(r"qgrpo(\.\w+)+:\w+")
 BACKENDS = ROOT / "rollout" / "backends"
 # Modules of rollout/backends/ that belong to no one backend, which code outside may import: what every generator
 # shares (prompt ids, stop tokens, weight streams, the fingerprint probe: common.py; which version sampled which
-# tokens: versions.py) and the compute dtype the torch generator and the torch reference scorer share (compute.py).
-SHARED_BACKEND_MODULES = {"common", "compute", "versions"}
+# tokens: versions.py), the compute dtype the torch generator and the torch reference scorer share (compute.py), and
+# the reference scorers' contract with its factory (reference.py: make_reference_scorer, as make_generator is for the
+# generators; the torch scorer beside it, which the CPU roles' timing calls).
+SHARED_BACKEND_MODULES = {"common", "compute", "versions", "reference"}
 
 
 def _sources(*tops: str) -> list[Path]:
@@ -120,7 +122,8 @@ def test_the_layer_check_sees_modules_loaded_by_name(tmp_path):
     fake = tmp_path / "probe.py"
     fake.write_text("import importlib\nm = importlib.import_module('qgrpo.cluster.run.driver')\n"
                     "n = __import__('qgrpo.actors.rollout_actor')\nTARGET = 'qgrpo.cluster.cli.app:main'\n"
-                    "fine = importlib.import_module('qgrpo.core.records'), 'qgrpo.rollout.quant:quantize_model'\n")
+                    "fine = importlib.import_module('qgrpo.core.records'), "
+                    "'qgrpo.rollout.quantization.quant:quantize_model'\n")
     assert _upward(fake, "rollout.probe") == ["probe.py:2 (rollout) imports qgrpo.cluster.run.driver (cluster.run)",
                                               "probe.py:3 (rollout) imports qgrpo.actors.rollout_actor (actors)",
                                               "probe.py:4 (rollout) imports qgrpo.cluster.cli.app (cluster.cli)"]
@@ -378,3 +381,52 @@ def test_the_back_door_check_can_fail(tmp_path):
     assert _pool_back_doors(fake) == ["probe.py:2 .actors", "probe.py:3 getattr(..., 'actors')",
                                       "probe.py:4 PoolLink(...)", "probe.py:5 .complete.remote(...)",
                                       "probe.py:6 RolloutActor", "probe.py:6 ['actors']"]
+
+
+# The rooms of rollout/, lowest first, by job: a room imports only from itself and the rooms below it. The helpers
+# every part reads (options, noise); the quantized formats and their kernels; the models; the data; the generators and
+# scorers (backends); rewards, with the answers' statistics above them; environments and the episode loop, the
+# held-out evaluation and the precision trials over them; the endpoint; the agent contract beside and above it.
+ROOMS = ("options", "noise", "quantization", "modeling", "data", "backends", "rewards", "answer_stats", "environments",
+         "episodes", "evaluate", "precision_trials", "endpoint", "agents")
+
+
+def test_the_rooms_name_every_part_of_rollout():
+    parts = {p.stem if p.is_file() else p.name for p in (ROOT / "rollout").iterdir()
+             if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").is_file()}
+    assert parts == set(ROOMS)
+
+
+def _room(module: str) -> str:
+    """The room of rollout/ a module (dotted, without `qgrpo.`) is in: one of ROOMS, or "" (not in one)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rollout" and len(parts) > 1 and parts[1] in ROOMS else ""
+
+
+def _up_a_floor(path: Path, module: str | None = None) -> list[str]:
+    """`file:line` imports of `path` (the module `module`) that run up from its room of rollout/ to a higher one,
+    lazy imports and "qgrpo.module:name" strings included."""
+    here = _room(module or _module(path))
+    bad = []
+    for line, target in _imports(path):
+        there = _room(target)
+        if here and there and ROOMS.index(there) > ROOMS.index(here):
+            bad.append(f"{path.name}:{line} ({here}) imports qgrpo.{target} ({there})")
+    return bad
+
+
+def test_no_room_of_rollout_imports_a_room_above_it():
+    bad = [b for p in _sources("rollout") for b in _up_a_floor(p)]
+    assert bad == [], "imports up a floor inside rollout/:\n" + "\n".join(bad)
+
+
+def test_the_room_check_can_fail(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("from qgrpo.rollout.rewards.calls import load_function\n"
+                     "def f():\n    from qgrpo.rollout.agents import probe\n"
+                     "T = 'qgrpo.rollout.episodes:episode_setup'\nfrom qgrpo.rollout.data.tasks import make_task\n")
+    assert _up_a_floor(probe, "rollout.environments.probe") == [
+        "probe.py:3 (environments) imports qgrpo.rollout.agents (agents)",
+        "probe.py:3 (environments) imports qgrpo.rollout.agents.probe (agents)",
+        "probe.py:4 (environments) imports qgrpo.rollout.episodes (episodes)"]
+    assert _up_a_floor(probe, "rollout.agents.probe") == []

@@ -98,7 +98,7 @@ def test_merged_weights_are_the_base_plus_the_scaled_update(tiny_model_path):
 def test_reference_from_the_disabled_adapters_equals_the_reference_scorer(tiny_model_path):
     """reference.from_learner: the learner's base with its adapters off scores like the reference actor's scorer on
     the same model (bf16 both); with the adapters on (after training) the log-probs are far from it."""
-    from qgrpo.rollout.reference import make_reference_scorer
+    from qgrpo.rollout.backends.reference import make_reference_scorer
 
     learner = _learner(tiny_model_path, "lora", objective=objective_settings(kl_coeff=0.05),
                        reference_from_learner=True)

@@ -1,4 +1,5 @@
-"""The MLX generator and reference scorer, on real mlx-cpu (rollout/backends/mlx_backend.py, rollout/reference.py).
+"""The MLX generator and reference scorer, on real mlx-cpu (rollout/backends/mlx_backend.py,
+rollout/backends/reference.py).
 
 The generator contract (shapes, stops, seeds, strict loads, versions, fingerprint) is tests/test_backend_contract.py,
 which runs every registered backend, mlx included. This file holds what is MLX's own: agreement with torch on the same
@@ -19,8 +20,8 @@ import torch
 from qgrpo.cluster.cli.app import main
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.rollout import models
 from qgrpo.rollout.backends import make_generator
+from qgrpo.rollout.modeling import models
 
 pytestmark = pytest.mark.skipif(sys.platform not in ("linux", "darwin"), reason="MLX runs on Linux and macOS")
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +162,7 @@ def test_mlx_reference_equals_the_torch_reference(peaked_folder, fp32_torch, gen
     peaked model): at most 0.3 and 0.05 on average (measured 0.12 and ~0.02). int4 MLX vs int4 torch are different
     quantizers (MLX affine with biases, torchao symmetric), so they agree only loosely: mean within 0.3 nats per token
     (measured ~0.08)."""
-    from qgrpo.rollout.reference import make_reference_scorer
+    from qgrpo.rollout.backends.reference import make_reference_scorer
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 32, (6, 40), generator=g)

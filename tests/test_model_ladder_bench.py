@@ -7,8 +7,8 @@ import pytest
 
 from bench import model_ladder
 from bench.model_shapes import SHAPES, build_config, parameter_count
-from qgrpo.rollout import cpu_native
 from qgrpo.rollout.backends import onednn
+from qgrpo.rollout.quantization import cpu_native
 
 # The parameter counts the models' cards and safetensors indexes publish (norms and biases included).
 PUBLISHED = {"SmolLM2-135M": 134_515_008, "Qwen2.5-0.5B": 494_032_768, "Llama-3.2-1B": 1_235_814_400,
@@ -68,7 +68,7 @@ def test_dry_run_measures_every_variant_with_finite_bounds(tmp_path):
 def test_prompts_have_exactly_the_asked_length():
     from transformers import AutoTokenizer
 
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path("builtin:tiny-digits"))
     for n in (5, 64):
@@ -125,7 +125,7 @@ def test_bf16_through_f_linear_is_its_own_variant(tmp_path):
 
 
 def test_the_former_int4_route_is_its_own_variant_and_the_rule_comes_back(tmp_path, monkeypatch):
-    from qgrpo.rollout import cpu_kernels
+    from qgrpo.rollout.quantization import cpu_kernels
 
     seen = []
     real = cpu_kernels.int4_kernel
@@ -144,7 +144,7 @@ def test_int8_torch_variant_takes_torch_kernel_and_int8_takes_ours(tmp_path, mon
     variant and back on after), `int8` through qgrpo's where it is built here."""
     import torch
 
-    from qgrpo.rollout import cpu_kernels, cpu_native
+    from qgrpo.rollout.quantization import cpu_kernels, cpu_native
 
     # Every product of up to 64 rows takes a kernel: which kernel is the variant's, whatever this CPU's measured
     # crossover says (on an AVX2-only CPU torch's kernel, bf16 emulated, may lose to the cast route at every row).
@@ -170,7 +170,7 @@ def test_int8_torch_variant_takes_torch_kernel_and_int8_takes_ours(tmp_path, mon
 def test_int8_noprefetch_variant_runs_the_kernel_without_its_prefetch(tmp_path, monkeypatch):
     """`int8/noprefetch` sends the int8 products through qgrpo's kernel with INT8_PREFETCH at 0, `int8` with the
     kernel's own distance; the switch is put back after the variant."""
-    from qgrpo.rollout import cpu_kernels
+    from qgrpo.rollout.quantization import cpu_kernels
 
     monkeypatch.setattr(cpu_kernels, "cpu_int8_rows", lambda n, k, dtype: cpu_kernels.INT8_KERNEL_MAX_ROWS)
     seen = []
@@ -202,7 +202,7 @@ def test_int8_fused_variant_decodes_through_the_fused_step_eagerly(tmp_path):
 def test_int4_torch_variant_keeps_qgrpo_kernel_out_and_int4_takes_it(tmp_path, monkeypatch):
     """`int4/torch` keeps qgrpo's int4 kernel out (torch's `_weight_int4pack_mm_for_cpu` takes the decode step's
     products), `int4` sends them through qgrpo's where it is built here; the JSON names both int4 kernels' source."""
-    from qgrpo.rollout import cpu_kernels, cpu_native
+    from qgrpo.rollout.quantization import cpu_kernels, cpu_native
 
     calls = {"ours": 0}
     real = cpu_native.w4a16_mm

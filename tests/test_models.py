@@ -10,9 +10,14 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub
 
 from qgrpo.cluster.cli.export import export_for_mlx, safetensors_header  # noqa: E402
-from qgrpo.rollout import models  # noqa: E402
 from qgrpo.rollout.backends.common import mlx_config as _mlx_config  # noqa: E402
-from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_VERSIONS, builtin_cache_dir, resolve_model_path  # noqa: E402
+from qgrpo.rollout.modeling import models  # noqa: E402
+from qgrpo.rollout.modeling.models import (  # noqa: E402
+    BUILTIN_MODELS,
+    BUILTIN_VERSIONS,
+    builtin_cache_dir,
+    resolve_model_path,
+)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # tiny-digits and the cache

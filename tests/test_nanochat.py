@@ -2,7 +2,7 @@
 generators (generate, weight sync, re-quantization), log-prob parity torch vs MLX, the reference scorers, the
 learner (two real training steps), folders in nanochat's own tensor names (MLX-GRPO checkpoints) as the starting
 policy, and `qgrpo export` for mlx-lm. Random-init models shaped like d20 and d32 (heads of 128; fewer layers and
-heads): builtin:tiny-nanochat-d20 and builtin:tiny-nanochat-d32 (rollout/models.py)."""
+heads): builtin:tiny-nanochat-d20 and builtin:tiny-nanochat-d32 (rollout/modeling/models.py)."""
 import json
 import sys
 from pathlib import Path
@@ -15,9 +15,9 @@ from qgrpo.cluster.cli.app import main
 from qgrpo.cluster.config.schema import ConfigError, load_config
 from qgrpo.core.records import PromptItem, SamplingParams
 from qgrpo.core.scoring import token_logprobs
-from qgrpo.rollout import nanochat
 from qgrpo.rollout.backends import make_generator
-from qgrpo.rollout.models import resolve_model_path
+from qgrpo.rollout.modeling import nanochat
+from qgrpo.rollout.modeling.models import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = ["tiny-nanochat-d20", "tiny-nanochat-d32"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PROBE = ("from qgrpo.core.storage import cache_root; from qgrpo.rollout.models import builtin_cache_dir; "
+PROBE = ("from qgrpo.core.storage import cache_root; from qgrpo.rollout.modeling.models import builtin_cache_dir; "
          "print(cache_root()); print(builtin_cache_dir('tiny-digits'))")
 
 

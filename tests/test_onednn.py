@@ -12,7 +12,7 @@ from torch import nn
 
 from qgrpo.rollout.backends import onednn
 from qgrpo.rollout.backends.torch_backend import TorchGenerator
-from qgrpo.rollout.quant import linear_weight_bytes
+from qgrpo.rollout.quantization.quant import linear_weight_bytes
 from tests.helpers import tiny_llama
 
 pytestmark = pytest.mark.skipif(not onednn.available(), reason="this torch has no oneDNN linear")

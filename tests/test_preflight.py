@@ -43,7 +43,7 @@ def test_tiny_preset_is_clean(tiny_model_path, tmp_path, monkeypatch):
 
 def test_smollm2_preset_is_clean_when_the_model_is_cached(tmp_path, monkeypatch):
     """The default job with its real model, if a cache already holds it (the conversion takes ~45 s: not done here)."""
-    from qgrpo.rollout.models import builtin_cache_dir
+    from qgrpo.rollout.modeling.models import builtin_cache_dir
 
     folder = builtin_cache_dir("smollm2-135m-instruct", os.environ.get("QGRPO_TEST_CACHE", ""))
     if not (folder / "config.json").is_file():

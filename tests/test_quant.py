@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import qgrpo.rollout.quant as quant
-from qgrpo.rollout import fp8
-from qgrpo.rollout.quant import SERVED, linear_weight_bytes, quant_config_summary, quantize_model
+import qgrpo.rollout.quantization.quant as quant
+from qgrpo.rollout.quantization import fp8
+from qgrpo.rollout.quantization.quant import SERVED, linear_weight_bytes, quant_config_summary, quantize_model
 from tests.helpers import LOGPROB_BOUNDS, next_token_logprobs, tiny_llama  # LOGPROB_BOUNDS: measured there
 
 # The CPU's precisions, and fp8 (CUDA-served; its arithmetic runs on CPU as well, see the module docstring).
@@ -161,7 +161,8 @@ def test_requantize_follows_new_weights(precision, batch):
 
 def test_import_is_light(tmp_path):
     # from a folder other than the checkout, so the installed `qgrpo` package is what is imported, as users import it
-    code = ("import sys, qgrpo.rollout.quant; bad = [m for m in ('torchao', 'bitsandbytes') if m in sys.modules]; "
+    code = ("import sys, qgrpo.rollout.quantization.quant; "
+            "bad = [m for m in ('torchao', 'bitsandbytes') if m in sys.modules]; "
             "assert not bad, bad; assert 'rollout' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], cwd=tmp_path, check=True, timeout=60)
 
@@ -172,9 +173,9 @@ def test_int8_layers_read_their_int8_data_directly(base, batch, ref_logprobs, mo
     torchao's arithmetic, bit for bit): within bf16 rounding of the dequantized weight's float32 product and of
     torchao's own linear; the model's log-probs inside int8's bounds; a re-quantization moves the layer to the new
     codes."""
-    import qgrpo.rollout.quant as quant
-    from qgrpo.rollout import cpu_kernels
-    from qgrpo.rollout.quant import requantize_in_place
+    import qgrpo.rollout.quantization.quant as quant
+    from qgrpo.rollout.quantization import cpu_kernels
+    from qgrpo.rollout.quantization.quant import requantize_in_place
 
     fast = quantize_model(copy.deepcopy(base), "int8")
     monkeypatch.setattr(quant, "INT8_LINEAR", "torchao")
@@ -205,8 +206,8 @@ def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wi
     import time
 
     from qgrpo.core.cpu import isa
-    from qgrpo.rollout import cpu_kernels as ck
-    from qgrpo.rollout import cpu_native
+    from qgrpo.rollout.quantization import cpu_kernels as ck
+    from qgrpo.rollout.quantization import cpu_native
 
     monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
     monkeypatch.setattr(ck, "_ROWS", {})
@@ -241,8 +242,8 @@ def test_cpu_int8_rows_are_measured_once_per_shape_and_climb_while_the_kernel_wi
 
 
 def test_an_int8_product_takes_the_measured_route(monkeypatch):
-    import qgrpo.rollout.quant as quant
-    from qgrpo.rollout import cpu_kernels as ck
+    import qgrpo.rollout.quantization.quant as quant
+    from qgrpo.rollout.quantization import cpu_kernels as ck
 
     q = torch.randint(-127, 128, (1024, 1024), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
     scale = torch.rand(1024) / 127
@@ -265,7 +266,7 @@ def test_int4_packing_is_decoded_exactly_at_each_cpu_capability(capability):
     kernel's own product on the identity does, in bf16 and float32."""
     code = """
 import torch
-from qgrpo.rollout import cpu_kernels as ck
+from qgrpo.rollout.quantization import cpu_kernels as ck
 layout = ck.int4_layout()
 assert layout is not None
 for n, k, g in ((80, 128, 64), (208, 256, 32)):
@@ -288,8 +289,8 @@ def test_an_int4_product_past_the_kernel_rows_decodes_the_weight_once(monkeypatc
     """Rows past the measured ones go through the decoded weight, in chunks, with a tail: within bf16 rounding of the
     kernel's product and of the float32 product on the decoded weight; float32 activations stay float32 there. A
     model's int4 layers take this route, and a re-quantized layer is read live."""
-    from qgrpo.rollout import cpu_kernels as ck
-    from qgrpo.rollout.quant import requantize_in_place
+    from qgrpo.rollout.quantization import cpu_kernels as ck
+    from qgrpo.rollout.quantization.quant import requantize_in_place
 
     monkeypatch.setattr(ck, "INT4_CHUNK", 64)  # two whole-block chunks and a tail of 16 at 208 rows
     packed, sz = ck._probe_int4(208, 256, 32, seed=4)
@@ -318,7 +319,7 @@ def test_an_int4_product_past_the_kernel_rows_decodes_the_weight_once(monkeypatc
 def test_cpu_int4_rows_climb_while_the_kernel_wins(monkeypatch, tmp_path):
     import time
 
-    from qgrpo.rollout import cpu_kernels as ck
+    from qgrpo.rollout.quantization import cpu_kernels as ck
 
     monkeypatch.setenv("QGRPO_CACHE", str(tmp_path))
     monkeypatch.setattr(ck, "_ROWS", {})
@@ -326,7 +327,7 @@ def test_cpu_int4_rows_climb_while_the_kernel_wins(monkeypatch, tmp_path):
     assert rows in (0, *ck.INT4_ROW_STEPS)
     (machine, recorded), = json.loads((tmp_path / ck.ROUTES_FILE).read_text()).items()
     assert recorded == {"int4:128x256:g64:bfloat16": rows}
-    from qgrpo.rollout import cpu_native
+    from qgrpo.rollout.quantization import cpu_native
 
     if cpu_native.takes_int4(128, 256, 64, ck.int4_layout()):  # qgrpo's int4 kernel: never past its most rows
         assert rows <= ck.INT4_KERNEL_MAX_ROWS

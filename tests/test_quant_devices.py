@@ -11,9 +11,16 @@ import copy
 import pytest
 import torch
 
-import qgrpo.rollout.quant as quant
+import qgrpo.rollout.quantization.quant as quant
 from qgrpo.rollout.backends import REGISTRY, device_of, next_rung
-from qgrpo.rollout.quant import SERVED, layer_fits, quant_config_summary, quant_path, quantize_model, serves
+from qgrpo.rollout.quantization.quant import (
+    SERVED,
+    layer_fits,
+    quant_config_summary,
+    quant_path,
+    quantize_model,
+    serves,
+)
 from tests.helpers import LOGPROB_BOUNDS, next_token_logprobs, skip_below_capability, tiny_llama
 from tests.test_quant import FP8_LOGPROB_BOUNDS  # measured there, on CPU's _scaled_mm
 

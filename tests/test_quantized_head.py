@@ -11,10 +11,10 @@ import torch
 
 from qgrpo.core.grids import decode, encode
 from qgrpo.learner.fake_quant import fake_quant_layers
-from qgrpo.rollout import quant
 from qgrpo.rollout.backends import served_grid
 from qgrpo.rollout.backends.torch_backend import TorchGenerator
-from qgrpo.rollout.quant import quant_config_summary, quantize_model, quantized_weight_names
+from qgrpo.rollout.quantization import quant
+from qgrpo.rollout.quantization.quant import quant_config_summary, quantize_model, quantized_weight_names
 from tests.helpers import LOGPROB_BOUNDS, next_token_logprobs, tiny_llama
 
 BATCH = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(123))

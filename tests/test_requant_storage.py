@@ -1,9 +1,9 @@
-"""requantize_in_place keeps each quantized layer's storage (rollout/quant.py): after a re-quantization with new
-weights every storage tensor (torchao's inner tensors, bnb's packed data and absmax, fp8 codes and scales) has the
-same data pointer as before, holds exactly what a fresh quantization of the new weights holds, and the model computes
-what a freshly quantized model of the new weights computes; the storage epoch stays 0. Where a layout does not match,
-the layer is replaced and the epoch goes up. On CPU for int8, int4, nf4 and fp8 (fp8's ``_scaled_mm`` runs on CPU,
-though only CUDA serves it); the ``cuda``-marked tests do the same on a GPU and replay a CUDA graph captured before
+"""requantize_in_place keeps each quantized layer's storage (rollout/quantization/quant.py): after a re-quantization
+with new weights every storage tensor (torchao's inner tensors, bnb's packed data and absmax, fp8 codes and scales) has
+the same data pointer as before, holds exactly what a fresh quantization of the new weights holds, and the model
+computes what a freshly quantized model of the new weights computes; the storage epoch stays 0. Where a layout does not
+match, the layer is replaced and the epoch goes up. On CPU for int8, int4, nf4 and fp8 (fp8's ``_scaled_mm`` runs on
+CPU, though only CUDA serves it); the ``cuda``-marked tests do the same on a GPU and replay a CUDA graph captured before
 the re-quantization, which must compute with the new weights."""
 
 import copy
@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-import qgrpo.rollout.quant as quant
+import qgrpo.rollout.quantization.quant as quant
 from tests.helpers import skip_below_capability
 
 PRECISIONS = ("int8", "int4", "nf4", "fp8")

@@ -10,8 +10,8 @@ from torch import nn
 
 from qgrpo.core.grids import Grid, decode, encode, handed
 from qgrpo.rollout.backends import served_grid
-from qgrpo.rollout.quant import int8_per_channel, quantize_model
-from qgrpo.rollout.requantize import Requantizer
+from qgrpo.rollout.quantization.quant import int8_per_channel, quantize_model
+from qgrpo.rollout.quantization.requantize import Requantizer
 
 TORCH_FORMATS = [("int8", "nearest"), ("int8", "stochastic"), ("int4", "nearest"), ("int4", "stochastic")]
 

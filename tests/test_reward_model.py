@@ -16,7 +16,7 @@ HISTORIES = [None, [("user", "1+1"), ("assistant", "2")], [], None, [{"role": "s
 
 @pytest.fixture(scope="module")
 def reward_path(tmp_path_factory) -> str:
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     cache = os.environ.get("QGRPO_TEST_CACHE") or str(tmp_path_factory.mktemp("qgrpo-cache"))
     return resolve_model_path("builtin:tiny-reward", cache)
@@ -83,7 +83,7 @@ def test_scores_equal_a_manual_forward_batched_or_one_by_one(reward_path, fp32):
 
 
 def test_bf16_and_int8_stay_close_to_fp32(reward_path, fp32):
-    from qgrpo.rollout.quant import quant_config_summary
+    from qgrpo.rollout.quantization.quant import quant_config_summary
     from qgrpo.rollout.rewards.classifier import RewardClassifier
 
     ref = fp32.score(PROMPTS, COMPLETIONS, HISTORIES)
@@ -188,7 +188,7 @@ def test_config_rules_of_the_reward_model_section(monkeypatch):
     assert problems(num_gpus=2)[0].startswith("reward_model.num_gpus: 2 GPUs per actor")
     assert problems(resources={"GPU": 1})[0].startswith("reward_model.resources.GPU:")
     assert problems(batch_size=0)[0].startswith("reward_model.batch_size")
-    monkeypatch.setitem(QUANT_SERVED, "cuda", ("bf16",))  # what rollout/quant.py runs: int8 gone on CUDA
+    monkeypatch.setitem(QUANT_SERVED, "cuda", ("bf16",))  # what rollout/quantization/quant.py runs: int8 gone on CUDA
     (msg,) = problems(precision="int8", num_gpus=1)
     assert "int8 is not served on cuda" in msg and "bf16, fp32" in msg
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from qgrpo.cluster.config.schema import load_config
+from qgrpo.rollout.data.tasks import make_task
 from qgrpo.rollout.rewards import probe
 from qgrpo.rollout.rewards.probe import probe_checks, probe_rewards, wrong_answer
-from qgrpo.rollout.tasks import make_task
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"

@@ -8,9 +8,9 @@ import reasoning_gym
 
 from qgrpo.cluster.config.schema import TaskConfig
 from qgrpo.core.records import Completion
+from qgrpo.rollout.data.tasks import make_task
 from qgrpo.rollout.rewards.calls import reward_kwargs
 from qgrpo.rollout.rewards.verifiers import math_verifier, math_verify, rg_score
-from qgrpo.rollout.tasks import make_task
 
 
 def tagged(answer: str) -> str:

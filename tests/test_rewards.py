@@ -393,7 +393,7 @@ def test_pool_reward_model_scores_as_the_classifier_in_process(ray_session, tmp_
     """[reward_model] actors behind the pool: their scores, weighted, are the rewards; equal to the classifier run in
     this process on the same chat-formatted conversations."""
     from qgrpo.cluster.run.rewarding import RewardPool
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
     from qgrpo.rollout.rewards.classifier import RewardClassifier
 
     path = resolve_model_path("builtin:tiny-reward", str(tmp_path))

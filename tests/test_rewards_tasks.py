@@ -1,7 +1,7 @@
 import pytest
 
+from qgrpo.rollout.data.tasks import DigitSum, PromptSampler
 from qgrpo.rollout.rewards import REWARD_FUNCTIONS, correct, exact, extract_integer
-from qgrpo.rollout.tasks import DigitSum, PromptSampler
 
 
 def test_digit_sum_is_deterministic_and_split():

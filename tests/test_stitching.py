@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from qgrpo.core.records import Completion, PromptItem
-from qgrpo.rollout.models import resolve_model_path
+from qgrpo.rollout.modeling.models import resolve_model_path
 
 MODEL = "qgrpo-policy"
 

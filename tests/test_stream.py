@@ -122,7 +122,7 @@ def test_a_stream_killed_mid_run_resumes_without_skipping_or_repeating_a_prompt(
 
     import pyarrow.parquet as pq
 
-    from qgrpo.rollout.tasks import PromptSampler, make_task
+    from qgrpo.rollout.data.tasks import PromptSampler, make_task
     from tests.test_faults import _run_own_group
 
     cache = Path(tiny_model_path).parents[1]
@@ -176,7 +176,7 @@ def _fake_generate(calls: list):
 def _stream(calls: list, start: int, buffer=None):
     from qgrpo.cluster.run.stream import RolloutStream
     from qgrpo.learner.objective.staleness import admission
-    from qgrpo.rollout.tasks import PromptSampler, make_task
+    from qgrpo.rollout.data.tasks import PromptSampler, make_task
     from tests.helpers import FakePool
 
     cfg = load_config(str(TINY), ["rollout.prompts_per_step=4", "rollout.group_size=2"])
@@ -194,7 +194,7 @@ def test_a_checkpoint_holds_the_stream_and_a_resume_trains_on_its_groups_as_samp
     import json
     import time as clock
 
-    from qgrpo.rollout.tasks import PromptSampler, make_task
+    from qgrpo.rollout.data.tasks import PromptSampler, make_task
 
     calls: list = []
     first, _ = _stream(calls, 0)

@@ -4,7 +4,8 @@ import json
 import pytest
 
 from qgrpo.cluster.config.schema import ConfigError, TaskConfig, load_config
-from qgrpo.rollout.datasets import MAX_REPORTED, DatasetError
+from qgrpo.rollout.data.datasets import MAX_REPORTED, DatasetError
+from qgrpo.rollout.data.tasks import RG_SEED_STRIDE, PromptSampler, check_task, make_task
 from qgrpo.rollout.rewards import (
     REWARD_FUNCTIONS,
     answer_correct,
@@ -14,7 +15,6 @@ from qgrpo.rollout.rewards import (
     last_number,
     lenient_correct,
 )
-from qgrpo.rollout.tasks import RG_SEED_STRIDE, PromptSampler, check_task, make_task
 
 EASY = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 INSTRUCTION = "Think briefly, then give only the final answer inside <answer></answer>."

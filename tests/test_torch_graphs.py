@@ -193,10 +193,10 @@ def test_fp8_projections_are_fused_and_a_sync_reaches_them(tiny_model_path):
 
 
 def check_fp8_fused_decode_and_sync(tiny_model_path, compute_dtype="auto") -> None:
-    """The fp8 test above, on whichever route rollout/fp8.py takes for these activations."""
+    """The fp8 test above, on whichever route rollout/quantization/fp8.py takes for these activations."""
     from transformers import AutoModelForCausalLM
 
-    from qgrpo.rollout import quant
+    from qgrpo.rollout.quantization import quant
 
     gen = _eager_graphs(tiny_model_path, compute_dtype=compute_dtype)
     gen.model._qgrpo_quant = ("bf16", 64)  # quantize the bf16 generator's model to fp8 on the CPU (tests only)

@@ -15,9 +15,9 @@ import pytest
 
 from qgrpo.cluster.config.schema import ConfigError, Example, TaskConfig, config_from_dict
 from qgrpo.core.records import Completion, GroupRollout, PromptItem
+from qgrpo.rollout.data.tasks import check_task, make_task
 from qgrpo.rollout.rewards import REWARD_FUNCTIONS
 from qgrpo.rollout.rewards.calls import call_reward, completion_text, group_kwargs, load_function, read_source
-from qgrpo.rollout.tasks import check_task, make_task
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTRUCTION = "Think in <think></think>, then answer in <answer></answer>."

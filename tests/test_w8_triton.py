@@ -1,6 +1,6 @@
-"""rollout/w8_triton.py: the Triton weight-only matmul on int8 and float8_e4m3fn codes against a float32 reference,
-and its routing from a torchao-int8 nn.Linear (rollout/quant.py: _int8_forward) and from an Fp8Linear
-(rollout/fp8.py: fp8_linear).
+"""rollout/quantization/w8_triton.py: the Triton weight-only matmul on int8 and float8_e4m3fn codes against a float32
+reference, and its routing from a torchao-int8 nn.Linear (rollout/quantization/quant.py: _int8_forward) and from an
+Fp8Linear (rollout/quantization/fp8.py: fp8_linear).
 
 Without a GPU the kernel runs on CPU tensors through Triton's interpreter, which needs TRITON_INTERPRET=1 before
 Triton's first import: ``test_interpreter_tests_pass_in_a_subprocess`` reruns this file's ``*_in_interpreter`` tests
@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from qgrpo.rollout import fp8, quant, w8_triton
 from qgrpo.rollout.backends import torch_fused
+from qgrpo.rollout.quantization import fp8, quant, w8_triton
 from tests.helpers import rerun_in_triton_interpreter
 
 RTOL = 1e-2
@@ -164,7 +164,8 @@ def test_reference_is_the_dequantized_product():
     torch.testing.assert_close(w8_triton.reference(x, q, scale, b), expect, rtol=1e-5, atol=1e-4)
 
 
-# --- routing in rollout/quant.py (no Triton, no GPU: a meta tensor stands in for a CUDA one) -----------------------
+# --- routing in rollout/quantization/quant.py (no Triton, no GPU: a meta tensor stands in for a CUDA one)
+# -----------------------
 
 def _int8_layer(bias: bool = True) -> nn.Linear:
     lin = nn.Sequential(nn.Linear(256, 64, bias=bias)).to(torch.bfloat16)
@@ -205,7 +206,7 @@ def test_fp8_decode_rows_route_to_the_kernel_on_live_storage(monkeypatch):
     # An Fp8Linear off the CPU with FP8_DECODE = "weight_only": a decode step's bf16 rows go to the weight-only kernel
     # with the layer's own codes, scales and bias; more rows, float32 activations, no Triton or
     # FP8_DECODE = "scaled_mm" go to torch._scaled_mm.
-    assert fp8.FP8_DECODE == "weight_only"  # the default since measured faster on an H200 (rollout/fp8.py)
+    assert fp8.FP8_DECODE == "weight_only"  # the default since measured faster on an H200 (rollout/quantization/fp8.py)
     layer = fp8.Fp8Linear(torch.randn(64, 256)).to("meta")
     calls = []
 

@@ -103,8 +103,8 @@ def eval_command(args) -> int:
         return EXIT_CONFIG
     from qgrpo.rollout.answer_stats import verdict_lines
     from qgrpo.rollout.backends import backend_options
+    from qgrpo.rollout.data.tasks import make_task
     from qgrpo.rollout.evaluate import evaluate_model, task_judge
-    from qgrpo.rollout.tasks import make_task
 
     n = args.n or cfg.task.eval_size
     if n > cfg.task.eval_size and cfg.task.name != "digit_sum":

@@ -12,9 +12,9 @@ import struct
 import tempfile
 from pathlib import Path
 
-from qgrpo.rollout import nanochat
 from qgrpo.rollout.backends.common import mlx_config
-from qgrpo.rollout.models import add_top_level_rope_theta
+from qgrpo.rollout.modeling import nanochat
+from qgrpo.rollout.modeling.models import add_top_level_rope_theta
 
 # What an mlx-lm folder needs: the config, the weights, the tokenizer, the generation defaults. Everything else in a
 # checkpoint (optimizer/, trainer_state.json, pickles, run files) is left behind.
@@ -93,7 +93,8 @@ def export_for_mlx(src: str | Path, dst: str | Path, *, overwrite: bool = False)
     - Weights are copied as they are (safetensors, bf16 or fp32; fp16 too). A qgrpo checkpoint is bf16 and stays bf16:
       mlx-lm loads it, but bf16 matmuls are slow on the MLX CPU backend; convert to fp32 inside MLX for CPU speed
       (`model.set_dtype(mx.float32)`). Non-float (quantized) weights are refused.
-    - nanochat: tensors renamed to nanochat's own names, which mlx-lm's nanochat model reads (rollout/nanochat.py).
+    - nanochat: tensors renamed to nanochat's own names, which mlx-lm's nanochat model reads
+    (rollout/modeling/nanochat.py).
     - Tokenizer files, chat template and generation_config.json are copied; optimizer/, trainer_state.json and any
       other file (pickles included) are not.
     - Written into a temporary folder next to `dst` and renamed into place: a crash leaves no half-written export.

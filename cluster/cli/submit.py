@@ -211,7 +211,7 @@ def build(config: str, overrides: list[str], address: str, python: str | None, w
     run, or None when the job runs the project folder itself). Raises ValueError with the fix."""
     from qgrpo.cluster.config.schema import ConfigError, load_config
     from qgrpo.core.storage import is_uri
-    from qgrpo.rollout.models import BUILTIN_PREFIX
+    from qgrpo.rollout.modeling.models import BUILTIN_PREFIX
 
     cfg_path = Path(config).expanduser().resolve()
     notes, overrides = [], list(overrides)

@@ -175,8 +175,8 @@ def _reward_checks(cfg) -> list[str]:
     signature, a reward model folder that is not a classifier), one line each; [] when they can run. A user's reward
     file is imported here, in this process, as the reward workers will import it."""
     from qgrpo.cluster.config.preflight import reward_model_problems
+    from qgrpo.rollout.data.tasks import make_task
     from qgrpo.rollout.rewards.scoring import reward_problems
-    from qgrpo.rollout.tasks import make_task
 
     try:  # the keywords a call passes besides the convention's: the first train row's columns
         columns = set(make_task(cfg.task, cfg.run.seed).item(0).columns or {})
@@ -187,7 +187,7 @@ def _reward_checks(cfg) -> list[str]:
 
 def _dataset_found(cfg) -> str:
     """The prompts of each split, counted as the run draws them."""
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     def size(split: str) -> str:
         try:
@@ -208,7 +208,7 @@ def checked_config(args, resume=None, progress: Progress | None = None):
     cfg = _load(args, resume, problems)
     progress.loaded(cfg)
     progress.passed("config", f"valid: {cfg.run.steps} steps of {cfg.task.name} on {cfg.model.path}")
-    from qgrpo.rollout.tasks import check_task
+    from qgrpo.rollout.data.tasks import check_task
 
     if not any(p.startswith("task.") for p in problems):  # reads user datasets fully: malformed rows fail here
         problems += check_task(cfg.task, cfg.run.seed)
@@ -255,7 +255,7 @@ def checked_config(args, resume=None, progress: Progress | None = None):
 
 def _model_path(cfg, progress: Progress) -> str:
     """The local model folder of model.path; a builtin model is built on first use (into the cache train uses)."""
-    from qgrpo.rollout.models import BUILTIN_PREFIX, builtin_cache_dir, resolve_model_path
+    from qgrpo.rollout.modeling.models import BUILTIN_PREFIX, builtin_cache_dir, resolve_model_path
 
     path = cfg.model.path
     if path.startswith(BUILTIN_PREFIX):
@@ -325,7 +325,7 @@ def _preflight(cfg, resume, address: str | None, gpus: list[int] | None = None,
         from qgrpo.rollout.backends import REGISTRY
 
         if REGISTRY[cfg.rollout.backend].cpu_native_kernels:
-            from qgrpo.rollout import cpu_kernels
+            from qgrpo.rollout.quantization import cpu_kernels
 
             for fmt in ("int8", "int4"):  # qgrpo's own kernel, or torch's and why
                 if cfg.rollout.precision in (fmt, "auto"):

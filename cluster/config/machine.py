@@ -263,11 +263,11 @@ def environment_probe(cfg: Config, tokenizer) -> tuple[int, float]:
     """(the first turn's prompt tokens as the episode loop renders them: the environment's first messages and its
     tools' descriptions, the mean time of one environment call: a reset, a step with the row's answer, a score) on the
     first train row, measured here as a worker makes them."""
+    from qgrpo.rollout.data.tasks import make_task
     from qgrpo.rollout.environments.contract import row_of
     from qgrpo.rollout.environments.host import EnvHost
     from qgrpo.rollout.environments.loader import environment_spec, environment_tools, factory_of
     from qgrpo.rollout.episodes import encode, render, tools_for
-    from qgrpo.rollout.tasks import make_task
 
     env = cfg.environment
     item = make_task(cfg.task, cfg.run.seed).item(0)
@@ -326,7 +326,7 @@ def machine_report(cfg: Config, model_path: str, seconds: float = 1.0, resume=No
         from transformers import AutoTokenizer
 
         from qgrpo.rollout.backends.common import format_prompt
-        from qgrpo.rollout.tasks import make_task
+        from qgrpo.rollout.data.tasks import make_task
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompt = len(format_prompt(tokenizer, make_task(cfg.task, cfg.run.seed).item(0), cfg.task.chat_template))

@@ -68,10 +68,10 @@ def environment_problems(cfg: Config) -> list[str]:
     import importlib.util
 
     from qgrpo.rollout.backends import REGISTRY
-    from qgrpo.rollout.datasets import FORMATS
-    from qgrpo.rollout.models import BUILTIN_PREFIX, HUB_ID, hub_cache_folder
+    from qgrpo.rollout.data.datasets import FORMATS
+    from qgrpo.rollout.data.tasks import RG_PREFIX, rg_config_problems
+    from qgrpo.rollout.modeling.models import BUILTIN_PREFIX, HUB_ID, hub_cache_folder
     from qgrpo.rollout.rewards.calls import RELATIVE_PATHS
-    from qgrpo.rollout.tasks import RG_PREFIX, rg_config_problems
 
     p: list[str] = []
     if cfg.run.wandb_project and importlib.util.find_spec("wandb") is None:
@@ -91,7 +91,7 @@ def environment_problems(cfg: Config) -> list[str]:
     if t.name.startswith(RG_PREFIX):
         p += rg_config_problems(t)  # imports reasoning-gym: the generator must exist and accept task.params
     if t.name in FORMATS:  # only existence here; rollout.tasks.check_task reads the rows
-        from qgrpo.rollout.datasets import path_problem
+        from qgrpo.rollout.data.datasets import path_problem
 
         p += [f"{q}; put it there or fix task.{key}: {RELATIVE_PATHS}"
               for key, value in (("path", t.path), ("eval_path", t.eval_path)) if value
@@ -105,7 +105,7 @@ def reward_model_problems(cfg: Config) -> list[str]:
     """reward_model.path names, on this machine, a sequence classifier with one label (rollout/rewards/classifier.py:
     config.json only, no weights loaded): a local folder, a Hub id in the local Hugging Face cache, or a builtin
     reward model (checked once built; its name is a config rule). [] when no reward model is set."""
-    from qgrpo.rollout.models import BUILTIN_PREFIX, HUB_ID, builtin_cache_dir, hub_cache_folder
+    from qgrpo.rollout.modeling.models import BUILTIN_PREFIX, HUB_ID, builtin_cache_dir, hub_cache_folder
     from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS, classifier_problems
 
     path = cfg.reward_model.path
@@ -199,7 +199,7 @@ def _length(task: Any) -> int | None:
 def sample_items(cfg: Config) -> list[PromptItem]:
     """The prompts the checks look at: the first TRAIN_SAMPLE train items, the first EVAL_SAMPLE eval items when
     run.eval is on, and for jsonl/parquet tasks also the LONGEST_ROWS longest rows of each split. Deterministic."""
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     splits = [("train", TRAIN_SAMPLE)]
     if cfg.run.eval and cfg.task.eval_size > 0:
@@ -383,7 +383,7 @@ def length_hints(cfg: Config, model_path: str) -> list[str]:
     try:
         from transformers import AutoTokenizer
 
-        from qgrpo.rollout.tasks import make_task
+        from qgrpo.rollout.data.tasks import make_task
 
         tok = AutoTokenizer.from_pretrained(model_path)
         task = make_task(cfg.task, cfg.run.seed)

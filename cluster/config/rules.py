@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from qgrpo.cluster.config.plan import placement_problems
 from qgrpo.cluster.config.training import ALGO_RULES, MODE_ZERO_STAGES
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
-from qgrpo.rollout.models import BUILTIN_PREFIX
+from qgrpo.rollout.modeling.models import BUILTIN_PREFIX
 
 if TYPE_CHECKING:
     from qgrpo.cluster.config.schema import Config
@@ -80,7 +80,7 @@ def _save_on_sync(cfg: Config) -> list[str]:
 
 @rule("model.path")
 def _model_path(cfg: Config) -> list[str]:
-    from qgrpo.rollout.models import BUILTIN_MODELS
+    from qgrpo.rollout.modeling.models import BUILTIN_MODELS
     from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS
 
     path, policies = cfg.model.path, sorted(set(BUILTIN_MODELS) - set(CLASSIFIER_BUILTINS))
@@ -102,7 +102,7 @@ def _model_path(cfg: Config) -> list[str]:
 
 @rule("task.name")
 def _task_name(cfg: Config) -> list[str]:
-    from qgrpo.rollout.tasks import RG_PREFIX, TASKS
+    from qgrpo.rollout.data.tasks import RG_PREFIX, TASKS
 
     name = cfg.task.name
     if name.startswith(RG_PREFIX) or name in TASKS:
@@ -120,7 +120,7 @@ def _examples(cfg: Config) -> list[str]:
 
 @rule("task.name", "task.params")
 def _params_only_for_rg(cfg: Config) -> list[str]:
-    from qgrpo.rollout.tasks import RG_PREFIX
+    from qgrpo.rollout.data.tasks import RG_PREFIX
 
     t = cfg.task
     if t.params and not t.name.startswith(RG_PREFIX):
@@ -131,7 +131,7 @@ def _params_only_for_rg(cfg: Config) -> list[str]:
 
 @rule("task.name", "task.size", "task.eval_seed_offset", "task.eval_size")
 def _rg_eval_split(cfg: Config) -> list[str]:
-    from qgrpo.rollout.tasks import RG_PREFIX, RG_SEED_STRIDE
+    from qgrpo.rollout.data.tasks import RG_PREFIX, RG_SEED_STRIDE
 
     t = cfg.task
     if not t.name.startswith(RG_PREFIX) or t.size <= t.eval_seed_offset <= RG_SEED_STRIDE - t.eval_size:
@@ -143,7 +143,7 @@ def _rg_eval_split(cfg: Config) -> list[str]:
 
 @rule("task.name", "task.path", "task.eval_path", "task.prompt_column", "task.answer_column", "task.system_column")
 def _file_task(cfg: Config) -> list[str]:
-    from qgrpo.rollout.datasets import FORMATS
+    from qgrpo.rollout.data.datasets import FORMATS
 
     t = cfg.task
     kinds = ", ".join(FORMATS[:-1]) + f" and {FORMATS[-1]}"
@@ -503,7 +503,7 @@ def _reward_model_used(cfg: Config) -> list[str]:
 
 @rule("reward_model.path")
 def _reward_model_builtin(cfg: Config) -> list[str]:
-    from qgrpo.rollout.models import BUILTIN_MODELS
+    from qgrpo.rollout.modeling.models import BUILTIN_MODELS
     from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS
 
     path = cfg.reward_model.path
@@ -526,7 +526,8 @@ def _reward_model_device(cfg: Config) -> list[str]:
 
     rm, out = cfg.reward_model, []
     device = device_of(rm.num_gpus)
-    here = rm_served(device)  # a torch classifier, quantized by rollout/quant.py: no generator backend's spec
+    # a torch classifier, quantized by rollout/quantization/quant.py: no generator backend's spec
+    here = rm_served(device)
     if rm.precision not in here:
         out.append(f"reward_model.precision: {rm.precision} is not served on {device} (reward_model.num_gpus = "
                    f"{rm.num_gpus:g}); choose one of {', '.join(here)}")

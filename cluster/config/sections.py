@@ -25,11 +25,11 @@ from qgrpo.cluster.config.fields import (
 )
 from qgrpo.core.cpu import COMPUTE_DTYPES, CPU_WAIT_SETTINGS, ROLE_COMPUTE_DTYPES
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
-from qgrpo.rollout.models import BUILTIN_MODELS, BUILTIN_PREFIX
+from qgrpo.rollout.data.tasks import RG_PREFIX, TASKS
+from qgrpo.rollout.modeling.models import BUILTIN_MODELS, BUILTIN_PREFIX
 from qgrpo.rollout.rewards import ON_ERROR, REWARD_NAMES
 from qgrpo.rollout.rewards.builtin import EVAL_METRICS
 from qgrpo.rollout.rewards.classifier import CLASSIFIER_BUILTINS, RM_PRECISIONS
-from qgrpo.rollout.tasks import RG_PREFIX, TASKS
 
 UNKNOWN_BACKEND = "unknown backend {got}; choose one of {listed}"
 
@@ -114,7 +114,7 @@ class Example:
 class TaskConfig:
     name: Str = setting("digit_sum", allowed=", ".join(TASKS) + f", or {RG_PREFIX}NAME")
     """The prompt source: digit_sum, rg:NAME (a reasoning-gym generator), jsonl or parquet (a file), or hf_disk (a
-    Hugging Face `datasets` folder written by save_to_disk); see rollout/tasks.py and rollout/datasets.py."""
+    Hugging Face `datasets` folder written by save_to_disk); see rollout/data/tasks.py and rollout/data/datasets.py."""
     max_operand: Int = setting(9, ge=0, le=9_999)
     """digit_sum: operands are drawn from 0..max_operand."""
     num_operands: Int = setting(2, ge=1, le=8)

@@ -144,7 +144,7 @@ def _anchored_model(value: str, folder: Path, cwd: Path) -> str:
     rollout.models.HUB_ID) unless a folder of that name is beside the config file (a local folder wins over the
     cache, as in rollout.models.resolve_model_path). Every other value (./NAME, ../NAME, NAME, a/b/c) can only be a
     folder: anchored as a "file", so a missing one is named where it was looked for."""
-    from qgrpo.rollout.models import BUILTIN_PREFIX, HUB_ID
+    from qgrpo.rollout.modeling.models import BUILTIN_PREFIX, HUB_ID
 
     if not value or value.startswith(BUILTIN_PREFIX) or (HUB_ID.match(value) and not (folder / value).exists()):
         return value

@@ -61,7 +61,7 @@ def resolve_here(cfg, model_path: str, say=None) -> ComputeChoice | None:
         from transformers import AutoTokenizer
 
         from qgrpo.rollout.backends.common import format_prompt
-        from qgrpo.rollout.tasks import make_task
+        from qgrpo.rollout.data.tasks import make_task
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         prompt = len(format_prompt(tokenizer, make_task(cfg.task, cfg.run.seed).item(0), cfg.task.chat_template))
@@ -184,7 +184,7 @@ def run_units(cfg, role: str, shape: Shape) -> tuple[float, int]:
         updates = cfg.algo.updates_per_batch
         return updates * per_rank / ro.group_size, updates * micro
     if role == "reference":
-        from qgrpo.rollout.reference import MICRO_BATCH
+        from qgrpo.rollout.backends.reference import MICRO_BATCH
 
         return groups, math.ceil(groups * ro.group_size / MICRO_BATCH)
     from qgrpo.cluster.config.machine import decode_steps

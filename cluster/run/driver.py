@@ -36,12 +36,12 @@ from qgrpo.core.storage import RunDir, StorageError
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.learner.objective.loss import finalize_stats, merge_stats
 from qgrpo.rollout.answer_stats import hollow_warnings, majority_baseline, step_answer_metrics
+from qgrpo.rollout.data.tasks import PromptSampler, make_task
 from qgrpo.rollout.environments.kinds import capabilities
 from qgrpo.rollout.episodes import episode_metrics
 from qgrpo.rollout.evaluate import eval_items, greedy, score_eval, task_judge
 from qgrpo.rollout.rewards import RewardError
 from qgrpo.rollout.rewards.judge import JudgeError
-from qgrpo.rollout.tasks import PromptSampler, make_task
 
 
 class StageClock:
@@ -371,7 +371,7 @@ class TrainingRun:
 
     def reward_model_path(self) -> str:
         """[reward_model].path resolved here (a builtin: materialised, a Hub id found in the cache), or ""."""
-        from qgrpo.rollout.models import resolve_model_path
+        from qgrpo.rollout.modeling.models import resolve_model_path
 
         path = getattr(getattr(self.cfg, "reward_model", None), "path", "")
         return resolve_model_path(path, self.cfg.model.cache_dir) if path else ""

@@ -1,5 +1,5 @@
 """Whether the quantized generators still follow the learner: sync.follow_floor over sync.follow_window syncs of the
-update visibility that each sync measures (rollout/requantize.py)."""
+update visibility that each sync measures (rollout/quantization/requantize.py)."""
 from __future__ import annotations
 
 import math

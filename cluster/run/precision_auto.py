@@ -42,7 +42,7 @@ def trial_shape(cfg) -> tuple[int, int, int]:
 def trial_items(cfg, prompts: int) -> list:
     """The first `prompts` train rows of the run's task (from the start again if it has fewer), as a trial samples
     them; the compute-precision timing of the generator takes the same (cluster/run/role_timing.py)."""
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     task = make_task(cfg.task, cfg.run.seed)
     try:

@@ -102,7 +102,7 @@ def _fit(call, most: int, budget_s: float) -> tuple[float, float]:
 def _micro_groups(cfg, role: str) -> int:
     """The groups of one of the run's micro-batches for `role` (the learner's per rank; the reference's
     MICRO_BATCH rows)."""
-    from qgrpo.rollout.reference import MICRO_BATCH
+    from qgrpo.rollout.backends.reference import MICRO_BATCH
 
     ro, le = cfg.rollout, cfg.learner
     rows = math.ceil(ro.prompts_per_step * ro.group_size / le.world_size) if role == "learner" \
@@ -147,8 +147,8 @@ def time_learner(cfg, model_path: str, dtype: str, shape: Shape, vocab: int) -> 
 
 
 def time_reference(cfg, model_path: str, dtype: str, shape: Shape, vocab: int) -> Timing:
-    """The reference scorer (rollout/reference.py) at reference.precision on groups of the run's shape."""
-    from qgrpo.rollout.reference import ReferenceScorer
+    """The reference scorer (rollout/backends/reference.py) at reference.precision on groups of the run's shape."""
+    from qgrpo.rollout.backends.reference import ReferenceScorer
 
     most = _micro_groups(cfg, "reference")
     scorer = ReferenceScorer(model_path, cfg.reference.precision, cfg.rollout.group_size_quant,

@@ -44,7 +44,7 @@ from qgrpo.core.records import (
 from qgrpo.learner.batch import TrainBatch
 from qgrpo.rollout.backends import REGISTRY
 from qgrpo.rollout.episodes import episode_setup
-from qgrpo.rollout.models import BUILTIN_PREFIX, hub_cache_folder
+from qgrpo.rollout.modeling.models import BUILTIN_PREFIX, hub_cache_folder
 from qgrpo.rollout.noise import NormNoise
 
 

@@ -49,7 +49,7 @@ def tokenizer_folder() -> str:
     folder = os.environ.get(TOKENIZER_VAR)
     if folder:
         return folder
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
 
     return str(resolve_model_path(MODEL, ""))
 

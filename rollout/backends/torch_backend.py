@@ -1,11 +1,11 @@
 """Generator backend on plain torch + transformers (CPU here, CUDA where present).
 
 Holds one copy of the policy, in the served format: the model is quantized in place once at the start, and at a sync
-each received bf16 weight of a quantized layer is quantized again in place (rollout/quant.py: requantize_in_place)
-while the other weights are copied in, so the sender never needs to know the receiver's format and no second copy of
-the model is ever built. With sync.adapters_only only LoRA adapters arrive (`load_adapters`): they sit beside the
-quantized base in bf16 (rollout/backends/torch_adapters.py) and the base is not touched. On a CPU computing in
-float32, the unquantized linears multiply by weights in oneDNN's layout (rollout/backends/onednn.py): a full update
+each received bf16 weight of a quantized layer is quantized again in place (rollout/quantization/quant.py:
+requantize_in_place) while the other weights are copied in, so the sender never needs to know the receiver's format and
+no second copy of the model is ever built. With sync.adapters_only only LoRA adapters arrive (`load_adapters`): they sit
+beside the quantized base in bf16 (rollout/backends/torch_adapters.py) and the base is not touched. On a CPU computing
+in float32, the unquantized linears multiply by weights in oneDNN's layout (rollout/backends/onednn.py): a full update
 re-packs them from what it receives.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ from qgrpo.rollout.backends.common import (
 from qgrpo.rollout.backends.compute import compute_in
 from qgrpo.rollout.backends.torch_decode import StaticDecoder, pick
 from qgrpo.rollout.backends.torch_graphs import GraphDecoder
-from qgrpo.rollout.quant import (
+from qgrpo.rollout.quantization.quant import (
     linear_weight_bytes,
     quantize_model,
     quantized_weight_names,
@@ -307,7 +307,7 @@ class TorchGenerator(Generator):
 
     def quant_grids(self) -> dict:
         """{HF tensor name: core.grids.Grid} of the weights this generator quantizes onto a grid the rollout actor
-        can emulate (rollout/requantize.py); {} at bf16 and nf4."""
+        can emulate (rollout/quantization/requantize.py); {} at bf16 and nf4."""
         grid = served_grid("torch", self.precision, self.group_size_quant)
         copy = f"{self._head_copy[0]}.weight" if self._head_copy else None  # no tensor of the stream: its own
         return {} if grid is None else {name: grid for name in self._quantized if name != copy}

@@ -10,8 +10,8 @@ fewer operators (`bench/gpu_speed.py` counts them, `ops_per_step`, on any device
   float `nn.Linear`s, fp8 `Fp8Linear`s or torchao int8 on its direct route, their weights (codes and scales) are
   moved into one buffer and each projection's tensors become views of its rows, so one product computes all three
   and a weight sync (which copies into those tensors) updates the buffer (int8's and fp8's joint products then
-  run one weight-only kernel, rollout/w8_triton.py). int4, nf4 and adapter-wrapped projections stay separate
-  products.
+  run one weight-only kernel, rollout/quantization/w8_triton.py). int4, nf4 and adapter-wrapped projections stay
+  separate products.
 - **Rotary embedding as one product.** q*cos + rotate_half(q)*sin is q @ (diag(cos) + R diag(sin)) with R the fixed
   signed permutation of rotate_half: one [head_dim x head_dim] matrix per row and step, built once per step for all
   layers, applied to the query and key heads together with one batched product (one rounding instead of three).
@@ -44,7 +44,7 @@ def _plain(lin) -> bool:
 def _kind(lin) -> str | None:
     """"float", "fp8" or "int8" (torchao's int8 on the direct route: `quant._int8_direct`) for a projection `fuse`
     can join with others of its kind, else None."""
-    from qgrpo.rollout.fp8 import Fp8Linear
+    from qgrpo.rollout.quantization.fp8 import Fp8Linear
 
     if _plain(lin):
         return "float"
@@ -70,7 +70,7 @@ def _repoint(lin, kind: str, views: list[torch.Tensor]) -> None:
     elif kind == "fp8":
         lin.weight, lin.scale = views
     else:
-        from qgrpo.rollout.quant import _int8_direct
+        from qgrpo.rollout.quantization.quant import _int8_direct
 
         w = lin.weight
         w.qdata, w.scale = views[0], views[1].view(w.scale.shape)
@@ -130,8 +130,8 @@ def _project(h: torch.Tensor, spec: tuple) -> torch.Tensor:
     """The joint product of `fuse`'s projections."""
     if spec[0] == "float":
         return F.linear(h, spec[1], spec[2])
-    from qgrpo.rollout.fp8 import fp8_linear
-    from qgrpo.rollout.quant import int8_product
+    from qgrpo.rollout.quantization.fp8 import fp8_linear
+    from qgrpo.rollout.quantization.quant import int8_product
 
     return (fp8_linear if spec[0] == "fp8" else int8_product)(h, *spec[1:])
 

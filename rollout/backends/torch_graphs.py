@@ -18,7 +18,7 @@ shapes at fixed addresses, so everything a step reads or writes lives in buffers
   that sampled a stop token, feeds padding to finished rows, and advances the column, positions and step counter on
   the device. The host looks at the finished rows every `CHECK_EVERY` steps (one synchronisation) to stop early or
   move to a smaller bucket.
-- **Weights at fixed addresses.** A sync re-quantizes into the storage the graph reads (rollout/quant.py:
+- **Weights at fixed addresses.** A sync re-quantizes into the storage the graph reads (rollout/quantization/quant.py:
   requantize_in_place); adapters wrap modules anew. Before a call the decoder compares the addresses of every weight
   tensor (and the modules holding them) with those it captured, and captures again when they differ, so a graph can
   never keep sampling an old policy (tests/test_cuda.py).
@@ -105,7 +105,7 @@ class GraphDecoder:
     def _weights_fingerprint(self) -> tuple:
         """The addresses of every tensor the step reads from the model, with the modules holding them: a sync that
         re-allocated a weight, or adapters wrapped around a layer, change it."""
-        from qgrpo.rollout.quant import _storage_tensors
+        from qgrpo.rollout.quantization.quant import _storage_tensors
 
         out = []
         for m in self.model.modules():

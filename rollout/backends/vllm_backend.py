@@ -59,7 +59,7 @@ from qgrpo.rollout.backends.common import (
 from qgrpo.rollout.backends.versions import VersionSpans
 from qgrpo.rollout.backends.vllm_kv import check_cpu, recalibrate
 from qgrpo.rollout.backends.vllm_lora import engine_options, write_peft_folder
-from qgrpo.rollout.quant import int8_per_channel
+from qgrpo.rollout.quantization.quant import int8_per_channel
 
 # vLLM's name for online per-tensor fp8 (weights quantized by the engine as it loads or reloads bf16 tensors).
 VLLM_FP8 = "fp8_per_tensor"
@@ -339,8 +339,8 @@ class VLLMGenerator(Generator):
         return [pos[t].logprob for t, pos in zip(token_ids[1:], out.prompt_logprobs[1:], strict=True)]
 
     def quant_grids(self) -> dict:
-        """{HF tensor name: core.grids.Grid} of the weights the int8 engine holds as int8 (rollout/requantize.py);
-        {} at bf16 and fp8."""
+        """{HF tensor name: core.grids.Grid} of the weights the int8 engine holds as int8
+        (rollout/quantization/requantize.py); {} at bf16 and fp8."""
         from qgrpo.rollout.backends import served_grid
 
         grid = served_grid("vllm", self.precision)

@@ -45,7 +45,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from qgrpo.rollout.datasets import RESERVED_COLUMNS as RESERVED  # the keywords of the convention: no column may use one
+from qgrpo.rollout.data.datasets import (
+    RESERVED_COLUMNS as RESERVED,  # the keywords of the convention: no column may use one
+)
 
 
 def messages(item) -> list[dict[str, str]]:

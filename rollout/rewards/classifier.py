@@ -6,8 +6,9 @@ The score is the logit at the last token that is not the pad token, which is whe
 id, so a batch scores as its rows would one by one (positions unchanged, pads after the read position and masked).
 
 Precisions: bf16 (weights and compute), fp32, and int8 (bf16 weights quantized by the generators' own path,
-rollout/quant.py: torchao weight-only int8 per output channel, the one-row score head included) on CPU and CUDA.
-int4/nf4 are not offered: the score head and a reward's small differences between completions are what matter here.
+rollout/quantization/quant.py: torchao weight-only int8 per output channel, the one-row score head included) on CPU and
+CUDA. int4/nf4 are not offered: the score head and a reward's small differences between completions are what matter
+here.
 
 This module imports neither torch nor transformers at import: the config schema reads RM_PRECISIONS from it.
 """
@@ -17,11 +18,15 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from qgrpo.rollout.models import TINY_CHAT_TEMPLATE, build_tiny_reward, resolve_model_path  # noqa: F401 (re-exported)
+from qgrpo.rollout.modeling.models import (  # noqa: F401 (re-exported)
+    TINY_CHAT_TEMPLATE,
+    build_tiny_reward,
+    resolve_model_path,
+)
 from qgrpo.rollout.options import QUANT_SERVED
 
 RM_PRECISIONS = ("bf16", "fp32", "int8")
-CLASSIFIER_BUILTINS = ("tiny-reward",)  # the builtin models (rollout/models.py) that are reward models
+CLASSIFIER_BUILTINS = ("tiny-reward",)  # the builtin models (rollout/modeling/models.py) that are reward models
 FIELD = "reward_model.path"
 _FIX = ("point reward_model.path at a sequence classifier with one output (a folder saved from "
         "AutoModelForSequenceClassification with num_labels = 1, e.g. a reward model trained by TRL's RewardTrainer), "
@@ -30,8 +35,8 @@ _FIX = ("point reward_model.path at a sequence classifier with one output (a fol
 
 def rm_served(device: str) -> tuple[str, ...]:
     """The precisions a reward model scores at on `device` ("cpu" or "cuda"): bf16 and fp32 need no quantizer; int8
-    where the quantizer it shares with the torch generators (rollout/quant.py, QUANT_SERVED) runs it. Read by the
-    config's rule, so what this module runs is what the config allows."""
+    where the quantizer it shares with the torch generators (rollout/quantization/quant.py, QUANT_SERVED) runs it. Read
+    by the config's rule, so what this module runs is what the config allows."""
     return tuple(p for p in RM_PRECISIONS if p in ("bf16", "fp32") or p in QUANT_SERVED.get(device, ()))
 
 
@@ -121,7 +126,7 @@ class RewardClassifier:
         dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=dtype).to(self.device).eval()
         if precision == "int8":
-            from qgrpo.rollout.quant import quantize_model
+            from qgrpo.rollout.quantization.quant import quantize_model
 
             model = quantize_model(model, "int8").eval()
         self.model, self.tokenizer = model, AutoTokenizer.from_pretrained(folder)

@@ -180,7 +180,7 @@ def probe_checks(cfg, here: bool = True, progress=None) -> list[str]:
     """`probe_rewards` on the first PROBE_ROWS train rows of `cfg`'s task, for `qgrpo check` and `qgrpo train`
     before Ray starts: hints and what passed told to `progress` (cluster/cli/train.py's Progress; without one, hints
     are printed on stderr); returns the problems, [] when every reward answered."""
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     if not cfg.rewards.functions:  # [] with an [environment]: its own score alone, probed with it
         return []
@@ -203,7 +203,7 @@ def probe_checks(cfg, here: bool = True, progress=None) -> list[str]:
 def first_row(cfg):
     """The first train row (a PromptItem) of `cfg`'s task, which the environment's and the agent's probes play;
     None when the task cannot be read (check_task reports the task's own problems)."""
-    from qgrpo.rollout.tasks import make_task
+    from qgrpo.rollout.data.tasks import make_task
 
     try:
         return make_task(cfg.task, cfg.run.seed).item(0)

@@ -40,7 +40,7 @@ def _checked_rg_entry(entry: Any, i: int) -> dict:
                                           for k, t in _RG_KEYS.items()):
         keys = ", ".join(f"{k}: {t.__name__}" for k, t in _RG_KEYS.items())
         raise ValueError(f"rg_score: rg_entry of completion {i} is {str(entry)[:120]!r}; expected {{{keys}}} as the "
-                         "rg: tasks write it (rollout/tasks.py RGTask)")
+                         "rg: tasks write it (rollout/data/tasks.py RGTask)")
     return entry
 
 

@@ -368,7 +368,7 @@ def resolve_model_path(path: str, cache_dir: str = "") -> str:
         native = _native_nanochat(folder)
         if native is None:
             return str(folder)
-        from qgrpo.rollout.nanochat import to_hf_folder
+        from qgrpo.rollout.modeling.nanochat import to_hf_folder
 
         target = cache_root(cache_dir) / "converted" / f"{folder.name}-nanochat-{native}"
         return str(_materialise(target, lambda out: to_hf_folder(folder, out)))
@@ -381,14 +381,14 @@ def _native_nanochat(folder: Path) -> str | None:
     times), so that a changed folder is converted again; None for every other folder."""
     import hashlib
 
-    from qgrpo.rollout.nanochat import is_nanochat, native_names
+    from qgrpo.rollout.modeling.nanochat import is_nanochat, native_names
 
     try:
         if not is_nanochat(json.loads((folder / "config.json").read_text())):
             return None
         from safetensors import safe_open
 
-        from qgrpo.rollout.nanochat import weight_files
+        from qgrpo.rollout.modeling.nanochat import weight_files
 
         names = set()
         for f in weight_files(folder):

@@ -10,8 +10,8 @@ product on the weight decoded once into the activations' dtype. On a 2-core Xeon
 - int4, Qwen2.5-0.5B's shape: a 2,048-token prefill at 146 tokens/s with every product through the kernel, 612 with
   the weight decoded past the kernel's rows (bf16: 714; bench/model_ladder.py).
 
-qgrpo's own int8 and int4 kernels (rollout/cpu_native.py) read the weight once per call for all rows, which moves
-the crossovers up without removing them (at many rows a bf16 product on AMX or AVX512-BF16 still wins); where they
+qgrpo's own int8 and int4 kernels (rollout/quantization/cpu_native.py) read the weight once per call for all rows, which
+moves the crossovers up without removing them (at many rows a bf16 product on AMX or AVX512-BF16 still wins); where they
 are built, `int8_kernel` and `int4_kernel` are they, else torch's. So the rows up to which each kernel wins are
 measured, for each weight shape
 and activation dtype, at the first product of that shape (``cpu_int8_rows``, ``cpu_int4_rows``; a few ms for int8,
@@ -36,7 +36,7 @@ import time
 import torch
 
 from qgrpo.core import measured
-from qgrpo.rollout import cpu_native
+from qgrpo.rollout.quantization import cpu_native
 
 ROUTES_FILE = "cpu_int8_rows.json"  # under the cache root (core/storage.py: cache_root), by machine key
 ROW_STEPS = (1, 2, 4, 8, 16, 32, 64)  # the row counts at which the int8 routes are compared
@@ -142,10 +142,10 @@ def _measure_int8_rows(n: int, k: int, dtype: torch.dtype) -> int:
 
 
 def int8_kernel(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [rows, K] through qgrpo's own int8 kernel where it runs here (rollout/cpu_native.py: every weight byte read
-    once for all rows, integer products), else through torch's `_weight_int8pack_mm`; in x's dtype out. Into torch's,
-    float32 activations (model.compute_dtype) enter as bf16, as on every machine: its float32 path ran 13x slower than
-    its bf16 one on an AVX2 CPU, and rounding to bf16 is far inside int8's own error."""
+    """x [rows, K] through qgrpo's own int8 kernel where it runs here (rollout/quantization/cpu_native.py: every weight
+    byte read once for all rows, integer products), else through torch's `_weight_int8pack_mm`; in x's dtype out. Into
+    torch's, float32 activations (model.compute_dtype) enter as bf16, as on every machine: its float32 path ran 13x
+    slower than its bf16 one on an AVX2 CPU, and rounding to bf16 is far inside int8's own error."""
     if cpu_native.takes(x.shape[-1]):
         return cpu_native.w8a16_mm(x, qdata, scale).to(x.dtype)
     return torch._weight_int8pack_mm(x.to(torch.bfloat16), qdata, scale.to(torch.bfloat16)).to(x.dtype)
@@ -274,9 +274,9 @@ def _measure_int4_rows(n: int, k: int, group: int, dtype: torch.dtype) -> int:
 
 
 def int4_kernel(x: torch.Tensor, qdata: torch.Tensor, scale_and_zero: torch.Tensor, group: int) -> torch.Tensor:
-    """x [rows, K] through qgrpo's own int4 kernel where it takes this weight (rollout/cpu_native.py: torch's
-    packing decoded once per call for all rows, integer products), else through `_weight_int4pack_mm_for_cpu`; in
-    x's dtype out. torch's kernel multiplies in the dtype of its (bf16) scales, so float32 activations
+    """x [rows, K] through qgrpo's own int4 kernel where it takes this weight (rollout/quantization/cpu_native.py:
+    torch's packing decoded once per call for all rows, integer products), else through `_weight_int4pack_mm_for_cpu`;
+    in x's dtype out. torch's kernel multiplies in the dtype of its (bf16) scales, so float32 activations
     (model.compute_dtype) enter it as bf16."""
     n, layout = scale_and_zero.shape[1], int4_layout()
     if cpu_native.takes_int4(n, x.shape[-1], group, layout):

@@ -1,6 +1,6 @@
 // Weight-only int8 products for a CPU decode step: y[m, n] = scale[n] * sum_k x[m, k] * q[n, k].
 //
-// Built by rollout/cpu_native.py with the system C++ compiler at first use (no torch headers: a second to build) and
+// Built by rollout/quantization/cpu_native.py with the system C++ compiler at first use (no torch headers: a second to build) and
 // called through ctypes on float32 tensors. Each weight byte is read from memory once per call, for all of the call's
 // rows: a block of NB output rows is multiplied with MB activation rows at a time while it sits in L1.
 //

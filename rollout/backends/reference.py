@@ -6,7 +6,7 @@ import torch
 
 from qgrpo.core.scoring import token_logprobs
 from qgrpo.rollout.backends import REFERENCE_BACKENDS, REGISTRY
-from qgrpo.rollout.quant import quantize_model
+from qgrpo.rollout.quantization.quant import quantize_model
 
 
 def make_reference_scorer(backend: str, model_path: str, precision: str = "bf16", group_size_quant: int = 64,

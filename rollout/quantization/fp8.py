@@ -1,20 +1,20 @@
-"""fp8 layers for the torch generator on CUDA (rollout/quant.py's ``torch.fp8_scaled_mm`` path): float8_e4m3fn
-weights with one float32 scale per row, and the two ways a product reads them.
+"""fp8 layers for the torch generator on CUDA (rollout/quantization/quant.py's ``torch.fp8_scaled_mm`` path):
+float8_e4m3fn weights with one float32 scale per row, and the two ways a product reads them.
 
 - **A decode step's rows** (the default ``FP8_DECODE = "weight_only"``; CUDA, bf16 activations, at most
-  ``FP8_WEIGHT_ONLY_ROWS`` rows, Triton at hand): the weight-only kernel of rollout/w8_triton.py. It reads the fp8
-  codes, converts them to bf16 in registers and accumulates in fp32: the activations stay bf16. Why: such a product is
-  bound by the weight's bytes and by kernel launches, not by arithmetic. The W8A8 product below spends four kernels
-  quantizing the activations before its one product. On an H200 (bench/gpu_speed.py, the fused step in CUDA graphs,
-  a 1.3B model) fp8 decoded 4,643 / 10,214 / 24,849 tokens/s at 8 / 16 / 64 rows this way against 2,166 / 3,590 /
-  15,866 through W8A8; alone (bench/gpu_matmuls.py) the weight-only product of the fused gate/up projection at 8 rows
+  ``FP8_WEIGHT_ONLY_ROWS`` rows, Triton at hand): the weight-only kernel of rollout/quantization/w8_triton.py. It reads
+  the fp8 codes, converts them to bf16 in registers and accumulates in fp32: the activations stay bf16. Why: such a
+  product is bound by the weight's bytes and by kernel launches, not by arithmetic. The W8A8 product below spends four
+  kernels quantizing the activations before its one product. On an H200 (bench/gpu_speed.py, the fused step in CUDA
+  graphs, a 1.3B model) fp8 decoded 4,643 / 10,214 / 24,849 tokens/s at 8 / 16 / 64 rows this way against 2,166 / 3,590
+  / 15,866 through W8A8; alone (bench/gpu_matmuls.py) the weight-only product of the fused gate/up projection at 8 rows
   took 14.8 us against W8A8's 27.0 and bf16's 18.1. Weight-only is also the more exact of the two (only the weight is
   rounded), so fp8's bounds against the bf16 model hold a fortiori.
 - **Every other call** (prefill, more rows, float32 activations; every call with ``FP8_DECODE = "scaled_mm"``): W8A8,
   the activations quantized per token (absmax scaling) and the product on float8 tensor cores by
   ``torch._scaled_mm`` (row-wise scales, bf16 out), where its arithmetic rate pays.
 
-Both read the layer's live codes and scales, so a weight sync that copies into them (rollout/quant.py:
+Both read the layer's live codes and scales, so a weight sync that copies into them (rollout/quantization/quant.py:
 ``requantize_in_place``) changes what a captured CUDA graph computes. Neither has a host synchronisation or a branch
 on data. Not served on CPU (torch 2.13's CPU ``_scaled_mm`` is slow): tests run the W8A8 numerics there, and the
 weight-only kernel through Triton's interpreter (tests/test_quant.py, tests/test_w8_triton.py).
@@ -26,8 +26,8 @@ import torch
 from torch import nn
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value (it has no infinity: larger values would become NaN)
-# How a decode step's fp8 products run on CUDA: "weight_only" (rollout/w8_triton.py, at most FP8_WEIGHT_ONLY_ROWS
-# bf16 rows; measured faster on an H200 at 8-64 rows, above) or "scaled_mm" (W8A8 for every call).
+# How a decode step's fp8 products run on CUDA: "weight_only" (rollout/quantization/w8_triton.py, at most
+# FP8_WEIGHT_ONLY_ROWS bf16 rows; measured faster on an H200 at 8-64 rows, above) or "scaled_mm" (W8A8 for every call).
 FP8_DECODE = "weight_only"
 FP8_WEIGHT_ONLY_ROWS = 64
 # A token's scale maps its largest magnitude to just under 448, so that the quotient never rounds past the largest
@@ -66,7 +66,7 @@ def weight_only_takes(x: torch.Tensor) -> bool:
     if x.device.type == "cpu" or FP8_DECODE != "weight_only" or x.dtype != torch.bfloat16 \
             or x.numel() // max(1, x.shape[-1]) > FP8_WEIGHT_ONLY_ROWS:
         return False
-    from qgrpo.rollout import w8_triton
+    from qgrpo.rollout.quantization import w8_triton
 
     return w8_triton.available()
 
@@ -78,7 +78,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     Otherwise W8A8: the activations quantized per token (absmax scaling, float32), the product in
     ``torch._scaled_mm`` with row-wise scales, bf16 out: six kernels. No host synchronisation (CUDA graphs)."""
     if weight_only_takes(x):
-        from qgrpo.rollout import w8_triton
+        from qgrpo.rollout.quantization import w8_triton
 
         return w8_triton.w8_linear(x, weight, scale, bias)
     rows = x.reshape(-1, x.shape[-1])

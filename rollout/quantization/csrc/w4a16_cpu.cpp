@@ -1,7 +1,7 @@
 // Weight-only int4 products for a CPU decode step, on the weight as torch packs it for _weight_int4pack_mm_for_cpu:
 // y[m, n] = sum_k x[m, k] * ((q[n, k] - 8) * s[k / G, n] + z[k / G, n]).
 //
-// Built with w8a16_cpu.cpp into one library by rollout/cpu_native.py. torch's CPU packing ("lanes", the layout of
+// Built with w8a16_cpu.cpp into one library by rollout/quantization/cpu_native.py. torch's CPU packing ("lanes", the layout of
 // AVX2 and AVX-512 builds) stores each block of BW = 32 or 64 output rows as [K, BW / 2] bytes, the low nibble of byte
 // j holding row j and the high nibble row j + BW / 2; the (scale, zero) pairs are bf16 [K / G, N, 2]. torch's kernel
 // decodes the weight again for every block of 4 activation rows. This one decodes a chunk of inputs of one block of

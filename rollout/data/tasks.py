@@ -4,8 +4,8 @@ of a run is one integer and resuming needs nothing else.
 Three kinds, chosen by `task.name`:
 - `digit_sum`: built in, for the tiny model trained from scratch (bare "3+4=" prompts, no instruction);
 - `rg:NAME`: a reasoning-gym generator (`reasoning_gym.create_dataset(NAME, size, seed, **task.params)`);
-- `jsonl` / `parquet` / `hf_disk`: a user file or saved `datasets` folder (rollout/datasets.py), plain or chat rows.
-The last two append `task.instruction` to each question and carry JSON-safe `meta` for logs and `columns` for the
+- `jsonl` / `parquet` / `hf_disk`: a user file or saved `datasets` folder (rollout/data/datasets.py), plain or chat
+rows. The last two append `task.instruction` to each question and carry JSON-safe `meta` for logs and `columns` for the
 reward functions (their keyword arguments).
 `check_task` reports every problem of a task as text before any expensive work; `make_task` raises on them.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from qgrpo.core.records import PromptItem
-from qgrpo.rollout.datasets import FORMATS, DatasetError, FileTask, json_safe, load_splits
+from qgrpo.rollout.data.datasets import FORMATS, DatasetError, FileTask, json_safe, load_splits
 
 RG_PREFIX = "rg:"
 RG_SEED_STRIDE = 2**32  # run seed s uses reasoning-gym seeds s * 2**32 + [0, 2**32): runs never share entries

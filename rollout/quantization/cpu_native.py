@@ -1,5 +1,5 @@
 """qgrpo's own CPU kernels for weight-only int8 and int4 products at a decode step's few rows
-(rollout/csrc/w8a16_cpu.cpp, rollout/csrc/w4a16_cpu.cpp).
+(rollout/quantization/csrc/w8a16_cpu.cpp, rollout/quantization/csrc/w4a16_cpu.cpp).
 
 torch's `_weight_int8pack_mm` decodes the weight again for every block of 4 rows, so its time grows with the rows: at
 8 rows of a [8960, 1536] weight it was slower than the bf16 product it is meant to beat. This kernel reads each weight

@@ -14,8 +14,8 @@ exactly that):
   ``Int4OpaqueTensor``: asymmetric int4, two nibbles per byte in uint8 ``qdata`` [N, K/2] plus bf16 (scale, zero)
   pairs [K/group, N, 2] (~4.5 bits/weight at group 64); a decode step's rows multiplied by torch's own CPU kernel
   ``aten._weight_int4pack_mm_for_cpu``, more rows (a prefill) by the weight decoded once per call into the
-  activations' dtype (rollout/cpu_kernels.py; where the routes cross is measured per shape). Its packer asserts a CPU
-  tensor. Rejected on CPU, measured:
+  activations' dtype (rollout/quantization/cpu_kernels.py; where the routes cross is measured per shape). Its packer
+  asserts a CPU tensor. Rejected on CPU, measured:
   ``Int4WeightOnlyConfig`` PLAIN / PRESHUFFLED ("Requires mslk"), PLAIN_INT32 ("does not support device cpu"),
   TILE_PACKED_TO_4D (needs CUDA); ``IntxWeightOnlyConfig(int4, PerGroup(64))`` runs but keeps each int4 value
   unpacked in an int8 byte (~8.5 bits/weight) and was less accurate (symmetric).
@@ -35,12 +35,13 @@ exactly that):
 - nf4, cuda (``bnb.nf4_cuda``): the same ``Linear4bit``, quantized by ``Params4bit.to(<the CUDA device>)`` (bnb's CUDA
   ``quantize_4bit`` kernel): packed uint8 [N*K/2, 1] + fp32 absmax per block (~4.5 bits/weight). The repack and its
   probe forward are CPU-only (bnb's forward repacks only ``x.device.type == "cpu"``), so none is run.
-- fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear`` (rollout/fp8.py): float8_e4m3fn weight [N, K] with one fp32
+- fp8, cuda (``torch.fp8_scaled_mm``): our ``Fp8Linear`` (rollout/quantization/fp8.py): float8_e4m3fn weight [N, K] with
+one fp32
   scale per row (row absmax / 448, ~8 bits/weight); the activations quantized per token to float8_e4m3fn the same way at
   each call and the product by torch's own ``torch._scaled_mm`` (row-wise scales, bf16 out, W8A8) on float8 tensor
   cores, for a prefill and larger calls. A decode step's few bf16 rows go through a weight-only Triton kernel that
-  reads the fp8 codes instead (rollout/w8_triton.py; ``fp8.FP8_DECODE = "weight_only"``, the default: faster on an
-  H200). Both need compute capability
+  reads the fp8 codes instead (rollout/quantization/w8_triton.py; ``fp8.FP8_DECODE = "weight_only"``, the default:
+  faster on an H200). Both need compute capability
   >= 8.9 (Ada or Hopper; we refuse older GPUs, naming the field). Not served on CPU, where torch 2.13's ``_scaled_mm``
   runs the same arithmetic slowly: the tests check the numerics there (tests/test_quant.py). No emulated grid (like
   vLLM's fp8, ``BackendSpec.grids``).
@@ -75,10 +76,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from qgrpo.rollout import cpu_kernels
-from qgrpo.rollout.fp8 import Fp8Linear, quantize_fp8
 from qgrpo.rollout.options import QUANT_PATHS as _PATHS
 from qgrpo.rollout.options import QUANT_SERVED as SERVED
+from qgrpo.rollout.quantization import cpu_kernels
+from qgrpo.rollout.quantization.fp8 import Fp8Linear, quantize_fp8
 
 # (precision, device type) -> the library path that quantizes and runs it (see the module docstring), and the
 # precisions served on each device, are declared without torch in rollout/options.py: the torch backend's spec reads
@@ -198,7 +199,7 @@ def quantize_model(model: nn.Module, precision: str, group_size: int = 64, head:
     bf16: no-op. int8: torchao weight-only int8 per output channel. int4: torchao weight-only int4, group-wise along
     in_features with ``group_size`` (32, 64 or 128; 64 default, like MLX's nn.quantize): the CPU kernel on CPU,
     torch's tinygemm on CUDA. nf4: bitsandbytes NF4 ``Linear4bit`` with blocks of ``group_size`` weights along
-    in_features. fp8 (CUDA): ``Fp8Linear``, float8 weights (rollout/fp8.py). Layers that
+    in_features. fp8 (CUDA): ``Fp8Linear``, float8 weights (rollout/quantization/fp8.py). Layers that
     don't fit the kernel's shapes (``layer_fits``) stay bf16, as does a tied lm_head. Activations stay bf16;
     ``model(input_ids)`` and ``model.generate`` keep working on the same device. A model is quantized once; new
     weights for its quantized layers go through ``requantize_in_place``. `head`: a tied lm_head is untied
@@ -270,7 +271,7 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
             quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
     else:
         quantize_(model, config, filter_fn=lambda m, fqn: id(m) in chosen)
-    if precision == "int8":  # CPU: torch's int8 kernel; CUDA: rollout/w8_triton.py's (see _int8_forward)
+    if precision == "int8":  # CPU: torch's int8 kernel; CUDA: rollout/quantization/w8_triton.py's (see _int8_forward)
         for m in model.modules():
             if id(m) in chosen:
                 _int8_direct(m)
@@ -285,14 +286,14 @@ def _quantize_torchao(model: nn.Module, precision: str, group_size: int, device:
 # with plain torch ops instead: a decode step's few rows through torch's `_weight_int8pack_mm`, which reads the int8
 # weight inside the kernel and applies the per-row scale there; more rows (a prefill, scoring) through torchao's own
 # arithmetic (cast, one bf16 product, the scale), where the bf16 product's blocking wins. Up to how many rows the
-# kernel wins is measured per weight shape on the machine (rollout/cpu_kernels.py: `cpu_int8_rows`). Measured on the
-# default job's batch (bench/generation_speed.py, 2-core AMD EPYC with avx512_bf16): decode 450 tokens/s with the int8
-# kernel against 395 through torchao, while a 1,200-row prefill took 0.64 s against 0.36 s.
+# kernel wins is measured per weight shape on the machine (rollout/quantization/cpu_kernels.py: `cpu_int8_rows`).
+# Measured on the default job's batch (bench/generation_speed.py, 2-core AMD EPYC with avx512_bf16): decode 450 tokens/s
+# with the int8 kernel against 395 through torchao, while a 1,200-row prefill took 0.64 s against 0.36 s.
 # "torchao" keeps torchao's linear. Same storage either way (tests/test_quant.py).
 # CPU int4 layers take the same kind of route (`_int4_forward`): torch's int4 kernel up to the rows measured faster
 # there, the weight decoded once per call and one plain product past them (cpu_kernels.int4_product).
 INT8_LINEAR = "direct"
-INT8PACK_ROWS = 64  # on CUDA: the most rows through the Triton int8 kernel (rollout/w8_triton.py)
+INT8PACK_ROWS = 64  # on CUDA: the most rows through the Triton int8 kernel (rollout/quantization/w8_triton.py)
 
 
 def _int8_direct(module: nn.Module) -> None:
@@ -328,8 +329,8 @@ def _int4_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """Few rows: `_weight_int8pack_mm` on the int8 weight; more: torchao's weight-only arithmetic (x W_int8^T in
     x's dtype, then the per-row scale in that dtype) without its tensor-subclass dispatch.
-    On CUDA: at most INT8PACK_ROWS bf16 rows through the Triton kernel of rollout/w8_triton.py, which reads the
-    int8 weight itself (torchao's linear writes and reads a bf16 copy of it per call); anything else, or no Triton,
+    On CUDA: at most INT8PACK_ROWS bf16 rows through the Triton kernel of rollout/quantization/w8_triton.py, which reads
+    the int8 weight itself (torchao's linear writes and reads a bf16 copy of it per call); anything else, or no Triton,
     through torchao's linear. Both read the layer's live ``qdata`` / ``scale`` (a weight sync copies into them)."""
     if x.device.type != "cpu" and not _int8_kernel_takes(x):
         return nn.functional.linear(x, self.weight, self.bias)
@@ -338,7 +339,7 @@ def _int8_forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def _int8_kernel_takes(x: torch.Tensor) -> bool:
     """On CUDA: whether the Triton int8 kernel takes these activations (bf16, at most INT8PACK_ROWS rows)."""
-    from qgrpo.rollout import w8_triton
+    from qgrpo.rollout.quantization import w8_triton
 
     return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] <= INT8PACK_ROWS and w8_triton.available()
 
@@ -351,7 +352,7 @@ def int8_product(x: torch.Tensor, qdata: torch.Tensor, scale: torch.Tensor,
     the per-row scale)."""
     if x.device.type != "cpu":
         if _int8_kernel_takes(x):
-            from qgrpo.rollout import w8_triton
+            from qgrpo.rollout.quantization import w8_triton
 
             return w8_triton.w8_linear(x, qdata, scale, bias)
         y = nn.functional.linear(x, qdata.to(x.dtype)) * scale.to(x.dtype)

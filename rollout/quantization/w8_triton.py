@@ -8,10 +8,10 @@ activations per token, five kernels of its own per product, and on an H200 fp8 d
 decode step's few rows make a product bound by the weight's bytes and by kernel launches, not by arithmetic. This Triton
 kernel loads the 8-bit codes tile by tile, converts them to bf16 in registers, accumulates ``x @ w^T`` in fp32 with
 ``tl.dot``, then applies the per-row fp32 scale and the bias and stores bf16. Meant for decode-sized products
-(rollout/quant.py routes int8's at most ``INT8PACK_ROWS`` rows here, rollout/fp8.py fp8's at most
-``FP8_WEIGHT_ONLY_ROWS`` where ``FP8_DECODE = "weight_only"``); larger ones are compute-bound and keep their own paths.
-fp8 codes need a GPU whose Triton converts float8_e4m3fn (Ada or Hopper, compute capability >= 8.9, which fp8 requires
-anyway).
+(rollout/quantization/quant.py routes int8's at most ``INT8PACK_ROWS`` rows here, rollout/quantization/fp8.py fp8's at
+most ``FP8_WEIGHT_ONLY_ROWS`` where ``FP8_DECODE = "weight_only"``); larger ones are compute-bound and keep their own
+paths. fp8 codes need a GPU whose Triton converts float8_e4m3fn (Ada or Hopper, compute capability >= 8.9, which fp8
+requires anyway).
 
 Layout: one program per (N tile, M tile, K split). When the N x M tiles alone would leave the GPU's multiprocessors
 idle (the narrow projections of a decode step), K is split: each split writes its fp32 partial sums to a workspace

@@ -1,0 +1,1 @@
+"""The prompts: procedural tasks with verifiers, and datasets from files and Hugging Face folders."""

@@ -1,0 +1,1 @@
+"""The models: resolving and materialising model folders (builtin, Hub cache, GGUF), and nanochat."""
