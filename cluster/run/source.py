@@ -2,10 +2,11 @@
 (cluster/run/workers.py: RolloutPool, a chunk is one generation call on a rollout actor) and the agent episodes
 (cluster/run/agents.py: AgentEpisodes, a chunk is one row's episodes played by the agent runner against the endpoint).
 
-The stream's pump is the only thread that calls a source once the stream is open: a source needs no lock, and the
-driver's own operations on the pool (a weight sync, a resize, the precision ladder) run on the pump as jobs
-(RolloutStream.on_pump). A source supervises its processes itself (cluster/run/supervisor.py): `collect` returns
-None for a chunk whose process failed, which the stream sends again, first.
+The stream's pump is the only thread that calls a source's processes once the stream is open: a source needs no
+lock, and the driver's own operations on the pool (a weight sync, a resize, the precision ladder) run on the pump as
+jobs (RolloutStream.on_pump). `split` and `free_slots` are pure (no call to a process, no change): the stream calls
+them under its own lock when it draws and picks. A source supervises its processes itself (cluster/run/supervisor.py):
+`collect` returns None for a chunk whose process failed, which the stream sends again, first.
 """
 from __future__ import annotations
 

@@ -116,6 +116,7 @@ class RolloutStream:
         self.chunks: dict[tuple[int, int], list[list]] = {}  # draw -> its chunks' prompts (for a snapshot)
         self.expected: dict[tuple[int, int], tuple[int, int]] = {}  # draw -> (number of chunks, cursor after it)
         self.evals = 0  # held-out draws so far
+        self.sending = 0  # chunks taken off the queue that the pump is sending now
         self.jobs: deque[_Job] = deque()
         self.error: BaseException | None = None
         self.paused = False
@@ -147,7 +148,9 @@ class RolloutStream:
         if self.paused or not self.queue:
             return []
         busy = {call.slot for call in self.flight}
-        return [(slot, self.queue.popleft()) for slot in self.source.free_slots(busy) if self.queue]
+        picks = [(slot, self.queue.popleft()) for slot in self.source.free_slots(busy) if self.queue]
+        self.sending = len(picks)  # off the queue, not yet in flight: `pause` waits for them too
+        return picks
 
     # --- the pump: the only thread that calls the source ---
     def _pump(self) -> None:
@@ -162,6 +165,7 @@ class RolloutStream:
                 sent = [(self._submit(chunk, slot), chunk) for slot, chunk in picks]
                 with self.cv:
                     self.flight.update(sent)
+                    self.sending = 0
                     calls = list(self.flight)
                     if not calls:
                         if not self.jobs:
@@ -285,7 +289,7 @@ class RolloutStream:
         """Stop sending and wait until no call is in flight (before the actors are resized or restarted)."""
         with self.cv:
             self.paused = True
-            while self.flight and self.error is None:
+            while (self.flight or self.sending) and self.error is None:
                 self.cv.wait(1.0)
             if self.error is not None:
                 raise self.error
