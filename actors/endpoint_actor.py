@@ -29,10 +29,10 @@ class _EndpointActor:
         """`link`: the rollout pool's (RolloutPool.link(), or a PoolLink over given handles); `model_path`: the
         policy's folder (tokenizer, config); `open_sessions`: any session id is served (`qgrpo serve`), else only
         those the run opened; `api_key`: required on every call (the run's, or `qgrpo serve --api-key`);
-        `max_body_bytes`, `max_session_calls`, `idle_s`: rollout/endpoint/server.py's Endpoint bounds."""
+        `max_body_bytes`, `max_session_calls`, `idle_s`: rollout/endpoint/serving.py's Endpoint bounds."""
         from qgrpo.actors.common import local_model
         from qgrpo.actors.pool_link import PoolLink
-        from qgrpo.rollout.endpoint.server import Admission
+        from qgrpo.rollout.endpoint.admission import Admission
         from qgrpo.rollout.endpoint.sessions import SessionBook
 
         self.model, self.host, self.port = model, host, port
@@ -68,9 +68,8 @@ class _EndpointActor:
                                  slots=self.link.slots, precision=info["precision"],
                                  max_model_len=self.max_model_len or model_len(tokenizer, config),
                                  max_tokens=self.max_tokens, chat_template=self.chat_template, book=self.book,
-                                 admission=self.admission, version=lambda: max(self.versions),
-                                 defaults=self.defaults, vocab_size=int(config.get("vocab_size") or 0),
-                                 **self.access)
+                                 admission=self.admission, defaults=self.defaults,
+                                 vocab_size=int(config.get("vocab_size") or 0), **self.access)
         sock = bind(self.host, self.port)
         self.server = uvicorn_server(app(self.endpoint))
         asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))

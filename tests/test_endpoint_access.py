@@ -1,9 +1,9 @@
-"""Who may call the endpoint (rollout/endpoint/server.py) and how much, and what its answers say beyond the tokens:
-the run's key (401 without it or with another run's, 404 for another run's session), the body limit (413, with and
-without Content-Length), the per-session call limit, per-client sessions and idle expiry (`qgrpo serve`), the request
-models' refusals (protocol.py), tool-call parsing (an unclosed call, tool_choice "none", a tokenizer's own
-response_template), the reasoning split and the stitching after it, and a capped call's qgrpo.max_tokens block with
-the session's capped/cut/tool-offer counts.
+"""Who may call the endpoint (rollout/endpoint/auth.py, admission.py, serving.py) and how much, and what its answers
+say beyond the tokens: the run's key (401 without it or with another run's, 404 for another run's session), the body
+limit (413, with and without Content-Length), the per-session call limit, per-client sessions and idle expiry (`qgrpo
+serve`), the request models' refusals (protocol.py), tool-call parsing (parsers.py: an unclosed call, tool_choice
+"none", a tokenizer's own response_template and its hermes fallback), the reasoning split and the stitching after it,
+and a capped call's qgrpo.max_tokens block with the session's capped/cut/tool-offer counts.
 
 Everything goes over HTTP to the real app served by uvicorn (serve_local). The generators are SmolLM2-135M-Instruct
 at int8 (real sampling), or `Scripted`: a backend that samples turns written in advance through the same tokenizer
@@ -352,7 +352,10 @@ def test_a_tokenizers_response_template_parses_its_turns(int8):
         cut = '<tool_call>{"name": "count_letters", "arguments": {"word": "lakiw'
         out = chat(local, "own", QUESTION, CALL, tools=TOOLS, max_tokens=len(gen.ids(cut)) - 1)
         assert "tool_calls" not in out["choices"][0]["message"]
+        assert out["qgrpo"]["tool_parser"] == "hermes"  # the fallback that ran, not the template's parser
         assert local.endpoint.book.get("own").stats()["tool_parse_failures"] == 1
+        rec = ok(httpx.get(f"{local.address}/v1/sessions/own", timeout=10))
+        assert [c["tool_parser"] for c in rec["calls"]] == ["response_template", "hermes"]
     finally:
         local.close()
 
