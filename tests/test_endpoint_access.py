@@ -2,8 +2,8 @@
 say beyond the tokens: the run's key (401 without it or with another run's, 404 for another run's session), the body
 limit (413, with and without Content-Length), the per-session call limit, per-client sessions and idle expiry (`qgrpo
 serve`), the request models' refusals (protocol.py), tool-call parsing (parsers.py: an unclosed call, tool_choice
-"none", a tokenizer's own response_template and its hermes fallback), the reasoning split and the stitching after it,
-and a capped call's qgrpo.max_tokens block with the session's capped/cut/tool-offer counts.
+"none", a tokenizer's own response_template and its hermes fallback, Llama 3's JSON calls), the reasoning split and
+the stitching after it, and a capped call's qgrpo.max_tokens block with the session's capped/cut/tool-offer counts.
 
 Everything goes over HTTP to the real app served by uvicorn (serve_local). The generators are SmolLM2-135M-Instruct
 at int8 (real sampling), or `Scripted`: a backend that samples turns written in advance through the same tokenizer
@@ -358,6 +358,32 @@ def test_a_tokenizers_response_template_parses_its_turns(int8):
         assert [c["tool_parser"] for c in rec["calls"]] == ["response_template", "hermes"]
     finally:
         local.close()
+
+
+def test_an_endpoint_given_the_llama3_parser_parses_its_calls_and_counts_a_broken_one(int8):
+    from qgrpo.rollout.endpoint.local import serve_local
+
+    gen = Scripted(int8.tokenizer, int8.stop_ids)
+    local = serve_local([gen], max_tokens=64, max_model_len=512, tool_parser="llama3_json")
+    local.gen = gen
+    try:
+        call = '{"name": "count_letters", "parameters": {"word": "lakiwaki"}}'
+        out = chat(local, "llama", QUESTION, "<|python_tag|>" + call, tools=TOOLS)
+        msg = out["choices"][0]["message"]
+        assert out["qgrpo"]["tool_parser"] == "llama3_json" and out["choices"][0]["finish_reason"] == "tool_calls"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+            [("count_letters", {"word": "lakiwaki"})] and msg["content"] is None
+        out = chat(local, "llama", QUESTION, CALL, tools=TOOLS)  # hermes text: content to this parser
+        assert "tool_calls" not in out["choices"][0]["message"] and out["choices"][0]["message"]["content"] == CALL
+        out = chat(local, "llama", QUESTION, call, tools=TOOLS, max_tokens=len(gen.ids(call)) - 4)  # cut inside
+        assert "tool_calls" not in out["choices"][0]["message"] and out["choices"][0]["finish_reason"] == "length"
+        stats = local.endpoint.book.get("llama").stats()
+        assert (stats["tool_calls"], stats["tool_parse_failures"]) == (1, 1)
+        assert local.endpoint.counts["tool_parse_failures"] == 1
+    finally:
+        local.close()
+    with pytest.raises(ValueError, match="tool_parser 'mistral' is not a parser"):
+        serve_local([gen], tool_parser="mistral")
 
 
 # --- 6. capped calls ---

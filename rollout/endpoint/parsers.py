@@ -5,7 +5,9 @@ writes:
   (Qwen2.5/Qwen3, Hermes, and any model told the format by the tools' system message, SmolLM2's);
 - "response_template": the tokenizer's own parser (transformers' `tokenizer.parse_response`, where the model family's
   tokenizer has a `response_template`); a turn it cannot parse (a call cut by max_tokens) is parsed by "hermes", and
-  the answer names "hermes".
+  the answer names "hermes";
+- "llama3_json": Llama 3.1-3.3's JSON calls, {"name": ..., "parameters": {...}}, the turn's whole text, after
+  `<|python_tag|>` or not, several separated by ";".
 
 The endpoint takes one (`Endpoint(tool_parser=...)`, `serve_local(tool_parser=...)`); `select` picks the default:
 "response_template" where the tokenizer has one, else "hermes". Every answer names the parser that ran
@@ -16,14 +18,17 @@ off first, as `reasoning_content`, by every parser. A call that cannot be parsed
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 from qgrpo.rollout.endpoint.chat import split_reasoning
 from qgrpo.rollout.endpoint.protocol import ChatMessage, Function, ToolCall
 from qgrpo.rollout.environments.tools import TOOL_CALL, parse_tool_calls
 
-HERMES, TEMPLATE = "hermes", "response_template"
+HERMES, TEMPLATE, LLAMA3 = "hermes", "response_template", "llama3_json"
 PREFIX_TOKENS = 32  # the prompt's last tokens handed to parse_response (where the template pre-writes the turn's start)
+PYTHON_TAG = "<|python_tag|>"  # Llama 3's tool-call token (a special token: gone from text decoded without them)
+LLAMA3_START = re.compile(r"\s*(?:<\|python_tag\|>\s*)?\{\s*\"name\"\s*:")
 
 
 @dataclass
@@ -60,6 +65,35 @@ def response_template(text: str, tokenizer=None, prompt_ids: list[int] = (), sch
     return Turn(reasoning, rest, rest.strip(), [_call(c, "arguments") for c in out.get("tool_calls") or []])
 
 
+def llama3_json(text: str, **_) -> Turn:
+    """Llama 3's JSON tool calls: the turn (after any <think> block) is one or more JSON objects {"name",
+    "parameters"} ("arguments" read too) separated by ";", after `<|python_tag|>` or not; text after the last one is
+    content. A turn that starts as a call and is not one (cut by max_tokens, not JSON) is a failed call."""
+    reasoning, rest = split_reasoning(text)
+    tag = re.match(r"\s*" + re.escape(PYTHON_TAG), rest)
+    if not tag and not LLAMA3_START.match(rest):
+        return Turn(reasoning, rest, rest.strip(), [])
+    body, at, calls = rest, tag.end() if tag else 0, []
+    decoder = json.JSONDecoder()
+    while True:
+        at = len(body) - len(body[at:].lstrip())
+        if at >= len(body) or body[at] != "{":
+            break
+        try:
+            obj, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError as e:
+            calls.append(f"the tool call is not JSON ({e.msg} at character {e.pos - at}): {body[at:at + 80]}")
+            return Turn(reasoning, rest, rest.strip(), calls)
+        calls.append(_call(obj, "parameters"))
+        after = body[at:].lstrip()
+        if not after.startswith(";"):
+            break
+        at = len(body) - len(after) + 1
+    if not calls:  # a bare <|python_tag|> and no object: code or text, not a call format this parser reads
+        calls.append(f"{PYTHON_TAG} is followed by no JSON call: {body[at:at + 80]}")
+    return Turn(reasoning, rest, body[at:].strip(), calls)
+
+
 def _call(call, key: str) -> dict | str:
     """One parsed call as {"name", "arguments"}, or the error (a string). `key`: where the format puts the arguments
     ("arguments" is read too)."""
@@ -77,7 +111,7 @@ def _call(call, key: str) -> dict | str:
     return {"name": fn["name"], "arguments": arguments}
 
 
-PARSERS = {HERMES: hermes, TEMPLATE: response_template}
+PARSERS = {HERMES: hermes, TEMPLATE: response_template, LLAMA3: llama3_json}
 
 
 def select(name: str | None, tokenizer) -> str:
@@ -92,7 +126,7 @@ def select(name: str | None, tokenizer) -> str:
                          "has one, else hermes)")
     if name == TEMPLATE and not has_template:
         raise ValueError("tool_parser 'response_template': this tokenizer has no response_template; choose "
-                         f"{HERMES!r}, or leave it out")
+                         f"{HERMES!r} or {LLAMA3!r}, or leave it out")
     return name
 
 
