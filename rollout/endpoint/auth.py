@@ -1,10 +1,11 @@
 """Who may call the endpoint, what names a call's session, and how large a body may be.
 
 With a key (`Access(api_key=...)`: the run's, or `qgrpo serve --api-key`), every route but GET /health needs
-`Authorization: Bearer KEY` (else 401 invalid_api_key). A session is named by its base URL's SID or the X-Session-ID
-header; without a key (`qgrpo serve` on loopback) the bearer key names a session too. A call naming no session gets
-one of its own client's (named from its address and key, salted: not guessable from outside), never a shared one. A
-body over `max_body_bytes` is answered 413 (its Content-Length, and the bytes actually read).
+`Authorization: Bearer KEY` (else 401 invalid_api_key), and GET /health shows its counters only to a call with the
+key (to others, only that it is alive). A session is named by its base URL's SID or the X-Session-ID header; without
+a key (`qgrpo serve` on loopback) the bearer key names a session too. A call naming no session gets one of its own
+client's (named from its address and key, salted: not guessable from outside), never a shared one. A body over
+`max_body_bytes` is answered 413 (its Content-Length, and the bytes actually read).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from qgrpo.rollout.endpoint.chat import RequestError
 MAX_BODY_BYTES = 8 * 2**20  # a request body past this is refused 413 (`qgrpo serve --max-body-mb`)
 KEY_SOURCE = ("during a run, the agent's client is given the run's key as its API key (client.api_key); `qgrpo "
               "serve` prints the key it generated when it started, or takes it from --api-key (QGRPO_API_KEY)")
-OPEN_PATHS = ("/health",)  # answered without the key
+OPEN_PATHS = ("/health",)  # answered without the key (GET /health: only that the endpoint is alive)
 
 
 def bearer(header: str) -> str:
@@ -99,6 +100,10 @@ class Access:
                     return
             await inner(scope, receive, send)
         return guarded
+
+    def keyed(self, request) -> bool:
+        """The call carries this endpoint's key (or the endpoint has none): it may see the counters."""
+        return self.authorized(request.headers.get("authorization", ""))
 
 
 def _header(scope) -> str:

@@ -377,7 +377,7 @@ class SessionRecord(_Out):
 
 
 class Health(_Out):
-    """GET /health: alive, and the endpoint's counters."""
+    """GET /health: alive; with the endpoint's key (or on an endpoint without one), its counters too."""
 
     OMIT = ("calls", "refused", "forks", "tool_calls", "tool_parse_failures", "model_tokens", "edited_answers",
             "precision", "open_sessions")

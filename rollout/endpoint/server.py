@@ -6,7 +6,7 @@ local generator, whichever backend it holds.
   /inference/v1/generate (routes_tokens.py);
 - GET /v1/models: the one model served, with max_model_len;
 - GET /v1/sessions/{SID}: the session's calls and branches (what the training row will be);
-- GET /health: that the endpoint is alive, and its counters.
+- GET /health: that the endpoint is alive; its counters only with its key (auth.py).
 
 Every answer carries the prompt's token ids, the completion's, each sampled token's log-prob from the quantized
 generator that sampled it, the weight-version spans and a `qgrpo` block (protocol.py: the answers' models; docs/
@@ -86,7 +86,7 @@ def app(endpoint: Endpoint):
         return reply(session_record(s))
 
     async def health(request):
-        return reply(endpoint.health())
+        return reply(endpoint.health(endpoint.access.keyed(request)))
 
     async def not_served(request):
         path = request.url.path

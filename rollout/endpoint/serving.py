@@ -227,8 +227,9 @@ class Endpoint:
     def stats(self) -> dict:
         return {**self.counts, "precision": self.precision, "open_sessions": len(self.book.sessions)}
 
-    def health(self) -> Health:
-        return Health(**self.stats())
+    def health(self, keyed: bool) -> Health:
+        """Alive; the counters too for a call with the key (any call, on an endpoint without one)."""
+        return Health(**self.stats()) if keyed else Health()
 
 
 def weight_spans(sample: Sample) -> list[WeightSpan]:
