@@ -27,6 +27,9 @@ def test_llama3_json_calls_with_and_without_the_python_tag():
     assert turn.calls == [{"name": "get_time", "arguments": {"city": "Paris"}},
                           {"name": "get_time", "arguments": {"city": "Lima"}}]
     assert turn.cleaned == "Checking both."
+    # with Llama 3.2's "type" first
+    turn = parsers.llama3_json('{"type": "function", "name": "get_time", "parameters": {"city": "Oslo"}}')
+    assert turn.calls == [{"name": "get_time", "arguments": {"city": "Oslo"}}]
     # a reasoning block first, then the call
     turn = parsers.llama3_json('<think>I need the weather.</think>\n{"name": "w", "parameters": {}}')
     assert turn.reasoning == "I need the weather." and turn.calls == [{"name": "w", "arguments": {}}]

@@ -6,8 +6,8 @@ writes:
 - "response_template": the tokenizer's own parser (transformers' `tokenizer.parse_response`, where the model family's
   tokenizer has a `response_template`); a turn it cannot parse (a call cut by max_tokens) is parsed by "hermes", and
   the answer names "hermes";
-- "llama3_json": Llama 3.1-3.3's JSON calls, {"name": ..., "parameters": {...}}, the turn's whole text, after
-  `<|python_tag|>` or not, several separated by ";".
+- "llama3_json": Llama 3.1-3.3's JSON calls, {"name": ..., "parameters": {...}} (or {"type": "function", "name":
+  ...}), the turn's whole text, after `<|python_tag|>` or not, several separated by ";".
 
 The endpoint takes one (`Endpoint(tool_parser=...)`, `serve_local(tool_parser=...)`); `select` picks the default:
 "response_template" where the tokenizer has one, else "hermes". Every answer names the parser that ran
@@ -28,7 +28,7 @@ from qgrpo.rollout.environments.tools import TOOL_CALL, parse_tool_calls
 HERMES, TEMPLATE, LLAMA3 = "hermes", "response_template", "llama3_json"
 PREFIX_TOKENS = 32  # the prompt's last tokens handed to parse_response (where the template pre-writes the turn's start)
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's tool-call token (a special token: gone from text decoded without them)
-LLAMA3_START = re.compile(r"\s*(?:<\|python_tag\|>\s*)?\{\s*\"name\"\s*:")
+LLAMA3_START = re.compile(r"\s*\{\s*\"(?:name|type)\"\s*:")  # a call's start: {"name": ..., or {"type": ...
 
 
 @dataclass
@@ -117,7 +117,7 @@ PARSERS = {HERMES: hermes, TEMPLATE: response_template, LLAMA3: llama3_json}
 def select(name: str | None, tokenizer) -> str:
     """The parser the endpoint runs: `name` (a key of PARSERS), or by default (None, "auto") "response_template"
     where the tokenizer has one, else "hermes"."""
-    has_template = getattr(tokenizer, "response_template", None) is not None
+    has_template = bool(getattr(tokenizer, "response_template", None))
     if name in (None, "", "auto"):
         return TEMPLATE if has_template else HERMES
     if name not in PARSERS:
