@@ -270,8 +270,9 @@ class VLLMGenerator(Generator):
         prompts = continuation_prompts(self.generator_id, sequences)
         if not prompts:
             return []
+        budgets = sampling.row_budgets(len(prompts)) if sampling.row_tokens is not None else None
         return [build_completion(t, lp, self.stop_ids, self.tokenizer, versions)
-                for (t, lp, versions), in self._sample(prompts, sampling, 1, sampling.row_budgets(len(prompts)))]
+                for (t, lp, versions), in self._sample(prompts, sampling, 1, budgets)]
 
     def _sample(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
                 budgets: list[int] | None = None) -> list[list[Sample]]:
@@ -291,7 +292,7 @@ class VLLMGenerator(Generator):
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
             stop_token_ids=self.stop_ids,
         )
-        if budgets is not None and len(set(budgets)) > 1:  # one request each: each its own max_tokens
+        if budgets is not None:  # one request each: each its own max_tokens
             sp = [sp.clone() for _ in budgets]
             for one, budget in zip(sp, budgets):
                 one.max_tokens = budget
