@@ -29,14 +29,14 @@ class _EndpointActor:
         """`link`: the rollout pool's (RolloutPool.link(): the only way to its actors); `model_path`: the
         policy's folder (tokenizer, config); `open_sessions`: any session id is served (`qgrpo serve`), else only
         those the run opened; `api_key`: required on every call (the run's, or `qgrpo serve --api-key`);
-        `max_body_bytes`, `max_session_calls`, `idle_s`: rollout/endpoint/server.py's Endpoint bounds."""
+        `max_body_bytes`, `max_session_calls`, `idle_s`: rollout/endpoint/serving.py's Endpoint bounds."""
         from qgrpo.actors.common import local_model
         from qgrpo.actors.pool_link import PoolLink
-        from qgrpo.rollout.endpoint.server import Admission
+        from qgrpo.rollout.endpoint.admission import Admission
+        from qgrpo.rollout.endpoint.sessions import SessionBook
 
         if not isinstance(link, PoolLink):
             raise TypeError(f"EndpointActor: `link` is a PoolLink (RolloutPool.link()), not {type(link).__name__}")
-        from qgrpo.rollout.endpoint.sessions import SessionBook
 
         self.model, self.host, self.port = model, host, port
         self.link = link
@@ -47,7 +47,6 @@ class _EndpointActor:
         self.admission = Admission(max_sessions, wait_s)
         self.endpoint = None
         self.server = None
-        self.versions = [0] * self.link.slots
         self.defaults = defaults  # the sampling of what a call leaves out (the run's rollout settings)
         self.kill_next = False
         self.batches = 0  # batches sent to the rollout actors
@@ -73,9 +72,8 @@ class _EndpointActor:
                                  slots=self.link.slots, precision=info["precision"],
                                  max_model_len=self.max_model_len or model_len(tokenizer, config),
                                  max_tokens=self.max_tokens, chat_template=self.chat_template, book=self.book,
-                                 admission=self.admission, version=lambda: max(self.versions),
-                                 defaults=self.defaults, vocab_size=int(config.get("vocab_size") or 0),
-                                 **self.access)
+                                 admission=self.admission, defaults=self.defaults,
+                                 vocab_size=int(config.get("vocab_size") or 0), **self.access)
         sock = bind(self.host, self.port)
         self.server = uvicorn_server(app(self.endpoint))
         asyncio.get_running_loop().create_task(self.server.serve(sockets=[sock]))
@@ -90,10 +88,7 @@ class _EndpointActor:
         # sessions) at that many batches served
         if self.kill_next or (self.serving and faults.fires("endpoint.kill", self.batches)):
             os.kill(os.getpid(), signal.SIGKILL)
-        version, comps = await self.link.complete(slot, sequences, sampling)
-        if slot < len(self.versions):
-            self.versions[slot] = max(self.versions[slot], version)
-        return version, comps
+        return await self.link.complete(slot, sequences, sampling)
 
     # --- the run's side ---
     async def open_sessions(self, ids: list[str], step: int, limits: dict | None = None) -> None:
@@ -120,7 +115,6 @@ class _EndpointActor:
         resized = link.slots != self.link.slots
         self.link.follow(link)
         if resized:
-            self.versions = [0] * link.slots
             self.endpoint.repin(link.slots)
 
     async def reports(self, wait_s: float = 5.0) -> dict:

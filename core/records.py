@@ -39,6 +39,20 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     seed: int | None = None
+    # continue_ids only: each sequence's own token budget, one per sequence, each at most max_new_tokens (a row stops
+    # at its own; the endpoint batches calls that asked for different max_tokens). None: max_new_tokens for every row.
+    row_tokens: tuple[int, ...] | None = None
+
+    def row_budgets(self, rows: int) -> list[int]:
+        """Each of `rows` sequences' token budget: row_tokens (checked: one per row, 1 to max_new_tokens), else
+        max_new_tokens for every row."""
+        if self.row_tokens is None:
+            return [self.max_new_tokens] * rows
+        if len(self.row_tokens) != rows or not all(1 <= int(n) <= self.max_new_tokens for n in self.row_tokens):
+            raise ValueError(f"SamplingParams.row_tokens: one budget per sequence ({rows}), each from 1 to "
+                             f"max_new_tokens ({self.max_new_tokens}); got {self.row_tokens!r}. Set max_new_tokens "
+                             "to the largest, or leave row_tokens None for one budget")
+        return [int(n) for n in self.row_tokens]
 
 
 @dataclass(frozen=True)

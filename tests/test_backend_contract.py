@@ -314,6 +314,15 @@ def test_continue_ids_picks_up_a_trajectory_where_it_left_off(make, backend):
         assert c.token_ids[:n - j] == f.token_ids[j:]
         assert max(abs(x - y) for x, y in zip(c.logprobs[:n - j], f.logprobs[j:])) < CONTINUE_TOL
     _same(out[-1], gen.continue_ids([env_turn], SamplingParams(1, n, 0.0))[0])
+    # each row stops at its own budget (SamplingParams.row_tokens: the endpoint batches calls asking different
+    # max_tokens): the tokens it samples alone up to there, "length" where the budget cut it
+    for budgets in ((2, 5, n, 1), (3, 3, 3, 3)):
+        own = gen.continue_ids(seqs, SamplingParams(1, n, 0.0, row_tokens=budgets))
+        for c, f, b in zip(own, out, budgets, strict=True):
+            assert c.token_ids == f.token_ids[:b] and len(c.logprobs) == len(c.token_ids)
+            assert c.finish_reason == (f.finish_reason if len(f.token_ids) <= b else "length")
+    with pytest.raises(ValueError, match=r"row_tokens: one budget per sequence \(4\)"):
+        gen.continue_ids(seqs, SamplingParams(1, n, 0.0, row_tokens=(2, 5)))
 
 
 @pytest.mark.parametrize("backend", list(REGISTRY))

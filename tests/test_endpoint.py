@@ -127,7 +127,9 @@ def check_choice(choice: dict, logprobs: list[float]) -> None:
 
 def check_qgrpo(out: dict, sid: str, precision: str = "int8") -> dict:
     q = out["qgrpo"]
-    assert q["precision"] == precision and q["session"] == sid and q["tool_parser"] == "hermes"
+    # the parser that ran: hermes on a chat answer (SmolLM2's tokenizer has no response_template), none on the others
+    parser = "hermes" if out["object"] == "chat.completion" else None
+    assert q["precision"] == precision and q["session"] == sid and q["tool_parser"] == parser
     assert out["id"] == f"qgrpo-{q['call_id']}" and q["call_id"].startswith(f"{sid}:")
     assert q["weight_versions"] == out["choices"][0]["weight_versions"]
     assert {"parent", "branch", "fork"} <= set(q)
@@ -470,8 +472,8 @@ def test_an_update_landing_during_a_call_splits_its_weight_versions(bep, bf16, l
 
 # --- 7. admission ---
 def test_a_session_past_max_sessions_is_refused_429_until_one_closes(int8):
+    from qgrpo.rollout.endpoint.admission import Admission
     from qgrpo.rollout.endpoint.local import serve_local
-    from qgrpo.rollout.endpoint.server import Admission
 
     local = serve_local([int8], max_tokens=2, admission=Admission(max_sessions=1, wait_s=0.3))
     try:
@@ -484,7 +486,7 @@ def test_a_session_past_max_sessions_is_refused_429_until_one_closes(int8):
         assert r.status_code == 429 and time.monotonic() - t0 >= 0.3
         assert int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
-        assert local.endpoint.admission.refused == 1 and local.endpoint.stats()["refused"] == 1
+        assert local.endpoint.stats()["refused"] == 1
         assert local.endpoint.close("first") is not None
         second = ok(post(url, body, "second"))
         assert second["qgrpo"]["session"] == "second"

@@ -1,9 +1,10 @@
-"""Who may call the endpoint (rollout/endpoint/server.py) and how much, and what its answers say beyond the tokens:
-the run's key (401 without it or with another run's, 404 for another run's session), the body limit (413, with and
-without Content-Length), the per-session call limit, per-client sessions and idle expiry (`qgrpo serve`), the request
-models' refusals (protocol.py), tool-call parsing (an unclosed call, tool_choice "none", a tokenizer's own
-response_template), the reasoning split and the stitching after it, and a capped call's qgrpo.max_tokens block with
-the session's capped/cut/tool-offer counts.
+"""Who may call the endpoint (rollout/endpoint/auth.py, admission.py, serving.py) and how much, and what its answers
+say beyond the tokens: the run's key (401 without it or with another run's, 404 for another run's session; /health's
+counters only with it), the body limit (413, with and without Content-Length), the per-session call limit,
+per-client sessions and idle expiry (`qgrpo serve`), the request models' refusals (protocol.py), tool-call parsing
+(parsers.py: an unclosed call, tool_choice "none", a tokenizer's own response_template and its hermes fallback, Llama
+3's JSON calls), the reasoning split and the stitching after it, and a capped call's qgrpo.max_tokens block with the
+session's capped/cut/tool-offer counts.
 
 Everything goes over HTTP to the real app served by uvicorn (serve_local). The generators are SmolLM2-135M-Instruct
 at int8 (real sampling), or `Scripted`: a backend that samples turns written in advance through the same tokenizer
@@ -115,11 +116,16 @@ def test_a_keyed_endpoint_answers_only_calls_with_its_key_and_its_sessions(int8)
         refused(post(url, body, headers={"Authorization": key}), 401, "invalid_api_key")  # not a bearer header
         for path in ("/v1/models", "/v1/sessions/s0-0-0-0", "/v1/responses"):
             refused(httpx.get(f"{local.address}{path}", timeout=10), 401, "invalid_api_key")
-        assert ok(httpx.get(f"{local.address}/health", timeout=10))["status"] == "ok"  # health needs no key
+        # health needs no key, and says only that the endpoint is alive without it; with it, its counters too
+        assert ok(httpx.get(f"{local.address}/health", timeout=10)) == {"status": "ok"}
+        assert ok(httpx.get(f"{local.address}/health", headers={"Authorization": f"Bearer {other_run}"},
+                            timeout=10)) == {"status": "ok"}
         assert local.endpoint.book.get("s0-0-0-0").calls == []  # nothing refused was sampled
 
         out = ok(post(url, body, key))
         assert out["qgrpo"]["session"] == "s0-0-0-0"
+        health = ok(httpx.get(f"{local.address}/health", headers={"Authorization": f"Bearer {key}"}, timeout=10))
+        assert health["status"] == "ok" and health["calls"] == 1 and health["open_sessions"] == 1
         # the right key and another run's session: not opened by this run
         refused(post(f"{local.session_url('s0-0-0-1-another-run')}/chat/completions", body, key), 404,
                 "session_not_found")
@@ -150,6 +156,7 @@ def test_calls_naming_no_session_get_their_own_clients_session(int8):
         assert [len(local.endpoint.book.get(s).calls) for s in (here[0], there)] == [2, 1]
         # without a run key, a bearer key still names a session (as before)
         assert ok(post(url, body, "my-session"))["qgrpo"]["session"] == "my-session"
+        assert ok(httpx.get(f"{local.address}/health", timeout=10))["calls"] == 4  # no key set: counters to all
     finally:
         local.close()
 
@@ -352,9 +359,38 @@ def test_a_tokenizers_response_template_parses_its_turns(int8):
         cut = '<tool_call>{"name": "count_letters", "arguments": {"word": "lakiw'
         out = chat(local, "own", QUESTION, CALL, tools=TOOLS, max_tokens=len(gen.ids(cut)) - 1)
         assert "tool_calls" not in out["choices"][0]["message"]
+        assert out["qgrpo"]["tool_parser"] == "hermes"  # the fallback that ran, not the template's parser
         assert local.endpoint.book.get("own").stats()["tool_parse_failures"] == 1
+        rec = ok(httpx.get(f"{local.address}/v1/sessions/own", timeout=10))
+        assert [c["tool_parser"] for c in rec["calls"]] == ["response_template", "hermes"]
     finally:
         local.close()
+
+
+def test_an_endpoint_given_the_llama3_parser_parses_its_calls_and_counts_a_broken_one(int8):
+    from qgrpo.rollout.endpoint.local import serve_local
+
+    gen = Scripted(int8.tokenizer, int8.stop_ids)
+    local = serve_local([gen], max_tokens=64, max_model_len=512, tool_parser="llama3_json")
+    local.gen = gen
+    try:
+        call = '{"name": "count_letters", "parameters": {"word": "lakiwaki"}}'
+        out = chat(local, "llama", QUESTION, "<|python_tag|>" + call, tools=TOOLS)
+        msg = out["choices"][0]["message"]
+        assert out["qgrpo"]["tool_parser"] == "llama3_json" and out["choices"][0]["finish_reason"] == "tool_calls"
+        assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
+            [("count_letters", {"word": "lakiwaki"})] and msg["content"] is None
+        out = chat(local, "llama", QUESTION, CALL, tools=TOOLS)  # hermes text: content to this parser
+        assert "tool_calls" not in out["choices"][0]["message"] and out["choices"][0]["message"]["content"] == CALL
+        out = chat(local, "llama", QUESTION, call, tools=TOOLS, max_tokens=len(gen.ids(call)) - 4)  # cut inside
+        assert "tool_calls" not in out["choices"][0]["message"] and out["choices"][0]["finish_reason"] == "length"
+        stats = local.endpoint.book.get("llama").stats()
+        assert (stats["tool_calls"], stats["tool_parse_failures"]) == (1, 1)
+        assert local.endpoint.counts["tool_parse_failures"] == 1
+    finally:
+        local.close()
+    with pytest.raises(ValueError, match="tool_parser 'mistral' is not a parser"):
+        serve_local([gen], tool_parser="mistral")
 
 
 # --- 6. capped calls ---

@@ -1,4 +1,4 @@
-"""Stitching a session's calls into training rows (rollout/endpoint/sessions.py, chat.py, server.py) with a real
+"""Stitching a session's calls into training rows (rollout/endpoint/sessions.py, chat.py, routes_chat.py) with a real
 tokenizer and real chat templates: SmolLM2's (append-only) and a Qwen3-style one written onto SmolLM2's tokenizer
 (`<think>` of earlier assistant turns dropped once a user turn follows, as Qwen3's template does), and the training
 rows an episode's branches give (rollout/agents/rows.py: episode_group under environment.branches).

@@ -258,11 +258,11 @@ class MLXGenerator(Generator):
 
     def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """One continuation per sequence: the sequences left-padded into one batch and sampled as `generate` samples
-        prompts, one row each (`_sample` with G = 1)."""
+        prompts, one row each (`_sample` with G = 1); a row stops at its own budget (`sampling.row_tokens`)."""
         prompts = continuation_prompts(self.generator_id, sequences)
         if not prompts:
             return []
-        toks, lps = self._sample(prompts, 1, sampling, self._key(sampling))
+        toks, lps = self._sample(prompts, 1, sampling, self._key(sampling), sampling.row_budgets(len(prompts)))
         return [build_completion(t, lp, self.stop_ids, self.tokenizer, self._changes)
                 for t, lp in zip(toks, lps, strict=True)]
 
@@ -274,7 +274,9 @@ class MLXGenerator(Generator):
         self._calls += 1
         return mx.random.key(zlib.crc32(f"{base}/{self.generator_id}".encode()))
 
-    def _sample(self, prompts: list[list[int]], G: int, sp: SamplingParams, key):
+    def _sample(self, prompts: list[list[int]], G: int, sp: SamplingParams, key, budgets: list[int] | None = None):
+        """Per row (rows i*G .. i*G+G-1 for prompt i): its sampled tokens and their log-probs, each row stopping at a
+        stop token or its budget (`budgets`, one per row; None: max_new_tokens)."""
         mx = import_mlx()
         from mlx_lm.models.cache import BatchKVCache
 
@@ -294,6 +296,7 @@ class MLXGenerator(Generator):
         lps: list[list[float]] = [[] for _ in range(B)]
         live = list(range(B))  # output rows still decoding, in batch order
         stops = set(self.stop_ids)
+        budgets = budgets or [sp.max_new_tokens] * B
         for step in range(sp.max_new_tokens):
             key, sub = mx.random.split(key)
             tok, lp = pick(logits, sp, sub)
@@ -302,7 +305,7 @@ class MLXGenerator(Generator):
             for j, r in enumerate(live):
                 toks[r].append(tl[j])
                 lps[r].append(ll[j])
-                if tl[j] not in stops:
+                if tl[j] not in stops and len(toks[r]) < budgets[r]:
                     keep.append(j)
             if step == sp.max_new_tokens - 1 or not keep:
                 break

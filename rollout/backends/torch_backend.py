@@ -132,14 +132,16 @@ class TorchGenerator(Generator):
     @torch.inference_mode()
     def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """One continuation per sequence: the sequences left-padded into one batch and sampled as `generate` samples
-        prompts, one row each (`_sample` with G = 1)."""
+        prompts, one row each (`_sample` with G = 1); a row stops at its own budget (`sampling.row_tokens`)."""
         prompts = continuation_prompts(self.generator_id, sequences)
         if not prompts:
             return []
+        budgets = sampling.row_budgets(len(prompts))
         ids, attn = self._pad(prompts)
-        new, logp = self._sample(ids.to(self.device), attn.to(self.device), 1, sampling, self._rng(sampling))
-        return [build_completion(new[r].tolist(), logp[r].tolist(), self.stop_ids, self.tokenizer, self._changes)
-                for r in range(len(prompts))]
+        new, logp = self._sample(ids.to(self.device), attn.to(self.device), 1, sampling, self._rng(sampling),
+                                 budgets if sampling.row_tokens is not None else None)
+        return [build_completion(new[r, :n].tolist(), logp[r, :n].tolist(), self.stop_ids, self.tokenizer,
+                                 self._changes) for r, n in enumerate(budgets)]
 
     def _rng(self, sampling: SamplingParams) -> torch.Generator:
         """The call's random stream, seeded from (step seed, generator id): reproducible, and different on every
@@ -180,9 +182,10 @@ class TorchGenerator(Generator):
         sync(self.device)  # the kernels, not their launches
         return time.perf_counter() - t0
 
-    def _sample(self, ids: torch.Tensor, attn: torch.Tensor, G: int, sp: SamplingParams,
-                rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Left-padded prompts [N, P] -> sampled tokens and their log-probs [N*G, L] (CPU), L <= max_new_tokens.
+    def _sample(self, ids: torch.Tensor, attn: torch.Tensor, G: int, sp: SamplingParams, rng: torch.Generator,
+                budgets: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompts [N, P] -> sampled tokens and their log-probs [N*G, L] (CPU), L <= max_new_tokens;
+        `budgets`: each row's own token budget (a row stops there; the CUDA graphs' loop runs every row to L).
         Rows that finished are padded after their stop token (log-prob 0). `self._changes` says which policy version
         sampled which columns (a VersionSpans, see `_boundary`)."""
         self._versions_start()
@@ -193,12 +196,13 @@ class TorchGenerator(Generator):
         if self.device.type == "cuda":  # the prompts' kernels done: what follows is the decode's own time
             torch.cuda.synchronize(self.device)
         t0 = time.perf_counter()
-        toks, lps = self._sample_after_prefill(out, attn, logits, ids.shape[1], G, B, L, sp, rng)
+        toks, lps = self._sample_after_prefill(out, attn, logits, ids.shape[1], G, B, L, sp, rng, budgets)
         self.last_decode_s = time.perf_counter() - t0  # the samples are on the CPU: every kernel has run
         return toks, lps
 
     def _sample_after_prefill(self, out, attn: torch.Tensor, logits: torch.Tensor, P: int, G: int, B: int, L: int,
-                              sp: SamplingParams, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                              sp: SamplingParams, rng: torch.Generator, budgets: list[int] | None = None
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
         """`_sample` after the prompts' forward `out` (P columns): CUDA graphs, the static decoder, or the model's
         forward on its dynamic cache, whichever fits."""
         if self.graphs is not None and self.decoder.fits(P + L):
@@ -206,7 +210,7 @@ class TorchGenerator(Generator):
                                    boundary=self._boundary if self.step_boundary is not None else None)
         if self.decoder is not None and self.decoder.fits(P + L):
             self.decoder.start(out.past_key_values, attn, G, L)
-            return self._decode(logits, self.decoder.step, self.decoder.compact, B, L, sp, rng)
+            return self._decode(logits, self.decoder.step, self.decoder.compact, B, L, sp, rng, budgets)
         cache = out.past_key_values
         cache.batch_repeat_interleave(G)
         state = {"attn": attn.repeat_interleave(G, dim=0), "cache": cache}
@@ -225,18 +229,20 @@ class TorchGenerator(Generator):
             state["cache"].batch_select_indices(idx)
             return idx
 
-        return self._decode(logits, step, compact, B, L, sp, rng)
+        return self._decode(logits, step, compact, B, L, sp, rng, budgets)
 
     def _decode(self, logits: torch.Tensor, step, compact, B: int, L: int, sp: SamplingParams,
-                rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+                rng: torch.Generator, budgets: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The sampling loop over a decoder: `step(tokens)` -> next logits for the decoder's rows; `compact(live)` ->
-        the indices of the rows it keeps, or None when finished rows stay in it (their samples unread)."""
+        the indices of the rows it keeps, or None when finished rows stay in it (their samples unread). A row is
+        finished at a stop token, or at its own budget (`budgets`, one per output row; None: L for every row)."""
         dev = logits.device
         toks = torch.full((B, L), self.pad_id, dtype=torch.long, device=dev)
         lps = torch.zeros((B, L), device=dev)
         rows = torch.arange(B, device=dev)  # the output row of each decoder row
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         stop = torch.tensor(self.stop_ids, device=dev)
+        cap = torch.tensor(budgets, device=dev) if budgets is not None else None
         for i in range(L):
             go = ~done
             # Draw for the live rows only: finished rows riding along cost no sampling, and the generator's random
@@ -246,6 +252,8 @@ class TorchGenerator(Generator):
             if not go.all():  # finished rows are fed padding; their output is never read
                 tok = torch.full_like(rows, self.pad_id).masked_scatter(go, tok)
             done = done | (torch.isin(tok, stop) & go)
+            if cap is not None:
+                done = done | (cap[rows] <= i + 1)
             if i == L - 1 or done.all():
                 break
             if done.any():

@@ -266,17 +266,19 @@ class VLLMGenerator(Generator):
 
     def continue_ids(self, sequences: list[list[int]], sampling: SamplingParams) -> list[Completion]:
         """One continuation per sequence: the sequences go to the engine as token-id prompts, one request each, as
-        `generate`'s prompts do (one sample each)."""
+        `generate`'s prompts do (one sample each), each request with its own max_tokens (`sampling.row_tokens`)."""
         prompts = continuation_prompts(self.generator_id, sequences)
         if not prompts:
             return []
+        budgets = sampling.row_budgets(len(prompts)) if sampling.row_tokens is not None else None
         return [build_completion(t, lp, self.stop_ids, self.tokenizer, versions)
-                for (t, lp, versions), in self._sample(prompts, sampling, 1)]
+                for (t, lp, versions), in self._sample(prompts, sampling, 1, budgets)]
 
-    def _sample(self, prompts: list[list[int]], sampling: SamplingParams, n: int) -> list[list[Sample]]:
+    def _sample(self, prompts: list[list[int]], sampling: SamplingParams, n: int,
+                budgets: list[int] | None = None) -> list[list[Sample]]:
         """`n` samples (token ids, their log-probs, the versions that sampled them: the engine's spans as a
         VersionSpans from the call's version) of each token-id prompt, in one engine call seeded as the call's seed
-        says."""
+        says; `budgets`: each prompt's own max_tokens (None: sampling.max_new_tokens)."""
         from vllm import SamplingParams as VSamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -290,6 +292,10 @@ class VLLMGenerator(Generator):
             top_p=1.0 if greedy else sampling.top_p, top_k=0 if greedy else sampling.top_k,
             stop_token_ids=self.stop_ids,
         )
+        if budgets is not None:  # one request each: each its own max_tokens
+            sp = [sp.clone() for _ in budgets]
+            for one, budget in zip(sp, budgets):
+                one.max_tokens = budget
         start = self.policy_version
         outs = self._run([TokensPrompt(prompt_token_ids=p) for p in prompts], sp)
         result = []

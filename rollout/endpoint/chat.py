@@ -1,5 +1,5 @@
-"""OpenAI chat messages to token ids and back: the rendering of a call's messages (whole, or only the tail after an
-earlier call's exact tokens) and the model's tool calls parsed out of its text.
+"""OpenAI chat messages to token ids: the rendering of a call's messages (whole, or only the tail after an earlier
+call's exact tokens). The model's tool calls are parsed out of its text by parsers.py.
 
 Messages are first made canonical (`canonical`): content parts joined into text, an assistant's `tool_calls` kept as
 (name, arguments) pairs, ids left out (clients make up their own). Two messages are the same when their canonical
@@ -7,11 +7,11 @@ forms are. Rendering is the episode loop's (rollout/episodes.py: ChatTemplate or
 endpoint sees its conversation as an in-process environment's would be rendered. A chat template that renders `tools=`
 gets the request's tool schemas; one that ignores them (SmolLM2's) gets them described in a system message placed
 first (rollout/environments/tools.py: schemas_prompt), and the model calls a tool by writing
-<tool_call>{"name": ..., "arguments": {...}}</tool_call> ("hermes" format, the parser named in docs/agents.md), unless
-the tokenizer has a response_template of its own (transformers' parse_response). A leading <think>...</think> block is
-answered apart, as `reasoning_content`, and is no part of what identifies an echoed assistant message. An
-assistant message is rendered from the text the model sampled (its tool calls as written), never from the client's
-reconstruction, so the rendering of a conversation is the same whichever client sends it.
+<tool_call>{"name": ..., "arguments": {...}}</tool_call> (the "hermes" format; parsers.py holds the others). A
+leading <think>...</think> block is answered apart, as `reasoning_content`, and is no part of what identifies an
+echoed assistant message. An assistant message is rendered from the text the model sampled (its tool calls as
+written), never from the client's reconstruction, so the rendering of a conversation is the same whichever client
+sends it.
 """
 from __future__ import annotations
 
@@ -19,15 +19,12 @@ import json
 import re
 import threading
 
-from qgrpo.rollout.environments.tools import TOOL_CALL, parse_tool_calls, schemas_prompt
+from qgrpo.rollout.environments.tools import schemas_prompt
 from qgrpo.rollout.episodes import ChatTemplate, EpisodeError, PlainText, encode, render
 
-TOOL_PARSER = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call>, as rollout/environments/tools.py
-TEMPLATE_PARSER = "response_template"  # the tokenizer's own (transformers' tokenizer.parse_response)
 # a leading reasoning block: <think>...</think>, or an unclosed <think> (cut by max_tokens) to the end
 THINK = re.compile(r"\s*<think>(.*?)(?:</think>\s*|\Z)", re.DOTALL)
 BRIDGE_MARKER = "qgrpo-bridge-9c41"  # the placeholder assistant turn's text, after which the tail is rendered
-PREFIX_TOKENS = 32  # the prompt's last tokens handed to parse_response (where the template pre-writes the turn's start)
 
 
 class RequestError(ValueError):
@@ -129,9 +126,9 @@ class Renderer:
         self._texts: dict[str, object] = {}  # tools JSON -> its ChatTemplate / PlainText
 
     def native_tools(self, schemas: list[dict]) -> bool:
-        """The chat template renders `tools=` itself (Qwen's, in the hermes format parsed here); else they are
-        described in a system message (SmolLM2's ignores them). A template that asks for another call format (Llama
-        3's bare JSON) is rendered natively, but its calls are not parsed: they come back as content."""
+        """The chat template renders `tools=` itself (Qwen's, in the hermes format); else they are described in a
+        system message (SmolLM2's ignores them). A template that asks for another call format (Llama 3's bare JSON)
+        is rendered natively; its calls are parsed by the endpoint's parser for it (parsers.py: llama3_json)."""
         key = json.dumps(schemas, sort_keys=True)
         if key not in self._native:
             probe = [{"role": "user", "content": "q"}]
@@ -213,66 +210,6 @@ class Renderer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
-def assistant_message(text: str, call_id: str, tools: bool = True,
-                      parsed: dict | None = None) -> tuple[dict, list[dict], int]:
-    """The OpenAI assistant message of a model turn: a leading <think> block as `reasoning_content` (vLLM's field),
-    the tool calls as `tool_calls`, the rest as content (None when nothing is left). `tools` False (tool_choice
-    "none"): nothing is parsed as a tool call. `parsed`: the tokenizer's own parse of the turn (`template_parse`),
-    else the hermes format is parsed here (an unclosed <tool_call>, cut by max_tokens, is a failed call). Returns
-    (message, the calls parsed as {"name", "arguments"}, the number of calls that could not be parsed: their text
-    stays in the content)."""
-    if parsed is not None:
-        reasoning, rest = parsed.get("reasoning_content") or parsed.get("thinking") or None, parsed.get("content")
-        calls = [_template_call(c) for c in (parsed.get("tool_calls") or [])] if tools else []
-        rest = rest if isinstance(rest, str) else ""
-    else:
-        reasoning, rest = split_reasoning(text)
-        calls = parse_tool_calls(rest) if tools else []
-    good = [c for c in calls if isinstance(c, dict)]
-    failed = len(calls) - len(good)
-    message: dict = {"role": "assistant", "content": rest if reasoning is None or rest else None}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
-    if good:
-        message["content"] = (TOOL_CALL.sub("", rest).strip() if parsed is None else rest.strip()) if not failed \
-            else rest
-        message["content"] = message["content"] or None
-        message["tool_calls"] = [{"id": f"{call_id}-{k}", "type": "function",
-                                  "function": {"name": c["name"], "arguments": json.dumps(c["arguments"])}}
-                                 for k, c in enumerate(good)]
-    return message, good, failed
-
-
-def _template_call(call) -> dict | str:
-    """One tool call of parse_response's answer as {"name", "arguments"}, or the error (a string)."""
-    fn = call.get("function", call) if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        return f"a tool call without a name: {str(call)[:80]}"
-    arguments = fn.get("arguments") or {}
-    if isinstance(arguments, str):
-        try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return f"the arguments of a call to {fn['name']!r} are not JSON: {arguments[:80]}"
-    if not isinstance(arguments, dict):
-        return f"the arguments of a call to {fn['name']!r} must be a JSON object; got {str(arguments)[:80]}"
-    return {"name": fn["name"], "arguments": arguments}
-
-
-def template_parse(tokenizer, text: str, prompt_ids: list[int], schemas: list[dict]) -> dict | None:
-    """The tokenizer's own parse of a model turn (transformers' `tokenizer.parse_response`, where the model family's
-    tokenizer has a `response_template`): {"content", "reasoning_content" or "thinking", "tool_calls"}; None when it
-    has none or cannot parse the turn (a call cut by max_tokens): the hermes parse is the fallback."""
-    if getattr(tokenizer, "response_template", None) is None or not hasattr(tokenizer, "parse_response"):
-        return None
-    try:
-        prefix = tokenizer.decode(prompt_ids[-PREFIX_TOKENS:])
-        out = tokenizer.parse_response(text, prefix=prefix, tools=schemas or None)
-    except Exception:  # noqa: BLE001 - a template that does not fit this turn: the hermes parse answers
-        return None
-    return out if isinstance(out, dict) else None
-
-
 def token_text(tokenizer, ids: list[int]) -> list[str]:
     """Each token's own text (for OpenAI's logprobs.content[].token), decoded in one batch: on the event loop's hot
     path, per-token decode calls cost twice as much."""
@@ -290,6 +227,5 @@ def prompt_of_completion(renderer: Renderer, prompt) -> list[int]:
     raise RequestError("prompt: one text or one list of token ids (batches of prompts: one request each)", "prompt")
 
 
-__all__ = ["RequestError", "Renderer", "assistant_message", "canonical", "encode", "prompt_of_completion",
-           "split_reasoning", "template_parse", "text_of", "token_text", "tool_schemas", "TEMPLATE_PARSER",
-           "TOOL_PARSER"]
+__all__ = ["RequestError", "Renderer", "canonical", "encode", "prompt_of_completion", "split_reasoning", "text_of",
+           "token_text", "tool_schemas"]

@@ -1,8 +1,9 @@
 """The endpoint's calls batched onto generators: one queue per rollout actor (a session's calls all go to the actor it
 is pinned to), and while an actor runs one batch the calls that arrive wait and go together in the next, as the
 episode loop batches a step's turns. A batch holds the calls of one sampling setting (temperature, top-p, top-k);
-each is sampled to the batch's longest `max_tokens` and cut to its own (rows are sampled independently, so a cut row
-holds exactly the tokens it would have had alone).
+each row stops at its own `max_tokens` in the generator (SamplingParams.row_tokens, which the torch, vLLM and MLX
+backends honour), so a call asking few tokens costs no decode steps past them. A backend that ignores row_tokens
+samples every row to the batch's longest; its rows are then cut to their own here (`cut`).
 
 `run(slot, sequences, sampling)` is the backend's: a rollout actor's `complete` (actors/endpoint_actor.py) or a
 generator in this process (local.py). It returns (the version the batch began with, one Completion per sequence);
@@ -108,9 +109,10 @@ class Batcher:
         t, p, k = batch[0].key
         budget = max(x.max_tokens for x in batch)
         seed = batch[0].seed if len(batch) == 1 else None
+        rows = tuple(x.max_tokens for x in batch)
         try:
-            version, comps = await self.run(slot, [x.prompt_ids for x in batch],
-                                            SamplingParams(1, budget, t, p, k, seed=seed))
+            version, comps = await self.run(slot, [x.prompt_ids for x in batch], SamplingParams(
+                1, budget, t, p, k, seed=seed, row_tokens=rows if len(set(rows)) > 1 else None))
         except BaseException as e:  # noqa: BLE001 - every caller of the batch gets it
             for x in batch:
                 if not x.future.done():
@@ -131,8 +133,8 @@ class Batcher:
 
 
 def cut(c: Completion, max_tokens: int, version: int, seconds: float) -> Sample:
-    """A Completion sampled to the batch's budget as the call's own Sample, cut to `max_tokens` ("length" when cut
-    before a stop token)."""
+    """A row's Completion as the call's own Sample, at most `max_tokens` long: a backend that honours row_tokens
+    stopped it there; one that does not is cut here ("length" when cut before a stop token)."""
     n = min(len(c.token_ids), max_tokens)
     finish = c.finish_reason if n == len(c.token_ids) else "length"
     versions = c.versions(version)[:n]

@@ -10,7 +10,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from qgrpo.rollout.endpoint.server import MAX_BODY_BYTES, Admission, Endpoint, app
+from qgrpo.rollout.endpoint.admission import Admission
+from qgrpo.rollout.endpoint.auth import MAX_BODY_BYTES
+from qgrpo.rollout.endpoint.server import app
+from qgrpo.rollout.endpoint.serving import Endpoint
 from qgrpo.rollout.endpoint.sessions import SessionBook
 
 
@@ -56,9 +59,10 @@ def serve_local(generators: list, *, model: str = "qgrpo-policy", host: str = "1
                 max_model_len: int | None = None, max_tokens: int = 256, chat_template: bool = True,
                 book: SessionBook | None = None, admission: Admission | None = None,
                 defaults: dict | None = None, api_key: str | None = None, max_body_bytes: int = MAX_BODY_BYTES,
-                max_session_calls: int = 0, idle_s: float = 0.0) -> LocalEndpoint:
+                max_session_calls: int = 0, idle_s: float = 0.0, tool_parser: str | None = None) -> LocalEndpoint:
     """Serve `generators` (rollout/backends Generators; sessions are pinned to one each) on a thread; returns once
-    the server answers. `api_key`, `max_body_bytes`, `max_session_calls`, `idle_s`: the Endpoint's (server.py)."""
+    the server answers. `api_key`, `max_body_bytes`, `max_session_calls`, `idle_s`, `tool_parser`: the Endpoint's
+    (serving.py)."""
     gen = generators[0]
     pools = [ThreadPoolExecutor(1, thread_name_prefix=f"endpoint-gen{k}") for k in range(len(generators))]
 
@@ -73,9 +77,8 @@ def serve_local(generators: list, *, model: str = "qgrpo-policy", host: str = "1
     endpoint = Endpoint(model=model, tokenizer=gen.tokenizer, stop_ids=gen.stop_ids, run=run, slots=len(generators),
                         precision=gen.precision, max_model_len=max_model_len or model_len(gen.tokenizer),
                         max_tokens=max_tokens, chat_template=chat_template, book=book, admission=admission,
-                        version=lambda: gen.policy_version, defaults=defaults,
-                        vocab_size=_vocab(gen), api_key=api_key, max_body_bytes=max_body_bytes,
-                        max_session_calls=max_session_calls, idle_s=idle_s)
+                        defaults=defaults, vocab_size=_vocab(gen), api_key=api_key, max_body_bytes=max_body_bytes,
+                        max_session_calls=max_session_calls, idle_s=idle_s, tool_parser=tool_parser)
     sock = bind(host, port)
     server = uvicorn_server(app(endpoint))
     thread = threading.Thread(target=lambda: server.run(sockets=[sock]), name="qgrpo-endpoint", daemon=True)

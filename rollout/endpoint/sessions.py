@@ -18,10 +18,10 @@ shared with its ancestors (`base`: the same list objects, never copied), so a se
 finding a parent (by digests of the messages and of the token prefixes), grow with its calls, not their square.
 
 Each root-to-leaf path is a branch. The main branch is the one with the most sampled tokens (ties: the earlier call
-issued), whatever order the calls finished in. A branch's training row: prompt ids (the root's prompt), then every
-call's sampled tokens (loss mask 1, the sampler's log-probs and weight versions) and the tokens rendered between them
-(mask 0). Which branches train is environment.branches (rollout/agents.py: episode_groups; docs/agents.md). Nothing
-here re-tokenizes a sampled turn: the row is exactly what the generator was fed and sampled.
+issued), whatever order the calls finished in; its training row is rows.py's `branch_row`.
+
+This module owns every change of a session and of its calls (`Session.record`, `answered`, `refuse`, `end`, `pin`;
+`SessionBook` opens, pins and closes them): the routes read sessions and ask for changes here.
 """
 from __future__ import annotations
 
@@ -32,8 +32,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 
-from qgrpo.core.records import Completion
-from qgrpo.rollout.backends.versions import VersionSpans
+from qgrpo.rollout.endpoint.rows import Branch, branch_row  # noqa: F401 - a branch's row, read from here too
 
 
 def loose(message: tuple) -> tuple:
@@ -43,7 +42,7 @@ def loose(message: tuple) -> tuple:
     return role, " ".join(text.split()), calls, name
 
 
-# A fork's reason (Session.fork_reason, server.py) by its kind: what the step's agent/forks_<kind> metrics count and the
+# A fork's reason (Session.fork_reason) by its kind: what the step's agent/forks_<kind> metrics count and the
 # untrained-calls warning names as the likely cause (cluster/run/env_health.py)
 FORK_KINDS = {"history differs": "history", "was not sent back": "answer", "nothing new": "answer",
               "chat template renders": "template", "token": "tokens", "another route": "route"}
@@ -71,12 +70,6 @@ def _ids_digest(h, ids: list[int]) -> None:
     h.update(array("q", ids).tobytes())
 
 
-def ids_digest(ids: list[int]) -> bytes:
-    h = hashlib.blake2b(digest_size=16)
-    _ids_digest(h, ids)
-    return h.digest()
-
-
 @dataclass
 class Call:
     """One call of a session: what was fed (its prompt: the shared chunks `base`, then its `own` ids) and sampled
@@ -102,6 +95,7 @@ class Call:
     tools: str = ""  # the request's tools, as JSON (chat calls)
     tool_calls: list[dict] = field(default_factory=list)  # parsed from the answer
     tool_parse_failures: int = 0
+    tool_parser: str | None = None  # the parser that ran on the answer (parsers.py; None: none ran)
     asked_tokens: int = 0  # the max_tokens the call asked for (its own, else the endpoint's default)
     granted_tokens: int = 0  # what it was granted: lower when a limit cut it (token_cap says which)
     token_cap: str = ""  # the setting that lowered it: environment.turn_tokens, environment.max_context, max_model_len
@@ -158,6 +152,7 @@ class Session:
     heads: dict = field(default_factory=dict)  # answer_key -> the chat calls with that conversation and answer
     ends: dict = field(default_factory=dict)  # end_key -> call id; and ("len", n) -> the ends' lengths
 
+    # --- every change of a session and of its calls is made here ---
     def add(self, call: Call) -> None:
         """A finished call joins the session (its parent, if any, already in)."""
         self.calls.append(call)
@@ -170,12 +165,40 @@ class Session:
         call.end_key = h.digest()
         self.ends.setdefault(call.end_key, call.id)
 
-    def answered(self, call: Call, issued: list[str]) -> None:
-        """A chat call's answer is known: continuing calls find it by its messages and answer, or by `issued` ids."""
+    def record(self, call: Call, sample, text: str, grant: tuple[int, int, str], precision: str,
+               started: float) -> bool:
+        """A call sampled (`sample`: engine.Sample; `text` its decoded tokens; `grant`: (max_tokens asked, granted,
+        the setting that lowered it or "")) joins the session. True when its parent already had a child (a fork)."""
+        call.ids, call.logprobs, call.spans, call.finish = sample.ids, sample.logprobs, sample.spans, sample.finish
+        call.asked_tokens, call.granted_tokens, call.token_cap = grant
+        call.text, call.precision, call.started, call.seconds = text, precision, started, time.monotonic() - started
+        sibling = call.parent is not None and bool(self.kids.get(call.parent))
+        self.add(call)
+        return sibling
+
+    def answered(self, call: Call, answer: tuple, issued: list[str], tool_calls: list[dict] = (), failed: int = 0,
+                 parser: str | None = None) -> None:
+        """A chat call's answer is known (`answer`: its canonical message; `tool_calls` parsed from it by `parser`,
+        `failed` not parsed): continuing calls find it by its messages and answer, or by `issued` ids."""
+        call.answer, call.tool_calls, call.tool_parse_failures, call.tool_parser = answer, list(tool_calls), failed, \
+            parser
         call.answer_key = _digest(call.key, loose(call.answer))
         self.heads.setdefault(call.answer_key, []).append(call.id)
         for i in issued:
             self.issued[i] = call.id
+
+    def refuse(self, message: str) -> None:
+        """A refused call (another model's name, a bad request): the episode fails, loudly, even if the agent goes
+        on."""
+        self.errors.append(message)
+
+    def end(self, limit: str) -> None:
+        """A call past an episode limit ("max_turns", "context"): the first limit reached ends the episode."""
+        self.ended = self.ended or limit
+
+    def pin(self, slot: int) -> None:
+        """The rollout actor (its slot) the session's calls go to."""
+        self.slot = slot
 
     def call(self, call_id: str) -> Call:
         return self.by_id[call_id]
@@ -314,67 +337,31 @@ def _counts(keys) -> dict[str, int]:
     return out
 
 
-@dataclass
-class Branch:
-    """One root-to-leaf path as a training row: the root's prompt ids and everything after them."""
-
-    prompt_ids: list[int]
-    completion: Completion
-    versions: list[int]  # every token's version after the prompt (environment tokens: the turn before's)
-    calls: int
-
-
-def branch_row(session: Session, leaf: Call | None = None) -> Branch:
-    """The training row of the path ending in `leaf` (default: the session's main branch, Session.branches): the
-    calls' sampled tokens (mask 1) and the rendered tokens between them (mask 0), never re-tokenized."""
-    leaf = leaf or session.main()
-    path = session.path(leaf)
-    root = path[0]
-    ids, lps, mask, turns = [], [], [], []
-    spans = VersionSpans()
-    prev: Call | None = None
-    for c in path:
-        if prev is not None:
-            tail = c.own
-            start = len(ids)
-            ids += tail
-            lps += [0.0] * len(tail)
-            mask += [0] * len(tail)
-            for m in c.tail_messages or [{"role": "user", "content": ""}]:
-                turns.append({"role": m.get("role", "user"), "content": m.get("content", ""), "start": start,
-                              "end": len(ids), "tool_calls": [], "error": None})
-        start = len(ids)
-        for first, v in c.spans:
-            spans.change(start + first, v)
-        ids += c.ids
-        lps += c.logprobs
-        mask += [1] * len(c.ids)
-        turns.append({"role": "assistant", "content": c.text, "start": start, "end": len(ids),
-                      "tool_calls": list(c.tool_calls), "error": None, "call": c.id,
-                      **({"tool_errors": c.tool_parse_failures} if c.tool_parse_failures else {})})
-        prev = c
-    versions = spans.token_versions(len(ids), -1) or [spans.version] * len(ids)
-    finish = {"stop": "stop", "length": "length"}.get(leaf.finish, leaf.finish or "stop")
-    comp = Completion(token_ids=ids, logprobs=lps, finish_reason=finish, text=leaf.text, model_mask=mask,
-                      turns=turns, token_versions=versions)
-    return Branch(list(root.prompt_ids), comp, versions, len(path))
-
-
 class SessionBook:
-    """Every open session of the endpoint, thread-safe. Sessions are opened by the rollout supply (with the step
-    whose episode they are) or, when `open_sessions` is True (`qgrpo serve`), by their first call."""
+    """Every open session of the endpoint, thread-safe, each pinned to the least loaded of `slots` rollout actors
+    (`pin_slots`). Sessions are opened by the rollout supply (with the step whose episode they are) or, when
+    `open_sessions` is True (`qgrpo serve`), by their first call. It keeps when each session was last called and how
+    many of its calls are in flight, for idle expiry (`idle`)."""
 
     def __init__(self, open_sessions: bool = True):
         self.open_sessions = open_sessions
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()
         self.calls = 0
+        self.load: list[int] = [0]  # sessions pinned per slot
+        self.seen: dict[str, float] = {}  # session -> its last call's time
+        self.busy: dict[str, int] = {}  # session -> calls in flight (never expired under them)
+        self.swept = 0.0
 
-    def open(self, sid: str, step: int | None = None, slot: int = -1, limits: dict | None = None) -> Session:
+    def open(self, sid: str, step: int | None = None, limits: dict | None = None) -> Session:
+        """The session `sid`, opened if it is not, pinned to the least loaded slot; `limits` (a run's episode):
+        max_calls, max_context, max_tokens per call, greedy."""
         with self.lock:
             s = self.sessions.get(sid)
             if s is None:
+                slot = min(range(len(self.load)), key=lambda k: self.load[k])
                 s = self.sessions[sid] = Session(sid, slot, step, limits=dict(limits or {}))
+                self.load[slot] += 1
             return s
 
     def get(self, sid: str) -> Session | None:
@@ -388,4 +375,38 @@ class SessionBook:
 
     def close(self, sid: str) -> Session | None:
         with self.lock:
-            return self.sessions.pop(sid, None)
+            s = self.sessions.pop(sid, None)
+            if s is not None and 0 <= s.slot < len(self.load):
+                self.load[s.slot] -= 1
+            self.seen.pop(sid, None)
+            return s
+
+    def pin_slots(self, slots: int) -> None:
+        """The rollout actors are `slots` now: every open session is pinned again, to the least loaded."""
+        with self.lock:
+            self.load = [0] * max(slots, 1)
+            for s in self.sessions.values():
+                s.pin(min(range(len(self.load)), key=lambda k: self.load[k]))
+                self.load[s.slot] += 1
+
+    # --- calls in flight and idle expiry ---
+    def enter(self, sid: str) -> None:
+        self.busy[sid] = self.busy.get(sid, 0) + 1
+        self.seen[sid] = time.monotonic()
+
+    def leave(self, sid: str) -> None:
+        self.seen[sid] = time.monotonic()
+        if self.busy.get(sid, 0) <= 1:
+            self.busy.pop(sid, None)
+        else:
+            self.busy[sid] -= 1
+
+    def idle(self, idle_s: float, now: float | None = None) -> list[str]:
+        """The served sessions (none a run opened) with no call in flight and none for `idle_s` seconds; checked at
+        most every min(1 s, idle_s / 4)."""
+        now = time.monotonic() if now is None else now
+        if not idle_s or now - self.swept < min(1.0, idle_s / 4):
+            return []
+        self.swept = now
+        return [sid for sid, s in list(self.sessions.items())
+                if s.step is None and not self.busy.get(sid) and now - self.seen.get(sid, s.opened) > idle_s]
