@@ -1,6 +1,6 @@
 """A session's branch as a training row: the root's prompt ids, then every call's sampled tokens (loss mask 1, the
 sampler's log-probs and weight versions) and the tokens rendered between them (mask 0), never re-tokenized. Which
-branches train is environment.branches (rollout/agents.py: episode_groups; docs/agents.md)."""
+branches train is environment.branches (rollout/agents/rows.py: episode_group; docs/agents.md)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
