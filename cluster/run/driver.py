@@ -18,13 +18,14 @@ from pathlib import Path
 
 from qgrpo.actors.common import END_WAIT_S
 from qgrpo.cluster.config.schema import Config
+from qgrpo.cluster.run.buffer import read_buffer, write_buffer
 from qgrpo.cluster.run.control import wanted_rollout_actors
 from qgrpo.cluster.run.env_health import EnvHealth, SignalWatch, drop_traces
 from qgrpo.cluster.run.follow import FollowWatch
 from qgrpo.cluster.run.ladder import GuardStop, PrecisionLadder
 from qgrpo.cluster.run.step_data import step_data
 from qgrpo.cluster.run.stopping import StopRequest
-from qgrpo.cluster.run.stream import open_supply, read_buffer, stream_ages, write_buffer
+from qgrpo.cluster.run.stream import open_supply, stream_ages
 from qgrpo.cluster.run.supply import StepRollouts
 from qgrpo.cluster.rundir.checkpoint import CheckpointState, checkpoint_dir, complete_checkpoints, save_checkpoint
 from qgrpo.cluster.rundir.resume import earlier_evals, set_aside_future

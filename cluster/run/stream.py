@@ -46,19 +46,18 @@ sync); steps are taken in order (a slow chunk of step c delays step c even when 
 """
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from qgrpo.cluster.run import buffer as state_json
 from qgrpo.cluster.run.source import ChunkResult
 from qgrpo.cluster.run.supply import RolloutSupply, StepRollouts, step_sampling
-from qgrpo.core.records import Completion, GenerationStats, GroupRollout, PromptItem, SamplingParams
+from qgrpo.core.records import GenerationStats, GroupRollout, PromptItem, SamplingParams
 from qgrpo.learner.objective.staleness import Admission, admission, token_ages
 
 POLL_S = 0.05
-BUFFER_FILE = "rollout_buffer.json"  # a checkpoint's copy of the stream's state (RolloutStream.snapshot)
 HELD_OUT = -1  # the step of a held-out evaluation's draws: (HELD_OUT, n), never snapshotted
 
 
@@ -312,10 +311,10 @@ class RolloutStream:
             steps = {}
             for key in keys:
                 n, cursor = self.expected[key]
-                chunks = [[_item_json(i) for i in c] for c in self.chunks[key]]
+                chunks = [[state_json.item_json(i) for i in c] for c in self.chunks[key]]
                 steps[str(key[0])] = {"cursor": cursor, "chunks": chunks,
-                                      "done": {str(k): {"groups": [_group_json(g) for g in r.groups],
-                                                        "stats": _stats_json(r.stats), "metrics": r.metrics}
+                                      "done": {str(k): {"groups": [state_json.group_json(g) for g in r.groups],
+                                                        "stats": state_json.stats_json(r.stats), "metrics": r.metrics}
                                                for k, r in self.done[key].items()}}
             return {"next_step": self.next_step, "cursor": self.sampler.cursor, "steps": steps}
 
@@ -329,11 +328,12 @@ class RolloutStream:
             restored = 0
             for name in sorted(state["steps"], key=int):
                 key, entry = (int(name), 0), state["steps"][name]
-                chunks = [[_item_of(i) for i in c] for c in entry["chunks"]]
+                chunks = [[state_json.item_of(i) for i in c] for c in entry["chunks"]]
                 self.expected[key] = (len(chunks), entry["cursor"])
                 self.chunks[key] = chunks
-                self.done[key] = {int(k): ChunkResult([_group_of(g) for g in d["groups"]], _stats_of(d["stats"]),
-                                                      d.get("metrics") or {}) for k, d in entry["done"].items()}
+                self.done[key] = {int(k): ChunkResult([state_json.group_of(g) for g in d["groups"]],
+                                                      state_json.stats_of(d["stats"]), d.get("metrics") or {})
+                                  for k, d in entry["done"].items()}
                 restored += sum(len(r.groups) for r in self.done[key].values())
                 self.queue.extend(Chunk(key, k, c) for k, c in enumerate(chunks) if k not in self.done[key])
             self.next_step = state["next_step"]
@@ -381,48 +381,3 @@ def stream_ages(groups: list[GroupRollout], trained_from: int) -> dict:
     ages = token_ages(pairs, trained_from)
     mixed = sum(len(set(v)) > 1 for v, _ in pairs)
     return {**{f"stream/tokens_age{k}": n for k, n in sorted(ages.items())}, "stream/mixed_completions": mixed}
-
-
-# --- the snapshot's JSON (records are plain dataclasses of JSON-safe fields) ---
-def _item_json(item: PromptItem) -> dict:
-    return dataclasses.asdict(item)
-
-
-def _item_of(d: dict) -> PromptItem:
-    return PromptItem(**{**d, "history": tuple(tuple(turn) for turn in d.get("history") or ())})
-
-
-def _group_json(g: GroupRollout) -> dict:
-    return {**dataclasses.asdict(g), "item": _item_json(g.item)}
-
-
-def _group_of(d: dict) -> GroupRollout:
-    return GroupRollout(**{**d, "item": _item_of(d["item"]),
-                            "completions": [Completion(**c) for c in d["completions"]]})
-
-
-def _stats_json(st: GenerationStats) -> dict:
-    return dataclasses.asdict(st)
-
-
-def _stats_of(d: dict) -> GenerationStats:
-    return GenerationStats(**d)
-
-
-def write_buffer(checkpoint, state: dict) -> None:
-    """The stream's snapshot into a checkpoint folder (a path or URI) being written."""
-    import json
-
-    from qgrpo.core import storage
-
-    storage.write_text(storage.join(checkpoint, BUFFER_FILE), json.dumps(state))
-
-
-def read_buffer(checkpoint) -> dict | None:
-    """A checkpoint's stream snapshot, or None where it holds none."""
-    import json
-
-    from qgrpo.core import storage
-
-    f = storage.join(checkpoint, BUFFER_FILE)
-    return json.loads(storage.read_text(f)) if storage.is_file(f) else None
