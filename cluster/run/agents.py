@@ -27,6 +27,7 @@ tool calling shows in the run's curves and warnings.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import secrets
 import time
@@ -86,8 +87,7 @@ class AgentEpisodes:
         self.key = secrets.token_urlsafe(32)  # every call must carry it (the agent's client has it as its API key)
         self.limits = {"max_calls": env.max_turns, "max_context": env.max_context, "max_tokens": agent_call_cap(cfg)}
         self.defaults = {"temperature": ro.temperature, "top_p": ro.top_p, "top_k": ro.top_k}
-        # rows in flight: as many as the runner plays at once (environment.concurrency episodes, G per row)
-        self.slots = max(1, env.concurrency // ro.group_size)
+        self.episodes: dict[int, int] = {}  # id of a call in flight -> its episodes (environment.concurrency bounds)
         self.supervisor = Supervisor(cfg.faults.max_replacements, pool.events)  # the endpoint's and the runner's
         self.generation = 0  # endpoints started
         self.replayed: dict[str, int] = {}  # prompt id -> its episodes played again (not yet reported)
@@ -178,9 +178,13 @@ class AgentEpisodes:
         return [[item] for item in items]
 
     def free_slots(self, busy: set[int]) -> list[int]:
-        """As many rows as the runner plays at once (environment.concurrency episodes), so that a chunk's deadline
-        runs from when its episodes start."""
-        return [s for s in range(self.slots) if s not in busy]
+        """Rows to send now: while fewer episodes than the runner plays at once (environment.concurrency) are in
+        flight, as many rows of rollout.group_size episodes as fit (at least one), so that a chunk's episodes start
+        when sent and its deadline runs from then; a held-out row is one episode, and more of them follow at the
+        next poll."""
+        free = self.cfg.environment.concurrency - sum(self.episodes.values())
+        n = max(1, free // self.cfg.rollout.group_size) if free > 0 else 0
+        return list(itertools.islice((s for s in itertools.count() if s not in busy), n))
 
     def submit(self, slot: int, items: list[PromptItem], sampling: SamplingParams, step: int,
                held_out: bool = False) -> EpisodeCall:
@@ -199,6 +203,7 @@ class AgentEpisodes:
                                                              self.model, sid)) for k, sid in enumerate(sids)]
         ref = self.runner.run.remote(episodes, env.episode_timeout_s, step, held_out)
         rounds = -(-len(sids) // env.concurrency)
+        self.episodes[id(ref)] = len(sids)
         return EpisodeCall(ref, slot, tuple(i.prompt_id for i in items), step, time.monotonic(),
                            2 * env.episode_timeout_s * rounds + 30, held_out, list(items), sids, self.runner_id,
                            self.generation)
@@ -227,6 +232,7 @@ class AgentEpisodes:
         from qgrpo.rollout.agents.contract import Outcome
 
         stage = "held-out agent episodes" if call.held_out else f"agent episodes at step {call.step}"
+        self.episodes.pop(id(call.ref), None)
         blocked = call.runner in self.blocked
         if not blocked:
             try:
